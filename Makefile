@@ -1,0 +1,36 @@
+# raf_dist: the whole set-up is `make demo` and `make test` (both install first).
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+NP        ?= 2
+# mpirun from the mpich wheel in the venv when the system has no MPI, else the system's.
+MPIRUN     = $(shell [ -x $(VENV)/bin/mpirun ] && echo $(VENV)/bin/mpirun || echo mpirun)
+STAMP     := $(VENV)/.raf_dist-installed
+NATIVE    := $(wildcard src/*/*.cc src/*/*.h cmake/modules/*.cmake) CMakeLists.txt config.cmake
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml $(NATIVE)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	command -v mpicc >/dev/null 2>&1 || $(PY) -m pip install -q mpich
+	$(PY) -m pip install -q "setuptools>=64" wheel "cmake>=3.18" apache-tvm-ffi==0.1.15.post2
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+demo: install
+	$(MPIRUN) -np $(NP) $(PY) scripts/distributed/collective_demo.py
+
+test: install
+	$(PY) -m pytest -q tests
+
+test-fast: install
+	$(PY) -m pytest -q -x tests/unit tests/passes tests/numeric
+
+bench: install
+	$(MPIRUN) -np 2 $(PY) bench/collectives.py
+
+clean:
+	rm -rf build python/raf_dist/libraf_dist.so

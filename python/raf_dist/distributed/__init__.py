@@ -1,0 +1,37 @@
+"""Distributed runtime: process-group bootstrap, configuration and collectives.
+
+``get_communicator()`` starts MPI (through mpi4py) on first use and hands the communicator to
+the native collective runtime; ``get_config()`` holds the switches the Trainer reads once to
+build its pass list.
+"""
+from .config import DistConfig, get_config
+from .communicator import Communicator, get_communicator
+from .collectives import (
+    Handle,
+    allgather,
+    allreduce,
+    barrier,
+    broadcast,
+    comm_counters,
+    recv,
+    reduce_scatter,
+    reset_comm_counters,
+    send,
+)
+
+__all__ = [
+    "Communicator",
+    "DistConfig",
+    "Handle",
+    "allgather",
+    "allreduce",
+    "barrier",
+    "broadcast",
+    "comm_counters",
+    "get_communicator",
+    "get_config",
+    "recv",
+    "reduce_scatter",
+    "reset_comm_counters",
+    "send",
+]

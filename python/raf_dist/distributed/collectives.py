@@ -1,0 +1,144 @@
+"""Collectives on numpy arrays (and any DLPack tensor), for tests, tools and the Trainer's
+host-side bookkeeping. Compiled steps call the same native functions (``raf_dist.ccl.*``)
+directly from the IR.
+
+Buffers are shared with the native runtime without a copy. Sizes follow the padded flat
+sharding of DESIGN.md section 3: ``reduce_scatter`` of S elements returns ceil(S / N) elements
+(the tail of the last shards is zero padding), ``allgather`` of ceil(R / N) elements per rank
+returns R elements.
+
+Every call validates its arguments before any message is sent, so bad input on one rank
+raises there instead of leaving the others waiting.
+"""
+import numpy as np
+import tvm_ffi
+
+from .. import _native
+from .communicator import get_communicator
+
+try:  # bfloat16 for numpy; installed with apache-tvm
+    import ml_dtypes
+
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - apache-tvm depends on ml_dtypes
+    _BF16 = None
+
+
+def _as_tensor(array, what):
+    """Zero-copy tvm-ffi view of a contiguous buffer (numpy bfloat16 included)."""
+    if isinstance(array, np.ndarray):
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{what} is not C-contiguous; pass np.ascontiguousarray(x)")
+        if _BF16 is not None and array.dtype == _BF16:
+            return _native.func("reinterpret")(
+                tvm_ffi.from_dlpack(array.view(np.uint16)), "bfloat16"
+            )
+        return tvm_ffi.from_dlpack(array)
+    return tvm_ffi.from_dlpack(array) if not isinstance(array, tvm_ffi.Tensor) else array
+
+
+def _output(out, like, numel):
+    if out is None:
+        return np.empty(numel, dtype=like.dtype)
+    if not isinstance(out, np.ndarray) or out.dtype != like.dtype or out.size != numel:
+        raise ValueError(
+            f"out must be a numpy array of {numel} {like.dtype} elements, got "
+            f"{getattr(out, 'size', '?')} {getattr(out, 'dtype', type(out).__name__)}"
+        )
+    return out
+
+
+class Handle:
+    """An asynchronous collective in flight. ``wait()`` completes it and returns its result.
+    The buffers stay referenced (here and natively) until then."""
+
+    def __init__(self, native_handle, result, buffers):
+        self._handle = native_handle
+        self._result = result
+        self._buffers = buffers
+        self._done = False
+
+    def wait(self):
+        if not self._done:
+            _native.func("wait")(self._handle)
+            self._done = True
+            self._buffers = None
+        return self._result
+
+
+def _run(name, args, result, buffers, async_op):
+    if async_op:
+        return Handle(_native.func(name + "_start")(*args), result, buffers)
+    _native.func(name)(*args)
+    return result
+
+
+def _group(group):
+    return get_communicator().group if group is None else group
+
+
+def allreduce(x, op="sum", out=None, async_op=False, group=None):
+    """Reduce ``x`` across ranks with ``op`` in {'sum', 'avg', 'max', 'min'}.
+
+    In place when ``out is x``. Returns the result (or a Handle with ``async_op``).
+    """
+    x = np.asarray(x)
+    out = _output(out, x, x.size).reshape(x.shape) if out is not x else x
+    args = (_as_tensor(x, "input"), op, _group(group), _as_tensor(out, "out"))
+    return _run("allreduce", args, out, (x, out), async_op)
+
+
+def reduce_scatter(x, op="sum", out=None, async_op=False, group=None):
+    """Reduce ``x`` (flattened, S elements) across ranks; this rank gets its padded shard of
+    ceil(S / N) elements."""
+    x = np.ascontiguousarray(x).reshape(-1)
+    size = get_communicator().size if group is None else _native.func("group_size")(group)
+    out = _output(out, x, -(-x.size // size))
+    args = (_as_tensor(x, "input"), op, _group(group), _as_tensor(out, "out"))
+    return _run("reduce_scatter", args, out, (x, out), async_op)
+
+
+def allgather(x, numel=None, out=None, async_op=False, group=None):
+    """Concatenate every rank's ``x`` (flattened, one shard each); the result has ``numel``
+    elements (default: N times the shard, i.e. no padding to drop)."""
+    x = np.ascontiguousarray(x).reshape(-1)
+    size = get_communicator().size if group is None else _native.func("group_size")(group)
+    out = _output(out, x, x.size * size if numel is None else numel)
+    args = (_as_tensor(x, "input"), _group(group), _as_tensor(out, "out"))
+    return _run("allgather", args, out, (x, out), async_op)
+
+
+def broadcast(x, root=0, async_op=False, group=None):
+    """Overwrite ``x`` on every rank with rank ``root``'s ``x`` (in place)."""
+    t = _as_tensor(x, "buffer")
+    return _run("broadcast", (t, root, _group(group), t), x, (x,), async_op)
+
+
+def send(x, dst, async_op=False, group=None):
+    """Send ``x`` to rank ``dst`` (matched by a ``recv`` there)."""
+    return _run("send", (_as_tensor(x, "buffer"), dst, _group(group)), None, (x,), async_op)
+
+
+def recv(out, src, async_op=False, group=None):
+    """Receive into ``out`` from rank ``src``."""
+    return _run("recv", (src, _group(group), _as_tensor(out, "out")), out, (out,), async_op)
+
+
+def barrier(group=None):
+    _native.func("barrier")(_group(group))
+
+
+def comm_counters():
+    """Traffic so far by collective kind: ``{kind: {"calls": int, "bus_bytes": float}}``.
+
+    Bus bytes follow nccl-tests: allreduce 2(N-1)/N*S, reduce_scatter and allgather
+    (N-1)/N*S (S = the full, unsharded buffer), broadcast/send/recv S.
+    """
+    get_communicator()
+    raw = _native.func("counters")()
+    return {str(k): {"calls": int(v[0]), "bus_bytes": float(v[1])} for k, v in raw.items()}
+
+
+def reset_comm_counters():
+    get_communicator()
+    _native.func("reset_counters")()

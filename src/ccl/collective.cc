@@ -1,0 +1,132 @@
+/*!
+ * \file collective.cc
+ * \brief Names, dtype mapping and the Work handle shared by all backends.
+ */
+#include "collective.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <sstream>
+
+namespace raf_dist {
+namespace ccl {
+
+const char* KindName(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllReduce:
+      return "allreduce";
+    case CollectiveKind::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::kAllGather:
+      return "allgather";
+    case CollectiveKind::kBroadcast:
+      return "broadcast";
+    case CollectiveKind::kSend:
+      return "send";
+    case CollectiveKind::kRecv:
+      return "recv";
+    case CollectiveKind::kBarrier:
+      return "barrier";
+    default:
+      return "unknown";
+  }
+}
+
+ReduceOp ParseReduceOp(const std::string& name) {
+  if (name == "sum") return ReduceOp::kSum;
+  if (name == "avg" || name == "mean") return ReduceOp::kAvg;
+  if (name == "max") return ReduceOp::kMax;
+  if (name == "min") return ReduceOp::kMin;
+  TVM_FFI_THROW(ValueError) << "unknown reduce op '" << name
+                            << "'; expected one of 'sum', 'avg', 'max', 'min'";
+  return ReduceOp::kSum;
+}
+
+const char* ReduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kAvg:
+      return "avg";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kMin:
+      return "min";
+  }
+  return "unknown";
+}
+
+ElemType ToElemType(DLDataType dtype, const char* what) {
+  if (dtype.lanes == 1) {
+    if (dtype.code == kDLFloat && dtype.bits == 16) return ElemType::kF16;
+    if (dtype.code == kDLBfloat && dtype.bits == 16) return ElemType::kBF16;
+    if (dtype.code == kDLFloat && dtype.bits == 32) return ElemType::kF32;
+    if (dtype.code == kDLFloat && dtype.bits == 64) return ElemType::kF64;
+    if (dtype.code == kDLInt && dtype.bits == 32) return ElemType::kI32;
+    if (dtype.code == kDLInt && dtype.bits == 64) return ElemType::kI64;
+  }
+  TVM_FFI_THROW(TypeError) << what << " has dtype " << ffi::DLDataTypeToString(dtype)
+                           << ", which collectives do not support; use one of float16, "
+                              "bfloat16, float32, float64, int32, int64";
+  return ElemType::kF32;
+}
+
+const char* ElemTypeName(ElemType t) {
+  static const char* names[] = {"float16", "bfloat16", "float32", "float64", "int32", "int64"};
+  return names[static_cast<int>(t)];
+}
+
+size_t ElemSize(ElemType t) {
+  static const size_t sizes[] = {2, 2, 4, 8, 4, 8};
+  return sizes[static_cast<int>(t)];
+}
+
+int64_t ContiguousNumel(const ffi::Tensor& t, const char* what) {
+  if (!t.IsContiguous()) {
+    TVM_FFI_THROW(ValueError) << what
+                              << " is not contiguous; collectives need a contiguous buffer "
+                                 "(copy it first, e.g. numpy.ascontiguousarray)";
+  }
+  return t.numel();
+}
+
+void Work::Finish(std::string error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    error_ = std::move(error);
+  }
+  cv_.notify_all();
+}
+
+/*! \brief Seconds a wait may block before raising; RAF_DIST_COLLECTIVE_TIMEOUT_S, 0 = none. */
+static double WaitTimeoutSeconds() {
+  static double timeout = [] {
+    const char* env = std::getenv("RAF_DIST_COLLECTIVE_TIMEOUT_S");
+    return env ? std::atof(env) : 0.0;
+  }();
+  return timeout;
+}
+
+void Work::Wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  double timeout = WaitTimeoutSeconds();
+  if (timeout > 0) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+    if (!cv_.wait_until(lock, deadline, [this] { return done_; })) {
+      TVM_FFI_THROW(TimeoutError)
+          << KindName(call_.kind) << " of " << call_.send_count << "/" << call_.recv_count
+          << " " << ElemTypeName(call_.elem) << " elements did not complete within " << timeout
+          << " s (RAF_DIST_COLLECTIVE_TIMEOUT_S); a peer rank has probably died or is running "
+             "a different program";
+    }
+  } else {
+    cv_.wait(lock, [this] { return done_; });
+  }
+  if (!error_.empty()) {
+    TVM_FFI_THROW(RuntimeError) << error_;
+  }
+}
+
+}  // namespace ccl
+}  // namespace raf_dist

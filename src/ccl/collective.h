@@ -1,0 +1,119 @@
+/*!
+ * \file collective.h
+ * \brief The collective layer's vocabulary: what a collective is (kind, reduce op, dtype,
+ *        buffers), the asynchronous Work handle, and the Backend interface that the MPI
+ *        (host tensors) and NCCL (CUDA tensors) backends implement.
+ *
+ * Size rules shared by every backend (N = group size):
+ *  - allreduce: send and recv have the same element count; send may alias recv.
+ *  - reduce_scatter: recv holds C = ceil(S / N) elements of an S-element send. Rank r receives
+ *    the reduction of send[r*C, min((r+1)*C, S)); the rest of recv is zero-filled. This is the
+ *    flat, padded dim-0 shard of DESIGN.md section 3 without materialising the padding.
+ *  - allgather: send holds C = ceil(R / N) elements of an R-element recv; recv is the
+ *    concatenation of every rank's shard truncated to R (so padding never reaches the user).
+ */
+#ifndef RAF_DIST_CCL_COLLECTIVE_H_
+#define RAF_DIST_CCL_COLLECTIVE_H_
+
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace raf_dist {
+namespace ccl {
+
+namespace ffi = tvm::ffi;
+
+enum class CollectiveKind : int {
+  kAllReduce = 0,
+  kReduceScatter,
+  kAllGather,
+  kBroadcast,
+  kSend,
+  kRecv,
+  kBarrier,
+  kNumKinds
+};
+const char* KindName(CollectiveKind kind);
+
+enum class ReduceOp : int { kSum = 0, kAvg, kMax, kMin };
+ReduceOp ParseReduceOp(const std::string& name);
+const char* ReduceOpName(ReduceOp op);
+
+/*! \brief The element types a collective accepts. */
+enum class ElemType : int { kF16 = 0, kBF16, kF32, kF64, kI32, kI64 };
+/*! \brief Map a DLPack dtype to ElemType, raising TypeError naming the supported set. */
+ElemType ToElemType(DLDataType dtype, const char* what);
+const char* ElemTypeName(ElemType t);
+size_t ElemSize(ElemType t);
+
+/*! \brief Element count of a tensor that must be contiguous (raises otherwise). */
+int64_t ContiguousNumel(const ffi::Tensor& t, const char* what);
+/*! \brief Data pointer including the byte offset. */
+inline void* DataPtr(const ffi::Tensor& t) {
+  return static_cast<char*>(t.data_ptr()) + t.byte_offset();
+}
+
+/*! \brief One collective call, fully validated, ready for a backend to run. */
+struct CollectiveCall {
+  CollectiveKind kind;
+  ReduceOp op = ReduceOp::kSum;
+  ElemType elem;
+  ffi::Tensor send;        // undefined for barrier and recv
+  ffi::Tensor recv;        // undefined for barrier and send
+  int64_t send_count = 0;  // elements
+  int64_t recv_count = 0;  // elements
+  int peer = 0;            // root for broadcast, peer for send/recv
+};
+
+/*!
+ * \brief Completion state of an asynchronous collective. The call's tensors are held here,
+ *        so their memory outlives the collective whatever the caller does meanwhile.
+ */
+class Work {
+ public:
+  explicit Work(CollectiveCall call) : call_(std::move(call)) {}
+  virtual ~Work() = default;
+  /*! \brief Mark finished (error empty on success); wakes waiters. */
+  void Finish(std::string error);
+  /*! \brief Block until finished; raise RuntimeError if the collective failed. */
+  virtual void Wait();
+  const CollectiveCall& call() const { return call_; }
+
+ protected:
+  CollectiveCall call_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::string error_;
+};
+
+/*! \brief A transport for one process group. Implementations are not thread safe: the
+ *         Group serialises calls into them. */
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  /*! \brief Enqueue the call; the returned Work completes when it has run. */
+  virtual std::shared_ptr<Work> Start(CollectiveCall call) = 0;
+};
+
+/*! \brief Shard size for the padded flat sharding: ceil(total / world). */
+inline int64_t ShardCount(int64_t total, int world) { return (total + world - 1) / world; }
+/*! \brief Valid elements of rank r's shard (the rest is padding). */
+inline int64_t ValidCount(int64_t total, int64_t shard, int r) {
+  int64_t begin = shard * r;
+  if (begin >= total) return 0;
+  return std::min<int64_t>(shard, total - begin);
+}
+
+}  // namespace ccl
+}  // namespace raf_dist
+
+#endif  // RAF_DIST_CCL_COLLECTIVE_H_

@@ -1,0 +1,221 @@
+/*!
+ * \file group.cc
+ * \brief Process group: validation, accounting, signature check, backend dispatch.
+ */
+#include "group.h"
+
+#include <sstream>
+
+namespace raf_dist {
+namespace ccl {
+
+void Counters::Add(CollectiveKind kind, double bytes) {
+  int k = static_cast<int>(kind);
+  calls[k].fetch_add(1);
+  double old = bus_bytes[k].load();
+  while (!bus_bytes[k].compare_exchange_weak(old, old + bytes)) {
+  }
+}
+
+void Counters::Reset() {
+  for (auto& c : calls) c.store(0);
+  for (auto& b : bus_bytes) b.store(0.0);
+}
+
+Counters& GlobalCounters() {
+  static Counters counters;
+  return counters;
+}
+
+namespace {
+
+/*! \brief Bus bytes as nccl-tests defines them, so numbers compare with DESIGN.md section 3. */
+double BusBytes(const CollectiveCall& c, int n) {
+  double esize = static_cast<double>(ElemSize(c.elem));
+  double ratio = static_cast<double>(n - 1) / n;
+  switch (c.kind) {
+    case CollectiveKind::kAllReduce:
+      return 2.0 * ratio * c.recv_count * esize;
+    case CollectiveKind::kReduceScatter:
+      return ratio * c.send_count * esize;
+    case CollectiveKind::kAllGather:
+      return ratio * c.recv_count * esize;
+    case CollectiveKind::kBroadcast:
+    case CollectiveKind::kRecv:
+      return c.recv_count * esize;
+    case CollectiveKind::kSend:
+      return c.send_count * esize;
+    default:
+      return 0.0;
+  }
+}
+
+std::string Describe(const int64_t* sig) {
+  std::ostringstream os;
+  auto kind = static_cast<CollectiveKind>(sig[0]);
+  os << KindName(kind) << "(";
+  if (kind == CollectiveKind::kAllReduce || kind == CollectiveKind::kReduceScatter) {
+    os << ReduceOpName(static_cast<ReduceOp>(sig[1])) << ", ";
+  }
+  if (kind != CollectiveKind::kBarrier) {
+    os << ElemTypeName(static_cast<ElemType>(sig[2])) << ", send " << sig[3] << ", recv "
+       << sig[4] << ", ";
+  }
+  os << "call #" << sig[5] << ")";
+  return os.str();
+}
+
+}  // namespace
+
+Group::Group(MPI_Comm comm, bool check_signatures) : check_signatures_(check_signatures) {
+  mpi_ = std::make_unique<MpiBackend>(comm);
+  rank_ = mpi_->rank();
+  size_ = mpi_->size();
+  MPI_Comm_dup(comm, &check_comm_);
+  MPI_Comm_dup(comm, &nccl_bootstrap_comm_);
+}
+
+Group::~Group() { Shutdown(); }
+
+void Group::Shutdown() {
+  std::lock_guard<std::mutex> lock(mu_);
+  nccl_.reset();
+  if (mpi_) mpi_->Shutdown();
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) {
+    if (check_comm_ != MPI_COMM_NULL) MPI_Comm_free(&check_comm_);
+    if (nccl_bootstrap_comm_ != MPI_COMM_NULL) MPI_Comm_free(&nccl_bootstrap_comm_);
+  }
+}
+
+void Group::Validate(CollectiveCall* c) const {
+  const char* name = KindName(c->kind);
+  std::string send_what = std::string(name) + " input";
+  std::string recv_what = std::string(name) + " output";
+  if (c->send.defined()) {
+    c->send_count = ContiguousNumel(c->send, send_what.c_str());
+    c->elem = ToElemType(c->send.dtype(), send_what.c_str());
+  }
+  if (c->recv.defined()) {
+    c->recv_count = ContiguousNumel(c->recv, recv_what.c_str());
+    ElemType recv_elem = ToElemType(c->recv.dtype(), recv_what.c_str());
+    if (c->send.defined() && recv_elem != c->elem) {
+      TVM_FFI_THROW(TypeError) << name << ": input is " << ElemTypeName(c->elem)
+                               << " but output is " << ElemTypeName(recv_elem)
+                               << "; both buffers must have the same dtype";
+    }
+    c->elem = recv_elem;
+  }
+  if (c->send.defined() && c->recv.defined() &&
+      c->send.device().device_type != c->recv.device().device_type) {
+    TVM_FFI_THROW(ValueError) << name
+                              << ": input and output live on different devices; move both to "
+                                 "the host or both to the same GPU";
+  }
+  switch (c->kind) {
+    case CollectiveKind::kAllReduce:
+    case CollectiveKind::kBroadcast:
+      if (c->send_count != c->recv_count) {
+        TVM_FFI_THROW(ValueError) << name << ": input has " << c->send_count
+                                  << " elements but output has " << c->recv_count
+                                  << "; they must match";
+      }
+      break;
+    case CollectiveKind::kReduceScatter:
+      if (c->recv_count != ShardCount(c->send_count, size_)) {
+        TVM_FFI_THROW(ValueError)
+            << "reduce_scatter: output has " << c->recv_count << " elements, expected ceil("
+            << c->send_count << " / " << size_ << ") = " << ShardCount(c->send_count, size_)
+            << " (one padded shard of the input per rank)";
+      }
+      break;
+    case CollectiveKind::kAllGather:
+      if (c->send_count != ShardCount(c->recv_count, size_)) {
+        TVM_FFI_THROW(ValueError)
+            << "allgather: input has " << c->send_count << " elements, expected ceil("
+            << c->recv_count << " / " << size_ << ") = " << ShardCount(c->recv_count, size_)
+            << " (one padded shard of the output per rank)";
+      }
+      break;
+    default:
+      break;
+  }
+  bool rooted = c->kind == CollectiveKind::kBroadcast || c->kind == CollectiveKind::kSend ||
+                c->kind == CollectiveKind::kRecv;
+  if (rooted && (c->peer < 0 || c->peer >= size_)) {
+    TVM_FFI_THROW(ValueError) << name << ": rank " << c->peer << " is outside the group of "
+                              << size_ << " ranks (valid: 0.." << size_ - 1 << ")";
+  }
+  if ((c->kind == CollectiveKind::kSend || c->kind == CollectiveKind::kRecv) &&
+      c->peer == rank_) {
+    TVM_FFI_THROW(ValueError) << name << ": rank " << rank_
+                              << " cannot exchange a message with itself";
+  }
+}
+
+void Group::CheckSignature(const CollectiveCall& c) {
+  constexpr int kFields = 6;
+  int64_t mine[kFields] = {static_cast<int64_t>(c.kind), static_cast<int64_t>(c.op),
+                           static_cast<int64_t>(c.elem), c.send_count,
+                           c.recv_count, sequence_};
+  if (c.kind == CollectiveKind::kBarrier) mine[1] = mine[2] = mine[3] = mine[4] = 0;
+  std::vector<int64_t> all(static_cast<size_t>(kFields) * size_);
+  MPI_Allgather(mine, kFields, MPI_INT64_T, all.data(), kFields, MPI_INT64_T, check_comm_);
+  std::ostringstream mismatches;
+  bool mismatch = false;
+  for (int r = 1; r < size_; ++r) {
+    const int64_t* other = &all[static_cast<size_t>(r) * kFields];
+    if (!std::equal(other, other + kFields, all.data())) {
+      mismatch = true;
+      mismatches << "\n  rank 0: " << Describe(all.data()) << "\n  rank " << r << ": "
+                 << Describe(other);
+    }
+  }
+  if (mismatch) {
+    TVM_FFI_THROW(RuntimeError)
+        << "collective mismatch detected by RAF_DIST_CHECK_COLLECTIVES (seen on rank " << rank_
+        << "): ranks called different collectives at the same point" << mismatches.str()
+        << "\nEvery rank must issue the same collectives, with the same dtypes and sizes, in "
+           "the same order.";
+  }
+}
+
+Backend* Group::BackendFor(const CollectiveCall& c) {
+  const ffi::Tensor& t = c.send.defined() ? c.send : c.recv;
+  if (!t.defined() || t.device().device_type == kDLCPU ||
+      t.device().device_type == kDLCUDAHost) {
+    return mpi_.get();
+  }
+  if (t.device().device_type != kDLCUDA) {
+    TVM_FFI_THROW(ValueError) << KindName(c.kind) << ": tensors on device type "
+                              << static_cast<int>(t.device().device_type)
+                              << " are not supported; use host (MPI) or CUDA (NCCL) memory";
+  }
+  if (!nccl_) {
+    // Every rank reaches its first CUDA collective at the same point (SPMD), so the NCCL
+    // communicator is created collectively here.
+    nccl_ = CreateNcclBackend(nccl_bootstrap_comm_, t.device().device_id);
+    nccl_device_ = t.device().device_id;
+  } else if (t.device().device_id != nccl_device_) {
+    TVM_FFI_THROW(ValueError) << KindName(c.kind) << ": tensor on cuda:" << t.device().device_id
+                              << " but this rank's NCCL communicator is on cuda:"
+                              << nccl_device_ << "; keep one GPU per rank";
+  }
+  return nccl_.get();
+}
+
+std::shared_ptr<Work> Group::Start(CollectiveCall call) {
+  Validate(&call);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!mpi_) TVM_FFI_THROW(RuntimeError) << "collective on a group that was shut down";
+  Backend* backend = BackendFor(call);
+  bool point_to_point = call.kind == CollectiveKind::kSend || call.kind == CollectiveKind::kRecv;
+  if (check_signatures_ && !point_to_point) CheckSignature(call);
+  if (!point_to_point) ++sequence_;
+  GlobalCounters().Add(call.kind, BusBytes(call, size_));
+  return backend->Start(std::move(call));
+}
+
+}  // namespace ccl
+}  // namespace raf_dist

@@ -1,0 +1,64 @@
+/*!
+ * \file group.h
+ * \brief A process group: validates each collective before anything is sent, counts its bus
+ *        bytes, optionally cross-checks its signature with every rank, then hands it to the
+ *        backend for the tensors' device (MPI for host memory, NCCL for CUDA memory).
+ */
+#ifndef RAF_DIST_CCL_GROUP_H_
+#define RAF_DIST_CCL_GROUP_H_
+
+#include <mpi.h>
+
+#include <array>
+#include <atomic>
+
+#include "collective.h"
+#include "mpi_backend.h"
+
+namespace raf_dist {
+namespace ccl {
+
+/*! \brief Per-kind traffic, counted as nccl-tests counts bus bytes. Process-wide. */
+struct Counters {
+  std::array<std::atomic<int64_t>, static_cast<int>(CollectiveKind::kNumKinds)> calls{};
+  std::array<std::atomic<double>, static_cast<int>(CollectiveKind::kNumKinds)> bus_bytes{};
+  void Add(CollectiveKind kind, double bytes);
+  void Reset();
+};
+Counters& GlobalCounters();
+
+/*! \brief Creates the NCCL backend (nccl_backend.cc), or raises when built without NCCL. */
+std::unique_ptr<Backend> CreateNcclBackend(MPI_Comm comm, int device_id);
+
+class Group {
+ public:
+  Group(MPI_Comm comm, bool check_signatures);
+  ~Group();
+  /*! \brief Validate, count, check and start the call. Raises before any communication on
+   *         bad input, so one rank's mistake never leaves the others waiting. */
+  std::shared_ptr<Work> Start(CollectiveCall call);
+  void Shutdown();
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+ private:
+  void Validate(CollectiveCall* call) const;
+  void CheckSignature(const CollectiveCall& call);
+  Backend* BackendFor(const CollectiveCall& call);
+
+  MPI_Comm check_comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  bool check_signatures_;
+  int64_t sequence_ = 0;
+  std::mutex mu_;
+  std::unique_ptr<MpiBackend> mpi_;
+  MPI_Comm nccl_bootstrap_comm_ = MPI_COMM_NULL;
+  std::unique_ptr<Backend> nccl_;
+  int nccl_device_ = -1;
+};
+
+}  // namespace ccl
+}  // namespace raf_dist
+
+#endif  // RAF_DIST_CCL_GROUP_H_

@@ -1,0 +1,234 @@
+/*!
+ * \file registry.cc
+ * \brief The `raf_dist.ccl.*` global functions, callable from compiled Relax code and from
+ *        Python on any DLPack tensor (numpy arrays through tvm_ffi.from_dlpack).
+ *
+ * Outputs come last, so each collective serves both Relax forms:
+ *  - destination passing: R.call_dps_packed("raf_dist.ccl.allreduce", (x, "sum", 0), out_sinfo)
+ *  - in place: R.call_packed("raf_dist.ccl.allreduce", g, "sum", 0, g) (input aliases output)
+ * `<name>_start` takes the same arguments and returns an int64 handle; `raf_dist.ccl.wait`
+ * completes it. Extra arguments to wait are ignored: passing the in-flight buffers there keeps
+ * them named until the wait, so a memory planner cannot reuse their storage (DESIGN.md s.5).
+ */
+#include <tvm/ffi/container/map.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/reflection/registry.h>
+
+#include <unordered_map>
+
+#include "group.h"
+
+namespace raf_dist {
+namespace ccl {
+namespace {
+
+struct State {
+  std::mutex mu;
+  std::vector<std::unique_ptr<Group>> groups;
+  std::unordered_map<int64_t, std::shared_ptr<Work>> pending;
+  int64_t next_handle = 1;
+};
+
+State& GetState() {
+  static State* state = new State();  // never destroyed: outlives static destructors at exit
+  return *state;
+}
+
+Group* GetGroup(int64_t id) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.groups.empty()) {
+    TVM_FFI_THROW(RuntimeError) << "raf_dist collectives are not initialised; call "
+                                   "raf_dist.distributed.get_communicator() first";
+  }
+  if (id < 0 || id >= static_cast<int64_t>(s.groups.size()) || !s.groups[id]) {
+    TVM_FFI_THROW(ValueError) << "unknown process group " << id << " (" << s.groups.size()
+                              << " created)";
+  }
+  return s.groups[id].get();
+}
+
+int64_t StartCall(int64_t group, CollectiveCall call) {
+  std::shared_ptr<Work> work = GetGroup(group)->Start(std::move(call));
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  int64_t handle = s.next_handle++;
+  s.pending.emplace(handle, std::move(work));
+  return handle;
+}
+
+void WaitHandle(int64_t handle) {
+  std::shared_ptr<Work> work;
+  {
+    State& s = GetState();
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto it = s.pending.find(handle);
+    if (it == s.pending.end()) {
+      TVM_FFI_THROW(ValueError) << "collective handle " << handle
+                                << " is unknown or was already waited on";
+    }
+    work = it->second;
+    s.pending.erase(it);
+  }
+  work->Wait();
+}
+
+CollectiveCall MakeCall(CollectiveKind kind, ffi::Optional<ffi::Tensor> send,
+                        ffi::Optional<ffi::Tensor> recv, ReduceOp op = ReduceOp::kSum,
+                        int peer = 0) {
+  CollectiveCall call;
+  call.kind = kind;
+  call.op = op;
+  if (send.has_value()) call.send = send.value();
+  if (recv.has_value()) call.recv = recv.value();
+  call.peer = peer;
+  return call;
+}
+
+// One builder per collective; each is registered in a blocking and a _start form.
+CollectiveCall AllReduceCall(ffi::Tensor send, ffi::String op, ffi::Tensor recv) {
+  return MakeCall(CollectiveKind::kAllReduce, send, recv, ParseReduceOp(op));
+}
+CollectiveCall ReduceScatterCall(ffi::Tensor send, ffi::String op, ffi::Tensor recv) {
+  return MakeCall(CollectiveKind::kReduceScatter, send, recv, ParseReduceOp(op));
+}
+CollectiveCall AllGatherCall(ffi::Tensor send, ffi::Tensor recv) {
+  return MakeCall(CollectiveKind::kAllGather, send, recv);
+}
+CollectiveCall BroadcastCall(ffi::Tensor send, int64_t root, ffi::Tensor recv) {
+  return MakeCall(CollectiveKind::kBroadcast, send, recv, ReduceOp::kSum, static_cast<int>(root));
+}
+
+ffi::Tensor Reinterpret(ffi::Tensor tensor, ffi::String dtype) {
+  DLDataType target = ffi::StringToDLDataType(std::string(dtype));
+  if (target.bits * target.lanes != tensor.dtype().bits * tensor.dtype().lanes) {
+    TVM_FFI_THROW(ValueError) << "cannot view " << ffi::DLDataTypeToString(tensor.dtype())
+                              << " as " << dtype << ": element sizes differ";
+  }
+  DLTensor prototype = *tensor.GetDLTensorPtr();
+  prototype.dtype = target;
+  TVMFFIObjectHandle out;
+  TVM_FFI_CHECK_SAFE_CALL(TVMFFITensorCreateUnsafeView(
+      ffi::details::ObjectUnsafe::TVMFFIObjectPtrFromObjectRef(tensor), &prototype, &out));
+  return ffi::Tensor(ffi::details::ObjectUnsafe::ObjectPtrFromOwned<ffi::TensorObj>(
+      static_cast<TVMFFIObject*>(out)));
+}
+
+}  // namespace
+
+TVM_FFI_STATIC_INIT_BLOCK() {
+  namespace refl = tvm::ffi::reflection;
+  refl::GlobalDef()
+      .def("raf_dist.ccl.init_group",
+           [](int64_t comm_address, bool check_signatures) -> int64_t {
+             MPI_Comm comm = *reinterpret_cast<MPI_Comm*>(comm_address);
+             auto group = std::make_unique<Group>(comm, check_signatures);
+             State& s = GetState();
+             std::lock_guard<std::mutex> lock(s.mu);
+             s.groups.push_back(std::move(group));
+             return static_cast<int64_t>(s.groups.size()) - 1;
+           })
+      .def("raf_dist.ccl.group_rank", [](int64_t g) -> int64_t { return GetGroup(g)->rank(); })
+      .def("raf_dist.ccl.group_size", [](int64_t g) -> int64_t { return GetGroup(g)->size(); })
+      .def("raf_dist.ccl.shutdown",
+           []() {
+             State& s = GetState();
+             std::unordered_map<int64_t, std::shared_ptr<Work>> pending;
+             std::vector<std::unique_ptr<Group>> groups;
+             {
+               std::lock_guard<std::mutex> lock(s.mu);
+               pending.swap(s.pending);
+               groups.swap(s.groups);
+             }
+             for (auto& kv : pending) kv.second->Wait();
+             for (auto& g : groups) g->Shutdown();
+           })
+      // ---- collectives: blocking form, then the asynchronous start form ----
+      .def("raf_dist.ccl.allreduce",
+           [](ffi::Tensor send, ffi::String op, int64_t g, ffi::Tensor recv) {
+             WaitHandle(StartCall(g, AllReduceCall(send, op, recv)));
+           })
+      .def("raf_dist.ccl.allreduce_start",
+           [](ffi::Tensor send, ffi::String op, int64_t g, ffi::Tensor recv) {
+             return StartCall(g, AllReduceCall(send, op, recv));
+           })
+      .def("raf_dist.ccl.reduce_scatter",
+           [](ffi::Tensor send, ffi::String op, int64_t g, ffi::Tensor recv) {
+             WaitHandle(StartCall(g, ReduceScatterCall(send, op, recv)));
+           })
+      .def("raf_dist.ccl.reduce_scatter_start",
+           [](ffi::Tensor send, ffi::String op, int64_t g, ffi::Tensor recv) {
+             return StartCall(g, ReduceScatterCall(send, op, recv));
+           })
+      .def("raf_dist.ccl.allgather",
+           [](ffi::Tensor send, int64_t g, ffi::Tensor recv) {
+             WaitHandle(StartCall(g, AllGatherCall(send, recv)));
+           })
+      .def("raf_dist.ccl.allgather_start",
+           [](ffi::Tensor send, int64_t g, ffi::Tensor recv) {
+             return StartCall(g, AllGatherCall(send, recv));
+           })
+      .def("raf_dist.ccl.broadcast",
+           [](ffi::Tensor send, int64_t root, int64_t g, ffi::Tensor recv) {
+             WaitHandle(StartCall(g, BroadcastCall(send, root, recv)));
+           })
+      .def("raf_dist.ccl.broadcast_start",
+           [](ffi::Tensor send, int64_t root, int64_t g, ffi::Tensor recv) {
+             return StartCall(g, BroadcastCall(send, root, recv));
+           })
+      .def("raf_dist.ccl.send",
+           [](ffi::Tensor buf, int64_t peer, int64_t g) {
+             WaitHandle(StartCall(g, MakeCall(CollectiveKind::kSend, buf, std::nullopt,
+                                              ReduceOp::kSum, static_cast<int>(peer))));
+           })
+      .def("raf_dist.ccl.send_start",
+           [](ffi::Tensor buf, int64_t peer, int64_t g) {
+             return StartCall(g, MakeCall(CollectiveKind::kSend, buf, std::nullopt,
+                                          ReduceOp::kSum, static_cast<int>(peer)));
+           })
+      .def("raf_dist.ccl.recv",
+           [](int64_t peer, int64_t g, ffi::Tensor buf) {
+             WaitHandle(StartCall(g, MakeCall(CollectiveKind::kRecv, std::nullopt, buf,
+                                              ReduceOp::kSum, static_cast<int>(peer))));
+           })
+      .def("raf_dist.ccl.recv_start",
+           [](int64_t peer, int64_t g, ffi::Tensor buf) {
+             return StartCall(g, MakeCall(CollectiveKind::kRecv, std::nullopt, buf,
+                                          ReduceOp::kSum, static_cast<int>(peer)));
+           })
+      .def("raf_dist.ccl.barrier",
+           [](int64_t g) {
+             WaitHandle(StartCall(g, MakeCall(CollectiveKind::kBarrier, std::nullopt,
+                                              std::nullopt)));
+           })
+      .def_packed("raf_dist.ccl.wait",
+                  [](ffi::PackedArgs args, ffi::Any* rv) {
+                    if (args.size() < 1) {
+                      TVM_FFI_THROW(TypeError) << "raf_dist.ccl.wait(handle, *buffers)";
+                    }
+                    WaitHandle(args[0].cast<int64_t>());
+                  })
+      .def("raf_dist.ccl.num_pending",
+           []() -> int64_t {
+             State& s = GetState();
+             std::lock_guard<std::mutex> lock(s.mu);
+             return static_cast<int64_t>(s.pending.size());
+           })
+      // ---- accounting ----
+      .def("raf_dist.ccl.counters",
+           []() {
+             ffi::Map<ffi::String, ffi::Array<double>> out;
+             Counters& c = GlobalCounters();
+             for (int k = 0; k < static_cast<int>(CollectiveKind::kNumKinds); ++k) {
+               out.Set(KindName(static_cast<CollectiveKind>(k)),
+                       ffi::Array<double>{static_cast<double>(c.calls[k].load()),
+                                          c.bus_bytes[k].load()});
+             }
+             return out;
+           })
+      .def("raf_dist.ccl.reset_counters", []() { GlobalCounters().Reset(); })
+      .def("raf_dist.ccl.reinterpret", Reinterpret);
+}
+
+}  // namespace ccl
+}  // namespace raf_dist
