@@ -65,7 +65,7 @@ inline void* DataPtr(const ffi::Tensor& t) {
 struct CollectiveCall {
   CollectiveKind kind;
   ReduceOp op = ReduceOp::kSum;
-  ElemType elem;
+  ElemType elem = ElemType::kF32;  // barrier has no tensors
   ffi::Tensor send;        // undefined for barrier and recv
   ffi::Tensor recv;        // undefined for barrier and send
   int64_t send_count = 0;  // elements

@@ -4,6 +4,7 @@
  */
 #include "mpi_backend.h"
 
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <sstream>
@@ -172,22 +173,60 @@ void MpiBackend::Loop() {
     std::shared_ptr<Work> work;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping and drained
+      auto ready = [this] { return stopping_ || !queue_.empty(); };
+      if (posted_.empty()) {
+        cv_.wait(lock, ready);
+      } else {  // sends/recvs in flight: poll them while waiting for new work
+        cv_.wait_for(lock, std::chrono::microseconds(20), ready);
+      }
+      if (queue_.empty()) {
+        bool stopping = stopping_;
+        lock.unlock();
+        PollPointToPoint();
+        if (stopping && posted_.empty()) return;  // stopping and drained
+        continue;
+      }
       work = queue_.front();
       queue_.pop_front();
     }
     std::string error;
+    MPI_Request request = MPI_REQUEST_NULL;
     try {
-      Run(work->call());
+      request = Run(work->call());
     } catch (const std::exception& e) {
       error = e.what();
     }
-    work->Finish(std::move(error));
+    if (request != MPI_REQUEST_NULL) {
+      posted_.emplace_back(request, std::move(work));
+    } else {
+      work->Finish(std::move(error));
+    }
+    PollPointToPoint();
   }
 }
 
-void MpiBackend::Run(const CollectiveCall& c) {
+void MpiBackend::PollPointToPoint() {
+  for (size_t i = 0; i < posted_.size();) {
+    int done = 0;
+    int code = MPI_Test(&posted_[i].first, &done, MPI_STATUS_IGNORE);
+    if (!done && code == MPI_SUCCESS) {
+      ++i;
+      continue;
+    }
+    std::string error;
+    if (code != MPI_SUCCESS) {
+      char msg[MPI_MAX_ERROR_STRING];
+      int len = 0;
+      MPI_Error_string(code, msg, &len);
+      error = "MPI " + std::string(KindName(posted_[i].second->call().kind)) +
+              " failed: " + std::string(msg, len);
+    }
+    posted_[i].second->Finish(std::move(error));
+    posted_.erase(posted_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+}
+
+MPI_Request MpiBackend::Run(const CollectiveCall& c) {
   MPI_Datatype dtype = ToMpiType(c.elem);
   size_t esize = ElemSize(c.elem);
   switch (c.kind) {
@@ -244,20 +283,25 @@ void MpiBackend::Run(const CollectiveCall& c) {
       CheckMpi(MPI_Bcast(recv, ToInt(c.recv_count), dtype, c.peer, comm_), "Bcast");
       break;
     }
-    case CollectiveKind::kSend:
-      CheckMpi(MPI_Send(DataPtr(c.send), ToInt(c.send_count), dtype, c.peer, 0, comm_), "Send");
-      break;
-    case CollectiveKind::kRecv:
-      CheckMpi(MPI_Recv(DataPtr(c.recv), ToInt(c.recv_count), dtype, c.peer, 0, comm_,
-                        MPI_STATUS_IGNORE),
-               "Recv");
-      break;
+    case CollectiveKind::kSend: {
+      MPI_Request request;
+      CheckMpi(MPI_Isend(DataPtr(c.send), ToInt(c.send_count), dtype, c.peer, 0, comm_, &request),
+               "Isend");
+      return request;
+    }
+    case CollectiveKind::kRecv: {
+      MPI_Request request;
+      CheckMpi(MPI_Irecv(DataPtr(c.recv), ToInt(c.recv_count), dtype, c.peer, 0, comm_, &request),
+               "Irecv");
+      return request;
+    }
     case CollectiveKind::kBarrier:
       CheckMpi(MPI_Barrier(comm_), "Barrier");
       break;
     default:
       TVM_FFI_THROW(InternalError) << "unknown collective kind";
   }
+  return MPI_REQUEST_NULL;
 }
 
 }  // namespace ccl

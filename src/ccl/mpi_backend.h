@@ -3,6 +3,9 @@
  * \brief Host-tensor collectives over MPI, run in order on one communication thread per group
  *        so a compiled step can start a collective and keep computing until it waits.
  *
+ * Collectives run to completion one after another in submission order (every rank submits
+ * them in the same order, so they match). Sends and receives are posted and completed later.
+ *
  * The communicator handed in is MPI_Comm_dup'ed: background collectives never interleave with
  * anything Python (mpi4py) does on the original. MPI must be initialised with
  * MPI_THREAD_MULTIPLE (mpi4py's default), checked at construction.
@@ -32,7 +35,10 @@ class MpiBackend : public Backend {
 
  private:
   void Loop();
-  void Run(const CollectiveCall& call);
+  /*! \brief Run a collective to completion, or post a send/recv and return its request. */
+  MPI_Request Run(const CollectiveCall& call);
+  /*! \brief Finish the posted sends/recvs that have completed. */
+  void PollPointToPoint();
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
@@ -42,6 +48,9 @@ class MpiBackend : public Backend {
   std::deque<std::shared_ptr<Work>> queue_;
   bool stopping_ = false;
   std::thread thread_;
+  // Sends and receives are posted (MPI_Isend/Irecv) rather than run to completion, so a rank
+  // can post a recv and then a send on the one thread without deadlocking (rings, pipelines).
+  std::vector<std::pair<MPI_Request, std::shared_ptr<Work>>> posted_;
 };
 
 }  // namespace ccl

@@ -1,0 +1,23 @@
+"""With RAF_DIST_CHECK_COLLECTIVES=1, ranks that issue different collectives must get an error
+naming the ranks and both signatures, not a hang or corrupted data.
+Argument: 'count' (same kind, different sizes) or 'kind' (allreduce vs allgather)."""
+import sys
+
+import numpy as np
+
+from raf_dist import distributed as dist
+
+comm = dist.get_communicator()
+dist.allreduce(np.ones(4, np.float32))  # a matching call first: sequence numbers advance
+try:
+    if sys.argv[1] == "count":
+        dist.allreduce(np.ones(10 + comm.rank, np.float32))
+    elif comm.rank == 0:
+        dist.allreduce(np.ones(8, np.float32))
+    else:
+        dist.allgather(np.ones(8 // comm.size, np.float32))
+except RuntimeError as err:
+    print(f"rank {comm.rank} MISMATCH: {err}".replace("\n", " | "))
+    sys.exit(0)
+print(f"rank {comm.rank}: no error raised")
+sys.exit(3)

@@ -1,0 +1,67 @@
+"""dist.get_config(): defaults, validation at assignment, cross-field rule."""
+import pytest
+
+from raf_dist import distributed as dist
+
+
+@pytest.fixture
+def cfg():
+    config = dist.get_config().reset()
+    yield config
+    config.reset()
+
+
+def test_defaults(cfg):
+    assert cfg.as_dict() == {
+        "enable_data_parallel": False,
+        "zero_opt_level": 0,
+        "bucket_size_mb": 25.0,
+        "overlap_comm": True,
+    }
+    assert dist.get_config() is cfg
+
+
+def test_valid_assignments(cfg):
+    cfg.enable_data_parallel = True
+    cfg.zero_opt_level = 3
+    cfg.bucket_size_mb = 0.5
+    cfg.overlap_comm = False
+    cfg.check()
+    assert (cfg.zero_opt_level, cfg.bucket_size_mb, cfg.overlap_comm) == (3, 0.5, False)
+
+
+def test_unknown_field_names_the_fields(cfg):
+    with pytest.raises(AttributeError, match="zero_opt_level"):
+        cfg.zero_level = 2
+
+
+@pytest.mark.parametrize("value", [4, -1, 1.5, "2", True, None])
+def test_bad_zero_level_names_allowed_values(cfg, value):
+    with pytest.raises(ValueError, match=r"one of \(0, 1, 2, 3\)"):
+        cfg.zero_opt_level = value
+    assert cfg.zero_opt_level == 0  # the bad value was not stored
+
+
+@pytest.mark.parametrize("value", [0, -5, "25", True])
+def test_bad_bucket_size(cfg, value):
+    with pytest.raises(ValueError, match="positive number"):
+        cfg.bucket_size_mb = value
+
+
+@pytest.mark.parametrize("field", ["enable_data_parallel", "overlap_comm"])
+def test_bool_fields_reject_ints(cfg, field):
+    with pytest.raises(TypeError, match="True or False"):
+        setattr(cfg, field, 1)
+
+
+def test_zero_without_data_parallel_is_rejected(cfg):
+    cfg.zero_opt_level = 2
+    with pytest.raises(ValueError, match="requires enable_data_parallel=True"):
+        cfg.check()
+
+
+def test_update_from_dict(cfg):
+    cfg.update({"enable_data_parallel": True, "zero_opt_level": 1})
+    assert cfg.zero_opt_level == 1
+    with pytest.raises(AttributeError):
+        cfg.update({"enable_dp": True})
