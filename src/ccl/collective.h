@@ -102,6 +102,8 @@ class Backend {
   virtual ~Backend() = default;
   /*! \brief Enqueue the call; the returned Work completes when it has run. */
   virtual std::shared_ptr<Work> Start(CollectiveCall call) = 0;
+  /*! \brief Run the call to completion (as the caller sees it). */
+  virtual void RunBlocking(CollectiveCall call) { Start(std::move(call))->Wait(); }
 };
 
 /*! \brief Shard size for the padded flat sharding: ceil(total / world). */

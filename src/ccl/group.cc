@@ -205,16 +205,31 @@ Backend* Group::BackendFor(const CollectiveCall& c) {
   return nccl_.get();
 }
 
-std::shared_ptr<Work> Group::Start(CollectiveCall call) {
-  Validate(&call);
-  std::lock_guard<std::mutex> lock(mu_);
+Backend* Group::Prepare(CollectiveCall* call) {
+  Validate(call);
   if (!mpi_) TVM_FFI_THROW(RuntimeError) << "collective on a group that was shut down";
-  Backend* backend = BackendFor(call);
-  bool point_to_point = call.kind == CollectiveKind::kSend || call.kind == CollectiveKind::kRecv;
-  if (check_signatures_ && !point_to_point) CheckSignature(call);
+  Backend* backend = BackendFor(*call);
+  bool point_to_point = call->kind == CollectiveKind::kSend || call->kind == CollectiveKind::kRecv;
+  if (check_signatures_ && !point_to_point) CheckSignature(*call);
   if (!point_to_point) ++sequence_;
-  GlobalCounters().Add(call.kind, BusBytes(call, size_));
-  return backend->Start(std::move(call));
+  GlobalCounters().Add(call->kind, BusBytes(*call, size_));
+  return backend;
+}
+
+std::shared_ptr<Work> Group::Start(CollectiveCall call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Prepare(&call)->Start(std::move(call));
+}
+
+void Group::Run(CollectiveCall call) {
+  // The group lock orders submissions; it is released before a blocking run so that other
+  // threads can still submit (they queue behind it in the backend).
+  Backend* backend;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    backend = Prepare(&call);
+  }
+  backend->RunBlocking(std::move(call));
 }
 
 }  // namespace ccl

@@ -37,6 +37,8 @@ class Group {
   /*! \brief Validate, count, check and start the call. Raises before any communication on
    *         bad input, so one rank's mistake never leaves the others waiting. */
   std::shared_ptr<Work> Start(CollectiveCall call);
+  /*! \brief Start + wait, without a thread hand-off when the backend is idle. */
+  void Run(CollectiveCall call);
   void Shutdown();
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -45,6 +47,9 @@ class Group {
   void Validate(CollectiveCall* call) const;
   void CheckSignature(const CollectiveCall& call);
   Backend* BackendFor(const CollectiveCall& call);
+  /*! \brief Validate, pick the backend, check the signature and count: everything that
+   *         happens before a collective is handed to its backend. */
+  Backend* Prepare(CollectiveCall* call);
 
   MPI_Comm check_comm_ = MPI_COMM_NULL;
   int rank_ = 0;

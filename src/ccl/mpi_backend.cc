@@ -168,19 +168,48 @@ std::shared_ptr<Work> MpiBackend::Start(CollectiveCall call) {
   return work;
 }
 
+void MpiBackend::RunBlocking(CollectiveCall call) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (stopping_) {
+      TVM_FFI_THROW(RuntimeError) << "collective started after raf_dist.ccl.shutdown()";
+    }
+    if (busy_ || !queue_.empty()) {
+      lock.unlock();
+      Start(std::move(call))->Wait();
+      return;
+    }
+    busy_ = true;
+  }
+  struct Release {
+    MpiBackend* self;
+    ~Release() {
+      {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        self->busy_ = false;
+      }
+      self->cv_.notify_all();
+    }
+  } release{this};
+  MPI_Request request = Run(call);
+  if (request != MPI_REQUEST_NULL) {
+    CheckMpi(MPI_Wait(&request, MPI_STATUS_IGNORE), KindName(call.kind));
+  }
+}
+
 void MpiBackend::Loop() {
   while (true) {
     std::shared_ptr<Work> work;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      auto ready = [this] { return stopping_ || !queue_.empty(); };
+      auto ready = [this] { return stopping_ || (!queue_.empty() && !busy_); };
       if (posted_.empty()) {
         cv_.wait(lock, ready);
       } else {  // sends/recvs in flight: poll them while waiting for new work
         cv_.wait_for(lock, std::chrono::microseconds(20), ready);
       }
-      if (queue_.empty()) {
-        bool stopping = stopping_;
+      if (queue_.empty() || busy_) {
+        bool stopping = stopping_ && queue_.empty();
         lock.unlock();
         PollPointToPoint();
         if (stopping && posted_.empty()) return;  // stopping and drained
@@ -188,6 +217,7 @@ void MpiBackend::Loop() {
       }
       work = queue_.front();
       queue_.pop_front();
+      busy_ = true;
     }
     std::string error;
     MPI_Request request = MPI_REQUEST_NULL;
@@ -195,6 +225,10 @@ void MpiBackend::Loop() {
       request = Run(work->call());
     } catch (const std::exception& e) {
       error = e.what();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
     }
     if (request != MPI_REQUEST_NULL) {
       posted_.emplace_back(request, std::move(work));

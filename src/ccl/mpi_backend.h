@@ -28,6 +28,9 @@ class MpiBackend : public Backend {
   explicit MpiBackend(MPI_Comm comm);
   ~MpiBackend() override;
   std::shared_ptr<Work> Start(CollectiveCall call) override;
+  /*! \brief Runs on the calling thread when nothing is queued or running (saves two thread
+   *         hand-offs per blocking call); otherwise queues behind the pending work. */
+  void RunBlocking(CollectiveCall call) override;
   /*! \brief Finish queued work, stop the thread and free the communicator. Idempotent. */
   void Shutdown();
   int rank() const { return rank_; }
@@ -47,6 +50,7 @@ class MpiBackend : public Backend {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Work>> queue_;
   bool stopping_ = false;
+  bool busy_ = false;  // a collective is executing (on the thread or inline)
   std::thread thread_;
   // Sends and receives are posted (MPI_Isend/Irecv) rather than run to completion, so a rank
   // can post a recv and then a send on the one thread without deadlocking (rings, pipelines).

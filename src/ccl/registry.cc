@@ -48,6 +48,8 @@ Group* GetGroup(int64_t id) {
   return s.groups[id].get();
 }
 
+void RunCall(int64_t group, CollectiveCall call) { GetGroup(group)->Run(std::move(call)); }
+
 int64_t StartCall(int64_t group, CollectiveCall call) {
   std::shared_ptr<Work> work = GetGroup(group)->Start(std::move(call));
   State& s = GetState();
@@ -146,7 +148,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       // ---- collectives: blocking form, then the asynchronous start form ----
       .def("raf_dist.ccl.allreduce",
            [](ffi::Tensor send, ffi::String op, int64_t g, ffi::Tensor recv) {
-             WaitHandle(StartCall(g, AllReduceCall(send, op, recv)));
+             RunCall(g, AllReduceCall(send, op, recv));
            })
       .def("raf_dist.ccl.allreduce_start",
            [](ffi::Tensor send, ffi::String op, int64_t g, ffi::Tensor recv) {
@@ -154,7 +156,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            })
       .def("raf_dist.ccl.reduce_scatter",
            [](ffi::Tensor send, ffi::String op, int64_t g, ffi::Tensor recv) {
-             WaitHandle(StartCall(g, ReduceScatterCall(send, op, recv)));
+             RunCall(g, ReduceScatterCall(send, op, recv));
            })
       .def("raf_dist.ccl.reduce_scatter_start",
            [](ffi::Tensor send, ffi::String op, int64_t g, ffi::Tensor recv) {
@@ -162,7 +164,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            })
       .def("raf_dist.ccl.allgather",
            [](ffi::Tensor send, int64_t g, ffi::Tensor recv) {
-             WaitHandle(StartCall(g, AllGatherCall(send, recv)));
+             RunCall(g, AllGatherCall(send, recv));
            })
       .def("raf_dist.ccl.allgather_start",
            [](ffi::Tensor send, int64_t g, ffi::Tensor recv) {
@@ -170,7 +172,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            })
       .def("raf_dist.ccl.broadcast",
            [](ffi::Tensor send, int64_t root, int64_t g, ffi::Tensor recv) {
-             WaitHandle(StartCall(g, BroadcastCall(send, root, recv)));
+             RunCall(g, BroadcastCall(send, root, recv));
            })
       .def("raf_dist.ccl.broadcast_start",
            [](ffi::Tensor send, int64_t root, int64_t g, ffi::Tensor recv) {
@@ -178,8 +180,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            })
       .def("raf_dist.ccl.send",
            [](ffi::Tensor buf, int64_t peer, int64_t g) {
-             WaitHandle(StartCall(g, MakeCall(CollectiveKind::kSend, buf, std::nullopt,
-                                              ReduceOp::kSum, static_cast<int>(peer))));
+             RunCall(g, MakeCall(CollectiveKind::kSend, buf, std::nullopt,
+                                 ReduceOp::kSum, static_cast<int>(peer)));
            })
       .def("raf_dist.ccl.send_start",
            [](ffi::Tensor buf, int64_t peer, int64_t g) {
@@ -188,8 +190,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            })
       .def("raf_dist.ccl.recv",
            [](int64_t peer, int64_t g, ffi::Tensor buf) {
-             WaitHandle(StartCall(g, MakeCall(CollectiveKind::kRecv, std::nullopt, buf,
-                                              ReduceOp::kSum, static_cast<int>(peer))));
+             RunCall(g, MakeCall(CollectiveKind::kRecv, std::nullopt, buf,
+                                 ReduceOp::kSum, static_cast<int>(peer)));
            })
       .def("raf_dist.ccl.recv_start",
            [](int64_t peer, int64_t g, ffi::Tensor buf) {
@@ -198,8 +200,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            })
       .def("raf_dist.ccl.barrier",
            [](int64_t g) {
-             WaitHandle(StartCall(g, MakeCall(CollectiveKind::kBarrier, std::nullopt,
-                                              std::nullopt)));
+             RunCall(g, MakeCall(CollectiveKind::kBarrier, std::nullopt,
+                                 std::nullopt));
            })
       .def_packed("raf_dist.ccl.wait",
                   [](ffi::PackedArgs args, ffi::Any* rv) {

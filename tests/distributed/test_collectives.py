@@ -54,14 +54,15 @@ def test_hostfile_with_localhost_slots():
 def test_mismatch_check_names_ranks_and_signatures(mode):
     out = check_mpi("ccl_mismatch.py", 2, mode, env={"RAF_DIST_CHECK_COLLECTIVES": "1"},
                     timeout=60)
-    lines = [line for line in out.splitlines() if "MISMATCH" in line]
-    assert len(lines) == 2, out  # both ranks raised
-    for line in lines:
-        assert "rank 0: allreduce(sum, float32" in line and "call #1" in line
+    # one report per rank; ranks share stdout, so find each report rather than split lines
+    reports = dict(re.findall(r"rank (\d) MISMATCH: (.*?same order\.)", out, flags=re.S))
+    assert sorted(reports) == ["0", "1"], out  # both ranks raised
+    for report in reports.values():
+        assert "rank 0: allreduce(sum, float32" in report and "call #1" in report
         if mode == "count":
-            assert "send 10, recv 10" in line and "send 11, recv 11" in line
+            assert "send 10, recv 10" in report and "send 11, recv 11" in report
         else:
-            assert "rank 1: allgather(float32, send 4, recv 8" in line
+            assert "rank 1: allgather(float32, send 4, recv 8" in report
 
 
 def test_failing_rank_ends_the_job_quickly():

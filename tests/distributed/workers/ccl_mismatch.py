@@ -17,7 +17,8 @@ try:
     else:
         dist.allgather(np.ones(8 // comm.size, np.float32))
 except RuntimeError as err:
-    print(f"rank {comm.rank} MISMATCH: {err}".replace("\n", " | "))
+    sys.stdout.write(f"rank {comm.rank} MISMATCH: {err}\n".replace("\n", " | ") + "\n")
+    sys.stdout.flush()
     sys.exit(0)
 print(f"rank {comm.rank}: no error raised")
 sys.exit(3)
