@@ -1,8 +1,25 @@
 """raf_dist: a compiler-pass distributed-training framework on Apache TVM Relax.
 
-Start with ``raf_dist.distributed`` (communicator, config, collectives). See the project
-README and ``shared/DESIGN.md`` for the architecture.
+    from raf_dist import distributed as dist
+    model = raf_dist.frontend.from_pytorch(torch_module, example_inputs)
+    trainer = raf_dist.Trainer(model, loss="cross_entropy", optimizer=raf_dist.optim.Adam(lr=1e-3))
+
+``raf_dist.distributed`` is light; the compiler parts (which import TVM) load on first use.
 """
+import importlib
+
 __version__ = "0.1.0"
 
-from . import distributed  # noqa: F401  (the public entry point, imported eagerly: it is light)
+from . import distributed  # noqa: F401,E402
+
+_LAZY = {"Trainer": ("trainer", "Trainer"), "Model": ("model", "Model")}
+_LAZY_MODULES = ("frontend", "optim", "nn", "passes", "compiler", "training", "runtime", "data")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __name__), attr)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'raf_dist' has no attribute {name!r}")

@@ -1,0 +1,108 @@
+"""Compile a training-step module: raf_dist passes, TVM's CPU lowering with our schedule,
+memory planning, relax.build — with IR dumps and an on-disk cache of the built artifact.
+
+Pipeline (in order; each pass's output is dumped to ``$RAF_DIST_DUMP_IR/NN_<pass>.py``):
+  1. the caller's passes (distribution, DispatchMatmulToBLAS, ...)
+  2. TVM library dispatch + LegalizeOps + AnnotateTIROpPattern + FoldConstant + FuseOps + FuseTIR
+  3. ScheduleCPU (parallel / vectorised loops for every generated PrimFunc)
+  4. TVM dataflow lowering + finalisation (StaticPlanBlockMemory, ...)
+  5. relax.build for the target
+
+The cache key is a hash of the module after step 1 (its TVMScript), the target, the TVM and
+raf_dist versions and the schedule settings; a hit skips steps 2–5.
+"""
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import tvm
+from tvm import relax
+from tvm.relax.backend.cpu_generic import pipeline as cpu_pipeline
+
+from .. import __version__
+from .memory import planned_bytes
+from .schedule import ScheduleCPU
+
+
+
+def _compiler_fingerprint():
+    """Hash of this package's lowering code: editing it invalidates cached builds."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    executable: object  # tvm runtime module for relax.VirtualMachine
+    planned_peak_bytes: int  # bytes of the step's planned temporaries (alloc_storage)
+    cache_path: str
+    cache_hit: bool
+
+
+@tvm.ir.instrument.pass_instrument
+class DumpIR:
+    """Writes the module after every pass as TVMScript, one file per pass."""
+
+    def __init__(self, directory, start=0):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.count = start
+
+    def run_after_pass(self, mod, info):
+        if info.name in ("sequential", "_pipeline") or info.name.startswith(
+                ("tvm.transform", "tirx.", "s_tir.")) or info.name == "NormalizeGlobalVar":
+            return
+        self.count += 1
+        path = self.directory / f"{self.count:02d}_{info.name}.py"
+        path.write_text(mod.script(show_meta=False))
+
+
+def default_cache_dir():
+    return Path(os.environ.get("RAF_DIST_CACHE_DIR",
+                               Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                               / "raf_dist"))
+
+
+def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
+    """Run ``passes`` then the CPU pipeline on ``mod`` and build it (or load it from cache)."""
+    dump_dir = dump_dir if dump_dir is not None else os.environ.get("RAF_DIST_DUMP_IR")
+    instruments = [DumpIR(dump_dir)] if dump_dir else []
+    target = tvm.target.Target(target) if isinstance(target, str) else target
+    with tvm.transform.PassContext(opt_level=3, instruments=instruments):
+        for p in passes:
+            mod = p(mod)
+    key_text = "\n".join([mod.script(show_meta=True), str(target), tvm.__version__, __version__,
+                          _compiler_fingerprint()])
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    lib_path = cache / f"step-{key}.so"
+    meta_path = cache / f"step-{key}.json"
+    if lib_path.exists() and meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        return CompiledStep(tvm.runtime.load_module(str(lib_path)), meta["planned_peak_bytes"],
+                            str(lib_path), True)
+
+    finalize = cpu_pipeline.finalize_passes(target)  # [StaticPlanBlockMemory, lowering...]
+    with target, tvm.transform.PassContext(opt_level=3, instruments=instruments):
+        planned = tvm.transform.Sequential(
+            cpu_pipeline.library_dispatch_passes(target)
+            + cpu_pipeline.legalize_passes(target)
+            + [ScheduleCPU()]
+            + cpu_pipeline.dataflow_lower_passes(target)
+            + finalize[:1])(mod)
+        peak = planned_bytes(planned)
+        lowered = tvm.transform.Sequential(finalize[1:])(planned)
+    with target, tvm.transform.PassContext(opt_level=3):
+        executable = tvm.compile(lowered, target=target, relax_pipeline=None)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = lib_path.with_suffix(f".tmp{os.getpid()}.so")
+    executable.export_library(str(tmp))
+    os.replace(tmp, lib_path)  # atomic: concurrent ranks never load a half-written library
+    meta_tmp = meta_path.with_suffix(f".tmp{os.getpid()}")
+    meta_tmp.write_text(json.dumps({"planned_peak_bytes": peak, "target": str(target)}))
+    os.replace(meta_tmp, meta_path)
+    return CompiledStep(executable, peak, str(lib_path), False)

@@ -1,0 +1,93 @@
+"""ScheduleCPU: a simple schedule for every PrimFunc TVM generates (after FuseTIR).
+
+Input: a module whose PrimFuncs are unscheduled (LegalizeOps output, fused).
+Output: the same functions with injective intermediate blocks inlined into their consumers;
+for each remaining block, the leading data-parallel loops fused and run in parallel when the
+work is large enough to pay for the thread pool, and a fully data-parallel block's innermost
+8 elements vectorised. Blocks the schedule cannot handle are left as they were.
+"""
+import os
+
+import tvm
+from tvm.s_tir import Schedule
+
+_MIN_PARALLEL_WORK = 1 << 14  # elements: below this, waking the pool costs more than it saves
+_VECTOR = 8  # float32 lanes in an AVX2 register
+
+
+def set_num_threads(num_threads):
+    """TVM's thread pool size (it defaults to one thread here): cores / local ranks."""
+    tvm.get_global_func("runtime.config_threadpool")(1, int(num_threads))
+
+
+def _extent(loop_rv, sch):
+    extent = sch.get(loop_rv).extent
+    return int(extent) if isinstance(extent, tvm.tirx.IntImm) else None
+
+
+def _schedule_block(sch, block):
+    sblock = sch.get(block)
+    loops = sch.get_loops(block)
+    kinds = [iv.iter_type for iv in sblock.iter_vars]
+    if len(loops) != len(kinds) or not loops:
+        return
+    extents = [_extent(loop, sch) for loop in loops]
+    if any(e is None for e in extents):
+        return
+    lead = 0
+    while lead < len(kinds) and kinds[lead] == tvm.tirx.IterVar.DataPar:
+        lead += 1
+    if lead == 0:
+        return
+    work = 1
+    for e in extents:
+        work *= e
+    spatial = sch.fuse(*loops[:lead]) if lead > 1 else loops[0]
+    spatial_extent = 1
+    for e in extents[:lead]:
+        spatial_extent *= e
+    all_spatial = lead == len(loops)
+    if all_spatial and spatial_extent % _VECTOR == 0 and spatial_extent >= 2 * _VECTOR:
+        outer, inner = sch.split(spatial, [None, _VECTOR])
+        sch.vectorize(inner)
+        spatial = outer
+    if work >= _MIN_PARALLEL_WORK and spatial_extent > 1:
+        sch.parallel(spatial)
+
+
+def schedule_prim_func(func):
+    sch = Schedule(func)
+    root = sch.get_sblock("root")
+    outputs = {sch.get(b).name_hint for b in sch.get_output_blocks(root)}
+    for block in sch.get_child_blocks(root):
+        if sch.get(block).name_hint in outputs:
+            continue
+        try:
+            sch.compute_inline(block)
+        except Exception:  # not injective / not inlinable: keep the block
+            pass
+    for block in sch.get_child_blocks(root):
+        try:
+            _schedule_block(sch, block)
+        except Exception:  # leave this block unscheduled rather than fail the build
+            pass
+    return sch.mod["main"]
+
+
+@tvm.transform.module_pass(opt_level=0, name="ScheduleCPU")
+class ScheduleCPU:
+    """See the module docstring."""
+
+    def transform_module(self, mod, ctx):
+        if os.environ.get("RAF_DIST_NO_SCHEDULE"):
+            return mod
+        updates = {}
+        for gvar, func in mod.functions_items():
+            if isinstance(func, tvm.tirx.PrimFunc) and not func.attrs.get("tir.is_scheduled"):
+                try:
+                    updates[gvar] = schedule_prim_func(func).with_attr("tir.is_scheduled", True)
+                except Exception:
+                    continue
+        for gvar, func in updates.items():
+            mod[gvar] = func
+        return mod

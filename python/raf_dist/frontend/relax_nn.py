@@ -1,0 +1,40 @@
+"""Capture a model written with ``raf_dist.nn`` (TVM's ``relax.frontend.nn`` module API)."""
+import numpy as np
+
+from ..model import Model
+
+
+def from_relax_nn(module, input_specs, init_params=None, seed=0):
+    """Capture ``module.forward`` for inputs ``input_specs`` = [(shape, dtype), ...].
+
+    Parameter names are the module's ``named_parameters()`` names. Initial values come from
+    ``init_params`` (name -> array) when given, else from parameters that already hold data,
+    else a seeded uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) like torch.nn.Linear's default.
+    """
+    from tvm.relax.frontend import nn
+
+    spec = {"forward": {f"x{i}": nn.spec.Tensor(list(shape), dtype)
+                        for i, (shape, dtype) in enumerate(input_specs)}}
+    mod, params = module.export_tvm(spec=spec)
+    names = [name for name, _ in params]
+    rng = np.random.default_rng(seed)
+    init = {}
+    for name, param in params:
+        shape = tuple(int(d) for d in param.shape)
+        if init_params and name in init_params:
+            value = np.asarray(init_params[name], dtype=param.dtype)
+        elif param.data is not None:
+            value = param.data.numpy()
+        else:
+            fan_in = shape[-1] if len(shape) > 1 else shape[0]
+            bound = 1.0 / np.sqrt(fan_in)
+            value = rng.uniform(-bound, bound, shape).astype(param.dtype)
+        if value.shape != shape:
+            raise ValueError(f"init value for {name} has shape {value.shape}, expected {shape}")
+        init[name] = value
+    import tvm
+
+    func = mod["forward"]
+    mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): func})
+    return Model(mod=mod, input_specs=[(tuple(s), d) for s, d in input_specs],
+                 param_names=names, init_params=init, source=f"raf_dist.nn {type(module).__name__}")

@@ -1,0 +1,50 @@
+"""The optimizer interface the training-step builder uses."""
+from tvm import relax
+
+
+class Optimizer:
+    """Base class. Subclasses set ``state_names`` and ``hyper_names`` and implement
+    ``hyper_values`` and ``emit_update``."""
+
+    state_names = ()  # per-parameter state tensors, each shaped like the parameter
+    hyper_names = ()  # per-step float scalars computed on the host
+
+    def __init__(self, lr):
+        _check_positive("lr", lr, allow_zero=True)
+        self.lr = float(lr)
+
+    def hyper_values(self, step):
+        """Scalars for 1-based ``step``, as a dict name -> float (computed in float64)."""
+        raise NotImplementedError
+
+    def emit_update(self, bb, param, grad, states, hyper):
+        """Emit the update of one parameter. ``states``: list of Relax vars in
+        ``state_names`` order; ``hyper``: name -> 0-d tensor var. Returns
+        (new_param, [new_state, ...])."""
+        raise NotImplementedError
+
+    def config(self):
+        """Hyper-parameters, for checkpoints and cache keys."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+
+def const(value, like):
+    """A scalar constant of ``like``'s dtype."""
+    return relax.const(value, like.ty.dtype)
+
+
+def _check_positive(name, value, allow_zero=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _check_beta(name, value):
+    _check_positive(name, value, allow_zero=True)
+    if not value < 1:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")

@@ -1,0 +1,39 @@
+"""SGD with momentum, Nesterov momentum and L2 weight decay, as torch.optim.SGD
+(dampening 0): d = g + wd*p; buf = momentum*buf + d (buf = d on the first step, which a
+zero-initialised buffer gives exactly); d = d + momentum*buf if nesterov else buf; p -= lr*d."""
+from tvm import relax
+
+from .optimizer import Optimizer, _check_positive, const
+
+
+class SGD(Optimizer):
+    hyper_names = ("lr",)
+
+    def __init__(self, lr, momentum=0.0, weight_decay=0.0, nesterov=False):
+        super().__init__(lr)
+        _check_positive("momentum", momentum, allow_zero=True)
+        _check_positive("weight_decay", weight_decay, allow_zero=True)
+        if nesterov and momentum <= 0:
+            raise ValueError("nesterov=True requires momentum > 0 (as in torch.optim.SGD)")
+        self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
+        self.nesterov = bool(nesterov)
+        self.state_names = ("momentum_buffer",) if self.momentum else ()
+
+    def hyper_values(self, step):
+        return {"lr": self.lr}
+
+    def emit_update(self, bb, param, grad, states, hyper):
+        d = grad
+        if self.weight_decay:
+            d = bb.emit(relax.op.add(d, bb.emit(relax.op.multiply(param, const(self.weight_decay, param)))))
+        new_states = []
+        if self.momentum:
+            buf = bb.emit(relax.op.add(bb.emit(relax.op.multiply(states[0], const(self.momentum, param))), d))
+            new_states.append(buf)
+            if self.nesterov:
+                d = bb.emit(relax.op.add(d, bb.emit(relax.op.multiply(buf, const(self.momentum, param)))))
+            else:
+                d = buf
+        step = bb.emit(relax.op.multiply(d, hyper["lr"]))
+        return bb.emit(relax.op.subtract(param, step)), new_states

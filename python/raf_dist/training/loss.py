@@ -1,0 +1,49 @@
+"""Loss functions as Relax functions ``loss(prediction, target) -> scalar``.
+
+``cross_entropy``: integer class targets, mean over the batch, as
+``torch.nn.functional.cross_entropy`` (predictions (B, C) or (B, ..., C) with targets (B, ...)).
+``mse``: mean of squared differences, as ``torch.nn.functional.mse_loss``.
+"""
+from tvm import relax
+
+LOSSES = ("cross_entropy", "mse")
+
+
+def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=None):
+    """The loss as a Relax function, with the target's expected shape and dtype."""
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; expected one of {LOSSES}")
+    pred_shape = tuple(int(d) for d in pred_shape)
+    if name == "cross_entropy":
+        if len(pred_shape) < 2:
+            raise ValueError(f"cross_entropy needs predictions of shape (batch, ..., classes), "
+                             f"got {pred_shape}")
+        target_shape = pred_shape[:-1] if target_shape is None else tuple(target_shape)
+        target_dtype = target_dtype or "int64"
+    else:
+        target_shape = pred_shape if target_shape is None else tuple(target_shape)
+        target_dtype = target_dtype or pred_dtype
+    pred = relax.Var("prediction", relax.TensorType(pred_shape, pred_dtype))
+    target = relax.Var("target", relax.TensorType(target_shape, target_dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("loss", [pred, target]):
+        with bb.dataflow():
+            if name == "cross_entropy":
+                logits = pred
+                if len(pred_shape) > 2:  # (B, ..., C) -> (B*..., C) as F.cross_entropy on flat
+                    rows = 1
+                    for d in pred_shape[:-1]:
+                        rows *= d
+                    logits = bb.emit(relax.op.reshape(pred, (rows, pred_shape[-1])))
+                    flat_target = bb.emit(relax.op.reshape(target, (rows,)))
+                else:
+                    flat_target = target
+                log_probs = bb.emit(relax.op.nn.log_softmax(logits, axis=-1))
+                value = bb.emit(relax.op.nn.nll_loss(log_probs, flat_target, reduction="mean"))
+            else:
+                diff = bb.emit(relax.op.subtract(pred, target))
+                squared = bb.emit(relax.op.multiply(diff, diff))
+                value = bb.emit(relax.op.mean(squared))
+            out = bb.emit_output(value)
+        bb.emit_func_output(out)
+    return bb.get()["loss"], (target_shape, target_dtype)

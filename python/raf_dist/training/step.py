@@ -1,0 +1,128 @@
+"""Build the training step as one Relax function:
+
+    train_step(*inputs, target, *params, *opt_states, *hypers)
+        -> (loss, *new_params, *new_opt_states)
+
+= forward + loss (AppendLoss) + TVM's Gradient pass + the optimizer's update, all in one
+dataflow block, so later passes (distribution, scheduling, memory planning) see the whole step.
+``opt_states`` are ordered parameter-major: for each parameter, each of the optimizer's
+``state_names``. ``hypers`` are 0-d float tensors, one per ``optimizer.hyper_names``.
+"""
+import dataclasses
+
+import tvm
+from tvm import relax
+
+from . import gradients  # noqa: F401  (registers the gradients TVM 0.27 lacks)
+from .loss import build_loss
+
+
+@dataclasses.dataclass
+class TrainStepSignature:
+    """The calling convention of ``train_step`` (what the Trainer passes and receives)."""
+
+    input_specs: list  # [(shape, dtype)]
+    target_spec: tuple  # (shape, dtype)
+    param_names: list
+    param_specs: list  # [(shape, dtype)]
+    state_names: list  # per-parameter state names, e.g. ["exp_avg", "exp_avg_sq"]
+    hyper_names: list
+
+    @property
+    def num_inputs(self):
+        return len(self.input_specs)
+
+    def state_keys(self):
+        """(param name, state name) for each opt_state argument, in order."""
+        return [(p, s) for p in self.param_names for s in self.state_names]
+
+
+def missing_gradients(func):
+    """Ops in ``func`` that have no registered gradient: [(op name, bound var name)]."""
+    missing = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+            if expr.op.get_attr("FPrimalGradient") is None:
+                missing.append(expr.op.name)
+
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            before = len(missing)
+            relax.analysis.post_order_visit(binding.value, visit)
+            missing[before:] = [(name, binding.var.name) for name in missing[before:]]
+    return missing
+
+
+def build_train_step(model, loss, optimizer, target_spec=None):
+    """Return (IRModule with "train_step", TrainStepSignature)."""
+    forward = model.forward
+    out_info = forward.ret_ty
+    if not isinstance(out_info, relax.TensorType) or out_info.shape is None:
+        raise ValueError(f"{model.source}: forward must return one tensor of known shape to "
+                         f"apply a loss, got {out_info}")
+    pred_shape = [int(d) for d in out_info.shape]
+    target_shape, target_dtype = (None, None) if target_spec is None else target_spec
+    loss_func, target_spec = build_loss(loss, pred_shape, out_info.dtype, target_shape,
+                                        target_dtype)
+    missing = missing_gradients(forward)
+    if missing:
+        ops = ", ".join(f"{op} (computing {var})" for op, var in missing)
+        raise NotImplementedError(
+            f"{model.source}: no gradient is registered for {ops}; register one with "
+            "tvm.relax.op.base.register_gradient or avoid the op")
+    mod = tvm.IRModule({tvm.ir.GlobalVar("main"): forward.with_attr("global_symbol", "main")})
+    mod = relax.training.AppendLoss("main", loss_func, num_backbone_outputs=1)(mod)
+    n_in, n_params = len(model.input_specs), len(model.param_names)
+    require = list(mod["main_loss"].params[n_in:n_in + n_params])
+    mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
+    adjoint = mod["main_loss_adjoint"]
+    param_vars = list(adjoint.params[n_in:n_in + n_params])  # the adjoint's own Var objects
+
+    inputs = list(adjoint.params[:n_in])
+    target = adjoint.params[-1]
+    state_vars = [relax.Var(f"{_ident(p)}__{s}", v.ty)
+                  for p, v in zip(model.param_names, param_vars) for s in optimizer.state_names]
+    hyper_dtype = model.param_specs()[0][1] if model.param_names else "float32"
+    hyper_vars = {h: relax.Var(h, relax.TensorType((), hyper_dtype)) for h in optimizer.hyper_names}
+    n_states = len(optimizer.state_names)
+
+    bb = relax.BlockBuilder()
+    params = inputs + [target] + param_vars + state_vars + list(hyper_vars.values())
+    with bb.function("train_step", params):
+        with bb.dataflow():
+            for block in adjoint.body.blocks:
+                for binding in block.bindings:
+                    bb.emit_normalized(binding)
+            loss_value, grads = _loss_and_grads(adjoint)
+            new_params, new_states = [], []
+            for i, (param, grad) in enumerate(zip(param_vars, grads)):
+                states = state_vars[i * n_states:(i + 1) * n_states]
+                new_param, updated = optimizer.emit_update(bb, param, grad, states, hyper_vars)
+                new_params.append(new_param)
+                new_states.extend(updated)
+            out = bb.emit_output(relax.Tuple([loss_value, *new_params, *new_states]))
+        bb.emit_func_output(out)
+    step_mod = bb.get()
+    step_mod = relax.transform.DeadCodeElimination(["train_step"])(step_mod)
+    signature = TrainStepSignature(
+        input_specs=list(model.input_specs), target_spec=tuple(target_spec),
+        param_names=list(model.param_names), param_specs=model.param_specs(),
+        state_names=list(optimizer.state_names), hyper_names=list(optimizer.hyper_names))
+    return step_mod, signature
+
+
+def _loss_and_grads(adjoint):
+    """The adjoint function returns (loss, (grad, ...)); find those expressions."""
+    result = adjoint.body.body
+    bound = {b.var: b.value for block in adjoint.body.blocks for b in block.bindings}
+    while isinstance(result, relax.Var) and result in bound:
+        result = bound[result]
+    loss_value, grads = result.fields
+    while isinstance(grads, relax.Var) and grads in bound:
+        grads = bound[grads]
+    return loss_value, list(grads.fields)
+
+
+def _ident(name):
+    return "".join(c if c.isalnum() else "_" for c in name)
