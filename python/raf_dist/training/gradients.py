@@ -1,9 +1,193 @@
-"""Gradients TVM 0.27 lacks, registered at a level above TVM's own (10) so ours win.
+"""Gradients TVM 0.27 lacks, registered at a level above TVM's own (10).
 
 Each function gets (orig_var, orig_call, output_grad, ctx) and returns one partial per
-argument (``relax.op.zeros_like`` style nulls are fine for non-differentiable arguments).
+argument. Ops that produce masks, indices or constants (arange, logical and bitwise ops)
+get ``no_grad`` partials: nothing differentiable flows through them.
+Checked against finite differences in float64 by tests/numeric/test_gradients.py.
 """
+import math
+
+import tvm
 from tvm import relax
+from tvm.relax.op import grad as grad_ops
 from tvm.relax.op.base import register_gradient
 
 _LEVEL = 11
+op = relax.op
+
+
+def _register(name):
+    def wrap(fn):
+        register_gradient(name, fn, level=_LEVEL)
+        return fn
+
+    return wrap
+
+
+def _const(value, like):
+    return relax.const(value, like.ty.dtype)
+
+
+def _no_grads(orig_var, orig_call, output_grad, ctx):
+    return [grad_ops.no_grad(arg) for arg in orig_call.args]
+
+
+for _name in ("relax.arange", "relax.logical_and", "relax.logical_or", "relax.logical_not",
+              "relax.logical_xor", "relax.bitwise_not", "relax.bitwise_and", "relax.bitwise_or",
+              "relax.bitwise_xor", "relax.argmax", "relax.argmin"):
+    if tvm.ir.Op.get(_name).get_attr("FPrimalGradient") is None:
+        register_gradient(_name, _no_grads, level=_LEVEL)
+
+
+@_register("relax.tril")
+def _tril_grad(orig_var, orig_call, output_grad, ctx):
+    return [op.tril(output_grad, orig_call.args[1]), grad_ops.no_grad(orig_call.args[1])]
+
+
+@_register("relax.triu")
+def _triu_grad(orig_var, orig_call, output_grad, ctx):
+    # TVM's own returns one partial for two arguments (k is an argument in 0.27)
+    return [op.triu(output_grad, orig_call.args[1]), grad_ops.no_grad(orig_call.args[1])]
+
+
+@_register("relax.erf")
+def _erf_grad(orig_var, orig_call, output_grad, ctx):
+    x = orig_call.args[0]
+    slope = op.multiply(_const(2 / math.sqrt(math.pi), x), op.exp(op.negative(op.multiply(x, x))))
+    return [op.multiply(output_grad, slope)]
+
+
+@_register("relax.nn.gelu")
+def _gelu_grad(orig_var, orig_call, output_grad, ctx):
+    # gelu(x) = x * Phi(x); gelu'(x) = Phi(x) + x * phi(x)
+    x = orig_call.args[0]
+    cdf = op.multiply(_const(0.5, x), op.add(_const(1.0, x),
+                                             op.erf(op.multiply(x, _const(1 / math.sqrt(2), x)))))
+    pdf = op.multiply(_const(1 / math.sqrt(2 * math.pi), x),
+                      op.exp(op.multiply(_const(-0.5, x), op.multiply(x, x))))
+    return [op.multiply(output_grad, op.add(cdf, op.multiply(x, pdf)))]
+
+
+@_register("relax.nn.gelu_tanh")
+def _gelu_tanh_grad(orig_var, orig_call, output_grad, ctx):
+    # 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3), c = sqrt(2/pi)
+    x = orig_call.args[0]
+    c = math.sqrt(2 / math.pi)
+    x2 = op.multiply(x, x)
+    u = op.multiply(_const(c, x), op.add(x, op.multiply(_const(0.044715, x), op.multiply(x2, x))))
+    t = op.tanh(u)
+    du = op.multiply(_const(c, x), op.add(_const(1.0, x), op.multiply(_const(3 * 0.044715, x), x2)))
+    sech2 = op.subtract(_const(1.0, x), op.multiply(t, t))
+    slope = op.add(op.multiply(_const(0.5, x), op.add(_const(1.0, x), t)),
+                   op.multiply(op.multiply(_const(0.5, x), x), op.multiply(sech2, du)))
+    return [op.multiply(output_grad, slope)]
+
+
+@_register("relax.rsqrt")
+def _rsqrt_grad(orig_var, orig_call, output_grad, ctx):
+    y = orig_var  # d/dx x^-1/2 = -1/2 x^-3/2 = -1/2 y^3
+    return [op.multiply(output_grad, op.multiply(_const(-0.5, y), op.multiply(y, op.multiply(y, y))))]
+
+
+@_register("relax.square")
+def _square_grad(orig_var, orig_call, output_grad, ctx):
+    x = orig_call.args[0]
+    return [op.multiply(output_grad, op.multiply(_const(2.0, x), x))]
+
+
+@_register("relax.nn.leakyrelu")
+def _leakyrelu_grad(orig_var, orig_call, output_grad, ctx):
+    x = orig_call.args[0]
+    alpha = float(orig_call.attrs.alpha)
+    slope = op.where(op.greater(x, _const(0.0, x)), op.ones_like(x),
+                     op.full_like(x, _const(alpha, x)))
+    return [op.multiply(output_grad, slope)]
+
+
+@_register("relax.nn.softplus")
+def _softplus_grad(orig_var, orig_call, output_grad, ctx):
+    x = orig_call.args[0]
+    beta = float(orig_call.attrs.beta)
+    return [op.multiply(output_grad, op.sigmoid(op.multiply(x, _const(beta, x))))]
+
+
+@_register("relax.nn.layer_norm")
+def _layer_norm_grad(orig_var, orig_call, output_grad, ctx):
+    """y = xhat * gamma + beta, xhat = (x - mean) * rstd over ``axes``:
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma;
+    dgamma = sum(dy * xhat), dbeta = sum(dy) over the other axes."""
+    x, gamma, beta = orig_call.args
+    ndim = x.ty.ndim
+    axes = sorted(int(a) % ndim for a in orig_call.attrs.axes)
+    batch_axes = [a for a in range(ndim) if a not in axes]
+    eps = float(orig_call.attrs.epsilon)
+    mean = ctx.emit(op.mean(x, axes, keepdims=True))
+    centered = ctx.emit(op.subtract(x, mean))
+    var = ctx.emit(op.mean(op.multiply(centered, centered), axes, keepdims=True))
+    rstd = ctx.emit(op.rsqrt(op.add(var, _const(eps, x))))
+    xhat = ctx.emit(op.multiply(centered, rstd))
+    g = ctx.emit(op.multiply(output_grad, gamma))
+    mean_g = op.mean(g, axes, keepdims=True)
+    mean_gx = op.mean(op.multiply(g, xhat), axes, keepdims=True)
+    dx = op.multiply(rstd, op.subtract(op.subtract(g, mean_g), op.multiply(xhat, mean_gx)))
+    dgamma = op.sum(op.multiply(output_grad, xhat), batch_axes) if batch_axes else \
+        op.multiply(output_grad, xhat)
+    dbeta = op.sum(output_grad, batch_axes) if batch_axes else output_grad
+    return [dx, dgamma, dbeta]
+
+
+def _shape_of(expr):
+    return [int(d) for d in expr.ty.shape]
+
+
+@_register("relax.squeeze")
+def _squeeze_grad(orig_var, orig_call, output_grad, ctx):
+    return [op.reshape(output_grad, _shape_of(orig_call.args[0]))]
+
+
+@_register("relax.flatten")
+def _flatten_grad(orig_var, orig_call, output_grad, ctx):
+    return [op.reshape(output_grad, _shape_of(orig_call.args[0]))]
+
+
+def _extreme_grad(orig_var, orig_call, output_grad, ctx):
+    """max / min over axes: the gradient goes to the extreme elements, split evenly between
+    ties (as torch.amax / amin)."""
+    x = orig_call.args[0]
+    ndim = x.ty.ndim
+    axis = orig_call.attrs.axis
+    axes = list(range(ndim)) if axis is None else sorted(int(a) % ndim for a in axis)
+    y, dy = orig_var, output_grad
+    if not orig_call.attrs.keepdims:
+        y = op.expand_dims(y, axes)
+        dy = op.expand_dims(dy, axes)
+    hit = ctx.emit(op.astype(op.equal(x, y), x.ty.dtype))
+    count = op.sum(hit, axes, keepdims=True)
+    return [op.multiply(hit, op.divide(dy, count))]
+
+
+register_gradient("relax.max", _extreme_grad, level=_LEVEL)
+register_gradient("relax.min", _extreme_grad, level=_LEVEL)
+
+
+@_register("relax.take")
+def _take_grad(orig_var, orig_call, output_grad, ctx):
+    """TVM's take_backward needs 1-D indices: flatten the index dimensions of the output
+    gradient and of the indices, then scatter-add as TVM does."""
+    x, indices = orig_call.args
+    axis = orig_call.attrs.axis
+    idx_shape = _shape_of(indices)
+    if len(idx_shape) != 1:
+        numel = 1
+        for d in idx_shape:
+            numel *= d
+        if axis is None:
+            flat_grad_shape = [numel]
+        else:
+            axis = int(axis) % x.ty.ndim
+            x_shape = _shape_of(x)
+            flat_grad_shape = x_shape[:axis] + [numel] + x_shape[axis + 1:]
+        output_grad = ctx.emit(op.reshape(output_grad, flat_grad_shape))
+        indices = ctx.emit(op.reshape(indices, [numel]))
+    return [grad_ops.take_backward(output_grad, x, indices, orig_call.attrs.axis),
+            grad_ops.no_grad(orig_call.args[1])]

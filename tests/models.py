@@ -1,0 +1,159 @@
+"""PyTorch models shared by the numeric and distributed tiers (small enough for 2 cores)."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes=(20, 32, 32, 5)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.relu(x)
+        return x
+
+
+class CNN(nn.Module):
+    """conv2d, max and avg pooling, flatten."""
+
+    def __init__(self, classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 2 * 2, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.avg_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(torch.flatten(x, 1))
+
+
+class TransformerBlock(nn.Module):
+    """GPT-style block: embedding, layer_norm, split, transpose/reshape, causal mask through
+    tril/masked_fill, softmax, gelu, residuals."""
+
+    def __init__(self, vocab=24, d=16, heads=2, seq=8):
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.1)
+        self.ln1 = nn.LayerNorm(d)
+        # No qkv bias: the key bias has an exactly-zero true gradient (softmax ignores a shift
+        # shared by all keys), so Adam would turn float noise into +-lr steps whose sign depends
+        # on reduction order, making any comparison with PyTorch meaningless for that slice.
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        batch, seq = idx.shape
+        x = self.tok(idx) + self.pos
+        q, k, v = self.qkv(self.ln1(x)).split(x.shape[-1], dim=-1)
+        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / (q.shape[-1] ** 0.5)
+        mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool))
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(batch, seq, -1)
+        x = x + self.proj(y)
+        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return self.head(x)
+
+
+class MHAClassifier(nn.Module):
+    """torch.nn.MultiheadAttention, then mean pooling."""
+
+    def __init__(self, d=16, heads=2, classes=4):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True, bias=False)  # see TransformerBlock
+        self.out = nn.Linear(d, classes)
+
+    def forward(self, x):
+        y, _ = self.attn(x, x, x, need_weights=False)
+        return self.out(y.mean(dim=1))
+
+
+class SDPAClassifier(nn.Module):
+    """F.scaled_dot_product_attention (causal)."""
+
+    def __init__(self, d=16, heads=2, classes=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)  # see TransformerBlock
+        self.out = nn.Linear(d, classes)
+
+    def forward(self, x):
+        batch, seq, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, d).mean(dim=1))
+
+
+def make(name, batch, seed=0):
+    """(module, example input, target) with deterministic data for a global batch."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    if name == "mlp":
+        return MLP(), torch.randn(batch, 20, generator=gen), torch.randint(0, 5, (batch,), generator=gen)
+    if name == "cnn":
+        return (CNN(), torch.randn(batch, 1, 8, 8, generator=gen),
+                torch.randint(0, 10, (batch,), generator=gen))
+    if name == "transformer":
+        return (TransformerBlock(), torch.randint(0, 24, (batch, 8), generator=gen),
+                torch.randint(0, 24, (batch, 8), generator=gen))
+    if name == "mha":
+        return MHAClassifier(), torch.randn(batch, 6, 16, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
+    if name == "sdpa":
+        return SDPAClassifier(), torch.randn(batch, 6, 16, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
+    raise ValueError(name)
+
+
+def torch_optimizer(name, params):
+    if name == "sgd_momentum":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    if name == "sgd_nesterov":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2)
+    raise ValueError(name)
+
+
+def raf_optimizer(name):
+    import raf_dist
+
+    if name == "sgd_momentum":
+        return raf_dist.optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3)
+    if name == "sgd_nesterov":
+        return raf_dist.optim.SGD(lr=0.05, momentum=0.9, nesterov=True)
+    if name == "adam":
+        return raf_dist.optim.Adam(lr=1e-2, weight_decay=1e-3)
+    if name == "adamw":
+        return raf_dist.optim.AdamW(lr=1e-2)
+    raise ValueError(name)
+
+
+def torch_loss(out, target):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def torch_reference(name, opt_name, batch, steps, seed=0):
+    """Losses and final parameters of ``steps`` PyTorch steps on the same data."""
+    module, x, y = make(name, batch, seed)
+    opt = torch_optimizer(opt_name, module.parameters())
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch_loss(module(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
