@@ -1,0 +1,114 @@
+"""IR tier for DispatchMatmulToBLAS: TVMScript Before / Expected, structural equality."""
+import pytest
+import tvm
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from raf_dist.passes import DispatchMatmulToBLAS
+
+
+def test_folds_weight_transpose_like_linear():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((8, 4), "float32"), w: R.Tensor((16, 4), "float32")):
+            with R.dataflow():
+                wt = R.permute_dims(w, axes=[1, 0])
+                y = R.matmul(x, wt, out_dtype="float32")
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((8, 4), "float32"), w: R.Tensor((16, 4), "float32")):
+            with R.dataflow():
+                y = R.call_dps_packed("raf_dist.blas.matmul", (x, w, R.prim_value(0), R.prim_value(1)),
+                                      out_ty=R.Tensor((8, 16), "float32"))
+                R.output(y)
+            return y
+
+    tvm.ir.assert_structural_equal(DispatchMatmulToBLAS()(Before), Expected)
+
+
+def test_folds_both_batched_transposes_and_keeps_other_permutes():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(a: R.Tensor((2, 3, 5, 4), "float32"), b: R.Tensor((2, 3, 6, 5), "float32"),
+                 c: R.Tensor((3, 2, 6, 4), "float32")):
+            with R.dataflow():
+                at = R.permute_dims(a, axes=[0, 1, 3, 2])
+                bt = R.permute_dims(b, axes=[0, 1, 3, 2])
+                ab = R.matmul(at, bt, out_dtype="float32")
+                ct = R.permute_dims(c, axes=[1, 0, 2, 3])  # not a last-two swap: stays
+                y = R.matmul(ab, ct, out_dtype="float32")
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(a: R.Tensor((2, 3, 5, 4), "float32"), b: R.Tensor((2, 3, 6, 5), "float32"),
+                 c: R.Tensor((3, 2, 6, 4), "float32")):
+            with R.dataflow():
+                ab = R.call_dps_packed("raf_dist.blas.matmul", (a, b, R.prim_value(1), R.prim_value(1)),
+                                       out_ty=R.Tensor((2, 3, 4, 6), "float32"))
+                ct = R.permute_dims(c, axes=[1, 0, 2, 3])
+                y = R.call_dps_packed("raf_dist.blas.matmul", (ab, ct, R.prim_value(0), R.prim_value(0)),
+                                      out_ty=R.Tensor((2, 3, 4, 4), "float32"))
+                R.output(y)
+            return y
+
+    tvm.ir.assert_structural_equal(DispatchMatmulToBLAS()(Before), Expected)
+
+
+@I.ir_module
+class HalfAndVector:
+    @R.function
+    def main(x: R.Tensor((8, 4), "float16"), w: R.Tensor((4, 2), "float16"),
+             v: R.Tensor((4,), "float32"), m: R.Tensor((3, 4), "float32")):
+        with R.dataflow():
+            y = R.matmul(x, w)  # no half-precision BLAS on the host: stays with TVM
+            z = R.matmul(m, v)  # rank-1 operand: stays with TVM
+            R.output(y, z)
+        return (y, z)
+
+
+@I.ir_module
+class Integer:
+    @R.function
+    def main(x: R.Tensor((8, 4), "int32"), w: R.Tensor((4, 2), "int32")):
+        with R.dataflow():
+            y = R.matmul(x, w)
+            R.output(y)
+        return y
+
+
+@pytest.mark.parametrize("mod", [HalfAndVector, Integer], ids=["float16_and_vector", "int32"])
+def test_leaves_non_blas_dtypes_and_vectors(mod):
+    tvm.ir.assert_structural_equal(DispatchMatmulToBLAS()(mod), mod)
+
+
+def test_numerics_of_dispatched_matmul_with_transposes():
+    import numpy as np
+    from tvm import relax
+
+    import raf_dist.runtime  # noqa: F401  (registers raf_dist.blas.matmul)
+
+    @I.ir_module
+    class Mod:
+        @R.function
+        def main(a: R.Tensor((2, 5, 4), "float32"), b: R.Tensor((6, 5), "float32")):
+            with R.dataflow():
+                at = R.permute_dims(a, axes=[0, 2, 1])
+                bt = R.permute_dims(b, axes=[1, 0])
+                y = R.matmul(at, bt, out_dtype="float32")
+                R.output(y)
+            return y
+
+    vm = relax.VirtualMachine(tvm.compile(DispatchMatmulToBLAS()(Mod), target="llvm"), tvm.cpu())
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 5, 4), "float32"), rng.standard_normal((6, 5), "float32")
+    got = vm["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b)).numpy()
+    np.testing.assert_allclose(got, np.swapaxes(a, 1, 2) @ b.T, rtol=1e-5)
