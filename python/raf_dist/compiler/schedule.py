@@ -16,7 +16,13 @@ _VECTOR = 8  # float32 lanes in an AVX2 register
 
 
 def set_num_threads(num_threads):
-    """TVM's thread pool size (it defaults to one thread here): cores / local ranks."""
+    """TVM's thread pool size (it defaults to one thread here): cores / local ranks.
+
+    Idle pool workers sleep instead of spinning (TVM_THREAD_POOL_SPIN_COUNT=0 unless the user
+    set it): spinning workers steal the cores from the MPI communication thread, from BLAS and
+    from whatever runs between steps (measured in bench/RESULTS.md: PyTorch next to a spinning
+    pool ran 10x slower)."""
+    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
     tvm.get_global_func("runtime.config_threadpool")(1, int(num_threads))
 
 
