@@ -21,7 +21,7 @@ $(STAMP): setup.py pyproject.toml $(NATIVE)
 	touch $@
 
 demo: install
-	$(MPIRUN) -np $(NP) $(PY) scripts/distributed/collective_demo.py
+	$(MPIRUN) -np $(NP) $(PY) scripts/distributed/dist_example.py
 
 test: install
 	$(PY) -m pytest -q tests
@@ -31,6 +31,8 @@ test-fast: install
 
 bench: install
 	$(MPIRUN) -np 2 $(PY) bench/collectives.py
+	$(PY) bench/step_time.py
+	$(MPIRUN) -np 2 $(PY) bench/dp_step.py
 
 clean:
 	rm -rf build python/raf_dist/libraf_dist.so

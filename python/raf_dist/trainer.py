@@ -12,9 +12,9 @@ from tvm import relax
 
 from . import runtime  # noqa: F401  (registers raf_dist.blas.*)
 from .compiler import compile_step, set_num_threads
-from .distributed import get_communicator, get_config
+from .distributed import collectives, get_communicator, get_config
 from .optim import Optimizer
-from .passes import DispatchMatmulToBLAS
+from .passes import AllReduceGradients, DispatchMatmulToBLAS, StripGradientMarkers
 from .training import LOSSES, build_train_step
 
 
@@ -37,31 +37,61 @@ class Trainer:
         config.check()
         self.config = config.as_dict()
         self.comm = get_communicator()
-        if config.enable_data_parallel and self.comm.size > 1:
+        if config.zero_opt_level > 0:
             raise NotImplementedError(
-                "data parallelism is not available in this build yet; run with one process or "
-                "set dist.get_config().enable_data_parallel = False")
+                f"zero_opt_level={config.zero_opt_level} is not available in this build yet; use "
+                "zero_opt_level=0 (plain data parallelism)")
+        self.data_parallel = config.enable_data_parallel and self.comm.size > 1
         self.model = model
         self.loss = loss
         self.optimizer = optimizer
         set_num_threads(max(1, _cores() // max(1, self.comm.local_size)))
 
         self.ir, self.signature = build_train_step(model, loss, optimizer)
-        compiled = compile_step(self.ir, passes=[DispatchMatmulToBLAS()], cache_dir=cache_dir)
-        self.compiled = compiled
+        self.compiled = self._compile(config, cache_dir)
         self._device = tvm.cpu()
-        self._vm = relax.VirtualMachine(compiled.executable, self._device)
+        self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
         self._step_fn = self._vm["train_step"]
-        self._params = [tvm.runtime.tensor(model.init_params[n], self._device)
-                        for n in self.signature.param_names]
+        init = {n: np.ascontiguousarray(model.init_params[n]) for n in self.signature.param_names}
+        if self.data_parallel:  # identical start on every rank, whatever each rank's seed
+            for name in self.signature.param_names:
+                init[name] = collectives.broadcast(init[name].copy(), root=0)
+        self._params = [tvm.runtime.tensor(init[n], self._device) for n in self.signature.param_names]
         self._states = [tvm.runtime.tensor(np.zeros_like(model.init_params[p]), self._device)
                         for p, _ in self.signature.state_keys()]
         self.step_count = 0
+        self._comm_last_step = {}
+        self._forward = None
+        self._cache_dir = cache_dir
         self._hyper_dtype = self.signature.param_specs[0][1] if self._params else "float32"
+
+    def _passes(self, config):
+        """The config, read once, as explicit pass arguments."""
+        if self.data_parallel:
+            distribute = AllReduceGradients(self.comm.size,
+                                            int(config.bucket_size_mb * 2**20),
+                                            overlap=config.overlap_comm, group=self.comm.group)
+        else:
+            distribute = StripGradientMarkers()
+        return [distribute, DispatchMatmulToBLAS()]
+
+    def _compile(self, config, cache_dir):
+        """Every rank compiles the same IR (it is SPMD), so on each host local rank 0 compiles
+        into the cache and the other ranks load the artifact instead of repeating the work."""
+        passes = self._passes(config)
+        if self.comm.size == 1:
+            return compile_step(self.ir, passes=passes, cache_dir=cache_dir)
+        if self.comm.local_rank == 0:
+            compiled = compile_step(self.ir, passes=passes, cache_dir=cache_dir)
+            self.comm.idle_barrier()
+            return compiled
+        self.comm.idle_barrier()
+        return compile_step(self.ir, passes=passes, cache_dir=cache_dir)
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self, x, y):
-        """One optimizer step on this rank's batch; returns the mean loss."""
+        """One optimizer step on this rank's slice of the global batch; returns the mean loss
+        over the global batch (every rank's slice must have the captured shape)."""
         inputs = x if isinstance(x, (tuple, list)) else (x,)
         if len(inputs) != self.signature.num_inputs:
             raise ValueError(f"step() got {len(inputs)} inputs; the model was captured with "
@@ -72,12 +102,42 @@ class Trainer:
         hypers = self.optimizer.hyper_values(self.step_count + 1)
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype), self._device)
                       for h in self.signature.hyper_names]
+        before = collectives.comm_counters() if self.data_parallel else None
         out = self._step_fn(*args, *self._params, *self._states, *hyper_args)
+        if before is not None:
+            after = collectives.comm_counters()
+            self._comm_last_step = {k: after[k]["bus_bytes"] - before[k]["bus_bytes"]
+                                    for k in after if after[k]["calls"] > before[k]["calls"]}
         n = len(self._params)
         self._params = [out[1 + i] for i in range(n)]
         self._states = [out[1 + n + i] for i in range(len(self._states))]
         self.step_count += 1
         return float(out[0].numpy())
+
+    def predict(self, x):
+        """Forward pass with the current parameters on any number of rows: the batch is cut
+        into pieces of the captured batch size (the last one padded) and run through the
+        compiled forward function; returns the outputs as one numpy array."""
+        if self._forward is None:
+            forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): self.model.forward})
+            compiled = compile_step(forward_mod, passes=[DispatchMatmulToBLAS()],
+                                    cache_dir=self._cache_dir)
+            self._forward = relax.VirtualMachine(compiled.executable, self._device)["forward"]
+        if self.signature.num_inputs != 1:
+            raise ValueError("predict() supports single-input models")
+        shape, dtype = self.signature.input_specs[0]
+        x = np.asarray(x, dtype=dtype)
+        if tuple(x.shape[1:]) != tuple(shape[1:]):
+            raise ValueError(f"predict(): rows must have shape {tuple(shape[1:])}, got "
+                             f"{tuple(x.shape[1:])}")
+        batch, outputs = shape[0], []
+        for start in range(0, len(x), batch):
+            piece = x[start:start + batch]
+            padded = np.zeros(shape, dtype=dtype)
+            padded[:len(piece)] = piece
+            out = self._forward(tvm.runtime.tensor(padded, self._device), *self._params)
+            outputs.append(out.numpy()[:len(piece)])
+        return np.concatenate(outputs)
 
     def _to_device(self, array, spec, what):
         shape, dtype = spec
@@ -107,7 +167,7 @@ class Trainer:
             "grad_bytes": param_bytes,
             "optimizer_state_bytes": sum(_nbytes(s) for s in self._states),
             "planned_peak_bytes": self.compiled.planned_peak_bytes,
-            "comm_bytes_last_step": {},
+            "comm_bytes_last_step": dict(self._comm_last_step),
         }
 
 

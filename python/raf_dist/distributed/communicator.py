@@ -43,6 +43,16 @@ class Communicator:
         self.hosts = hosts
         self.group = int(_native.func("init_group")(MPI._addressof(mpi_comm), check_collectives))
 
+    def idle_barrier(self, poll_seconds=0.005):
+        """A barrier that sleeps while it waits. MPICH's blocking barrier busy-polls, so ranks
+        waiting for another's long local work (compiling, checkpoint I/O) would steal the
+        cores that work needs when ranks share a host."""
+        import time
+
+        request = self.mpi_comm.Ibarrier()
+        while not request.Test():
+            time.sleep(poll_seconds)
+
     def __repr__(self):
         return (
             f"Communicator(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "

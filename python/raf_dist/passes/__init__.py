@@ -1,5 +1,7 @@
 """raf_dist's Relax passes. Each is a function of the IRModule and explicit arguments: no pass
 reads a global config or a communicator (DESIGN.md section 2)."""
+from .data_parallel import AllReduceGradients, assign_buckets
 from .dispatch_blas import DispatchMatmulToBLAS
+from .gradient_markers import StripGradientMarkers
 
-__all__ = ["DispatchMatmulToBLAS"]
+__all__ = ["AllReduceGradients", "DispatchMatmulToBLAS", "StripGradientMarkers", "assign_buckets"]

@@ -5,6 +5,9 @@
 
 = forward + loss (AppendLoss) + TVM's Gradient pass + the optimizer's update, all in one
 dataflow block, so later passes (distribution, scheduling, memory planning) see the whole step.
+Each parameter's gradient passes through a ``raf_dist.mark_gradient`` marker right where
+backward produces it; the optimizer reads the marked value. A distribution pass rewrites the
+markers into collectives; without one, StripGradientMarkers removes them.
 ``opt_states`` are ordered parameter-major: for each parameter, each of the optimizer's
 ``state_names``. ``hypers`` are 0-d float tensors, one per ``optimizer.hyper_names``.
 """
@@ -13,6 +16,7 @@ import dataclasses
 import tvm
 from tvm import relax
 
+from ..passes.gradient_markers import mark_gradient
 from . import gradients  # noqa: F401  (registers the gradients TVM 0.27 lacks)
 from .loss import build_loss
 
@@ -89,12 +93,31 @@ def build_train_step(model, loss, optimizer, target_spec=None):
 
     bb = relax.BlockBuilder()
     params = inputs + [target] + param_vars + state_vars + list(hyper_vars.values())
+    loss_value, grads = _loss_and_grads(adjoint)
+    # Gradient ends with `p_adjoint_out = p_adjoint` aliases in parameter order: follow them
+    # to the binding backward really produces, so each marker sits where its gradient is made.
+    aliases = {b.var: b.value for block in adjoint.body.blocks for b in block.bindings
+               if isinstance(b.value, relax.Var)}
+    for i, g in enumerate(grads):
+        while g in aliases:
+            g = aliases[g]
+        grads[i] = g
+    grad_index = {g: i for i, g in enumerate(grads) if isinstance(g, relax.Var)}
+    marked = [None] * len(grads)
     with bb.function("train_step", params):
         with bb.dataflow():
+            # backward, with each gradient marked the moment it is produced (in backward
+            # order): distribution passes turn the markers into collectives
             for block in adjoint.body.blocks:
                 for binding in block.bindings:
                     bb.emit_normalized(binding)
-            loss_value, grads = _loss_and_grads(adjoint)
+                    i = grad_index.get(binding.var)
+                    if i is not None:
+                        marked[i] = bb.emit(mark_gradient(binding.var, i))
+            for i, grad in enumerate(grads):
+                if marked[i] is None:  # not computed by a binding (e.g. a constant zero)
+                    marked[i] = bb.emit(mark_gradient(grad, i))
+            grads = marked
             new_params, new_states = [], []
             for i, (param, grad) in enumerate(zip(param_vars, grads)):
                 states = state_vars[i * n_states:(i + 1) * n_states]

@@ -1,0 +1,87 @@
+"""Gradient markers: the contract between the step builder and the distribution passes.
+
+``g_marked = R.call_pure_packed("raf_dist.mark_gradient", g, R.prim_value(i), ty_args=g.ty)``
+says "g is the gradient of parameter i; the optimizer reads g_marked". The builder places
+each marker right after the binding that produces the gradient, so marker order is the order
+in which backward produces gradients. Distribution passes replace the markers by collectives
+(allreduce, reduce_scatter); StripGradientMarkers turns them into plain aliases.
+"""
+import dataclasses
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+MARK_GRADIENT = "raf_dist.mark_gradient"
+_CALL_PURE_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
+
+
+def mark_gradient(grad, param_index):
+    return relax.call_pure_packed(MARK_GRADIENT, grad, relax.prim_value(int(param_index)),
+                                  ty_args=grad.ty)
+
+
+def is_marker(expr):
+    return (isinstance(expr, relax.Call) and expr.op == _CALL_PURE_PACKED
+            and isinstance(expr.args[0], relax.ExternFunc)
+            and expr.args[0].global_symbol == MARK_GRADIENT)
+
+
+@dataclasses.dataclass
+class Marker:
+    var: relax.Var  # the marked gradient (what the optimizer reads)
+    grad: relax.Expr  # the raw gradient
+    param_index: int
+    position: int  # index of the marker binding in its block
+
+    @property
+    def numel(self):
+        n = 1
+        for d in self.var.ty.shape:
+            n *= int(d)
+        return n
+
+    @property
+    def nbytes(self):
+        return self.numel * tvm.DataType(self.var.ty.dtype).bits // 8
+
+
+def find_markers(block):
+    """Markers of one binding block, in binding (= backward production) order."""
+    return [Marker(b.var, b.value.args[1], int(b.value.args[2]), i)
+            for i, b in enumerate(block.bindings) if is_marker(b.value)]
+
+
+@mutator
+class _Strip(PyExprMutator):
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        return call.args[1] if is_marker(call) else call
+
+
+@tvm.transform.module_pass(opt_level=0, name="StripGradientMarkers")
+class StripGradientMarkers:
+    """Replace every gradient marker by the gradient itself (no distribution)."""
+
+    def transform_module(self, mod, ctx):
+        mutator_ = _Strip(mod)
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                mutator_.builder_.update_func(gvar, mutator_.visit_expr(func))
+        return mutator_.builder_.get()
+
+
+@mutator
+class SubstituteVars(PyExprMutator):
+    """Replace variables by others (used when a pass splits a dataflow block and dataflow
+    variables must become ordinary ones)."""
+
+    def __init__(self, mapping):
+        super().__init__()
+        self.mapping = mapping
+
+    def visit_var_(self, var):
+        return self.mapping.get(var, var)
+
+    def visit_dataflow_var_(self, var):
+        return self.mapping.get(var, var)
