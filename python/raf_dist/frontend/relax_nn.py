@@ -1,4 +1,6 @@
 """Capture a model written with ``raf_dist.nn`` (TVM's ``relax.frontend.nn`` module API)."""
+import inspect
+
 import numpy as np
 
 from ..model import Model
@@ -13,8 +15,12 @@ def from_relax_nn(module, input_specs, init_params=None, seed=0):
     """
     from tvm.relax.frontend import nn
 
-    spec = {"forward": {f"x{i}": nn.spec.Tensor(list(shape), dtype)
-                        for i, (shape, dtype) in enumerate(input_specs)}}
+    arg_names = list(inspect.signature(module.forward).parameters)
+    if len(arg_names) != len(input_specs):
+        raise ValueError(f"{type(module).__name__}.forward takes {arg_names}, but "
+                         f"{len(input_specs)} input specs were given")
+    spec = {"forward": {name: nn.spec.Tensor(list(shape), dtype)
+                        for name, (shape, dtype) in zip(arg_names, input_specs)}}
     mod, params = module.export_tvm(spec=spec)
     names = [name for name, _ in params]
     rng = np.random.default_rng(seed)
