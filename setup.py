@@ -54,6 +54,7 @@ setup(
         "numpy>=1.26",
         "mpi4py>=4.0",
         "ml-dtypes",
+        "threadpoolctl",
     ],
     extras_require={
         "torch": ["torch==2.13.0"],

@@ -76,10 +76,12 @@ class Trainer:
         return [distribute, DispatchMatmulToBLAS()]
 
     def _compile(self, config, cache_dir):
-        """Every rank compiles the same IR (it is SPMD), so on each host local rank 0 compiles
-        into the cache and the other ranks load the artifact instead of repeating the work."""
+        """Under data parallelism every rank builds the same Trainer and compiles the same IR
+        (it is SPMD), so on each host local rank 0 compiles into the cache and the other ranks
+        load the artifact instead of repeating the work. Without data parallelism a Trainer
+        is a local object (it may exist on some ranks only) and compiles on its own."""
         passes = self._passes(config)
-        if self.comm.size == 1:
+        if not self.data_parallel:
             return compile_step(self.ir, passes=passes, cache_dir=cache_dir)
         if self.comm.local_rank == 0:
             compiled = compile_step(self.ir, passes=passes, cache_dir=cache_dir)
