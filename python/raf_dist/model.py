@@ -1,7 +1,8 @@
 """A captured model: what every frontend produces and the Trainer consumes.
 
-``mod["forward"]`` is a Relax function ``forward(*inputs, *params) -> output`` (one tensor);
-``param_names`` gives the parameter order, ``init_params`` their initial values.
+``mod["forward"]`` is a Relax function ``forward(*inputs, *dropout_masks, *params) -> output``
+(one tensor); ``param_names`` gives the parameter order, ``init_params`` their initial values,
+``dropout_specs`` the (shape, dtype, rate) of each dropout mask input (see passes/dropout.py).
 """
 import dataclasses
 
@@ -16,6 +17,7 @@ class Model:
     param_names: list  # names, in the order of forward's parameters after the inputs
     init_params: dict  # name -> numpy array
     source: str = "relax"  # where the model came from, for error messages
+    dropout_specs: list = dataclasses.field(default_factory=list)  # [(shape, dtype, rate)]
 
     @property
     def forward(self):

@@ -25,7 +25,8 @@ class Trainer:
     mean loss as a float; ``state_dict()`` returns the full parameters as numpy arrays.
     """
 
-    def __init__(self, model, loss="cross_entropy", optimizer=None, device="cpu", cache_dir=None):
+    def __init__(self, model, loss="cross_entropy", optimizer=None, device="cpu", cache_dir=None,
+                 seed=0):
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
         if not isinstance(optimizer, Optimizer):
@@ -63,6 +64,7 @@ class Trainer:
         self._comm_last_step = {}
         self._forward = None
         self._cache_dir = cache_dir
+        self.seed = int(seed)
         self._hyper_dtype = self.signature.param_specs[0][1] if self._params else "float32"
 
     def _passes(self, config):
@@ -100,6 +102,7 @@ class Trainer:
                              f"{self.signature.num_inputs}")
         args = [self._to_device(a, spec, f"input {i}")
                 for i, (a, spec) in enumerate(zip(inputs, self.signature.input_specs))]
+        args += [tvm.runtime.tensor(m, self._device) for m in self.dropout_masks(self.step_count + 1)]
         args.append(self._to_device(y, self.signature.target_spec, "target"))
         hypers = self.optimizer.hyper_values(self.step_count + 1)
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype), self._device)
@@ -115,6 +118,17 @@ class Trainer:
         self._states = [out[1 + n + i] for i in range(len(self._states))]
         self.step_count += 1
         return float(out[0].numpy())
+
+    def dropout_masks(self, step):
+        """The dropout masks of 1-based ``step`` on this rank, in execution order: 0 or
+        1/(1-p) per element, drawn from a generator seeded by (seed, rank, step), so a run is
+        reproducible and every rank drops different elements of its own rows."""
+        rng = np.random.default_rng([self.seed, self.comm.rank, int(step)])
+        masks = []
+        for shape, dtype, rate in self.signature.dropout_specs:
+            keep = rng.random(shape) >= rate
+            masks.append((keep / (1.0 - rate)).astype(dtype))
+        return masks
 
     def predict(self, x):
         """Forward pass with the current parameters on any number of rows: the batch is cut
@@ -137,7 +151,9 @@ class Trainer:
             piece = x[start:start + batch]
             padded = np.zeros(shape, dtype=dtype)
             padded[:len(piece)] = piece
-            out = self._forward(tvm.runtime.tensor(padded, self._device), *self._params)
+            no_dropout = [tvm.runtime.tensor(np.ones(s, d), self._device)
+                          for s, d, _ in self.signature.dropout_specs]
+            out = self._forward(tvm.runtime.tensor(padded, self._device), *no_dropout, *self._params)
             outputs.append(out.numpy()[:len(piece)])
         return np.concatenate(outputs)
 

@@ -83,3 +83,41 @@ def test_state_dict_names_and_stats():
     assert stats["param_bytes"] == 4 * numel
     assert stats["optimizer_state_bytes"] == 8 * numel  # Adam: exp_avg + exp_avg_sq
     assert stats["planned_peak_bytes"] > 0
+
+
+def test_dropout_with_seeded_masks_matches_pytorch():
+    """Dropout is captured from the training graph; given the masks the Trainer drew (seeded),
+    PyTorch's hooks apply the same masks, and training agrees; inference has no dropout."""
+    import torch
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                 torch.nn.Linear(16, 4), torch.nn.Dropout(0.1))
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 8, generator=gen), torch.randint(0, 4, (6,), generator=gen)
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    assert [(shape, rate) for shape, _, rate in model.dropout_specs] == [((6, 16), 0.3), ((6, 4), 0.1)]
+    trainer = raf_dist.Trainer(model, optimizer=raf_dist.optim.Adam(lr=1e-2), seed=7)
+    opt = torch.optim.Adam(module.parameters(), lr=1e-2)
+    drops = [m for m in module.modules() if isinstance(m, torch.nn.Dropout)]
+    for step in range(1, STEPS + 1):
+        masks = trainer.dropout_masks(step)
+        assert all(set(np.unique(m)) <= {0.0, np.float32(1 / (1 - r))}
+                   for m, (_, _, r) in zip(masks, model.dropout_specs))
+        hooks = [d.register_forward_hook(lambda mod, inp, out, mask=torch.tensor(m): inp[0] * mask)
+                 for d, m in zip(drops, masks)]
+        loss = trainer.step(x.numpy(), y.numpy())
+        opt.zero_grad()
+        ref = torch.nn.functional.cross_entropy(module(x), y)
+        ref.backward()
+        opt.step()
+        for hook in hooks:
+            hook.remove()
+        assert abs(loss - ref.item()) <= TOL * abs(ref.item())
+    for name, p in module.named_parameters():
+        assert rel_err(trainer.state_dict()[name], p.detach().numpy()) <= TOL, name
+    assert not np.array_equal(trainer.dropout_masks(1)[0], trainer.dropout_masks(2)[0])
+    np.testing.assert_array_equal(trainer.dropout_masks(3)[1], trainer.dropout_masks(3)[1])
+    module.eval()
+    np.testing.assert_allclose(trainer.predict(x.numpy()), module(x).detach().numpy(), rtol=1e-5,
+                               atol=1e-6)

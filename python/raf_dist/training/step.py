@@ -1,6 +1,6 @@
 """Build the training step as one Relax function:
 
-    train_step(*inputs, target, *params, *opt_states, *hypers)
+    train_step(*inputs, *dropout_masks, target, *params, *opt_states, *hypers)
         -> (loss, *new_params, *new_opt_states)
 
 = forward + loss (AppendLoss) + TVM's Gradient pass + the optimizer's update, all in one
@@ -25,12 +25,13 @@ from .loss import build_loss
 class TrainStepSignature:
     """The calling convention of ``train_step`` (what the Trainer passes and receives)."""
 
-    input_specs: list  # [(shape, dtype)]
+    input_specs: list  # [(shape, dtype)] of the data inputs
     target_spec: tuple  # (shape, dtype)
     param_names: list
     param_specs: list  # [(shape, dtype)]
     state_names: list  # per-parameter state names, e.g. ["exp_avg", "exp_avg_sq"]
     hyper_names: list
+    dropout_specs: list = dataclasses.field(default_factory=list)  # [(shape, dtype, rate)]
 
     @property
     def num_inputs(self):
@@ -77,7 +78,9 @@ def build_train_step(model, loss, optimizer, target_spec=None):
             "tvm.relax.op.base.register_gradient or avoid the op")
     mod = tvm.IRModule({tvm.ir.GlobalVar("main"): forward.with_attr("global_symbol", "main")})
     mod = relax.training.AppendLoss("main", loss_func, num_backbone_outputs=1)(mod)
-    n_in, n_params = len(model.input_specs), len(model.param_names)
+    # the function's inputs: the data, then one mask per dropout (passes/dropout.py)
+    n_in = len(model.input_specs) + len(model.dropout_specs)
+    n_params = len(model.param_names)
     require = list(mod["main_loss"].params[n_in:n_in + n_params])
     mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
     adjoint = mod["main_loss_adjoint"]
@@ -131,7 +134,8 @@ def build_train_step(model, loss, optimizer, target_spec=None):
     signature = TrainStepSignature(
         input_specs=list(model.input_specs), target_spec=tuple(target_spec),
         param_names=list(model.param_names), param_specs=model.param_specs(),
-        state_names=list(optimizer.state_names), hyper_names=list(optimizer.hyper_names))
+        state_names=list(optimizer.state_names), hyper_names=list(optimizer.hyper_names),
+        dropout_specs=list(model.dropout_specs))
     return step_mod, signature
 
 
