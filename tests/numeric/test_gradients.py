@@ -62,6 +62,13 @@ UNARY = {
     "min_keepdims": (lambda x: op.min(x, [0, 2], keepdims=True), lambda x: x),
     "tril": (lambda x: op.tril(x, 0), lambda x: x),
     "triu": (lambda x: op.triu(x, 1), lambda x: x),
+    "clip": (lambda x: op.clip(x, -0.5, 0.7), lambda x: x + 0.01),  # keep off the corners
+    "strided_slice": (lambda x: op.strided_slice(x, axes=[1, 0], begin=[1, -2], end=[3, 3]),
+                      lambda x: x),
+    "pad": (lambda x: op.nn.pad(x, [1, 0, 2, 3], pad_value=0.5), lambda x: x),
+    "repeat_axis": (lambda x: op.repeat(x, 3, axis=1), lambda x: x),
+    "repeat_flat": (lambda x: op.repeat(x, 2), lambda x: x),
+    "tile": (lambda x: op.tile(x, [2, 1, 3]), lambda x: x),
 }
 
 
@@ -75,6 +82,15 @@ def test_unary_gradient_float64(name):
     numeric = _finite_difference(loss_fn, [x], 0)
     # central differences in float64 with eps=1e-6 are accurate to ~1e-9 here
     np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-7)
+
+
+def test_gather_elements_float64():
+    indices = relax.const(np.array([[0, 2, 2, 1], [1, 0, 3, 3], [4, 4, 0, 2]]), "int64")
+    x = np.random.default_rng(4).standard_normal((3, 5))
+    loss_fn, grad_fn = _compile_loss_and_grad(lambda t: op.gather_elements(t, indices, axis=1),
+                                              [(3, 5)], "float64")
+    np.testing.assert_allclose(grad_fn(x)[0], _finite_difference(loss_fn, [x], 0),
+                               rtol=1e-6, atol=1e-7)
 
 
 def test_take_with_2d_indices_float64():

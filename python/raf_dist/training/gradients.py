@@ -191,3 +191,91 @@ def _take_grad(orig_var, orig_call, output_grad, ctx):
         indices = ctx.emit(op.reshape(indices, [numel]))
     return [grad_ops.take_backward(output_grad, x, indices, orig_call.attrs.axis),
             grad_ops.no_grad(orig_call.args[1])]
+
+
+@_register("relax.clip")
+def _clip_grad(orig_var, orig_call, output_grad, ctx):
+    x, low, high = orig_call.args
+    inside = op.logical_and(op.greater_equal(x, _const(float(low.value), x)),
+                            op.less_equal(x, _const(float(high.value), x)))
+    return [op.multiply(output_grad, op.astype(inside, x.ty.dtype)),
+            grad_ops.no_grad(low), grad_ops.no_grad(high)]
+
+
+def _ints(tuple_expr):
+    return [int(v.value) if hasattr(v, "value") else int(v) for v in tuple_expr.fields]
+
+
+@_register("relax.strided_slice")
+def _strided_slice_grad(orig_var, orig_call, output_grad, ctx):
+    """Unit strides: the slice's gradient is the output gradient padded back with zeros."""
+    x = orig_call.args[0]
+    axes, begin, end = (_ints(a) for a in orig_call.args[1:4])
+    strides = _ints(orig_call.args[4]) if len(orig_call.args) > 4 else [1] * len(axes)
+    if any(s != 1 for s in strides):
+        raise NotImplementedError("the gradient of strided_slice with strides != 1 is not "
+                                  "implemented; slice with unit strides")
+    shape = _shape_of(x)
+    pad_width = [0] * (2 * len(shape))
+    for axis, b, e in zip(axes, begin, end):
+        axis %= len(shape)
+        dim = shape[axis]
+        b = min(max(b + dim if b < 0 else b, 0), dim)
+        e = min(max(e + dim if e < 0 else e, 0), dim)
+        pad_width[2 * axis], pad_width[2 * axis + 1] = b, dim - e
+    partials = [op.nn.pad(output_grad, pad_width)]
+    return partials + [grad_ops.no_grad(a) for a in orig_call.args[1:]]
+
+
+@_register("relax.nn.pad")
+def _pad_grad(orig_var, orig_call, output_grad, ctx):
+    if orig_call.attrs.pad_mode != "constant":
+        raise NotImplementedError(f"the gradient of pad mode {orig_call.attrs.pad_mode!r} is "
+                                  "not implemented; use constant padding")
+    shape = _shape_of(orig_call.args[0])
+    width = [int(w) for w in orig_call.attrs.pad_width]
+    begin = [width[2 * i] for i in range(len(shape))]
+    end = [b + d for b, d in zip(begin, shape)]
+    return [op.strided_slice(output_grad, list(range(len(shape))), begin, end)]
+
+
+@_register("relax.repeat")
+def _repeat_grad(orig_var, orig_call, output_grad, ctx):
+    """Each element is repeated r times in a row: fold the copies into a new axis, sum it."""
+    x = orig_call.args[0]
+    shape = _shape_of(x)
+    repeats = int(orig_call.attrs.repeats)
+    axis = orig_call.attrs.axis
+    if axis is None:
+        numel = 1
+        for d in shape:
+            numel *= d
+        folded = op.reshape(output_grad, [numel, repeats])
+        return [op.reshape(op.sum(folded, [1]), shape)]
+    axis = int(axis) % len(shape)
+    folded = op.reshape(output_grad, shape[:axis + 1] + [repeats] + shape[axis + 1:])
+    return [op.sum(folded, [axis + 1])]
+
+
+@_register("relax.tile")
+def _tile_grad(orig_var, orig_call, output_grad, ctx):
+    """y = x tiled r_i times along axis i: view the gradient as (r0, d0, r1, d1, ...) and sum
+    over the r axes."""
+    x = orig_call.args[0]
+    shape = _shape_of(x)
+    reps = [int(r) for r in orig_call.attrs.repeats]
+    ndim = max(len(shape), len(reps))
+    full_shape = [1] * (ndim - len(shape)) + shape
+    reps = [1] * (ndim - len(reps)) + reps
+    folded_shape = [v for r, d in zip(reps, full_shape) for v in (r, d)]
+    folded = op.reshape(output_grad, folded_shape)
+    summed = op.sum(folded, list(range(0, 2 * ndim, 2)))
+    return [op.reshape(summed, shape)]
+
+
+@_register("relax.gather_elements")
+def _gather_elements_grad(orig_var, orig_call, output_grad, ctx):
+    x, indices = orig_call.args
+    scattered = op.scatter_elements(op.zeros_like(x), indices, output_grad,
+                                    axis=int(orig_call.attrs.axis), reduction="add")
+    return [scattered, grad_ops.no_grad(indices)]
