@@ -14,7 +14,7 @@ from . import runtime  # noqa: F401  (registers raf_dist.blas.*)
 from .compiler import compile_step, set_num_threads
 from .distributed import collectives, get_communicator, get_config
 from .optim import Optimizer
-from .passes import AllReduceGradients, DispatchMatmulToBLAS, StripGradientMarkers
+from .passes import AllReduceGradients, DispatchToBLAS, StripGradientMarkers
 from .training import LOSSES, build_train_step
 
 
@@ -75,7 +75,7 @@ class Trainer:
                                             overlap=config.overlap_comm, group=self.comm.group)
         else:
             distribute = StripGradientMarkers()
-        return [distribute, DispatchMatmulToBLAS()]
+        return [distribute, DispatchToBLAS()]
 
     def _compile(self, config, cache_dir):
         """Under data parallelism every rank builds the same Trainer and compiles the same IR
@@ -136,7 +136,7 @@ class Trainer:
         compiled forward function; returns the outputs as one numpy array."""
         if self._forward is None:
             forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): self.model.forward})
-            compiled = compile_step(forward_mod, passes=[DispatchMatmulToBLAS()],
+            compiled = compile_step(forward_mod, passes=[DispatchToBLAS()],
                                     cache_dir=self._cache_dir)
             self._forward = relax.VirtualMachine(compiled.executable, self._device)["forward"]
         if self.signature.num_inputs != 1:

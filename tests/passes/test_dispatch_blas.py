@@ -1,10 +1,10 @@
-"""IR tier for DispatchMatmulToBLAS: TVMScript Before / Expected, structural equality."""
+"""IR tier for DispatchToBLAS: TVMScript Before / Expected, structural equality."""
 import pytest
 import tvm
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from raf_dist.passes import DispatchMatmulToBLAS
+from raf_dist.passes import DispatchToBLAS
 
 
 def test_folds_weight_transpose_like_linear():
@@ -28,7 +28,7 @@ def test_folds_weight_transpose_like_linear():
                 R.output(y)
             return y
 
-    tvm.ir.assert_structural_equal(DispatchMatmulToBLAS()(Before), Expected)
+    tvm.ir.assert_structural_equal(DispatchToBLAS()(Before), Expected)
 
 
 def test_folds_both_batched_transposes_and_keeps_other_permutes():
@@ -60,7 +60,7 @@ def test_folds_both_batched_transposes_and_keeps_other_permutes():
                 R.output(y)
             return y
 
-    tvm.ir.assert_structural_equal(DispatchMatmulToBLAS()(Before), Expected)
+    tvm.ir.assert_structural_equal(DispatchToBLAS()(Before), Expected)
 
 
 @I.ir_module
@@ -87,7 +87,7 @@ class Integer:
 
 @pytest.mark.parametrize("mod", [HalfAndVector, Integer], ids=["float16_and_vector", "int32"])
 def test_leaves_non_blas_dtypes_and_vectors(mod):
-    tvm.ir.assert_structural_equal(DispatchMatmulToBLAS()(mod), mod)
+    tvm.ir.assert_structural_equal(DispatchToBLAS()(mod), mod)
 
 
 def test_numerics_of_dispatched_matmul_with_transposes():
@@ -107,8 +107,58 @@ def test_numerics_of_dispatched_matmul_with_transposes():
                 R.output(y)
             return y
 
-    vm = relax.VirtualMachine(tvm.compile(DispatchMatmulToBLAS()(Mod), target="llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(DispatchToBLAS()(Mod), target="llvm"), tvm.cpu())
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((2, 5, 4), "float32"), rng.standard_normal((6, 5), "float32")
     got = vm["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b)).numpy()
     np.testing.assert_allclose(got, np.swapaxes(a, 1, 2) @ b.T, rtol=1e-5)
+
+
+def test_conv2d_and_its_gradient_forms_dispatch():
+    @I.ir_module
+    class Before:
+        @R.function
+        def main(x: R.Tensor((2, 3, 8, 8), "float32"), w: R.Tensor((4, 3, 3, 3), "float32"),
+                 dy: R.Tensor((2, 4, 4, 4), "float32")):
+            with R.dataflow():
+                y = R.nn.conv2d(x, w, strides=[2, 2], padding=[1, 1, 1, 1])
+                dx = R.nn.conv2d_transpose(dy, w, strides=[2, 2], padding=[1, 1, 1, 1],
+                                           output_padding=[1, 1], kernel_layout="IOHW")
+                dw = R.nn.conv2d(x, dy, strides=[1, 1], padding=[1, 1, 1, 1], dilation=[2, 2],
+                                 data_layout="CNHW", kernel_layout="IOHW", out_layout="CNHW")
+                R.output(y, dx, dw)
+            return (y, dx, dw)
+
+    @I.ir_module
+    class Expected:
+        @R.function
+        def main(x: R.Tensor((2, 3, 8, 8), "float32"), w: R.Tensor((4, 3, 3, 3), "float32"),
+                 dy: R.Tensor((2, 4, 4, 4), "float32")):
+            with R.dataflow():
+                y = R.call_dps_packed("raf_dist.blas.conv2d", (x, w, R.shape([2, 2]), R.shape([1, 1, 1, 1]),
+                                      R.shape([1, 1]), R.str("NCHW,OIHW,NCHW")),
+                                      out_ty=R.Tensor((2, 4, 4, 4), "float32"))
+                dx = R.call_dps_packed("raf_dist.blas.conv2d_transpose",
+                                       (dy, w, R.shape([2, 2]), R.shape([1, 1, 1, 1]), R.shape([1, 1]),
+                                        R.shape([1, 1]), R.str("NCHW,IOHW,NCHW")),
+                                       out_ty=R.Tensor((2, 3, 8, 8), "float32"))
+                dw = R.call_dps_packed("raf_dist.blas.conv2d", (x, dy, R.shape([1, 1]), R.shape([1, 1, 1, 1]),
+                                       R.shape([2, 2]), R.str("CNHW,IOHW,CNHW")),
+                                       out_ty=R.Tensor((4, 3, 4, 4), "float32"))
+                R.output(y, dx, dw)
+            return (y, dx, dw)
+
+    tvm.ir.assert_structural_equal(DispatchToBLAS()(Before), Expected)
+
+
+def test_grouped_conv_stays_with_tvm():
+    @I.ir_module
+    class Grouped:
+        @R.function
+        def main(x: R.Tensor((1, 4, 6, 6), "float32"), w: R.Tensor((4, 1, 3, 3), "float32")):
+            with R.dataflow():
+                y = R.nn.conv2d(x, w, groups=4)
+                R.output(y)
+            return y
+
+    tvm.ir.assert_structural_equal(DispatchToBLAS()(Grouped), Grouped)

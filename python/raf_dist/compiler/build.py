@@ -2,7 +2,7 @@
 memory planning, relax.build — with IR dumps and an on-disk cache of the built artifact.
 
 Pipeline (in order; each pass's output is dumped to ``$RAF_DIST_DUMP_IR/NN_<pass>.py``):
-  1. the caller's passes (distribution, DispatchMatmulToBLAS, ...)
+  1. the caller's passes (distribution, DispatchToBLAS, ...)
   2. TVM library dispatch + LegalizeOps + AnnotateTIROpPattern + FoldConstant + FuseOps + FuseTIR
   3. ScheduleCPU (parallel / vectorised loops for every generated PrimFunc)
   4. TVM dataflow lowering + finalisation (StaticPlanBlockMemory, ...)

@@ -1,7 +1,7 @@
 """raf_dist's Relax passes. Each is a function of the IRModule and explicit arguments: no pass
 reads a global config or a communicator (DESIGN.md section 2)."""
 from .data_parallel import AllReduceGradients, assign_buckets
-from .dispatch_blas import DispatchMatmulToBLAS
+from .dispatch_blas import DispatchToBLAS
 from .gradient_markers import StripGradientMarkers
 
-__all__ = ["AllReduceGradients", "DispatchMatmulToBLAS", "StripGradientMarkers", "assign_buckets"]
+__all__ = ["AllReduceGradients", "DispatchToBLAS", "StripGradientMarkers", "assign_buckets"]

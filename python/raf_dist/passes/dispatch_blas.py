@@ -1,20 +1,30 @@
-"""DispatchMatmulToBLAS: matmul to the host BLAS, transposes folded into the call.
+"""DispatchToBLAS: matmul and convolution to the host BLAS (numpy), instead of TVM's
+untuned loops.
 
 Input: any Relax module before LegalizeOps.
-Output: every ``R.matmul(a, b)`` on float32/float64 tensors of rank >= 2 whose result has the
-operands' dtype becomes
-    ``R.call_dps_packed("raf_dist.blas.matmul", (a', b', trans_a, trans_b), out_ty)``
-where a ``permute_dims`` that only swaps the last two axes of an operand is folded into its
-``trans_`` flag (a' is the un-transposed tensor). The permute_dims left unused are removed.
-Forward and backward matmuls (the Gradient pass emits permute_dims + matmul) both dispatch.
-The runtime function is ``raf_dist.runtime.blas.matmul``.
+Output, for float32/float64 operands whose result has the operands' dtype:
+  - ``R.matmul(a, b)`` with both ranks >= 2 becomes
+    ``R.call_dps_packed("raf_dist.blas.matmul", (a', b', trans_a, trans_b), out_ty)``, a
+    ``permute_dims`` that only swaps the last two axes of an operand folded into its flag (a'
+    is the un-transposed tensor); permute_dims left unused are removed. The Gradient pass
+    emits permute_dims + matmul, so backward matmuls dispatch too.
+  - ``R.nn.conv2d`` (groups 1) becomes ``raf_dist.blas.conv2d`` (im2col + GEMM) and
+    ``R.nn.conv2d_transpose`` (groups 1, the data gradient of conv2d) becomes
+    ``raf_dist.blas.conv2d_transpose`` (GEMM + col2im); strides, padding, dilation
+    (output_padding) are passed as shapes and the three layouts as one string, so the
+    CNHW/IOHW convolution the weight gradient uses dispatches as well.
+The runtime functions are in ``raf_dist.runtime.blas``.
 """
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 BLAS_MATMUL = "raf_dist.blas.matmul"
+BLAS_CONV2D = "raf_dist.blas.conv2d"
+BLAS_CONV2D_TRANSPOSE = "raf_dist.blas.conv2d_transpose"
 _MATMUL = tvm.ir.Op.get("relax.matmul")
+_CONV2D = tvm.ir.Op.get("relax.nn.conv2d")
+_CONV2D_TRANSPOSE = tvm.ir.Op.get("relax.nn.conv2d_transpose")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 _BLAS_DTYPES = ("float32", "float64")
 
@@ -41,6 +51,8 @@ class _Rewriter(PyExprMutator):
 
     def visit_call_(self, call):
         call = super().visit_call_(call)
+        if call.op in (_CONV2D, _CONV2D_TRANSPOSE):
+            return self._conv(call)
         if call.op != _MATMUL:
             return call
         a, b = call.args
@@ -55,8 +67,26 @@ class _Rewriter(PyExprMutator):
             BLAS_MATMUL, relax.Tuple([a, b, relax.prim_value(trans_a), relax.prim_value(trans_b)]), out)
 
 
-@tvm.transform.module_pass(opt_level=0, name="DispatchMatmulToBLAS")
-class DispatchMatmulToBLAS:
+    def _conv(self, call):
+        data, weight = call.args
+        attrs = call.attrs
+        dtype = data.ty.dtype
+        if (int(attrs.groups) != 1 or dtype not in _BLAS_DTYPES or weight.ty.dtype != dtype
+                or call.ty.dtype != dtype or data.ty.ndim != 4):
+            return call
+        layouts = f"{attrs.data_layout},{attrs.kernel_layout},{attrs.out_layout}"
+        geometry = [relax.ShapeExpr([int(v) for v in attrs.strides]),
+                    relax.ShapeExpr([int(v) for v in attrs.padding])]
+        if call.op == _CONV2D_TRANSPOSE:
+            geometry.append(relax.ShapeExpr([int(v) for v in attrs.output_padding]))
+        geometry.append(relax.ShapeExpr([int(v) for v in attrs.dilation]))
+        name = BLAS_CONV2D if call.op == _CONV2D else BLAS_CONV2D_TRANSPOSE
+        return relax.call_dps_packed(
+            name, relax.Tuple([data, weight, *geometry, tvm.ir.StringImm(layouts)]), call.ty)
+
+
+@tvm.transform.module_pass(opt_level=0, name="DispatchToBLAS")
+class DispatchToBLAS:
     """See the module docstring."""
 
     def transform_module(self, mod, ctx):
