@@ -116,3 +116,32 @@ def test_layer_norm_gradient_against_torch():
     for got, want in zip(grad_fn(x, gamma, beta), (tx.grad, tg.grad, tb.grad)):
         # float32 with different reduction order: a few ulps of the largest entries
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_gradient_against_torch():
+    # TVM's float64 rms_norm is off by ~1e-7 (it does not compute in full float64), which
+    # finite differences would amplify; PyTorch's autograd is the reference instead.
+    import torch
+
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((2, 3, 6)), rng.standard_normal((6,))
+    _, grad_fn = _compile_loss_and_grad(
+        lambda a, b: op.nn.rms_norm(a, b, axes=[-1], epsilon=1e-5), [(2, 3, 6), (6,)], "float64")
+    weights = np.random.default_rng(0).standard_normal((2, 3, 6))
+    tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    (torch.nn.functional.rms_norm(tx, (6,), tw, eps=1e-5) * torch.tensor(weights)).sum().backward()
+    for got, want in zip(grad_fn(x, w), (tx.grad, tw.grad)):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [None, "TopLeft", "BottomRight"])
+def test_attention_gradient_float64(causal):
+    rng = np.random.default_rng(6)
+    shapes = [(2, 3, 2, 4), (2, 5, 2, 4), (2, 5, 2, 3)]  # q (B, S, H, D), k, v with S_kv = 5
+    arrays = [rng.standard_normal(s) for s in shapes]
+    loss_fn, grad_fn = _compile_loss_and_grad(
+        lambda q, k, v: op.nn.attention(q, k, v, causal_mask=causal), shapes, "float64")
+    analytic = grad_fn(*arrays)
+    for index in range(3):
+        np.testing.assert_allclose(analytic[index], _finite_difference(loss_fn, arrays, index),
+                                   rtol=1e-6, atol=1e-7)

@@ -279,3 +279,63 @@ def _gather_elements_grad(orig_var, orig_call, output_grad, ctx):
     scattered = op.scatter_elements(op.zeros_like(x), indices, output_grad,
                                     axis=int(orig_call.attrs.axis), reduction="add")
     return [scattered, grad_ops.no_grad(indices)]
+
+
+@_register("relax.nn.rms_norm")
+def _rms_norm_grad(orig_var, orig_call, output_grad, ctx):
+    """y = xhat * w, xhat = x * rstd, rstd = 1/sqrt(mean(x^2) + eps) over ``axes``:
+    dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w; dw = sum(dy * xhat) over the rest."""
+    x, weight = orig_call.args
+    ndim = x.ty.ndim
+    axes = sorted(int(a) % ndim for a in orig_call.attrs.axes)
+    batch_axes = [a for a in range(ndim) if a not in axes]
+    eps = float(orig_call.attrs.epsilon)
+    rstd = ctx.emit(op.rsqrt(op.add(op.mean(op.multiply(x, x), axes, keepdims=True),
+                                    _const(eps, x))))
+    xhat = ctx.emit(op.multiply(x, rstd))
+    g = ctx.emit(op.multiply(output_grad, weight))
+    mean_gx = op.mean(op.multiply(g, xhat), axes, keepdims=True)
+    dx = op.multiply(rstd, op.subtract(g, op.multiply(xhat, mean_gx)))
+    dweight = op.multiply(output_grad, xhat)
+    if batch_axes:
+        dweight = op.sum(dweight, batch_axes)
+    return [dx, dweight]
+
+
+@_register("relax.nn.attention")
+def _attention_grad(orig_var, orig_call, output_grad, ctx):
+    """softmax(q k^T * scale + bias, causal) v on (batch, seq, heads, dim) tensors: recompute
+    the probabilities p, then dv = p^T dy, ds = p * (dp - rowsum(dp * p)) with dp = dy v^T,
+    dq = ds k * scale, dk = ds^T q * scale, dbias = ds."""
+    import numpy as np
+
+    attrs = orig_call.attrs
+    if attrs.window_size is not None:
+        raise NotImplementedError("the gradient of windowed attention is not implemented")
+    q, k, v = orig_call.args[:3]
+    bias = orig_call.args[3] if len(orig_call.args) > 3 else None
+    seq, seq_kv, dim = _shape_of(q)[1], _shape_of(k)[1], _shape_of(q)[3]
+    scale = float(attrs.scale.value) if attrs.scale is not None else 1.0 / math.sqrt(dim)
+    bhsd = [0, 2, 1, 3]
+    qt = ctx.emit(op.permute_dims(q, bhsd))
+    kt = ctx.emit(op.permute_dims(k, bhsd))
+    vt = ctx.emit(op.permute_dims(v, bhsd))
+    scores = op.multiply(op.matmul(qt, op.permute_dims(kt, [0, 1, 3, 2])), _const(scale, q))
+    if bias is not None:
+        scores = op.add(scores, bias)
+    if attrs.causal_mask is not None:
+        offset = 0 if attrs.causal_mask == "TopLeft" else seq_kv - seq
+        keep = relax.const(np.tril(np.ones((seq, seq_kv), dtype=bool), offset))
+        scores = op.where(keep, scores, _const(float("-inf"), q))
+    probs = ctx.emit(op.nn.softmax(ctx.emit(scores), axis=-1))
+    dout = ctx.emit(op.permute_dims(output_grad, bhsd))
+    dv = op.matmul(op.permute_dims(probs, [0, 1, 3, 2]), dout)
+    dprobs = ctx.emit(op.matmul(dout, op.permute_dims(vt, [0, 1, 3, 2])))
+    rowsum = op.sum(op.multiply(dprobs, probs), [-1], keepdims=True)
+    dscores = ctx.emit(op.multiply(probs, op.subtract(dprobs, rowsum)))
+    dq = op.multiply(op.matmul(dscores, kt), _const(scale, q))
+    dk = op.multiply(op.matmul(op.permute_dims(dscores, [0, 1, 3, 2]), qt), _const(scale, q))
+    partials = [op.permute_dims(dq, bhsd), op.permute_dims(dk, bhsd), op.permute_dims(dv, bhsd)]
+    if bias is not None:
+        partials.append(op.collapse_sum_to(dscores, _shape_of(bias)))
+    return partials
