@@ -76,3 +76,25 @@ def test_reduction_parallel_over_rows_and_same_result():
     vm = relax.VirtualMachine(tvm.compile(scheduled, target="llvm"), tvm.cpu())
     np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), np.exp(x).sum(1),
                                rtol=1e-5)
+
+
+def test_column_reduction_walks_rows_inside_column_bands():
+    @I.ir_module
+    class ColumnSum:
+        @R.function
+        def main(x: R.Tensor((1024, 512), "float32")):
+            with R.dataflow():
+                z = R.collapse_sum_to(x, R.shape([512]))  # a bias gradient
+                R.output(z)
+            return z
+
+    scheduled = ScheduleCPU()(_lowered(ColumnSum))
+    prims = [f for _, f in scheduled.functions_items() if isinstance(f, tirx.PrimFunc)]
+    kinds = _loop_kinds(prims[0])
+    # 64 parallel bands of 8 columns; inside, rows in order (1024), then 8 contiguous columns
+    assert (tirx.ForKind.PARALLEL, 64) in kinds
+    assert (tirx.ForKind.SERIAL, 1024) in kinds
+    x = np.random.default_rng(1).standard_normal((1024, 512)).astype("float32")
+    vm = relax.VirtualMachine(tvm.compile(scheduled, target="llvm"), tvm.cpu())
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), x.sum(0), rtol=1e-4,
+                               atol=1e-4)

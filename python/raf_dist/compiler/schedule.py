@@ -35,6 +35,28 @@ def _extent(loop_rv, sch):
     return int(extent) if isinstance(extent, tvm.tirx.IntImm) else None
 
 
+def _reduces_across_rows(sblock, lead):
+    """True when the block reduces over leading axes of a buffer whose last index is the
+    innermost data-parallel variable (a column sum such as a bias gradient): its reduction
+    loop then strides over whole rows unless it is moved outside the column loop."""
+    last_spatial = sblock.iter_vars[lead - 1].var
+    for region in sblock.reads:
+        last = region.region[-1].min
+        if isinstance(last, tvm.tirx.Var) and last.same_as(last_spatial) and len(region.region) > 1:
+            return True
+    return False
+
+
+def _schedule_column_reduction(sch, block, loops, lead, extents):
+    """[spatial..., reduce...] -> [spatial outer (parallel), reduce..., 8 columns]: each
+    thread owns a band of columns and walks the rows in order, 8 contiguous columns at a time."""
+    spatial = sch.fuse(*loops[:lead]) if lead > 1 else loops[0]
+    outer, inner = sch.split(spatial, [None, _VECTOR])
+    sch.reorder(outer, *loops[lead:], inner)
+    sch.parallel(outer)  # before decompose_reduction, which TVM then refuses to parallelise
+    sch.decompose_reduction(block, loops[lead])
+
+
 def _schedule_block(sch, block):
     sblock = sch.get(block)
     loops = sch.get_loops(block)
@@ -52,6 +74,10 @@ def _schedule_block(sch, block):
     work = 1
     for e in extents:
         work *= e
+    if (lead < len(loops) and extents[lead - 1] % _VECTOR == 0 and work >= _MIN_PARALLEL_WORK
+            and _reduces_across_rows(sblock, lead)):
+        _schedule_column_reduction(sch, block, loops, lead, extents)
+        return
     spatial = sch.fuse(*loops[:lead]) if lead > 1 else loops[0]
     spatial_extent = 1
     for e in extents[:lead]:
