@@ -14,7 +14,7 @@ from . import runtime  # noqa: F401  (registers raf_dist.blas.*)
 from .compiler import compile_step, set_num_threads
 from .distributed import collectives, get_communicator, get_config
 from .optim import Optimizer
-from .passes import AllReduceGradients, DispatchToBLAS, StripGradientMarkers
+from .passes import AllReduceGradients, DispatchToBLAS, FastGelu, StripGradientMarkers
 from .training import LOSSES, build_train_step
 
 
@@ -75,7 +75,7 @@ class Trainer:
                                             overlap=config.overlap_comm, group=self.comm.group)
         else:
             distribute = StripGradientMarkers()
-        return [distribute, DispatchToBLAS()]
+        return [distribute, DispatchToBLAS(), FastGelu()]
 
     def _compile(self, config, cache_dir):
         """Under data parallelism every rank builds the same Trainer and compiles the same IR
