@@ -19,6 +19,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .mutate import mutate_functions
+
 BLAS_MATMUL = "raf_dist.blas.matmul"
 BLAS_CONV2D = "raf_dist.blas.conv2d"
 BLAS_CONV2D_TRANSPOSE = "raf_dist.blas.conv2d_transpose"
@@ -90,10 +92,6 @@ class DispatchToBLAS:
     """See the module docstring."""
 
     def transform_module(self, mod, ctx):
-        rewriter = _Rewriter(mod)
-        for gvar, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewriter.builder_.update_func(gvar, rewriter.visit_expr(func))
-        mod = rewriter.builder_.get()
+        mod = mutate_functions(mod, _Rewriter(mod))
         entry = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, relax.Function)]
         return relax.transform.DeadCodeElimination(entry)(mod)

@@ -12,6 +12,8 @@ import tvm
 from tvm import relax, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .mutate import mutate_functions
+
 _GELU = tvm.ir.Op.get("relax.nn.gelu")
 _ERF = tvm.ir.Op.get("relax.erf")
 
@@ -37,8 +39,4 @@ class FastGelu:
     """See the module docstring."""
 
     def transform_module(self, mod, ctx):
-        rewriter = _Rewrite(mod)
-        for gvar, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewriter.builder_.update_func(gvar, rewriter.visit_expr(func))
-        return rewriter.builder_.get()
+        return mutate_functions(mod, _Rewrite(mod))

@@ -12,6 +12,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .mutate import mutate_functions
+
 MARK_GRADIENT = "raf_dist.mark_gradient"
 _CALL_PURE_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
 
@@ -64,11 +66,7 @@ class StripGradientMarkers:
     """Replace every gradient marker by the gradient itself (no distribution)."""
 
     def transform_module(self, mod, ctx):
-        mutator_ = _Strip(mod)
-        for gvar, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                mutator_.builder_.update_func(gvar, mutator_.visit_expr(func))
-        return mutator_.builder_.get()
+        return mutate_functions(mod, _Strip(mod))
 
 
 @mutator
