@@ -18,6 +18,17 @@ def mpiexec():
     return str(venv_launcher) if venv_launcher.exists() else "mpiexec"
 
 
+def launcher_is_open_mpi():
+    """Open MPI and MPICH take different hostfile formats (and Open MPI more flags)."""
+    out = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=30)
+    return "open mpi" in (out.stdout + out.stderr).lower()
+
+
+def localhost_hostfile():
+    name = "hostfile.openmpi.localhost" if launcher_is_open_mpi() else "hostfile.localhost"
+    return ROOT / "scripts" / "distributed" / name
+
+
 def run_mpi(script, nprocs, *args, timeout=180, launcher_args=(), env=None):
     """Run ``python script *args`` on ``nprocs`` ranks; returns (returncode, output, seconds)."""
     import time

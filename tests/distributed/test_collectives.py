@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from mpi_launch import ROOT, check_mpi, run_mpi
+from mpi_launch import ROOT, check_mpi, localhost_hostfile, run_mpi
 
 
 def assert_all_ranks_ok(out, nprocs):
@@ -44,7 +44,7 @@ def test_communicator_fields_under_mpiexec():
 
 
 def test_hostfile_with_localhost_slots():
-    hostfile = ROOT / "scripts" / "distributed" / "hostfile.localhost"
+    hostfile = localhost_hostfile()  # MPICH's or Open MPI's format, for the launcher in use
     infos = _infos(check_mpi("ccl_info.py", 4, launcher_args=["--hostfile", str(hostfile)]))
     assert [i["local_rank"] for i in infos] == [0, 1, 2, 3]
     assert {i["local_size"] for i in infos} == {4}
