@@ -21,7 +21,6 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,10 +51,7 @@ def run(name, steps, cache_dir, comm):
     xn, yn = xs.numpy(), ys.numpy()
 
     def ddp_step():
-        opt.zero_grad(set_to_none=True)
-        out = ddp(xs)
-        F.cross_entropy(out.reshape(-1, out.shape[-1]), ys.reshape(-1)).backward()
-        opt.step()
+        step_time.torch_step(ddp, opt, xs, ys)
 
     for _ in range(3):
         trainer.step(xn, yn)

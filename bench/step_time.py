@@ -76,6 +76,14 @@ def make(name):
     return GPT(), torch.randint(0, 512, (16, 64)), torch.randint(0, 512, (16, 64))
 
 
+def torch_step(module, opt, x, y):
+    """One PyTorch training step (cross-entropy over every position), as raf_dist's."""
+    opt.zero_grad(set_to_none=True)
+    out = module(x)
+    F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+    opt.step()
+
+
 def bench(name, steps, cache_dir):
     module, x, y = make(name)
     model = raf_dist.frontend.from_pytorch(module, (x,))
@@ -85,22 +93,15 @@ def bench(name, steps, cache_dir):
     compile_s = time.perf_counter() - start
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     xn, yn = x.numpy(), y.numpy()
-
-    def torch_step():
-        opt.zero_grad(set_to_none=True)
-        out = module(x)
-        F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
-        opt.step()
-
     for _ in range(3):  # warm up both
         trainer.step(xn, yn)
-        torch_step()
+        torch_step(module, opt, x, y)
     raf_times, torch_times = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         trainer.step(xn, yn)
         t1 = time.perf_counter()
-        torch_step()
+        torch_step(module, opt, x, y)
         t2 = time.perf_counter()
         raf_times.append(t1 - t0)
         torch_times.append(t2 - t1)
