@@ -38,3 +38,44 @@ def planned_bytes(mod, func_name=None):
         if isinstance(func, relax.Function) and func_name in (None, gvar.name_hint):
             relax.analysis.post_order_visit(func, visit)
     return total
+
+
+_ALLOC_TENSOR_IN_STORAGE = tvm.ir.Op.get("relax.memory.alloc_tensor")
+
+
+def inflight_storage_conflicts(func):
+    """Allocations the memory planner placed on the storage of a buffer that an asynchronous
+    collective is still writing (between ``raf_dist.ccl.*_start`` and its ``wait``): the
+    silent corruption DESIGN.md section 5 describes. Run on a function after
+    StaticPlanBlockMemory; returns [(start binding, conflicting binding)] (empty when safe)."""
+    storage_of = {}  # tensor var -> storage var, through aliases
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    in_flight = {}  # handle var -> (storage var, name of the start binding)
+    conflicts = []
+    for binding in bindings:
+        value = binding.value
+        if isinstance(value, relax.Call) and value.op == _ALLOC_TENSOR_IN_STORAGE:
+            storage = value.args[0]
+            storage_of[binding.var] = storage
+            for start, (busy, _) in in_flight.items():
+                if busy.same_as(storage):
+                    conflicts.append((in_flight[start][1], binding.var.name))
+        elif isinstance(value, relax.Var) and value in storage_of:
+            storage_of[binding.var] = storage_of[value]
+        elif isinstance(value, relax.Call) and isinstance(value.op, relax.ExternFunc):
+            name = value.op.global_symbol
+            if name.startswith("raf_dist.ccl.") and name.endswith("_start"):
+                buffer = value.args[-1]
+                if buffer in storage_of:
+                    in_flight[binding.var] = (storage_of[buffer], binding.var.name)
+            elif name == "raf_dist.ccl.wait":
+                in_flight.pop(value.args[0], None)
+    return conflicts
+
+
+def inflight_buffers(func):
+    """Number of asynchronous collectives started in ``func`` (to make sure a check ran)."""
+    return sum(1 for block in func.body.blocks for b in block.bindings
+               if isinstance(b.value, relax.Call) and isinstance(b.value.op, relax.ExternFunc)
+               and b.value.op.global_symbol.startswith("raf_dist.ccl.")
+               and b.value.op.global_symbol.endswith("_start"))
