@@ -147,12 +147,12 @@ class Trainer:
             raise ValueError(f"predict(): rows must have shape {tuple(shape[1:])}, got "
                              f"{tuple(x.shape[1:])}")
         batch, outputs = shape[0], []
+        no_dropout = [tvm.runtime.tensor(np.ones(s, d), self._device)
+                      for s, d, _ in self.signature.dropout_specs]
         for start in range(0, len(x), batch):
             piece = x[start:start + batch]
             padded = np.zeros(shape, dtype=dtype)
             padded[:len(piece)] = piece
-            no_dropout = [tvm.runtime.tensor(np.ones(s, d), self._device)
-                          for s, d, _ in self.signature.dropout_specs]
             out = self._forward(tvm.runtime.tensor(padded, self._device), *no_dropout, *self._params)
             outputs.append(out.numpy()[:len(piece)])
         return np.concatenate(outputs)

@@ -9,7 +9,7 @@ Pipeline (in order; each pass's output is dumped to ``$RAF_DIST_DUMP_IR/NN_<pass
   5. relax.build for the target
 
 The cache key is a hash of the module after step 1 (its TVMScript), the target, the TVM and
-raf_dist versions and the schedule settings; a hit skips steps 2–5.
+raf_dist versions and a hash of this package's lowering code; a hit skips steps 2–5.
 """
 import dataclasses
 import hashlib
@@ -18,13 +18,11 @@ import os
 from pathlib import Path
 
 import tvm
-from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_pipeline
 
 from .. import __version__
 from .memory import planned_bytes
 from .schedule import ScheduleCPU
-
 
 
 def _compiler_fingerprint():

@@ -10,22 +10,16 @@ Trainer draws it every step from a seeded generator (so runs are reproducible an
 against PyTorch given the same masks) and passes ones for inference. The gradient is the
 ordinary gradient of multiply.
 """
-import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .mutate import is_packed_marker
+
 DROPOUT_MARKER = "raf_dist.dropout"
-_CALL_PURE_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
 
 
 def dropout_marker(x, index):
     return relax.call_pure_packed(DROPOUT_MARKER, x, relax.prim_value(int(index)), ty_args=x.ty)
-
-
-def _is_marker(expr):
-    return (isinstance(expr, relax.Call) and expr.op == _CALL_PURE_PACKED
-            and isinstance(expr.args[0], relax.ExternFunc)
-            and expr.args[0].global_symbol == DROPOUT_MARKER)
 
 
 @mutator
@@ -36,7 +30,7 @@ class _Rewrite(PyExprMutator):
 
     def visit_call_(self, call):
         call = super().visit_call_(call)
-        if _is_marker(call):
+        if is_packed_marker(call, DROPOUT_MARKER):
             return relax.op.multiply(call.args[1], self.masks[int(call.args[2])])
         return call
 

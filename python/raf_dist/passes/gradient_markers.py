@@ -12,10 +12,9 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .mutate import mutate_functions
+from .mutate import is_packed_marker, mutate_functions
 
 MARK_GRADIENT = "raf_dist.mark_gradient"
-_CALL_PURE_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
 
 
 def mark_gradient(grad, param_index):
@@ -24,9 +23,7 @@ def mark_gradient(grad, param_index):
 
 
 def is_marker(expr):
-    return (isinstance(expr, relax.Call) and expr.op == _CALL_PURE_PACKED
-            and isinstance(expr.args[0], relax.ExternFunc)
-            and expr.args[0].global_symbol == MARK_GRADIENT)
+    return is_packed_marker(expr, MARK_GRADIENT)
 
 
 @dataclasses.dataclass

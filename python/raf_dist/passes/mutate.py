@@ -1,6 +1,17 @@
-"""The one loop every rewriting pass here shares: run a PyExprMutator over each Relax function
-of a module and return the rewritten module."""
+"""What the rewriting passes here share: running a PyExprMutator over each Relax function of a
+module, and recognising the ``call_pure_packed`` markers the frontends and the step builder
+leave for passes to rewrite."""
+import tvm
 from tvm import relax
+
+_CALL_PURE_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
+
+
+def is_packed_marker(expr, symbol):
+    """True for ``R.call_pure_packed(symbol, ...)``."""
+    return (isinstance(expr, relax.Call) and expr.op == _CALL_PURE_PACKED
+            and isinstance(expr.args[0], relax.ExternFunc)
+            and expr.args[0].global_symbol == symbol)
 
 
 def mutate_functions(mod, mutator):
