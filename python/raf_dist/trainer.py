@@ -14,7 +14,8 @@ from . import runtime  # noqa: F401  (registers raf_dist.blas.*)
 from .compiler import compile_step, set_num_threads
 from .distributed import collectives, get_communicator, get_config
 from .optim import Optimizer
-from .passes import AllReduceGradients, DispatchToBLAS, FastGelu, StripGradientMarkers
+from .passes import (AllReduceGradients, DispatchToBLAS, FastGelu, ShardZeRO,
+                     StripGradientMarkers, shard_size)
 from .training import LOSSES, build_train_step
 
 
@@ -38,11 +39,12 @@ class Trainer:
         config.check()
         self.config = config.as_dict()
         self.comm = get_communicator()
-        if config.zero_opt_level > 0:
-            raise NotImplementedError(
-                f"zero_opt_level={config.zero_opt_level} is not available in this build yet; use "
-                "zero_opt_level=0 (plain data parallelism)")
-        self.data_parallel = config.enable_data_parallel and self.comm.size > 1
+        # ZeRO runs at every world size (one rank: each shard is the whole tensor), plain data
+        # parallelism only from two ranks on
+        self.zero_level = int(config.zero_opt_level)
+        self.data_parallel = config.enable_data_parallel and (self.comm.size > 1
+                                                              or self.zero_level > 0)
+        self.world = self.comm.size if self.data_parallel else 1
         self.model = model
         self.loss = loss
         self.optimizer = optimizer
@@ -54,11 +56,15 @@ class Trainer:
         self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
         self._step_fn = self._vm["train_step"]
         init = {n: np.ascontiguousarray(model.init_params[n]) for n in self.signature.param_names}
-        if self.data_parallel:  # identical start on every rank, whatever each rank's seed
+        if self.data_parallel and self.world > 1:  # identical start whatever each rank's seed
             for name in self.signature.param_names:
                 init[name] = collectives.broadcast(init[name].copy(), root=0)
+        if self.zero_level == 3:  # parameters held as this rank's flat padded shard
+            init = {n: self._local_shard(a) for n, a in init.items()}
         self._params = [tvm.runtime.tensor(init[n], self._device) for n in self.signature.param_names]
-        self._states = [tvm.runtime.tensor(np.zeros_like(model.init_params[p]), self._device)
+        self._states = [tvm.runtime.tensor(self._local_shard(np.zeros_like(model.init_params[p]))
+                                           if self.zero_level else np.zeros_like(model.init_params[p]),
+                                           self._device)
                         for p, _ in self.signature.state_keys()]
         self.step_count = 0
         self._comm_last_step = {}
@@ -69,9 +75,12 @@ class Trainer:
 
     def _passes(self, config):
         """The config, read once, as explicit pass arguments."""
-        if self.data_parallel:
-            distribute = AllReduceGradients(self.comm.size,
-                                            int(config.bucket_size_mb * 2**20),
+        bucket_bytes = max(1, int(config.bucket_size_mb * 2**20))
+        if self.zero_level:
+            distribute = ShardZeRO(self.zero_level, self.world, bucket_bytes,
+                                   overlap=config.overlap_comm, group=self.comm.group)
+        elif self.data_parallel:
+            distribute = AllReduceGradients(self.world, bucket_bytes,
                                             overlap=config.overlap_comm, group=self.comm.group)
         else:
             distribute = StripGradientMarkers()
@@ -165,24 +174,56 @@ class Trainer:
                              f"captured), got shape {tuple(array.shape)} and dtype {array.dtype}")
         return tvm.runtime.tensor(np.ascontiguousarray(array), self._device)
 
+    # ---- sharding -------------------------------------------------------------------------
+    def _local_shard(self, array):
+        """This rank's flat padded dim-0 shard of ``array`` (DESIGN.md section 3)."""
+        flat = np.ascontiguousarray(array).reshape(-1)
+        shard = shard_size(flat.size, self.world)
+        out = np.zeros(shard, dtype=flat.dtype)
+        piece = flat[self.comm.rank * shard:(self.comm.rank + 1) * shard] if self.world > 1 else flat
+        out[:piece.size] = piece
+        return out
+
+    def _full(self, tensor, shape):
+        """The whole tensor from every rank's shard (a collective under ZeRO)."""
+        numel = int(np.prod(shape, dtype=np.int64))
+        shard = tensor.numpy()
+        if self.world == 1:
+            return shard[:numel].reshape(shape)
+        return collectives.allgather(shard, numel=numel, group=self.comm.group).reshape(shape)
+
     # ---- state ----------------------------------------------------------------------------
     def state_dict(self):
-        """Full parameters by name (numpy arrays, true shapes)."""
+        """Full parameters by name (numpy arrays, true shapes). Under ZeRO-3 parameters are
+        sharded, so this gathers them: every rank must call it."""
+        if self.zero_level == 3:
+            return {name: self._full(p, shape) for name, p, (shape, _) in
+                    zip(self.signature.param_names, self._params, self.signature.param_specs)}
         return {name: p.numpy() for name, p in zip(self.signature.param_names, self._params)}
 
     def optimizer_state_dict(self):
-        """Optimizer state as {param name: {state name: array}}."""
+        """Optimizer state as {param name: {state name: array}}, full shapes. Under ZeRO the
+        state is sharded, so this gathers it: every rank must call it."""
+        shapes = dict(zip(self.signature.param_names, self.signature.param_specs))
         out = {}
         for (param, state), value in zip(self.signature.state_keys(), self._states):
-            out.setdefault(param, {})[state] = value.numpy()
+            full = self._full(value, shapes[param][0]) if self.zero_level else value.numpy()
+            out.setdefault(param, {})[state] = full
         return out
 
     def stats(self):
-        """Bytes this rank holds between steps, the step's planned temporaries and traffic."""
+        """What this rank holds between steps (parameters, optimizer state), the gradient
+        bytes that outlive their bucket's collective, the step's planned temporaries and the
+        bus bytes it sent in the last step by collective kind."""
         param_bytes = sum(_nbytes(p) for p in self._params)
+        full_param_bytes = sum(int(np.prod(s, dtype=np.int64)) * (tvm.DataType(d).bits // 8)
+                               for s, d in self.signature.param_specs)
+        shard_bytes = sum(shard_size(int(np.prod(s, dtype=np.int64)), self.world)
+                          * (tvm.DataType(d).bits // 8) for s, d in self.signature.param_specs)
         return {
             "param_bytes": param_bytes,
-            "grad_bytes": param_bytes,
+            # levels 0-1 keep every full gradient until backward ends; 2-3 keep shards
+            "grad_bytes": full_param_bytes if self.zero_level < 2 else shard_bytes,
             "optimizer_state_bytes": sum(_nbytes(s) for s in self._states),
             "planned_peak_bytes": self.compiled.planned_peak_bytes,
             "comm_bytes_last_step": dict(self._comm_last_step),

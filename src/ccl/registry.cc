@@ -118,6 +118,9 @@ ffi::Tensor Reinterpret(ffi::Tensor tensor, ffi::String dtype) {
 
 }  // namespace
 
+int64_t GroupRank(int64_t group) { return GetGroup(group)->rank(); }
+int64_t GroupSize(int64_t group) { return GetGroup(group)->size(); }
+
 TVM_FFI_STATIC_INIT_BLOCK() {
   namespace refl = tvm::ffi::reflection;
   refl::GlobalDef()
@@ -130,8 +133,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
              s.groups.push_back(std::move(group));
              return static_cast<int64_t>(s.groups.size()) - 1;
            })
-      .def("raf_dist.ccl.group_rank", [](int64_t g) -> int64_t { return GetGroup(g)->rank(); })
-      .def("raf_dist.ccl.group_size", [](int64_t g) -> int64_t { return GetGroup(g)->size(); })
+      .def("raf_dist.ccl.group_rank", GroupRank)
+      .def("raf_dist.ccl.group_size", GroupSize)
       .def("raf_dist.ccl.shutdown",
            []() {
              State& s = GetState();

@@ -1,6 +1,6 @@
 """DESIGN.md section 5's guard: after memory planning, no allocation may sit on the storage
-of a bucket an asynchronous allreduce is still writing (between its start and its wait).
-Checked on real data-parallel steps lowered through the CPU pipeline; the analysis itself is
+of a buffer an asynchronous collective is still reading or writing (between its start and its
+wait). Checked on real data-parallel and ZeRO-1/2/3 steps lowered through the CPU pipeline; the analysis itself is
 checked on a hand-made planned function where the planner's mistake is present."""
 import pytest
 import tvm
@@ -12,15 +12,16 @@ import raf_dist
 from models import make, raf_optimizer
 from raf_dist.compiler import ScheduleCPU
 from raf_dist.compiler.memory import inflight_buffers, inflight_storage_conflicts
-from raf_dist.passes import AllReduceGradients, DispatchToBLAS
+from raf_dist.passes import AllReduceGradients, DispatchToBLAS, ShardZeRO
 from raf_dist.training import build_train_step
 
 
-def _planned_step(model_name, bucket_bytes):
+def _planned_step(model_name, bucket_bytes, distribute=None):
     module, x, _ = make(model_name, 4)
     mod, _ = build_train_step(raf_dist.frontend.from_pytorch(module, (x,)), "cross_entropy",
                               raf_optimizer("adamw"))
-    mod = DispatchToBLAS()(AllReduceGradients(2, bucket_bytes, overlap=True)(mod))
+    distribute = distribute or AllReduceGradients(2, bucket_bytes, overlap=True)
+    mod = DispatchToBLAS()(distribute(mod))
     target = tvm.target.Target("llvm")
     with target:
         return tvm.transform.Sequential(
@@ -33,6 +34,16 @@ def _planned_step(model_name, bucket_bytes):
 def test_no_allocation_on_an_in_flight_bucket(model_name, bucket_bytes):
     func = _planned_step(model_name, bucket_bytes)
     assert inflight_buffers(func) >= 2  # the check below is not vacuous
+    assert inflight_storage_conflicts(func) == []
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("model_name, bucket_bytes, world_size", [
+    ("mlp", 1000, 2), ("cnn", 500, 3), ("transformer", 4000, 4)])
+def test_no_allocation_on_in_flight_zero_buffers(level, model_name, bucket_bytes, world_size):
+    func = _planned_step(model_name, bucket_bytes,
+                         ShardZeRO(level, world_size, bucket_bytes, overlap=True))
+    assert inflight_buffers(func) >= 4  # reduce_scatters and allgathers were checked
     assert inflight_storage_conflicts(func) == []
 
 

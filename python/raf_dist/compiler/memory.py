@@ -50,24 +50,24 @@ def inflight_storage_conflicts(func):
     StaticPlanBlockMemory; returns [(start binding, conflicting binding)] (empty when safe)."""
     storage_of = {}  # tensor var -> storage var, through aliases
     bindings = [b for block in func.body.blocks for b in block.bindings]
-    in_flight = {}  # handle var -> (storage var, name of the start binding)
+    in_flight = {}  # handle var -> (storages the collective reads or writes, start binding name)
     conflicts = []
     for binding in bindings:
         value = binding.value
         if isinstance(value, relax.Call) and value.op == _ALLOC_TENSOR_IN_STORAGE:
             storage = value.args[0]
             storage_of[binding.var] = storage
-            for start, (busy, _) in in_flight.items():
-                if busy.same_as(storage):
-                    conflicts.append((in_flight[start][1], binding.var.name))
+            for busy, start in in_flight.values():
+                if any(b.same_as(storage) for b in busy):
+                    conflicts.append((start, binding.var.name))
         elif isinstance(value, relax.Var) and value in storage_of:
             storage_of[binding.var] = storage_of[value]
         elif isinstance(value, relax.Call) and isinstance(value.op, relax.ExternFunc):
             name = value.op.global_symbol
             if name.startswith("raf_dist.ccl.") and name.endswith("_start"):
-                buffer = value.args[-1]
-                if buffer in storage_of:
-                    in_flight[binding.var] = (storage_of[buffer], binding.var.name)
+                busy = [storage_of[a] for a in value.args if a in storage_of]
+                if busy:
+                    in_flight[binding.var] = (busy, binding.var.name)
             elif name == "raf_dist.ccl.wait":
                 in_flight.pop(value.args[0], None)
     return conflicts

@@ -3,7 +3,8 @@ reads a global config or a communicator (DESIGN.md section 2)."""
 from .data_parallel import AllReduceGradients, assign_buckets
 from .dispatch_blas import DispatchToBLAS
 from .fast_math import FastGelu
+from .zero import ShardZeRO, shard_size
 from .gradient_markers import StripGradientMarkers
 
 __all__ = ["AllReduceGradients", "DispatchToBLAS", "FastGelu", "StripGradientMarkers",
-           "assign_buckets"]
+           "ShardZeRO", "assign_buckets", "shard_size"]

@@ -21,45 +21,8 @@ and read (split) only after it, so the memory planner keeps its storage until th
 import tvm
 from tvm import relax
 
-from .gradient_markers import StripGradientMarkers, SubstituteVars, find_markers
-
-_VOID = relax.TupleType([])
-_HANDLE = tvm.ir.PrimType("int64")
-
-
-def assign_buckets(sizes_bytes, bucket_bytes):
-    """Group consecutive items into buckets: a bucket closes once it holds >= bucket_bytes
-    (so every bucket but the last is at least bucket_bytes, like PyTorch DDP's)."""
-    buckets, current, current_bytes = [], [], 0
-    for i, size in enumerate(sizes_bytes):
-        current.append(i)
-        current_bytes += size
-        if current_bytes >= bucket_bytes:
-            buckets.append(current)
-            current, current_bytes = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-class _Segments:
-    """Builds the new body as alternating dataflow / impure binding lists."""
-
-    def __init__(self):
-        self.segments = [("dataflow", [])]
-        self.builder = relax.BlockBuilder()
-
-    def bind(self, name, value, dataflow=True):
-        value = self.builder.normalize(value)
-        var = (relax.DataflowVar if dataflow else relax.Var)(name, value.ty)
-        self.add(relax.VarBinding(var, value), dataflow)
-        return var
-
-    def add(self, binding, dataflow=True):
-        kind = "dataflow" if dataflow else "impure"
-        if self.segments[-1][0] != kind:
-            self.segments.append((kind, []))
-        self.segments[-1][1].append(binding)
+from .bucketing import Segments, assemble, assign_buckets, collective
+from .gradient_markers import StripGradientMarkers, find_markers
 
 
 def _flatten_bucket(seg, bucket_id, markers):
@@ -87,12 +50,6 @@ def _unflatten_bucket(seg, bucket, markers):
         seg.add(relax.VarBinding(m.var, value))
 
 
-def _collective(name, *args):
-    """An impure packed call (R.call_packed): never dropped, never reordered."""
-    return relax.Call(relax.ExternFunc(name), list(args),
-                      ty_args=[_HANDLE if name.endswith("_start") else _VOID])
-
-
 def _rewrite(func, world_size, bucket_bytes, overlap, group):
     body = func.body
     if len(body.blocks) != 1 or not isinstance(body.blocks[0], relax.DataflowBlock):
@@ -106,14 +63,14 @@ def _rewrite(func, world_size, bucket_bytes, overlap, group):
     marker_positions = {m.position for m in markers}
     bucket_vars, handles, reduced = {}, {}, set()
     group_arg, avg = relax.prim_value(group), tvm.ir.StringImm("avg")
-    seg = _Segments()
+    seg = Segments()
 
     def reduce_before_use(b):
         bucket = bucket_vars[b]
         if overlap:
-            seg.bind(f"wait{b}", _collective("raf_dist.ccl.wait", handles[b], bucket), dataflow=False)
+            seg.bind(f"wait{b}", collective("raf_dist.ccl.wait", handles[b], bucket), dataflow=False)
         else:
-            seg.bind(f"allreduce{b}", _collective("raf_dist.ccl.allreduce", bucket, avg, group_arg,
+            seg.bind(f"allreduce{b}", collective("raf_dist.ccl.allreduce", bucket, avg, group_arg,
                                                   bucket), dataflow=False)
         _unflatten_bucket(seg, bucket, [markers[i] for i in buckets[b]])
         reduced.add(b)
@@ -128,7 +85,7 @@ def _rewrite(func, world_size, bucket_bytes, overlap, group):
             b = closes_bucket[position]
             bucket_vars[b] = _flatten_bucket(seg, b, [markers[i] for i in buckets[b]])
             if overlap:
-                handles[b] = seg.bind(f"handle{b}", _collective(
+                handles[b] = seg.bind(f"handle{b}", collective(
                     "raf_dist.ccl.allreduce_start", bucket_vars[b], avg, group_arg, bucket_vars[b]),
                     dataflow=False)
     for b in range(len(buckets)):  # gradients nobody reads still get reduced
@@ -138,35 +95,9 @@ def _rewrite(func, world_size, bucket_bytes, overlap, group):
     bound = {b.var: b.value for b in block.bindings}
     result = bound.get(output, output)
     loss = result.fields[0]
-    seg.bind("allreduce_loss", _collective("raf_dist.ccl.allreduce", loss, avg, group_arg, loss),
+    seg.bind("allreduce_loss", collective("raf_dist.ccl.allreduce", loss, avg, group_arg, loss),
              dataflow=False)
-    return _assemble(func, seg.segments, body.body)
-
-
-def _assemble(func, segments, output):
-    """Blocks from segments; dataflow variables used outside their block become Vars."""
-    defined_in = {}
-    for s, (_, bindings) in enumerate(segments):
-        for binding in bindings:
-            defined_in[binding.var] = s
-    escaping = set()
-    for s, (_, bindings) in enumerate(segments):
-        for binding in bindings:
-            for var in relax.analysis.free_vars(binding.value):
-                if defined_in.get(var, s) != s:
-                    escaping.add(var)
-    escaping |= {v for v in relax.analysis.free_vars(output) if v in defined_in}
-    mapping = {v: relax.Var(v.name, v.ty) for v in escaping if isinstance(v, relax.DataflowVar)}
-    substitute = SubstituteVars(mapping)
-    blocks = []
-    for kind, bindings in segments:
-        if not bindings:
-            continue
-        new_bindings = [relax.VarBinding(mapping.get(b.var, b.var), substitute.visit_expr(b.value))
-                        for b in bindings]
-        blocks.append((relax.DataflowBlock if kind == "dataflow" else relax.BindingBlock)(new_bindings))
-    new_body = relax.SeqExpr(blocks, substitute.visit_expr(output))
-    return relax.Function(func.params, new_body, func.ret_ty, is_pure=False, attrs=func.attrs)
+    return assemble(func, seg.segments, body.body)
 
 
 @tvm.transform.module_pass(opt_level=0, name="AllReduceGradients")

@@ -4,7 +4,9 @@
 says "g is the gradient of parameter i; the optimizer reads g_marked". The builder places
 each marker right after the binding that produces the gradient, so marker order is the order
 in which backward produces gradients. Distribution passes replace the markers by collectives
-(allreduce, reduce_scatter); StripGradientMarkers turns them into plain aliases.
+(allreduce, reduce_scatter); StripGradientMarkers turns them into plain aliases. The layout
+attributes below say which arguments are parameters and optimizer states, for passes that
+change how those are held (ZeRO shards them).
 """
 import dataclasses
 
@@ -15,6 +17,12 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from .mutate import is_packed_marker, mutate_functions
 
 MARK_GRADIENT = "raf_dist.mark_gradient"
+
+# train_step's attributes saying where parameters and optimizer states sit among its
+# arguments: (inputs..., target, params..., states (per parameter, in order)..., scalars...)
+LAYOUT_PARAM_OFFSET = "raf_dist.param_offset"  # index of the first parameter argument
+LAYOUT_NUM_PARAMS = "raf_dist.num_params"
+LAYOUT_STATES_PER_PARAM = "raf_dist.states_per_param"
 
 
 def mark_gradient(grad, param_index):

@@ -16,7 +16,8 @@ import dataclasses
 import tvm
 from tvm import relax
 
-from ..passes.gradient_markers import mark_gradient
+from ..passes.gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET,
+                                        LAYOUT_STATES_PER_PARAM, mark_gradient)
 from . import gradients  # noqa: F401  (registers the gradients TVM 0.27 lacks)
 from .loss import build_loss
 
@@ -130,6 +131,11 @@ def build_train_step(model, loss, optimizer, target_spec=None):
             out = bb.emit_output(relax.Tuple([loss_value, *new_params, *new_states]))
         bb.emit_func_output(out)
     step_mod = bb.get()
+    # where the parameters and optimizer states sit among the arguments, for the passes that
+    # change how they are held (ZeRO shards them)
+    step_mod["train_step"] = step_mod["train_step"].with_attrs({
+        LAYOUT_PARAM_OFFSET: len(inputs) + 1, LAYOUT_NUM_PARAMS: n_params,
+        LAYOUT_STATES_PER_PARAM: n_states})
     step_mod = relax.transform.DeadCodeElimination(["train_step"])(step_mod)
     signature = TrainStepSignature(
         input_specs=list(model.input_specs), target_spec=tuple(target_spec),

@@ -1,0 +1,78 @@
+"""What the distribution passes share: bucket assignment, building a new function body as
+alternating dataflow / impure segments, and the impure collective calls that anchor it."""
+import tvm
+from tvm import relax
+
+from .gradient_markers import SubstituteVars
+
+_VOID = relax.TupleType([])
+_HANDLE = tvm.ir.PrimType("int64")
+
+
+def assign_buckets(sizes_bytes, bucket_bytes):
+    """Group consecutive items into buckets: a bucket closes once it holds >= bucket_bytes
+    (so every bucket but the last is at least bucket_bytes, like PyTorch DDP's)."""
+    buckets, current, current_bytes = [], [], 0
+    for i, size in enumerate(sizes_bytes):
+        current.append(i)
+        current_bytes += size
+        if current_bytes >= bucket_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class Segments:
+    """Builds the new body as alternating dataflow / impure binding lists."""
+
+    def __init__(self):
+        self.segments = [("dataflow", [])]
+        self.builder = relax.BlockBuilder()
+
+    def bind(self, name, value, dataflow=True):
+        value = self.builder.normalize(value)
+        var = (relax.DataflowVar if dataflow else relax.Var)(name, value.ty)
+        self.add(relax.VarBinding(var, value), dataflow)
+        return var
+
+    def add(self, binding, dataflow=True):
+        kind = "dataflow" if dataflow else "impure"
+        if self.segments[-1][0] != kind:
+            self.segments.append((kind, []))
+        self.segments[-1][1].append(binding)
+
+
+def collective(name, *args):
+    """An impure packed call (R.call_packed): never dropped, never reordered."""
+    return relax.Call(relax.ExternFunc(name), list(args),
+                      ty_args=[_HANDLE if name.endswith("_start") else _VOID])
+
+
+def assemble(func, segments, output, params=None, ret_ty=None):
+    """Blocks from segments; dataflow variables used outside their block become Vars."""
+    defined_in = {}
+    for s, (_, bindings) in enumerate(segments):
+        for binding in bindings:
+            defined_in[binding.var] = s
+    escaping = set()
+    for s, (_, bindings) in enumerate(segments):
+        for binding in bindings:
+            for var in relax.analysis.free_vars(binding.value):
+                if defined_in.get(var, s) != s:
+                    escaping.add(var)
+    escaping |= {v for v in relax.analysis.free_vars(output) if v in defined_in}
+    mapping = {v: relax.Var(v.name, v.ty) for v in escaping if isinstance(v, relax.DataflowVar)}
+    substitute = SubstituteVars(mapping)
+    blocks = []
+    for kind, bindings in segments:
+        if not bindings:
+            continue
+        new_bindings = [relax.VarBinding(mapping.get(b.var, b.var), substitute.visit_expr(b.value))
+                        for b in bindings]
+        blocks.append((relax.DataflowBlock if kind == "dataflow" else relax.BindingBlock)(new_bindings))
+    new_body = relax.SeqExpr(blocks, substitute.visit_expr(output))
+    return relax.Function(func.params if params is None else params, new_body,
+                          func.ret_ty if ret_ty is None else ret_ty, is_pure=False,
+                          attrs=func.attrs)

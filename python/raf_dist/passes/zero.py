@@ -1,0 +1,437 @@
+"""ShardZeRO: ZeRO-1/2/3 as one distribution pass over the training step (DESIGN.md section 3).
+
+Input: ``train_step`` as ``training.build_train_step`` emits it: one dataflow block (forward,
+loss, backward with gradient markers, then the optimizer's elementwise update) and the layout
+attributes saying which arguments are parameters and optimizer states.
+Arguments: ``level`` (1–3), ``world_size`` N, ``bucket_bytes``, ``overlap``, ``group``.
+
+Sharding. Every tensor of n elements is cut into N flat, padded dim-0 shards of
+s = ceil(n / N) elements; rank r owns elements [r*s, (r+1)*s) of the flattened tensor, the
+tail past n being zeros. A bucket of tensors is exchanged as one chunk-interleaved buffer of
+N * S elements (S = sum of the tensors' s): chunk r holds rank r's shard of each tensor, back
+to back, so one reduce_scatter leaves every rank its shard of each gradient and one allgather
+rebuilds every full tensor. Nothing in the IR names a rank: reduce_scatter and allgather pick
+the chunk at run time, and ``raf_dist.ccl.local_shard`` cuts this rank's shard of a full
+parameter. The IR is the same on every rank.
+
+What each level emits (gradients averaged in the reduce_scatter; loss averaged as in DP):
+  1  optimizer state arguments become shards; after backward, every gradient bucket is
+     reduce-scattered; each rank updates its parameter shard (cut by local_shard) and its
+     state shard; the updated shards are all-gathered per bucket into full parameters.
+  2  as 1, but each bucket is reduce-scattered as soon as its last gradient exists; with
+     overlap the collective runs while backward continues and is waited on when the next
+     bucket starts, so at most two full gradient buckets are alive (the planner sees the rest
+     die at their reduce_scatter).
+  3  as 2, and parameters themselves are shard arguments: parameters are gathered in buckets
+     (forward order) just before their first forward use, the next bucket's gather started
+     one ahead; the gathered tensors die after their last forward use; backward gathers the
+     parameters it reads again, in backward order; the update outputs shards.
+The optimizer region must be elementwise (SGD, Adam, AdamW are): it is re-emitted on shards.
+"""
+import tvm
+from tvm import relax
+
+from .bucketing import Segments, assemble, assign_buckets, collective
+from .gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
+                               SubstituteVars, find_markers)
+
+ELEMENTWISE_OPS = frozenset(f"relax.{name}" for name in (
+    "add", "subtract", "multiply", "divide", "sqrt", "rsqrt", "negative", "power", "maximum",
+    "minimum", "abs", "sign", "exp", "log", "square", "where", "greater", "less",
+    "greater_equal", "less_equal", "clip", "astype", "floor_divide"))
+
+
+def shard_size(numel, world_size):
+    """Elements of one rank's flat padded shard of a tensor of ``numel`` elements."""
+    return -(-int(numel) // int(world_size))
+
+
+def _numel(ty):
+    n = 1
+    for d in ty.shape:
+        n *= int(d)
+    return n
+
+
+def _nbytes(ty):
+    return _numel(ty) * tvm.DataType(ty.dtype).bits // 8
+
+
+class _Bucket:
+    """Tensors exchanged together: their full types, shard sizes and packed sizes."""
+
+    def __init__(self, index, keys, types, world_size):
+        self.index = index
+        self.keys = list(keys)  # parameter indices
+        self.types = list(types)
+        self.numels = [_numel(t) for t in types]
+        self.shards = [shard_size(n, world_size) for n in self.numels]
+        self.shard_total = sum(self.shards)
+        self.dtype = str(types[0].dtype)
+        self.n = world_size
+
+
+class _Rewriter:
+    def __init__(self, func, level, world_size, bucket_bytes, overlap, group):
+        self.func, self.level, self.n = func, level, world_size
+        self.bucket_bytes, self.overlap = bucket_bytes, overlap
+        self.group = relax.prim_value(group)
+        self.seg = Segments()
+        self._check_and_parse()
+
+    # ---- reading the step -----------------------------------------------------------------
+    def _check_and_parse(self):
+        func = self.func
+        body = func.body
+        if len(body.blocks) != 1 or not isinstance(body.blocks[0], relax.DataflowBlock):
+            raise ValueError("ShardZeRO expects train_step with one dataflow block, as "
+                             "build_train_step emits it; run it before other block-splitting passes")
+        attrs = func.attrs or {}
+        if LAYOUT_PARAM_OFFSET not in attrs:
+            raise ValueError("ShardZeRO needs train_step's layout attributes "
+                             f"({LAYOUT_PARAM_OFFSET}, ...), which build_train_step sets")
+        offset = int(attrs[LAYOUT_PARAM_OFFSET])
+        num_params = int(attrs[LAYOUT_NUM_PARAMS])
+        per_param = int(attrs[LAYOUT_STATES_PER_PARAM])
+        self.params = list(func.params[offset:offset + num_params])
+        self.states = list(func.params[offset + num_params:offset + num_params * (1 + per_param)])
+        self.per_param = per_param
+        self.block = body.blocks[0]
+        self.bindings = list(self.block.bindings)
+        self.position = {b.var: i for i, b in enumerate(self.bindings)}
+        self.markers = find_markers(self.block)
+        if sorted(m.param_index for m in self.markers) != list(range(num_params)):
+            raise ValueError("ShardZeRO: every parameter needs exactly one gradient marker")
+        bound = {b.var: b.value for b in self.bindings}
+        self.output_var = body.body
+        result = bound.get(self.output_var)
+        if not isinstance(result, relax.Tuple) or len(result.fields) != 1 + num_params * (1 + per_param):
+            raise ValueError("ShardZeRO: train_step must return (loss, *params, *states)")
+        self.result = result
+        self.loss = result.fields[0]
+        self.forward_end = self.position.get(self.loss, -1)  # bindings <= this: forward + loss
+        self.optimizer_begin = max(m.position for m in self.markers) + 1 if self.markers else 0
+        for i in range(self.optimizer_begin, len(self.bindings)):
+            binding = self.bindings[i]
+            if binding.var.same_as(self.output_var) or isinstance(binding.value, relax.Var):
+                continue
+            value = binding.value
+            if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
+                    and value.op.name in ELEMENTWISE_OPS):
+                what = value.op.name if isinstance(value, relax.Call) and isinstance(
+                    value.op, tvm.ir.Op) else type(value).__name__
+                raise ValueError(f"ShardZeRO: the optimizer update must be elementwise to run on "
+                                 f"shards; {binding.var.name} is computed by {what}")
+
+    # ---- building blocks ------------------------------------------------------------------
+    def bind(self, name, value, dataflow=True):
+        return self.seg.bind(name, value, dataflow)
+
+    def _alloc(self, name, numel, dtype):
+        return self.bind(name, relax.op.builtin.alloc_tensor(relax.ShapeExpr([numel]), dtype,
+                                                             relax.prim_value(0)))
+
+    def pack_chunks(self, name, bucket, tensors):
+        """[N*S] chunk-interleaved buffer of full tensors (the reduce_scatter input)."""
+        n = self.n
+        rows = []
+        for key, t, numel, s in zip(bucket.keys, tensors, bucket.numels, bucket.shards):
+            flat = self.bind(f"{name}_flat{key}", relax.op.reshape(t, [numel]))
+            if n * s != numel:
+                flat = self.bind(f"{name}_padded{key}", relax.op.nn.pad(flat, [0, n * s - numel]))
+            rows.append(self.bind(f"{name}_rows{key}", relax.op.reshape(flat, [n, s])))
+        packed = rows[0] if len(rows) == 1 else self.bind(f"{name}_chunks",
+                                                          relax.op.concat(rows, axis=1))
+        return self.bind(name, relax.op.reshape(packed, [n * bucket.shard_total]))
+
+    def unpack_chunks(self, name, bucket, gathered):
+        """Full tensors from an [N*S] chunk-interleaved buffer (the allgather output)."""
+        n = self.n
+        rows = self.bind(f"{name}_rows", relax.op.reshape(gathered, [n, bucket.shard_total]))
+        pieces = [rows]
+        if len(bucket.keys) > 1:
+            offsets, total = [], 0
+            for s in bucket.shards[:-1]:
+                total += s
+                offsets.append(total)
+            parts = self.bind(f"{name}_parts", relax.op.split(rows, offsets, axis=1))
+            pieces = [self.bind(f"{name}_part{i}", relax.TupleGetItem(parts, i))
+                      for i in range(len(bucket.keys))]
+        out = []
+        for key, piece, ty, numel, s in zip(bucket.keys, pieces, bucket.types, bucket.numels,
+                                            bucket.shards):
+            flat = self.bind(f"{name}_flat{key}", relax.op.reshape(piece, [n * s]))
+            if n * s != numel:
+                flat = self.bind(f"{name}_trim{key}", relax.op.strided_slice(
+                    flat, axes=[0], begin=[0], end=[numel]))
+            out.append(self.bind(f"{name}_full{key}",
+                                 relax.op.reshape(flat, [int(d) for d in ty.shape])))
+        return out
+
+    def split_shards(self, name, bucket, packed):
+        """Per-tensor shards [s_i] of a packed [S] shard buffer."""
+        if len(bucket.keys) == 1:
+            return [packed]
+        offsets, total = [], 0
+        for s in bucket.shards[:-1]:
+            total += s
+            offsets.append(total)
+        parts = self.bind(f"{name}_parts", relax.op.split(packed, offsets, axis=0))
+        return [self.bind(f"{name}_shard{key}", relax.TupleGetItem(parts, i))
+                for i, key in enumerate(bucket.keys)]
+
+    def concat_shards(self, name, shards):
+        return shards[0] if len(shards) == 1 else self.bind(name, relax.op.concat(shards, axis=0))
+
+    def start(self, kind, name, send, out):
+        """Blocking collective (overlap off) or start; returns the handle or None."""
+        args = [send] + ([tvm.ir.StringImm("avg")] if kind == "reduce_scatter" else []) + [
+            self.group, out]
+        if not self.overlap:
+            self.bind(name, collective(f"raf_dist.ccl.{kind}", *args), dataflow=False)
+            return None
+        return self.bind(f"{name}_handle", collective(f"raf_dist.ccl.{kind}_start", *args),
+                         dataflow=False)
+
+    def wait(self, name, handle, *buffers):
+        if handle is not None:
+            self.bind(name, collective("raf_dist.ccl.wait", handle, *buffers), dataflow=False)
+
+    # ---- the rewrite ----------------------------------------------------------------------
+    def run(self):
+        level, n = self.level, self.n
+        params, states = self.params, self.states
+        marker_by_pos = {m.position: m for m in self.markers}
+        marker_pos = {m.param_index: m.position for m in self.markers}
+        param_types = [p.ty for p in params]
+
+        # new arguments: state shards (all levels), parameter shards (level 3)
+        def shard_var(var):
+            return relax.Var(var.name, relax.TensorType([shard_size(_numel(var.ty), n)],
+                                                        var.ty.dtype))
+        new_states = [shard_var(s) for s in states]
+        new_params = [shard_var(p) for p in params] if level == 3 else list(params)
+        opt_map = {}  # optimizer-region substitutions: full var -> shard var
+        for old, new in zip(states, new_states):
+            opt_map[old] = new
+
+        # gradient buckets, in backward order
+        grad_order = [m.param_index for m in self.markers]
+        grad_buckets = [_Bucket(b, [grad_order[i] for i in idx],
+                                [param_types[grad_order[i]] for i in idx], n)
+                        for b, idx in enumerate(assign_buckets(
+                            [_nbytes(param_types[k]) for k in grad_order], self.bucket_bytes))]
+        bucket_of_param = {k: b for b in grad_buckets for k in b.keys}
+        closes = {marker_pos[b.keys[-1]]: b for b in grad_buckets}
+        grads = {m.param_index: m.grad for m in self.markers}
+        marker_var = {m.param_index: m.var for m in self.markers}
+
+        # ---- reduce-scatter bookkeeping
+        in_flight = {}  # bucket index -> (bucket, handle, packed, out), in start order
+
+        def reduce_scatter(bucket):
+            packed = self.pack_chunks(f"grad_bucket{bucket.index}", bucket,
+                                      [grads[k] for k in bucket.keys])
+            out = self._alloc(f"grad_shard{bucket.index}", bucket.shard_total, bucket.dtype)
+            handle = self.start("reduce_scatter", f"reduce_scatter{bucket.index}", packed, out)
+            in_flight[bucket.index] = (bucket, handle, packed, out)
+
+        def finish_reduce(index):
+            bucket, handle, packed, out = in_flight.pop(index)
+            self.wait(f"wait_reduce_scatter{index}", handle, packed, out)
+            for k, shard in zip(bucket.keys, self.split_shards(f"grad{index}", bucket, out)):
+                opt_map[marker_var[k]] = shard
+
+        def finish_all_but(keep):
+            for index in list(in_flight)[:max(0, len(in_flight) - keep)]:
+                finish_reduce(index)
+
+        # ---- level 3 parameter gathers
+        gathers = {}
+        if level == 3:
+            gathers["forward"] = self._plan_gathers("forward", 0, self.forward_end + 1, new_params)
+            gathers["backward"] = self._plan_gathers("backward", self.forward_end + 1,
+                                                     self.optimizer_begin, new_params)
+            self._prefetch(gathers["forward"], 0)
+
+        # ---- forward and backward
+        for pos in range(self.optimizer_begin):
+            binding = self.bindings[pos]
+            if level == 3 and pos == self.forward_end + 1:
+                self._prefetch(gathers["backward"], 0)
+            if pos in marker_by_pos:
+                if pos in closes and level >= 2:
+                    reduce_scatter(closes[pos])
+                    # with overlap the previous bucket's reduce_scatter has had a whole bucket
+                    # of backward to finish: wait for it, so at most two full buckets live
+                    finish_all_but(1 if self.overlap else 0)
+                continue
+            value = binding.value
+            if level == 3:
+                region = gathers["forward" if pos <= self.forward_end else "backward"]
+                used = [v for v in relax.analysis.free_vars(value) if v in region["index"]]
+                if used:
+                    value = _substitute(value, {v: self._gathered(region, v) for v in used})
+            self.seg.add(relax.VarBinding(binding.var, value))
+        if level == 1:  # after backward, every bucket at once
+            for bucket in grad_buckets:
+                reduce_scatter(bucket)
+
+        # ---- the optimizer, re-emitted on shards
+        param_index = {p: k for k, p in enumerate(params)}
+        grad_index = {marker_var[k]: k for k in marker_var}
+        if level == 3:
+            for old, new in zip(params, new_params):
+                opt_map[old] = new
+        sliced = set()
+
+        def param_shards(bucket):  # levels 1-2: this rank's shard of full parameters
+            if bucket.index in sliced:
+                return
+            sliced.add(bucket.index)
+            packed = self.bind(f"param_shard{bucket.index}", relax.call_dps_packed(
+                "raf_dist.ccl.local_shard", [params[k] for k in bucket.keys] + [self.group],
+                relax.TensorType([bucket.shard_total], bucket.dtype)))
+            for k, shard in zip(bucket.keys, self.split_shards(f"param{bucket.index}", bucket,
+                                                                packed)):
+                opt_map[params[k]] = shard
+
+        new_param_of = {}  # original binding var of an updated parameter -> parameter indices
+        for k in range(len(params)):
+            new_param_of.setdefault(self.result.fields[1 + k], []).append(k)
+        updated = {b.index: 0 for b in grad_buckets}
+        gathering = []  # (bucket, handle, packed, out)
+
+        def gather_updated(bucket):
+            shards = [opt_map.get(self.result.fields[1 + k], self.result.fields[1 + k])
+                      for k in bucket.keys]
+            packed = self.concat_shards(f"updated_shards{bucket.index}", shards)
+            out = self._alloc(f"updated{bucket.index}", n * bucket.shard_total, bucket.dtype)
+            gathering.append((bucket, self.start("allgather", f"allgather_updated{bucket.index}",
+                                                 packed, out), packed, out))
+
+        scalars = {p for p in self.func.params if p not in param_index and p not in states}
+        for pos in range(self.optimizer_begin, len(self.bindings)):
+            binding = self.bindings[pos]
+            if binding.var.same_as(self.output_var):
+                continue
+            for v in relax.analysis.free_vars(binding.value):
+                if v in grad_index:
+                    index = bucket_of_param[grad_index[v]].index
+                    if index in in_flight:
+                        finish_reduce(index)
+                elif v in param_index:
+                    if level in (1, 2):
+                        param_shards(bucket_of_param[param_index[v]])
+                elif v not in opt_map and v not in scalars:
+                    raise ValueError(f"ShardZeRO: the optimizer update reads {v.name}, which is "
+                                     "neither a parameter, its gradient, an optimizer state nor "
+                                     "a step scalar")
+            value = self.seg.builder.normalize(_substitute(binding.value, opt_map))
+            new_var = relax.DataflowVar(binding.var.name, value.ty)
+            self.seg.add(relax.VarBinding(new_var, value))
+            opt_map[binding.var] = new_var
+            if level in (1, 2):
+                for k in new_param_of.get(binding.var, []):
+                    bucket = bucket_of_param[k]
+                    updated[bucket.index] += 1
+                    if updated[bucket.index] == len(bucket.keys):
+                        gather_updated(bucket)  # starts while the next bucket is updated
+        finish_all_but(0)
+
+        # ---- outputs: (loss, params, states)
+        fields = [self.loss]
+        if level in (1, 2):
+            for bucket in grad_buckets:  # parameters the update left untouched
+                if updated[bucket.index] != len(bucket.keys):
+                    gather_updated(bucket)
+            full = {}
+            for bucket, handle, packed, out in gathering:
+                self.wait(f"wait_allgather_updated{bucket.index}", handle, packed, out)
+                full.update(zip(bucket.keys, self.unpack_chunks(f"updated{bucket.index}",
+                                                                 bucket, out)))
+            fields += [full[k] for k in range(len(params))]
+        else:
+            fields += [opt_map.get(f, f) for f in self.result.fields[1:1 + len(params)]]
+        fields += [opt_map.get(f, f) for f in self.result.fields[1 + len(params):]]
+        self.bind("allreduce_loss", collective("raf_dist.ccl.allreduce", self.loss,
+                                               tvm.ir.StringImm("avg"), self.group, self.loss),
+                  dataflow=False)
+        output = self.bind("step_outputs", relax.Tuple(fields), dataflow=False)
+        func_params = list(self.func.params)
+        offset = int(self.func.attrs[LAYOUT_PARAM_OFFSET])
+        func_params[offset:offset + len(params)] = new_params
+        func_params[offset + len(params):offset + len(params) + len(states)] = new_states
+        return assemble(self.func, self.seg.segments, output, params=func_params,
+                        ret_ty=output.ty)
+
+    # ---- level 3 gathers ------------------------------------------------------------------
+    def _plan_gathers(self, region, begin, end, shard_params):
+        """Buckets of the parameters read in bindings [begin, end), in first-use order."""
+        param_pos = {p: k for k, p in enumerate(self.params)}
+        order = []
+        for pos in range(begin, end):
+            for v in relax.analysis.free_vars(self.bindings[pos].value):
+                if v in param_pos and param_pos[v] not in order:
+                    order.append(param_pos[v])
+        types = [self.params[k].ty for k in order]
+        buckets = [_Bucket(b, [order[i] for i in idx], [types[i] for i in idx], self.n)
+                   for b, idx in enumerate(assign_buckets([_nbytes(t) for t in types],
+                                                          self.bucket_bytes))]
+        return {"name": region, "buckets": buckets, "shards": shard_params,
+                "index": {self.params[k]: b for b in buckets for k in b.keys},
+                "param_pos": param_pos, "started": {}, "full": {}}
+
+    def _start_gather(self, region, b):
+        bucket = region["buckets"][b]
+        name = f"{region['name']}_gather{b}"
+        packed = self.concat_shards(f"{name}_shards", [region["shards"][k] for k in bucket.keys])
+        out = self._alloc(name, self.n * bucket.shard_total, bucket.dtype)
+        region["started"][b] = (self.start("allgather", name, packed, out), packed, out)
+
+    def _prefetch(self, region, b):
+        """With overlap, start bucket b's gather ahead of its first use."""
+        if self.overlap and b < len(region["buckets"]) and b not in region["started"]:
+            self._start_gather(region, b)
+
+    def _gathered(self, region, param):
+        """The full value of ``param`` in this region: gathered (with its bucket) on first use."""
+        bucket = region["index"][param]
+        if bucket.index not in region["full"]:
+            if bucket.index not in region["started"]:
+                self._start_gather(region, bucket.index)
+            handle, packed, out = region["started"][bucket.index]
+            self.wait(f"wait_{region['name']}_gather{bucket.index}", handle, packed, out)
+            self._prefetch(region, bucket.index + 1)  # the next bucket, one ahead
+            region["full"][bucket.index] = dict(zip(bucket.keys, self.unpack_chunks(
+                f"{region['name']}_params{bucket.index}", bucket, out)))
+        return region["full"][bucket.index][region["param_pos"][param]]
+
+
+def _substitute(expr, mapping):
+    return SubstituteVars(mapping).visit_expr(expr)
+
+
+@tvm.transform.module_pass(opt_level=0, name="ShardZeRO")
+class ShardZeRO:
+    """See the module docstring."""
+
+    def __init__(self, level, world_size, bucket_bytes, overlap=True, group=0,
+                 func_name="train_step"):
+        if level not in (1, 2, 3):
+            raise ValueError(f"ShardZeRO level must be 1, 2 or 3, got {level!r} (level 0 is "
+                             "AllReduceGradients)")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self.level, self.world_size = int(level), int(world_size)
+        self.bucket_bytes, self.overlap = int(bucket_bytes), bool(overlap)
+        self.group, self.func_name = int(group), func_name
+
+    def transform_module(self, mod, ctx):
+        func = _Rewriter(mod[self.func_name], self.level, self.world_size, self.bucket_bytes,
+                         self.overlap, self.group).run()
+        mod = mod.__class__(dict(mod.functions_items()))
+        mod[self.func_name] = func
+        return relax.transform.Normalize()(mod)

@@ -1,0 +1,124 @@
+/*!
+ * \file shard.cc
+ * \brief `raf_dist.ccl.local_shard`: this rank's flat, padded dim-0 shard of several tensors,
+ *        packed back to back (DESIGN.md section 3).
+ *
+ *   local_shard(t_1, ..., t_k, group, out)
+ *
+ * Tensor t_i has n_i elements and shard size s_i = ceil(n_i / N) on a group of N ranks; rank r
+ * owns elements [r * s_i, (r + 1) * s_i) of t_i flattened, the part past n_i being zero
+ * padding. `out` (sum_i s_i elements) receives rank r's shard of t_1, then of t_2, and so on:
+ * the same layout a reduce_scatter of the chunk-interleaved bucket leaves on rank r, so the
+ * ZeRO passes can update a parameter shard against its gradient shard. The rank is read from
+ * the group at run time, which keeps the compiled step identical on every rank (SPMD).
+ */
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/reflection/registry.h>
+
+#include <cstring>
+
+#include "group.h"
+
+#ifdef RAF_DIST_USE_NCCL
+#include <cuda_runtime.h>
+#endif
+
+namespace raf_dist {
+namespace ccl {
+
+int64_t GroupRank(int64_t group);
+int64_t GroupSize(int64_t group);
+
+namespace {
+
+void CopyBytes(const ffi::Tensor& like, void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  DLDeviceType type = like.device().device_type;
+  if (type == kDLCPU || type == kDLCUDAHost) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+#ifdef RAF_DIST_USE_NCCL
+  if (type == kDLCUDA) {
+    cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr);
+    if (err != cudaSuccess) {
+      TVM_FFI_THROW(RuntimeError) << "local_shard: cudaMemcpyAsync: " << cudaGetErrorString(err);
+    }
+    return;
+  }
+#endif
+  TVM_FFI_THROW(ValueError) << "local_shard: device type " << static_cast<int>(type)
+                            << " is not supported in this build";
+}
+
+void ZeroBytes(const ffi::Tensor& like, void* dst, size_t bytes) {
+  if (bytes == 0) return;
+  DLDeviceType type = like.device().device_type;
+  if (type == kDLCPU || type == kDLCUDAHost) {
+    std::memset(dst, 0, bytes);
+    return;
+  }
+#ifdef RAF_DIST_USE_NCCL
+  if (type == kDLCUDA) {
+    cudaError_t err = cudaMemsetAsync(dst, 0, bytes, nullptr);
+    if (err != cudaSuccess) {
+      TVM_FFI_THROW(RuntimeError) << "local_shard: cudaMemsetAsync: " << cudaGetErrorString(err);
+    }
+    return;
+  }
+#endif
+  TVM_FFI_THROW(ValueError) << "local_shard: device type " << static_cast<int>(type)
+                            << " is not supported in this build";
+}
+
+void LocalShard(ffi::PackedArgs args, ffi::Any* rv) {
+  if (args.size() < 3) {
+    TVM_FFI_THROW(TypeError) << "raf_dist.ccl.local_shard(t_1, ..., t_k, group, out)";
+  }
+  const int k = args.size() - 2;
+  const int64_t group = args[k].cast<int64_t>();
+  ffi::Tensor out = args[k + 1].cast<ffi::Tensor>();
+  const int64_t rank = GroupRank(group), size = GroupSize(group);
+  const DLDataType dtype = out.dtype();
+  const size_t elem = (dtype.bits * dtype.lanes + 7) / 8;
+  const int64_t out_numel = ContiguousNumel(out, "local_shard output");
+  int64_t offset = 0;
+  for (int i = 0; i < k; ++i) {
+    ffi::Tensor t = args[i].cast<ffi::Tensor>();
+    if (t.dtype() != dtype) {
+      TVM_FFI_THROW(TypeError) << "local_shard: input " << i << " has dtype "
+                               << ffi::DLDataTypeToString(t.dtype()) << ", output "
+                               << ffi::DLDataTypeToString(dtype);
+    }
+    if (t.device().device_type != out.device().device_type) {
+      TVM_FFI_THROW(ValueError) << "local_shard: input " << i << " and the output live on "
+                                   "different devices";
+    }
+    const int64_t n = ContiguousNumel(t, "local_shard input");
+    const int64_t shard = (n + size - 1) / size;
+    if (offset + shard > out_numel) {
+      TVM_FFI_THROW(ValueError) << "local_shard: output has " << out_numel
+                                << " elements, the shards need more (" << offset + shard
+                                << " so far)";
+    }
+    const int64_t begin = std::min(n, rank * shard), end = std::min(n, begin + shard);
+    char* dst = static_cast<char*>(DataPtr(out)) + offset * elem;
+    CopyBytes(out, dst, static_cast<const char*>(DataPtr(t)) + begin * elem, (end - begin) * elem);
+    ZeroBytes(out, dst + (end - begin) * elem, (shard - (end - begin)) * elem);
+    offset += shard;
+  }
+  if (offset != out_numel) {
+    TVM_FFI_THROW(ValueError) << "local_shard: output has " << out_numel
+                              << " elements, the shards fill " << offset;
+  }
+}
+
+}  // namespace
+
+TVM_FFI_STATIC_INIT_BLOCK() {
+  namespace refl = tvm::ffi::reflection;
+  refl::GlobalDef().def_packed("raf_dist.ccl.local_shard", LocalShard);
+}
+
+}  // namespace ccl
+}  // namespace raf_dist
