@@ -102,6 +102,9 @@ def make(name, batch, seed=0):
     gen = torch.Generator().manual_seed(seed + 1)
     if name == "mlp":
         return MLP(), torch.randn(batch, 20, generator=gen), torch.randint(0, 5, (batch,), generator=gen)
+    if name == "wide_mlp":  # parameters dominate activations: memory accounting cases
+        return (MLP((64,) + (256,) * 7 + (10,)), torch.randn(batch, 64, generator=gen),
+                torch.randint(0, 10, (batch,), generator=gen))
     if name == "cnn":
         return (CNN(), torch.randn(batch, 1, 8, 8, generator=gen),
                 torch.randint(0, 10, (batch,), generator=gen))

@@ -199,11 +199,13 @@ class _Rewriter:
 
     # ---- the rewrite ----------------------------------------------------------------------
     def run(self):
-        level, n = self.level, self.n
+        level, n, per_param = self.level, self.n, self.per_param
         params, states = self.params, self.states
         marker_by_pos = {m.position: m for m in self.markers}
         marker_pos = {m.param_index: m.position for m in self.markers}
-        param_types = [p.ty for p in params]
+        grads = {m.param_index: m.grad for m in self.markers}
+        marker_var = {m.param_index: m.var for m in self.markers}
+        chains, shared = self._update_chains(marker_var)
 
         # new arguments: state shards (all levels), parameter shards (level 3)
         def shard_var(var):
@@ -211,23 +213,19 @@ class _Rewriter:
                                                         var.ty.dtype))
         new_states = [shard_var(s) for s in states]
         new_params = [shard_var(p) for p in params] if level == 3 else list(params)
-        opt_map = {}  # optimizer-region substitutions: full var -> shard var
-        for old, new in zip(states, new_states):
-            opt_map[old] = new
 
         # gradient buckets, in backward order
         grad_order = [m.param_index for m in self.markers]
-        grad_buckets = [_Bucket(b, [grad_order[i] for i in idx],
-                                [param_types[grad_order[i]] for i in idx], n)
-                        for b, idx in enumerate(assign_buckets(
-                            [_nbytes(param_types[k]) for k in grad_order], self.bucket_bytes))]
-        bucket_of_param = {k: b for b in grad_buckets for k in b.keys}
+        types = [params[k].ty for k in grad_order]
+        grad_buckets = [_Bucket(b, [grad_order[i] for i in idx], [types[i] for i in idx], n)
+                        for b, idx in enumerate(assign_buckets([_nbytes(t) for t in types],
+                                                               self.bucket_bytes))]
         closes = {marker_pos[b.keys[-1]]: b for b in grad_buckets}
-        grads = {m.param_index: m.grad for m in self.markers}
-        marker_var = {m.param_index: m.var for m in self.markers}
 
-        # ---- reduce-scatter bookkeeping
-        in_flight = {}  # bucket index -> (bucket, handle, packed, out), in start order
+        in_flight = {}  # reduce_scatters: bucket index -> (bucket, handle, packed, out)
+        gathering = []  # allgathers of updated shards: (bucket, handle, packed, out)
+        full = {}  # parameter index -> its updated full value (levels 1-2)
+        shard_out = {}  # (parameter index, state slot) -> output shard; slot -1: the parameter
 
         def reduce_scatter(bucket):
             packed = self.pack_chunks(f"grad_bucket{bucket.index}", bucket,
@@ -239,12 +237,55 @@ class _Rewriter:
         def finish_reduce(index):
             bucket, handle, packed, out = in_flight.pop(index)
             self.wait(f"wait_reduce_scatter{index}", handle, packed, out)
-            for k, shard in zip(bucket.keys, self.split_shards(f"grad{index}", bucket, out)):
-                opt_map[marker_var[k]] = shard
+            update(bucket, out)  # the reduced shard dies right here
 
         def finish_all_but(keep):
             for index in list(in_flight)[:max(0, len(in_flight) - keep)]:
                 finish_reduce(index)
+
+        def finish_gathers(keep):
+            while len(gathering) > keep:
+                bucket, handle, packed, out = gathering.pop(0)
+                self.wait(f"wait_allgather_updated{bucket.index}", handle, packed, out)
+                full.update(zip(bucket.keys, self.unpack_chunks(f"updated{bucket.index}",
+                                                                 bucket, out)))
+
+        def update(bucket, grad_shard):
+            """The optimizer on one bucket's flat shards: parameter k0's update chain (the
+            bucket's first parameter) re-emitted on [S] buffers. Every parameter's chain is
+            the same computation (_update_chains checks), so one elementwise pass updates
+            the whole bucket."""
+            b, keys = bucket.index, bucket.keys
+            if level == 3:
+                param_flat = self.concat_shards(f"param_shards{b}", [new_params[k] for k in keys])
+            else:  # this rank's shard of the full parameters, cut at run time
+                param_flat = self.bind(f"param_shard{b}", relax.call_dps_packed(
+                    "raf_dist.ccl.local_shard", [params[k] for k in keys] + [self.group],
+                    relax.TensorType([bucket.shard_total], bucket.dtype)))
+            k0 = keys[0]
+            mapping = {params[k0]: param_flat, marker_var[k0]: grad_shard}
+            for j in range(per_param):
+                mapping[states[k0 * per_param + j]] = self.concat_shards(
+                    f"state{j}_shards{b}", [new_states[k * per_param + j] for k in keys])
+            for binding in chains[k0]:
+                value = self.seg.builder.normalize(_substitute(binding.value, mapping))
+                var = relax.DataflowVar(f"{binding.var.name}_b{b}", value.ty)
+                self.seg.add(relax.VarBinding(var, value))
+                mapping[binding.var] = var
+            new_param = mapping.get(self.result.fields[1 + k0], param_flat)
+            for j in range(per_param):
+                field = self.result.fields[1 + len(params) + k0 * per_param + j]
+                for k, piece in zip(keys, self.split_shards(f"new_state{j}_{b}", bucket,
+                                                            mapping[field])):
+                    shard_out[(k, j)] = piece
+            if level == 3:
+                for k, piece in zip(keys, self.split_shards(f"new_param{b}", bucket, new_param)):
+                    shard_out[(k, -1)] = piece
+            else:  # gather the updated shards while the next bucket is updated
+                out = self._alloc(f"updated{b}", n * bucket.shard_total, bucket.dtype)
+                gathering.append((bucket, self.start("allgather", f"allgather_updated{b}",
+                                                     new_param, out), new_param, out))
+                finish_gathers(1 if self.overlap else 0)
 
         # ---- level 3 parameter gathers
         gathers = {}
@@ -253,8 +294,10 @@ class _Rewriter:
             gathers["backward"] = self._plan_gathers("backward", self.forward_end + 1,
                                                      self.optimizer_begin, new_params)
             self._prefetch(gathers["forward"], 0)
+        for binding in shared:  # scalar-only work of the optimizer (e.g. on hyper-parameters)
+            self.seg.add(binding)
 
-        # ---- forward and backward
+        # ---- forward and backward; levels 2-3 reduce each bucket as soon as it is complete
         for pos in range(self.optimizer_begin):
             binding = self.bindings[pos]
             if level == 3 and pos == self.forward_end + 1:
@@ -273,87 +316,20 @@ class _Rewriter:
                 if used:
                     value = _substitute(value, {v: self._gathered(region, v) for v in used})
             self.seg.add(relax.VarBinding(binding.var, value))
-        if level == 1:  # after backward, every bucket at once
+        if level == 1:  # after backward: every bucket, one after the other
             for bucket in grad_buckets:
                 reduce_scatter(bucket)
-
-        # ---- the optimizer, re-emitted on shards
-        param_index = {p: k for k, p in enumerate(params)}
-        grad_index = {marker_var[k]: k for k in marker_var}
-        if level == 3:
-            for old, new in zip(params, new_params):
-                opt_map[old] = new
-        sliced = set()
-
-        def param_shards(bucket):  # levels 1-2: this rank's shard of full parameters
-            if bucket.index in sliced:
-                return
-            sliced.add(bucket.index)
-            packed = self.bind(f"param_shard{bucket.index}", relax.call_dps_packed(
-                "raf_dist.ccl.local_shard", [params[k] for k in bucket.keys] + [self.group],
-                relax.TensorType([bucket.shard_total], bucket.dtype)))
-            for k, shard in zip(bucket.keys, self.split_shards(f"param{bucket.index}", bucket,
-                                                                packed)):
-                opt_map[params[k]] = shard
-
-        new_param_of = {}  # original binding var of an updated parameter -> parameter indices
-        for k in range(len(params)):
-            new_param_of.setdefault(self.result.fields[1 + k], []).append(k)
-        updated = {b.index: 0 for b in grad_buckets}
-        gathering = []  # (bucket, handle, packed, out)
-
-        def gather_updated(bucket):
-            shards = [opt_map.get(self.result.fields[1 + k], self.result.fields[1 + k])
-                      for k in bucket.keys]
-            packed = self.concat_shards(f"updated_shards{bucket.index}", shards)
-            out = self._alloc(f"updated{bucket.index}", n * bucket.shard_total, bucket.dtype)
-            gathering.append((bucket, self.start("allgather", f"allgather_updated{bucket.index}",
-                                                 packed, out), packed, out))
-
-        scalars = {p for p in self.func.params if p not in param_index and p not in states}
-        for pos in range(self.optimizer_begin, len(self.bindings)):
-            binding = self.bindings[pos]
-            if binding.var.same_as(self.output_var):
-                continue
-            for v in relax.analysis.free_vars(binding.value):
-                if v in grad_index:
-                    index = bucket_of_param[grad_index[v]].index
-                    if index in in_flight:
-                        finish_reduce(index)
-                elif v in param_index:
-                    if level in (1, 2):
-                        param_shards(bucket_of_param[param_index[v]])
-                elif v not in opt_map and v not in scalars:
-                    raise ValueError(f"ShardZeRO: the optimizer update reads {v.name}, which is "
-                                     "neither a parameter, its gradient, an optimizer state nor "
-                                     "a step scalar")
-            value = self.seg.builder.normalize(_substitute(binding.value, opt_map))
-            new_var = relax.DataflowVar(binding.var.name, value.ty)
-            self.seg.add(relax.VarBinding(new_var, value))
-            opt_map[binding.var] = new_var
-            if level in (1, 2):
-                for k in new_param_of.get(binding.var, []):
-                    bucket = bucket_of_param[k]
-                    updated[bucket.index] += 1
-                    if updated[bucket.index] == len(bucket.keys):
-                        gather_updated(bucket)  # starts while the next bucket is updated
+                finish_all_but(1 if self.overlap else 0)
         finish_all_but(0)
+        finish_gathers(0)
 
         # ---- outputs: (loss, params, states)
         fields = [self.loss]
-        if level in (1, 2):
-            for bucket in grad_buckets:  # parameters the update left untouched
-                if updated[bucket.index] != len(bucket.keys):
-                    gather_updated(bucket)
-            full = {}
-            for bucket, handle, packed, out in gathering:
-                self.wait(f"wait_allgather_updated{bucket.index}", handle, packed, out)
-                full.update(zip(bucket.keys, self.unpack_chunks(f"updated{bucket.index}",
-                                                                 bucket, out)))
-            fields += [full[k] for k in range(len(params))]
+        if level == 3:
+            fields += [shard_out[(k, -1)] for k in range(len(params))]
         else:
-            fields += [opt_map.get(f, f) for f in self.result.fields[1:1 + len(params)]]
-        fields += [opt_map.get(f, f) for f in self.result.fields[1 + len(params):]]
+            fields += [full[k] for k in range(len(params))]
+        fields += [shard_out[(k, j)] for k in range(len(params)) for j in range(per_param)]
         self.bind("allreduce_loss", collective("raf_dist.ccl.allreduce", self.loss,
                                                tvm.ir.StringImm("avg"), self.group, self.loss),
                   dataflow=False)
@@ -364,6 +340,59 @@ class _Rewriter:
         func_params[offset + len(params):offset + len(params) + len(states)] = new_states
         return assemble(self.func, self.seg.segments, output, params=func_params,
                         ret_ty=output.ty)
+
+    # ---- the optimizer's update chains ------------------------------------------------------
+    def _update_chains(self, marker_var):
+        """Split the optimizer region into one chain of bindings per parameter (what its new
+        value and states are computed from) plus scalar-only bindings, and check that every
+        chain is the same computation as parameter 0's up to its own tensors."""
+        per_param = self.per_param
+        owner = {}
+        for k, p in enumerate(self.params):
+            owner[p] = (k, "param")
+            owner[marker_var[k]] = (k, "grad")
+            for j in range(per_param):
+                owner[self.states[k * per_param + j]] = (k, f"state{j}")
+        chains = {k: [] for k in range(len(self.params))}
+        shared = []
+        for pos in range(self.optimizer_begin, len(self.bindings)):
+            binding = self.bindings[pos]
+            if binding.var.same_as(self.output_var):
+                continue
+            ks = {owner[v][0] for v in relax.analysis.free_vars(binding.value) if v in owner}
+            if len(ks) > 1:
+                raise ValueError(f"ShardZeRO: the optimizer update {binding.var.name} mixes "
+                                 "several parameters; ZeRO needs a per-parameter elementwise update")
+            if not ks:
+                shared.append(binding)
+                continue
+            k = ks.pop()
+            owner[binding.var] = (k, len(chains[k]))
+            chains[k].append(binding)
+        scalars = {p for p in self.func.params} | {b.var for b in shared}
+
+        def describe(k):
+            local = {}
+            out = []
+            for i, binding in enumerate(chains[k]):
+                local[binding.var] = i
+                out.append(_describe(binding.value, lambda v: (
+                    ("own", owner[v][1]) if v in owner and owner[v][0] == k and not isinstance(
+                        owner[v][1], int) else ("local", local[v]) if v in local else
+                    ("scalar", v) if v in scalars else ("foreign", v.name))))
+            result = [_describe_var(self.result.fields[1 + k], local, owner, k)]
+            result += [_describe_var(self.result.fields[1 + len(self.params) + k * per_param + j],
+                                     local, owner, k) for j in range(per_param)]
+            return out, result
+
+        reference = describe(0) if self.params else None
+        for k in range(1, len(self.params)):
+            if not _same(describe(k), reference):
+                raise ValueError(
+                    f"ShardZeRO: parameter {self.params[k].name}'s update differs from "
+                    f"{self.params[0].name}'s; ZeRO updates a bucket of parameters with one "
+                    "elementwise computation, so every parameter needs the same update rule")
+        return chains, shared
 
     # ---- level 3 gathers ------------------------------------------------------------------
     def _plan_gathers(self, region, begin, end, shard_params):
@@ -406,6 +435,34 @@ class _Rewriter:
             region["full"][bucket.index] = dict(zip(bucket.keys, self.unpack_chunks(
                 f"{region['name']}_params{bucket.index}", bucket, out)))
         return region["full"][bucket.index][region["param_pos"][param]]
+
+
+def _describe(value, name_of):
+    """A hashable description of an elementwise binding, variables named by ``name_of``."""
+    if isinstance(value, relax.Var):
+        return ("alias", name_of(value))
+    args = []
+    for arg in value.args:
+        if isinstance(arg, relax.Var):
+            args.append(name_of(arg))
+        elif isinstance(arg, tvm.ir.expr.Constant):
+            args.append(("const", str(arg.ty), arg.value.numpy().tobytes()))
+        else:
+            args.append(("expr", tvm.ir.structural_hash(arg)))
+    return (value.op.name, tvm.ir.structural_hash(value.attrs) if value.attrs is not None else 0,
+            tuple(args))
+
+
+def _describe_var(var, local, owner, k):
+    if var in local:
+        return ("local", local[var])
+    if var in owner and owner[var][0] == k:
+        return ("own", owner[var][1])
+    return ("other", var.name)
+
+
+def _same(a, b):
+    return a == b
 
 
 def _substitute(expr, mapping):
