@@ -15,7 +15,7 @@ from .compiler import compile_step, set_num_threads
 from .distributed import collectives, get_communicator, get_config
 from .optim import Optimizer
 from .passes import (AllReduceGradients, DispatchToBLAS, FastGelu, ShardZeRO,
-                     StripGradientMarkers, shard_size)
+                     StripGradientMarkers, gradient_buckets, shard_size)
 from .training import LOSSES, build_train_step
 
 
@@ -51,6 +51,9 @@ class Trainer:
         set_num_threads(max(1, _cores() // max(1, self.comm.local_size)))
 
         self.ir, self.signature = build_train_step(model, loss, optimizer)
+        self.bucket_bytes = max(1, int(config.bucket_size_mb * 2**20))
+        # gradient buckets (parameter indices, in backward order) the distribution pass uses
+        self.grad_buckets = gradient_buckets(self.ir, self.bucket_bytes) if self.data_parallel else []
         self.compiled = self._compile(config, cache_dir)
         self._device = tvm.cpu()
         self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
@@ -75,7 +78,7 @@ class Trainer:
 
     def _passes(self, config):
         """The config, read once, as explicit pass arguments."""
-        bucket_bytes = max(1, int(config.bucket_size_mb * 2**20))
+        bucket_bytes = self.bucket_bytes
         if self.zero_level:
             distribute = ShardZeRO(self.zero_level, self.world, bucket_bytes,
                                    overlap=config.overlap_comm, group=self.comm.group)
@@ -173,6 +176,11 @@ class Trainer:
             raise ValueError(f"{what}: expected shape {tuple(shape)} and dtype {dtype} (as "
                              f"captured), got shape {tuple(array.shape)} and dtype {array.dtype}")
         return tvm.runtime.tensor(np.ascontiguousarray(array), self._device)
+
+    @property
+    def num_grad_buckets(self):
+        """Collectives per step for gradients (0 without data parallelism)."""
+        return len(self.grad_buckets)
 
     # ---- sharding -------------------------------------------------------------------------
     def _local_shard(self, array):

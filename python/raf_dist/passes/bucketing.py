@@ -24,6 +24,15 @@ def assign_buckets(sizes_bytes, bucket_bytes):
     return buckets
 
 
+def gradient_buckets(mod, bucket_bytes, func_name="train_step"):
+    """Parameter indices per gradient bucket, in the order backward produces them: what
+    AllReduceGradients and ShardZeRO reduce together."""
+    from .gradient_markers import find_markers
+    markers = find_markers(mod[func_name].body.blocks[0])
+    return [[markers[i].param_index for i in idx]
+            for idx in assign_buckets([m.nbytes for m in markers], bucket_bytes)]
+
+
 class Segments:
     """Builds the new body as alternating dataflow / impure binding lists."""
 

@@ -1,0 +1,128 @@
+"""ZeRO-1/2/3 on N ranks vs one process on the same global batch, with DESIGN.md section 3's
+accounting.
+
+Usage: zero_train.py MODEL OPTIMIZER[,OPTIMIZER...] BUCKET_MB OVERLAP(0|1) LEVEL[,LEVEL...] [STEPS]
+Rank 0 trains the reference (one process, data parallel off) on the whole global batch; every
+rank then trains each ZeRO level on its slice and compares losses, parameters and optimizer
+state (norm-relative <= 2e-5), and checks what stats() reports:
+  param_bytes           4 Psi (levels 0-2), 4 Psi/N padded (level 3)
+  optimizer_state_bytes K * 4 Psi (level 0), K * 4 Psi/N padded (levels 1-3)
+  comm_bytes_last_step  reduce_scatter and allgather (N-1)/N * 4 Psi each (levels 1-2); level 3
+                        gathers the parameters again for backward: allgather between 1x and 2x
+                        that, total <= 3 Psi (N-1)/N * 4; allreduce only the loss scalar
+  reduce_scatter calls  one per gradient bucket per step
+  peak                  params + optimizer state + planned temporaries falls from level to
+                        level when level 0 is in LEVEL (the cases that ask for it use a model
+                        whose parameters dominate its activations)
+Prints 'rank R: ALL OK' once every optimizer passed."""
+import sys
+
+import numpy as np
+
+import raf_dist
+from raf_dist import distributed as dist
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+from models import make, raf_optimizer  # noqa: E402
+
+GLOBAL_BATCH = 12  # divides by 2, 3 and 4
+
+
+def rel_err(a, b):
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def main():
+    name, opts, bucket_mb, overlap = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4] == "1"
+    levels = [int(v) for v in sys.argv[5].split(",")]
+    steps = int(sys.argv[6]) if len(sys.argv) > 6 else 6
+    for opt_name in opts.split(","):
+        check(name, opt_name, bucket_mb, overlap, levels, steps)
+    print(f"rank {dist.get_communicator().rank}: ALL OK")
+
+
+def reference_run(name, opt_name, steps):
+    comm = dist.get_communicator()
+    reference = None
+    if comm.rank == 0:
+        dist.get_config().update({"enable_data_parallel": False, "zero_opt_level": 0})
+        module, x, y = make(name, GLOBAL_BATCH, seed=0)
+        trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
+                                   optimizer=raf_optimizer(opt_name))
+        losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(steps)]
+        reference = (losses, trainer.state_dict(), trainer.optimizer_state_dict())
+    comm.idle_barrier()  # the others sleep while rank 0 compiles and runs the reference
+    return comm.mpi_comm.bcast(reference, root=0)
+
+
+def check(name, opt_name, bucket_mb, overlap, levels, steps):
+    comm = dist.get_communicator()
+    n, rank = comm.size, comm.rank
+    ref_losses, ref_params, ref_states = reference_run(name, opt_name, steps)
+    numels = [v.size for v in ref_params.values()]
+    psi = sum(numels)
+    shard = sum(-(-k // n) for k in numels)  # padded shard elements per rank
+    assert 0 <= shard * n - psi < n * len(numels)
+    per_param = len(next(iter(ref_states.values()))) if ref_states else 0
+    totals = {}
+    for level in levels:
+        module, x, y = make(name, GLOBAL_BATCH, seed=0)
+        if rank > 0:  # a different start on every rank: the Trainer broadcasts rank 0's
+            for p in module.parameters():
+                p.data.normal_()
+        local = GLOBAL_BATCH // n
+        xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+        dist.get_config().update({"enable_data_parallel": True, "zero_opt_level": level,
+                                  "bucket_size_mb": bucket_mb, "overlap_comm": overlap})
+        trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (xs,)),
+                                   optimizer=raf_optimizer(opt_name))
+        before = dist.comm_counters()
+        losses = [trainer.step(xs.numpy(), ys.numpy()) for _ in range(steps)]
+        after = dist.comm_counters()
+        what = f"{name} {opt_name} level {level} N={n}"
+        assert rel_err(losses, ref_losses) <= 2e-5, (what, losses, ref_losses)
+        params = trainer.state_dict()  # gathers under ZeRO-3: every rank calls it
+        for key, value in ref_params.items():
+            assert params[key].shape == value.shape, (what, key)
+            assert rel_err(params[key], value) <= 2e-5, (what, key, rel_err(params[key], value))
+        states = trainer.optimizer_state_dict()
+        for key, by_state in ref_states.items():
+            for state, value in by_state.items():
+                assert states[key][state].shape == value.shape, (what, key, state)
+                err = rel_err(states[key][state], value)
+                assert err <= 2e-5, (what, key, state, err)
+
+        stats = trainer.stats()
+        comm_bytes = stats["comm_bytes_last_step"]
+        loss_bytes = 2 * (n - 1) / n * 4
+        if n == 1:
+            loss_bytes = 0.0
+        held = 4 * (shard if level == 3 else psi)
+        assert stats["param_bytes"] == held, (what, stats)
+        assert stats["optimizer_state_bytes"] == per_param * 4 * (shard if level else psi), (what, stats)
+        if level == 0:
+            assert abs(comm_bytes["allreduce"] - 2 * (n - 1) / n * 4 * (psi + 1)) < 1e-6, (what, stats)
+        else:
+            one_pass = (n - 1) * 4 * shard  # = (N-1)/N * 4 Psi, padding aside
+            assert abs(comm_bytes.get("allreduce", 0.0) - loss_bytes) < 1e-6, (what, stats)
+            assert comm_bytes.get("reduce_scatter", 0.0) == one_pass, (what, stats, one_pass)
+            gathered = comm_bytes.get("allgather", 0.0)
+            if level < 3:
+                assert gathered == one_pass, (what, stats, one_pass)
+            else:
+                assert (one_pass < gathered or n == 1) and gathered <= 2 * one_pass, (what, stats)
+                assert sum(comm_bytes.values()) - loss_bytes <= 3 * one_pass
+            rs_calls = after["reduce_scatter"]["calls"] - before["reduce_scatter"]["calls"]
+            assert rs_calls == steps * trainer.num_grad_buckets, (what, rs_calls)
+            assert trainer.num_grad_buckets >= 2 or n == 1, "the case should have several buckets"
+        totals[level] = (stats["param_bytes"] + stats["optimizer_state_bytes"]
+                         + stats["planned_peak_bytes"])
+    if 0 in totals:
+        ordered = [totals[level] for level in sorted(totals)]
+        assert all(a > b for a, b in zip(ordered, ordered[1:])), (name, opt_name, totals)
+        if rank == 0:
+            print(f"peak bytes by level (N={n}, {name}, {opt_name}): {totals}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""IR tier for ShardZeRO (ZeRO-1/2/3): TVMScript Before / Expected for a step whose
+parameters do not divide by N (3 elements on 2 ranks) or are smaller than N (1 element), and
+properties of the pass on a real training step for every level and N = 1 to 4. No MPI."""
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+import raf_dist
+from models import make, raf_optimizer
+from raf_dist.passes import ShardZeRO, gradient_buckets, shard_size
+from raf_dist.passes.gradient_markers import find_markers
+from raf_dist.training import build_train_step
+
+
+@I.ir_module
+class Before:
+    @R.function
+    def train_step(x: R.Tensor((3,), "float32"), w1: R.Tensor((3,), "float32"),
+                   w2: R.Tensor((1,), "float32"), w1_buf: R.Tensor((3,), "float32"),
+                   w2_buf: R.Tensor((1,), "float32"), lr: R.Tensor((), "float32")):
+        R.func_attr({"raf_dist.param_offset": 1, "raf_dist.num_params": 2,
+                     "raf_dist.states_per_param": 1})
+        with R.dataflow():
+            y = R.multiply(x, w1)
+            loss = R.sum(R.multiply(y, w2))
+            g2 = R.sum(y, axis=[0], keepdims=True)  # backward produces w2's gradient first
+            m2 = R.call_pure_packed("raf_dist.mark_gradient", g2, R.prim_value(1),
+                                    ty_args=R.Tensor((1,), "float32"))
+            g1 = R.multiply(x, w2)
+            m1 = R.call_pure_packed("raf_dist.mark_gradient", g1, R.prim_value(0),
+                                    ty_args=R.Tensor((3,), "float32"))
+            b1 = R.add(R.multiply(w1_buf, R.const(0.9, "float32")), m1)
+            new_w1 = R.subtract(w1, R.multiply(b1, lr))
+            b2 = R.add(R.multiply(w2_buf, R.const(0.9, "float32")), m2)
+            new_w2 = R.subtract(w2, R.multiply(b2, lr))
+            out = (loss, new_w1, new_w2, b1, b2)
+            R.output(out)
+        return out
+
+
+# Level 2 with overlap, one bucket holding both gradients (backward order: w2 then w1). The
+# bucket is chunk-interleaved ([N, S] rows: rank r's shard of w2 then of w1, padded); one
+# reduce_scatter (avg) leaves each rank its shard; the momentum update runs once on the flat
+# [S] shard (w2's chain, since every parameter's is the same), local_shard cuts this rank's
+# parameter shard at run time; the updated shards are all-gathered and unpacked, padding
+# trimmed; optimizer state stays sharded ([ceil(3/2)] and [ceil(1/2)]).
+@I.ir_module
+class ExpectedLevel2Overlap:
+    @R.function(pure=False)
+    def train_step(x: R.Tensor((3,), dtype="float32"), w1: R.Tensor((3,), dtype="float32"), w2: R.Tensor((1,), dtype="float32"), w1_buf: R.Tensor((2,), dtype="float32"), w2_buf: R.Tensor((1,), dtype="float32"), lr: R.Tensor((), dtype="float32")) -> R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((3,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32")):
+        R.func_attr({"raf_dist.num_params": 2, "raf_dist.param_offset": 1, "raf_dist.states_per_param": 1})
+        with R.dataflow():
+            y: R.Tensor((3,), dtype="float32") = R.multiply(x, w1)
+            lv1: R.Tensor((3,), dtype="float32") = R.multiply(y, w2)
+            loss: R.Tensor((), dtype="float32") = R.sum(lv1, axis=None, keepdims=False)
+            g2: R.Tensor((1,), dtype="float32") = R.sum(y, axis=[0], keepdims=True)
+            g1: R.Tensor((3,), dtype="float32") = R.multiply(x, w2)
+            grad_bucket0_flat1: R.Tensor((1,), dtype="float32") = R.reshape(g2, R.shape([1]))
+            grad_bucket0_padded1: R.Tensor((2,), dtype="float32") = R.nn.pad(grad_bucket0_flat1, pad_width=[0, 1], pad_value=0.0, pad_mode="constant")
+            grad_bucket0_rows1: R.Tensor((2, 1), dtype="float32") = R.reshape(grad_bucket0_padded1, R.shape([2, 1]))
+            grad_bucket0_flat0: R.Tensor((3,), dtype="float32") = R.reshape(g1, R.shape([3]))
+            grad_bucket0_padded0: R.Tensor((4,), dtype="float32") = R.nn.pad(grad_bucket0_flat0, pad_width=[0, 1], pad_value=0.0, pad_mode="constant")
+            grad_bucket0_rows0: R.Tensor((2, 2), dtype="float32") = R.reshape(grad_bucket0_padded0, R.shape([2, 2]))
+            grad_bucket0_chunks: R.Tensor((2, 3), dtype="float32") = R.concat((grad_bucket0_rows1, grad_bucket0_rows0), axis=1)
+            grad_bucket0: R.Tensor((6,), dtype="float32") = R.reshape(grad_bucket0_chunks, R.shape([6]))
+            grad_shard0: R.Tensor((3,), dtype="float32") = R.builtin.alloc_tensor(R.shape([3]), R.dtype("float32"), 0, R.str("global"))
+            R.output(loss, grad_bucket0, grad_shard0)
+        reduce_scatter0_handle: R.Prim("int64") = R.call_packed("raf_dist.ccl.reduce_scatter_start", grad_bucket0, R.str("avg"), 0, grad_shard0, ty_args=R.Prim("int64"))
+        R.call_packed("raf_dist.ccl.wait", reduce_scatter0_handle, grad_bucket0, grad_shard0, ty_args=(R.Tuple,))
+        with R.dataflow():
+            param_shard0 = R.call_dps_packed("raf_dist.ccl.local_shard", (w2, w1, 0), out_ty=R.Tensor((3,), dtype="float32"))
+            state0_shards0: R.Tensor((3,), dtype="float32") = R.concat((w2_buf, w1_buf), axis=0)
+            lv11_b0: R.Tensor((3,), dtype="float32") = R.multiply(state0_shards0, R.const(0.89999997615814209, "float32"))
+            b2_b0: R.Tensor((3,), dtype="float32") = R.add(lv11_b0, grad_shard0)
+            lv13_b0: R.Tensor((3,), dtype="float32") = R.multiply(b2_b0, lr)
+            new_w2_b0: R.Tensor((3,), dtype="float32") = R.subtract(param_shard0, lv13_b0)
+            new_state0_0_parts: R.Tuple(R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32")) = R.split(b2_b0, indices_or_sections=[1], axis=0)
+            new_state0_0_shard1: R.Tensor((1,), dtype="float32") = new_state0_0_parts[0]
+            new_state0_0_shard0: R.Tensor((2,), dtype="float32") = new_state0_0_parts[1]
+            updated0: R.Tensor((6,), dtype="float32") = R.builtin.alloc_tensor(R.shape([6]), R.dtype("float32"), 0, R.str("global"))
+            R.output(new_w2_b0, new_state0_0_shard1, new_state0_0_shard0, updated0)
+        allgather_updated0_handle: R.Prim("int64") = R.call_packed("raf_dist.ccl.allgather_start", new_w2_b0, 0, updated0, ty_args=R.Prim("int64"))
+        R.call_packed("raf_dist.ccl.wait", allgather_updated0_handle, new_w2_b0, updated0, ty_args=(R.Tuple,))
+        with R.dataflow():
+            updated0_rows: R.Tensor((2, 3), dtype="float32") = R.reshape(updated0, R.shape([2, 3]))
+            updated0_parts: R.Tuple(R.Tensor((2, 1), dtype="float32"), R.Tensor((2, 2), dtype="float32")) = R.split(updated0_rows, indices_or_sections=[1], axis=1)
+            updated0_part0: R.Tensor((2, 1), dtype="float32") = updated0_parts[0]
+            updated0_part1: R.Tensor((2, 2), dtype="float32") = updated0_parts[1]
+            updated0_flat1: R.Tensor((2,), dtype="float32") = R.reshape(updated0_part0, R.shape([2]))
+            updated0_trim1: R.Tensor((1,), dtype="float32") = R.strided_slice(updated0_flat1, (0,), (0,), (1,), assume_inbound=False)
+            updated0_full1: R.Tensor((1,), dtype="float32") = R.reshape(updated0_trim1, R.shape([1]))
+            updated0_flat0: R.Tensor((4,), dtype="float32") = R.reshape(updated0_part1, R.shape([4]))
+            updated0_trim0: R.Tensor((3,), dtype="float32") = R.strided_slice(updated0_flat0, (0,), (0,), (3,), assume_inbound=False)
+            updated0_full0: R.Tensor((3,), dtype="float32") = R.reshape(updated0_trim0, R.shape([3]))
+            R.output(updated0_full1, updated0_full0)
+        R.call_packed("raf_dist.ccl.allreduce", loss, R.str("avg"), 0, loss, ty_args=(R.Tuple,))
+        step_outputs: R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((3,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32")) = loss, updated0_full0, updated0_full1, new_state0_0_shard0, new_state0_0_shard1
+        return step_outputs
+
+
+# Level 3 without overlap: parameters arrive as shards and are gathered (blocking) before
+# their first forward use; backward gathers again only what it reads (w2); the update
+# returns shards.
+@I.ir_module
+class ExpectedLevel3Serial:
+    @R.function(pure=False)
+    def train_step(x: R.Tensor((3,), dtype="float32"), w1: R.Tensor((2,), dtype="float32"), w2: R.Tensor((1,), dtype="float32"), w1_buf: R.Tensor((2,), dtype="float32"), w2_buf: R.Tensor((1,), dtype="float32"), lr: R.Tensor((), dtype="float32")) -> R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32")):
+        R.func_attr({"raf_dist.num_params": 2, "raf_dist.param_offset": 1, "raf_dist.states_per_param": 1})
+        with R.dataflow():
+            forward_gather0_shards: R.Tensor((3,), dtype="float32") = R.concat((w1, w2), axis=0)
+            forward_gather0: R.Tensor((6,), dtype="float32") = R.builtin.alloc_tensor(R.shape([6]), R.dtype("float32"), 0, R.str("global"))
+            R.output(forward_gather0_shards, forward_gather0)
+        R.call_packed("raf_dist.ccl.allgather", forward_gather0_shards, 0, forward_gather0, ty_args=(R.Tuple,))
+        with R.dataflow():
+            forward_params0_rows: R.Tensor((2, 3), dtype="float32") = R.reshape(forward_gather0, R.shape([2, 3]))
+            forward_params0_parts: R.Tuple(R.Tensor((2, 2), dtype="float32"), R.Tensor((2, 1), dtype="float32")) = R.split(forward_params0_rows, indices_or_sections=[2], axis=1)
+            forward_params0_part0: R.Tensor((2, 2), dtype="float32") = forward_params0_parts[0]
+            forward_params0_part1: R.Tensor((2, 1), dtype="float32") = forward_params0_parts[1]
+            forward_params0_flat0: R.Tensor((4,), dtype="float32") = R.reshape(forward_params0_part0, R.shape([4]))
+            forward_params0_trim0: R.Tensor((3,), dtype="float32") = R.strided_slice(forward_params0_flat0, (0,), (0,), (3,), assume_inbound=False)
+            forward_params0_full0: R.Tensor((3,), dtype="float32") = R.reshape(forward_params0_trim0, R.shape([3]))
+            forward_params0_flat1: R.Tensor((2,), dtype="float32") = R.reshape(forward_params0_part1, R.shape([2]))
+            forward_params0_trim1: R.Tensor((1,), dtype="float32") = R.strided_slice(forward_params0_flat1, (0,), (0,), (1,), assume_inbound=False)
+            forward_params0_full1: R.Tensor((1,), dtype="float32") = R.reshape(forward_params0_trim1, R.shape([1]))
+            y: R.Tensor((3,), dtype="float32") = R.multiply(x, forward_params0_full0)
+            lv1: R.Tensor((3,), dtype="float32") = R.multiply(y, forward_params0_full1)
+            loss: R.Tensor((), dtype="float32") = R.sum(lv1, axis=None, keepdims=False)
+            g2: R.Tensor((1,), dtype="float32") = R.sum(y, axis=[0], keepdims=True)
+            backward_gather0: R.Tensor((2,), dtype="float32") = R.builtin.alloc_tensor(R.shape([2]), R.dtype("float32"), 0, R.str("global"))
+            R.output(loss, g2, backward_gather0)
+        R.call_packed("raf_dist.ccl.allgather", w2, 0, backward_gather0, ty_args=(R.Tuple,))
+        with R.dataflow():
+            backward_params0_rows: R.Tensor((2, 1), dtype="float32") = R.reshape(backward_gather0, R.shape([2, 1]))
+            backward_params0_flat1: R.Tensor((2,), dtype="float32") = R.reshape(backward_params0_rows, R.shape([2]))
+            backward_params0_trim1: R.Tensor((1,), dtype="float32") = R.strided_slice(backward_params0_flat1, (0,), (0,), (1,), assume_inbound=False)
+            backward_params0_full1: R.Tensor((1,), dtype="float32") = R.reshape(backward_params0_trim1, R.shape([1]))
+            g1: R.Tensor((3,), dtype="float32") = R.multiply(x, backward_params0_full1)
+            grad_bucket0_flat1: R.Tensor((1,), dtype="float32") = R.reshape(g2, R.shape([1]))
+            grad_bucket0_padded1: R.Tensor((2,), dtype="float32") = R.nn.pad(grad_bucket0_flat1, pad_width=[0, 1], pad_value=0.0, pad_mode="constant")
+            grad_bucket0_rows1: R.Tensor((2, 1), dtype="float32") = R.reshape(grad_bucket0_padded1, R.shape([2, 1]))
+            grad_bucket0_flat0: R.Tensor((3,), dtype="float32") = R.reshape(g1, R.shape([3]))
+            grad_bucket0_padded0: R.Tensor((4,), dtype="float32") = R.nn.pad(grad_bucket0_flat0, pad_width=[0, 1], pad_value=0.0, pad_mode="constant")
+            grad_bucket0_rows0: R.Tensor((2, 2), dtype="float32") = R.reshape(grad_bucket0_padded0, R.shape([2, 2]))
+            grad_bucket0_chunks: R.Tensor((2, 3), dtype="float32") = R.concat((grad_bucket0_rows1, grad_bucket0_rows0), axis=1)
+            grad_bucket0: R.Tensor((6,), dtype="float32") = R.reshape(grad_bucket0_chunks, R.shape([6]))
+            grad_shard0: R.Tensor((3,), dtype="float32") = R.builtin.alloc_tensor(R.shape([3]), R.dtype("float32"), 0, R.str("global"))
+            R.output(grad_bucket0, grad_shard0)
+        R.call_packed("raf_dist.ccl.reduce_scatter", grad_bucket0, R.str("avg"), 0, grad_shard0, ty_args=(R.Tuple,))
+        with R.dataflow():
+            param_shards0: R.Tensor((3,), dtype="float32") = R.concat((w2, w1), axis=0)
+            state0_shards0: R.Tensor((3,), dtype="float32") = R.concat((w2_buf, w1_buf), axis=0)
+            lv11_b0: R.Tensor((3,), dtype="float32") = R.multiply(state0_shards0, R.const(0.89999997615814209, "float32"))
+            b2_b0: R.Tensor((3,), dtype="float32") = R.add(lv11_b0, grad_shard0)
+            lv13_b0: R.Tensor((3,), dtype="float32") = R.multiply(b2_b0, lr)
+            new_w2_b0: R.Tensor((3,), dtype="float32") = R.subtract(param_shards0, lv13_b0)
+            new_state0_0_parts: R.Tuple(R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32")) = R.split(b2_b0, indices_or_sections=[1], axis=0)
+            new_state0_0_shard1: R.Tensor((1,), dtype="float32") = new_state0_0_parts[0]
+            new_state0_0_shard0: R.Tensor((2,), dtype="float32") = new_state0_0_parts[1]
+            new_param0_parts: R.Tuple(R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32")) = R.split(new_w2_b0, indices_or_sections=[1], axis=0)
+            new_param0_shard1: R.Tensor((1,), dtype="float32") = new_param0_parts[0]
+            new_param0_shard0: R.Tensor((2,), dtype="float32") = new_param0_parts[1]
+            R.output(new_state0_0_shard1, new_state0_0_shard0, new_param0_shard1, new_param0_shard0)
+        R.call_packed("raf_dist.ccl.allreduce", loss, R.str("avg"), 0, loss, ty_args=(R.Tuple,))
+        step_outputs: R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32")) = loss, new_param0_shard0, new_param0_shard1, new_state0_0_shard0, new_state0_0_shard1
+        return step_outputs
+
+
+def test_level2_overlap_structure():
+    after = ShardZeRO(2, 2, 1000, overlap=True)(Before)
+    tvm.ir.assert_structural_equal(after, ExpectedLevel2Overlap)
+
+
+def test_level3_serial_structure():
+    after = ShardZeRO(3, 2, 1000, overlap=False)(Before)
+    tvm.ir.assert_structural_equal(after, ExpectedLevel3Serial)
+
+
+# ---- properties on real training steps --------------------------------------------------
+def _step(model="mlp", optimizer="adamw", batch=4):
+    module, x, _ = make(model, batch)
+    mod, signature = build_train_step(raf_dist.frontend.from_pytorch(module, (x,)),
+                                      "cross_entropy", raf_optimizer(optimizer))
+    return mod, signature
+
+
+def _calls(func, name):
+    """Positions (in binding order) of packed calls to ``name``, blocking or started."""
+    out = []
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    for i, binding in enumerate(bindings):
+        value = binding.value
+        if isinstance(value, relax.Call) and isinstance(value.op, relax.ExternFunc):
+            if value.op.global_symbol in (name, name + "_start"):
+                out.append(i)
+    return out, bindings
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_shapes_and_collective_counts(level, world_size, overlap):
+    mod, signature = _step()
+    bucket_bytes = 500
+    buckets = gradient_buckets(mod, bucket_bytes)
+    assert len(buckets) >= 3
+    func = ShardZeRO(level, world_size, bucket_bytes, overlap=overlap)(mod)["train_step"]
+    n_in = 2  # x, target
+    numels = [int(np.prod(shape)) for shape, _ in signature.param_specs]
+    shards = [shard_size(n, world_size) for n in numels]
+    params = func.params[n_in:n_in + len(numels)]
+    states = func.params[n_in + len(numels):n_in + 3 * len(numels)]
+    for p, (shape, _), s in zip(params, signature.param_specs, shards):
+        expected = (s,) if level == 3 else tuple(shape)
+        assert tuple(int(d) for d in p.ty.shape) == expected, p.name
+    for i, st in enumerate(states):  # Adam: exp_avg, exp_avg_sq per parameter
+        assert tuple(int(d) for d in st.ty.shape) == (shards[i // 2],), st.name
+    outputs = func.ret_ty.fields
+    assert [tuple(int(d) for d in t.shape) for t in outputs[1:1 + len(numels)]] == [
+        (s,) if level == 3 else tuple(shape) for (shape, _), s in zip(signature.param_specs, shards)]
+    reduce_scatters, _ = _calls(func, "raf_dist.ccl.reduce_scatter")
+    allgathers, _ = _calls(func, "raf_dist.ccl.allgather")
+    assert len(reduce_scatters) == len(buckets)
+    if level < 3:
+        assert len(allgathers) == len(buckets)  # the updated shards, one per bucket
+    else:  # forward gathers every parameter, backward what it reads
+        assert len(allgathers) > len(gradient_buckets(mod, bucket_bytes)) // 2
+    waits, _ = _calls(func, "raf_dist.ccl.wait")
+    assert len(waits) == (len(reduce_scatters) + len(allgathers) if overlap else 0)
+    assert "group_rank" not in func.script()  # which shard is mine: resolved at run time
+
+
+def _last_gradient_position(func, mod):
+    """Binding position (in ``func``) of the last gradient backward produces."""
+    markers = find_markers(mod["train_step"].body.blocks[0])
+    last = markers[-1].grad
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    return next(i for i, b in enumerate(bindings) if b.var.name == last.name)
+
+
+def test_level1_reduces_after_backward_level2_during():
+    mod, _ = _step()
+    positions = {}
+    for level in (1, 2):
+        func = ShardZeRO(level, 2, 1000)(mod)["train_step"]
+        reduce_scatters, _ = _calls(func, "raf_dist.ccl.reduce_scatter")
+        positions[level] = (reduce_scatters[0], _last_gradient_position(func, mod))
+    first, last_grad = positions[1]
+    assert first > last_grad  # level 1: every reduce_scatter after backward
+    first, last_grad = positions[2]
+    assert first < last_grad  # level 2: the first bucket is reduced while backward goes on
+
+
+def _max_live_gradient_bytes(func, mod):
+    """Largest number of bytes of full gradients and packed gradient buckets alive at once
+    (a variable lives from its binding to its last use)."""
+    markers = find_markers(mod["train_step"].body.blocks[0])
+    grad_names = {m.grad.name for m in markers}
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    last_use = {}
+    for i, b in enumerate(bindings):
+        for v in relax.analysis.free_vars(b.value):
+            last_use[v] = i
+    for v in relax.analysis.free_vars(func.body.body):
+        last_use[v] = len(bindings)
+    events = []
+    for i, b in enumerate(bindings):
+        name = b.var.name
+        if name in grad_names or name.startswith("grad_bucket") and isinstance(b.var.ty, relax.TensorType):
+            ty = b.var.ty
+            nbytes = int(np.prod([int(d) for d in ty.shape])) * 4
+            events += [(i, nbytes), (last_use.get(b.var, i) + 0.5, -nbytes)]
+    live = peak = 0
+    for _, delta in sorted(events):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def test_level2_gradients_die_at_their_reduce_scatter():
+    mod, signature = _step("wide_mlp", batch=4)
+    bucket_bytes = 100_000
+    psi_bytes = 4 * sum(int(np.prod(s)) for s, _ in signature.param_specs)
+    biggest = max(sum(4 * int(np.prod(signature.param_specs[k][0])) for k in b)
+                  for b in gradient_buckets(mod, bucket_bytes))
+    live = {level: _max_live_gradient_bytes(ShardZeRO(level, 2, bucket_bytes)(mod)["train_step"], mod)
+            for level in (1, 2)}
+    assert live[1] >= psi_bytes  # level 1: every full gradient alive when backward ends
+    assert live[2] <= 4 * biggest < psi_bytes  # level 2: a few buckets at a time
+
+
+def test_level3_regathers_only_what_backward_reads():
+    mod, signature = _step()  # MLP: backward reads the 2nd and 3rd weights only
+    func = ShardZeRO(3, 2, 10**9)(mod)["train_step"]
+    text = func.script()
+    assert "backward_gather0" in text and "backward_gather1" not in text
+    gathered = [b for block in func.body.blocks for b in block.bindings
+                if b.var.name == "backward_gather0_shards"]
+    concat_args = {a.name for a in gathered[0].value.args[0].fields}
+    assert concat_args == {"p_layers_1_weight", "p_layers_2_weight"}
+
+
+def test_level3_forward_gathers_prefetch_one_bucket_ahead():
+    mod, _ = _step()
+    func = ShardZeRO(3, 2, 1000, overlap=True)(mod)["train_step"]
+    names = [b.var.name for block in func.body.blocks for b in block.bindings]
+    order = [name for name in names
+             if (name.startswith("forward_gather") and name.endswith("_handle"))
+             or name.startswith("wait_forward_gather")]
+    # start 0, then at each wait k the start of k+1 follows before bucket k is used
+    assert order[:3] == ["forward_gather0_handle", "wait_forward_gather0", "forward_gather1_handle"]
+
+
+# ---- bad input --------------------------------------------------------------------------
+def test_level_outside_1_to_3_is_rejected():
+    with pytest.raises(ValueError, match="level must be 1, 2 or 3"):
+        ShardZeRO(0, 2, 1000)
+    with pytest.raises(ValueError, match="level must be 1, 2 or 3"):
+        ShardZeRO(4, 2, 1000)
+
+
+def test_non_elementwise_update_is_rejected():
+    @I.ir_module
+    class NormClipped:  # an update reading the gradient's norm cannot run on shards
+        @R.function
+        def train_step(x: R.Tensor((3,), "float32"), w: R.Tensor((3,), "float32")):
+            R.func_attr({"raf_dist.param_offset": 1, "raf_dist.num_params": 1,
+                         "raf_dist.states_per_param": 0})
+            with R.dataflow():
+                loss = R.sum(R.multiply(x, w))
+                m = R.call_pure_packed("raf_dist.mark_gradient", x, R.prim_value(0),
+                                       ty_args=R.Tensor((3,), "float32"))
+                norm = R.sum(R.multiply(m, m))
+                new_w = R.subtract(w, R.multiply(m, norm))
+                out = (loss, new_w)
+                R.output(out)
+            return out
+
+    with pytest.raises(ValueError, match="elementwise.*norm"):
+        ShardZeRO(2, 2, 1000)(NormClipped)
+
+
+def test_different_update_rules_are_rejected():
+    @I.ir_module
+    class TwoRules:
+        @R.function
+        def train_step(x: R.Tensor((3,), "float32"), w1: R.Tensor((3,), "float32"),
+                       w2: R.Tensor((3,), "float32")):
+            R.func_attr({"raf_dist.param_offset": 1, "raf_dist.num_params": 2,
+                         "raf_dist.states_per_param": 0})
+            with R.dataflow():
+                loss = R.sum(R.multiply(R.multiply(x, w1), w2))
+                m1 = R.call_pure_packed("raf_dist.mark_gradient", x, R.prim_value(0),
+                                        ty_args=R.Tensor((3,), "float32"))
+                m2 = R.call_pure_packed("raf_dist.mark_gradient", x, R.prim_value(1),
+                                        ty_args=R.Tensor((3,), "float32"))
+                new_w1 = R.subtract(w1, R.multiply(m1, R.const(0.1, "float32")))
+                new_w2 = R.subtract(w2, R.multiply(m2, R.const(0.2, "float32")))
+                out = (loss, new_w1, new_w2)
+                R.output(out)
+            return out
+
+    with pytest.raises(ValueError, match="w2's update differs from w1's"):
+        ShardZeRO(1, 2, 1000)(TwoRules)
+
+
+def test_step_without_layout_attributes_is_rejected():
+    with pytest.raises(ValueError, match="layout attributes"):
+        ShardZeRO(1, 2, 1000)(tvm.IRModule(
+            {"train_step": Before["train_step"].without_attr("raf_dist.param_offset")}))
