@@ -12,8 +12,10 @@ __version__ = "0.1.0"
 
 from . import distributed  # noqa: F401,E402
 
-_LAZY = {"Trainer": ("trainer", "Trainer"), "Model": ("model", "Model")}
-_LAZY_MODULES = ("frontend", "optim", "nn", "passes", "compiler", "training", "runtime", "data")
+_LAZY = {"Trainer": ("trainer", "Trainer"), "Model": ("model", "Model"),
+         "estimate_memory": ("tools.estimate_memory", "estimate_memory")}
+_LAZY_MODULES = ("frontend", "optim", "nn", "passes", "compiler", "training", "runtime", "data",
+                 "tools")
 
 
 def __getattr__(name):

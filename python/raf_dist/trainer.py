@@ -78,16 +78,9 @@ class Trainer:
 
     def _passes(self, config):
         """The config, read once, as explicit pass arguments."""
-        bucket_bytes = self.bucket_bytes
-        if self.zero_level:
-            distribute = ShardZeRO(self.zero_level, self.world, bucket_bytes,
-                                   overlap=config.overlap_comm, group=self.comm.group)
-        elif self.data_parallel:
-            distribute = AllReduceGradients(self.world, bucket_bytes,
-                                            overlap=config.overlap_comm, group=self.comm.group)
-        else:
-            distribute = StripGradientMarkers()
-        return [distribute, DispatchToBLAS(), FastGelu()]
+        return step_passes(self.zero_level if self.data_parallel else 0,
+                           self.world if self.data_parallel else 1, self.bucket_bytes,
+                           overlap=config.overlap_comm, group=self.comm.group)
 
     def _compile(self, config, cache_dir):
         """Under data parallelism every rank builds the same Trainer and compiles the same IR
@@ -236,6 +229,19 @@ class Trainer:
             "planned_peak_bytes": self.compiled.planned_peak_bytes,
             "comm_bytes_last_step": dict(self._comm_last_step),
         }
+
+
+def step_passes(zero_level, world_size, bucket_bytes, overlap=True, group=0):
+    """The raf_dist passes a training step goes through (before TVM's lowering): the
+    distribution pass for the ZeRO level (0: data parallel allreduce; world size 1 at level 0:
+    none), then library dispatch and fast math."""
+    if zero_level:
+        distribute = ShardZeRO(zero_level, world_size, bucket_bytes, overlap=overlap, group=group)
+    elif world_size > 1:
+        distribute = AllReduceGradients(world_size, bucket_bytes, overlap=overlap, group=group)
+    else:
+        distribute = StripGradientMarkers()
+    return [distribute, DispatchToBLAS(), FastGelu()]
 
 
 def _nbytes(tensor):

@@ -65,6 +65,28 @@ def default_cache_dir():
                                / "raf_dist"))
 
 
+def _plan(mod, target, instruments=()):
+    """Steps 2-4 up to memory planning: the module StaticPlanBlockMemory leaves."""
+    finalize = cpu_pipeline.finalize_passes(target)  # [StaticPlanBlockMemory, lowering...]
+    with target, tvm.transform.PassContext(opt_level=3, instruments=list(instruments)):
+        return tvm.transform.Sequential(
+            cpu_pipeline.library_dispatch_passes(target)
+            + cpu_pipeline.legalize_passes(target)
+            + [ScheduleCPU()]
+            + cpu_pipeline.dataflow_lower_passes(target)
+            + finalize[:1])(mod)
+
+
+def plan_memory(mod, passes=(), target="llvm"):
+    """Bytes of the step's planned temporaries (what ``CompiledStep.planned_peak_bytes``
+    reports) without building: the passes, then the pipeline up to memory planning."""
+    target = tvm.target.Target(target) if isinstance(target, str) else target
+    with tvm.transform.PassContext(opt_level=3):
+        for p in passes:
+            mod = p(mod)
+    return planned_bytes(_plan(mod, target))
+
+
 def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
     """Run ``passes`` then the CPU pipeline on ``mod`` and build it (or load it from cache)."""
     dump_dir = dump_dir if dump_dir is not None else os.environ.get("RAF_DIST_DUMP_IR")
@@ -84,16 +106,10 @@ def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
         return CompiledStep(tvm.runtime.load_module(str(lib_path)), meta["planned_peak_bytes"],
                             str(lib_path), True)
 
-    finalize = cpu_pipeline.finalize_passes(target)  # [StaticPlanBlockMemory, lowering...]
+    planned = _plan(mod, target, instruments)
+    peak = planned_bytes(planned)
     with target, tvm.transform.PassContext(opt_level=3, instruments=instruments):
-        planned = tvm.transform.Sequential(
-            cpu_pipeline.library_dispatch_passes(target)
-            + cpu_pipeline.legalize_passes(target)
-            + [ScheduleCPU()]
-            + cpu_pipeline.dataflow_lower_passes(target)
-            + finalize[:1])(mod)
-        peak = planned_bytes(planned)
-        lowered = tvm.transform.Sequential(finalize[1:])(planned)
+        lowered = tvm.transform.Sequential(cpu_pipeline.finalize_passes(target)[1:])(planned)
     with target, tvm.transform.PassContext(opt_level=3):
         executable = tvm.compile(lowered, target=target, relax_pipeline=None)
     cache.mkdir(parents=True, exist_ok=True)

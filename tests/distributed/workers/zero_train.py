@@ -13,7 +13,8 @@ state (norm-relative <= 2e-5), and checks what stats() reports:
   reduce_scatter calls  one per gradient bucket per step
   peak                  params + optimizer state + planned temporaries falls from level to
                         level when level 0 is in LEVEL (the cases that ask for it use a model
-                        whose parameters dominate its activations)
+                        whose parameters dominate its activations); there, rank 0 also checks
+                        raf_dist.estimate_memory against stats() (within 10%)
 Prints 'rank R: ALL OK' once every optimizer passed."""
 import sys
 
@@ -115,6 +116,13 @@ def check(name, opt_name, bucket_mb, overlap, levels, steps):
             rs_calls = after["reduce_scatter"]["calls"] - before["reduce_scatter"]["calls"]
             assert rs_calls == steps * trainer.num_grad_buckets, (what, rs_calls)
             assert trainer.num_grad_buckets >= 2 or n == 1, "the case should have several buckets"
+        if 0 in levels and rank == 0:  # the accounting case: the estimator agrees within 10%
+            estimate = raf_dist.estimate_memory(trainer.model, raf_optimizer(opt_name), n, level,
+                                                bucket_size_mb=bucket_mb)
+            for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes",
+                        "planned_peak_bytes"):
+                assert abs(estimate[key] - stats[key]) <= 0.1 * stats[key], (what, key, estimate,
+                                                                             stats)
         totals[level] = (stats["param_bytes"] + stats["optimizer_state_bytes"]
                          + stats["planned_peak_bytes"])
     if 0 in totals:

@@ -1,0 +1,1 @@
+"""Command-line tools: ``python -m raf_dist.tools.<name> --help``."""

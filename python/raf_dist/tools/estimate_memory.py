@@ -1,0 +1,156 @@
+"""Memory per rank of a training step at each ZeRO level, before launching anything.
+
+    raf_dist.estimate_memory(model, optimizer, world_size, zero_opt_level)
+    python -m raf_dist.tools.estimate_memory --params 1.5e9 --world-sizes 8,64
+    python -m raf_dist.tools.estimate_memory --script my_model.py --optimizer adamw
+
+Model states follow DESIGN.md section 3 exactly (flat, padded shards of ceil(n/N) elements
+per tensor): parameters 4Ψ, or 4Ψ/N at level 3; optimizer state K·4Ψ, or K·4Ψ/N from level 1;
+gradients that outlive their bucket 4Ψ at levels 0–1, 4Ψ/N at 2–3 (fp32 sizes shown; the
+parameters' own dtype is used). With a model, the step's planned temporaries (activations,
+gradient buckets, in-flight collective buffers, the step's outputs) come from building the
+step for that world size and level and running TVM's memory planner on it, without MPI and
+without compiling code: the same figure ``Trainer.stats()["planned_peak_bytes"]`` reports for
+the run. Capture the model with the per-rank batch, as the run would.
+Peak = parameters + optimizer state + planned temporaries, as in the ZeRO accounting.
+"""
+import argparse
+import importlib.util
+import sys
+
+import numpy as np
+
+_STATES_PER_PARAM = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+
+
+def _shard(numel, world_size):
+    return -(-int(numel) // int(world_size))
+
+
+def model_state_bytes(numels, world_size, zero_opt_level, states_per_param, elem_bytes=4):
+    """Parameters, gradients and optimizer state this rank holds, from the tensor sizes."""
+    full = sum(int(n) for n in numels)
+    sharded = sum(_shard(n, world_size) for n in numels)
+    return {
+        "param_bytes": elem_bytes * (sharded if zero_opt_level == 3 else full),
+        "grad_bytes": elem_bytes * (sharded if zero_opt_level >= 2 else full),
+        "optimizer_state_bytes": elem_bytes * states_per_param * (sharded if zero_opt_level else full),
+    }
+
+
+def estimate_memory(model, optimizer, world_size, zero_opt_level, bucket_size_mb=25.0,
+                    loss="cross_entropy", overlap_comm=True):
+    """Bytes per rank for ``model`` (a captured :class:`raf_dist.Model`) trained with
+    ``optimizer`` on ``world_size`` ranks at ``zero_opt_level``: the model states plus
+    ``planned_peak_bytes`` from TVM's memory planner and their sum ``peak_bytes``."""
+    from ..compiler import plan_memory
+    from ..optim import Optimizer
+    from ..trainer import step_passes
+    from ..training import build_train_step
+
+    if zero_opt_level not in (0, 1, 2, 3):
+        raise ValueError(f"zero_opt_level must be 0, 1, 2 or 3, got {zero_opt_level!r}")
+    if int(world_size) < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer must be a raf_dist.optim optimizer, got {optimizer!r}")
+    mod, signature = build_train_step(model, loss, optimizer)
+    specs = signature.param_specs
+    elem = np.dtype(specs[0][1]).itemsize if specs else 4
+    numels = [int(np.prod(shape, dtype=np.int64)) for shape, _ in specs]
+    out = model_state_bytes(numels, world_size, zero_opt_level, len(signature.state_names), elem)
+    passes = step_passes(zero_opt_level, int(world_size), max(1, int(bucket_size_mb * 2**20)),
+                         overlap=overlap_comm)
+    out["planned_peak_bytes"] = plan_memory(mod, passes)
+    out["peak_bytes"] = out["param_bytes"] + out["optimizer_state_bytes"] + out["planned_peak_bytes"]
+    return out
+
+
+def _fmt(nbytes):
+    if nbytes is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(nbytes) < 1024 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024.0
+    return str(nbytes)
+
+
+def _table(rows):
+    header = ["ranks", "level", "params", "grads", "optim state", "model states",
+              "temporaries", "peak/rank"]
+    lines = [header] + [[str(r["world_size"]), str(r["level"]), _fmt(r["param_bytes"]),
+                         _fmt(r["grad_bytes"]), _fmt(r["optimizer_state_bytes"]),
+                         _fmt(r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"]),
+                         _fmt(r.get("planned_peak_bytes")), _fmt(r.get("peak_bytes"))]
+                        for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
+
+
+def _load_script(path):
+    spec = importlib.util.spec_from_file_location("raf_dist_user_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_model"):
+        raise SystemExit(f"{path} must define get_model() returning a raf_dist Model (from "
+                         "raf_dist.frontend.from_pytorch or from_relax_nn), captured with the "
+                         "per-rank batch")
+    return module.get_model()
+
+
+def _optimizer(name):
+    from .. import optim
+    return {"sgd": lambda: optim.SGD(0.1), "sgd_momentum": lambda: optim.SGD(0.1, momentum=0.9),
+            "adam": lambda: optim.Adam(), "adamw": lambda: optim.AdamW()}[name]()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m raf_dist.tools.estimate_memory",
+                                     description=__doc__.split("\n\n")[0])
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=float, help="parameter count (model states only)")
+    what.add_argument("--script", help="a Python file defining get_model() -> raf_dist.Model")
+    parser.add_argument("--optimizer", choices=sorted(_STATES_PER_PARAM), default="adam")
+    parser.add_argument("--world-sizes", default="1,2,4,8",
+                        help="comma-separated rank counts (default 1,2,4,8)")
+    parser.add_argument("--levels", default="0,1,2,3", help="ZeRO levels (default 0,1,2,3)")
+    parser.add_argument("--bucket-size-mb", type=float, default=25.0)
+    parser.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"])
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(v) for v in args.world_sizes.split(",")]
+        levels = [int(v) for v in args.levels.split(",")]
+    except ValueError:
+        parser.error("--world-sizes and --levels take comma-separated integers, e.g. 1,2,4")
+    if any(n < 1 for n in sizes) or any(level not in (0, 1, 2, 3) for level in levels):
+        parser.error("world sizes must be >= 1 and levels in 0..3")
+    rows = []
+    if args.params is not None:
+        psi = int(args.params)
+        if psi <= 0:
+            parser.error("--params must be positive")
+        for n in sizes:
+            for level in levels:
+                row = model_state_bytes([psi], n, level, _STATES_PER_PARAM[args.optimizer])
+                row.update(world_size=n, level=level)
+                rows.append(row)
+        print(f"{psi:,} fp32 parameters, {args.optimizer} ({_STATES_PER_PARAM[args.optimizer]} "
+              "state tensors per parameter); model states only (pass --script for the step's "
+              "temporaries)")
+    else:
+        model = _load_script(args.script)
+        optimizer = _optimizer(args.optimizer)
+        print(f"{args.script}: {model.num_params():,} parameters, {args.optimizer}, buckets of "
+              f"{args.bucket_size_mb} MB")
+        for n in sizes:
+            for level in levels:
+                row = estimate_memory(model, optimizer, n, level, args.bucket_size_mb, args.loss)
+                row.update(world_size=n, level=level)
+                rows.append(row)
+    print(_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

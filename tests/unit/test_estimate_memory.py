@@ -1,0 +1,95 @@
+"""The memory estimator: DESIGN.md section 3's model-state formulas, and its figures against
+what a Trainer measures (stats()) on the same model, world size and level."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import raf_dist
+from models import make, raf_optimizer
+from raf_dist import distributed as dist
+from raf_dist.tools.estimate_memory import model_state_bytes
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def test_model_state_formulas_with_padding():
+    numels = [10, 3, 1]  # 14 elements; on 4 ranks shards of 3 + 1 + 1 = 5 (padded)
+    assert model_state_bytes(numels, 4, 0, 2) == {
+        "param_bytes": 56, "grad_bytes": 56, "optimizer_state_bytes": 112}
+    assert model_state_bytes(numels, 4, 1, 2) == {
+        "param_bytes": 56, "grad_bytes": 56, "optimizer_state_bytes": 40}
+    assert model_state_bytes(numels, 4, 2, 2) == {
+        "param_bytes": 56, "grad_bytes": 20, "optimizer_state_bytes": 40}
+    assert model_state_bytes(numels, 4, 3, 1) == {
+        "param_bytes": 20, "grad_bytes": 20, "optimizer_state_bytes": 20}
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_estimate_matches_stats_in_one_process(level):
+    module, x, y = make("mlp", 8)
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    config = dist.get_config()
+    config.update({"enable_data_parallel": level > 0, "zero_opt_level": level,
+                   "bucket_size_mb": 0.001})
+    try:
+        trainer = raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"))
+        trainer.step(x.numpy(), y.numpy())
+        measured = trainer.stats()
+    finally:
+        config.update({"enable_data_parallel": False, "zero_opt_level": 0, "bucket_size_mb": 25})
+    estimate = raf_dist.estimate_memory(model, raf_optimizer("adamw"), 1, level,
+                                        bucket_size_mb=0.001)
+    for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes", "planned_peak_bytes"):
+        assert abs(estimate[key] - measured[key]) <= 0.1 * measured[key], (key, estimate, measured)
+    assert estimate["peak_bytes"] == (estimate["param_bytes"] + estimate["optimizer_state_bytes"]
+                                      + estimate["planned_peak_bytes"])
+
+
+def test_estimate_for_more_ranks_needs_no_launcher():
+    module, x, _ = make("wide_mlp", 4)
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    psi = model.num_params()
+    peaks = [raf_dist.estimate_memory(model, raf_optimizer("adam"), 4, level, bucket_size_mb=0.1)
+             for level in (0, 1, 2, 3)]
+    assert peaks[0]["optimizer_state_bytes"] == 8 * psi
+    assert peaks[1]["optimizer_state_bytes"] == pytest.approx(8 * psi / 4, rel=0.01)
+    assert peaks[3]["param_bytes"] == pytest.approx(4 * psi / 4, rel=0.01)
+    totals = [p["peak_bytes"] for p in peaks]
+    assert all(a > b for a, b in zip(totals, totals[1:])), totals
+
+
+def test_bad_arguments():
+    module, x, _ = make("mlp", 4)
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    with pytest.raises(ValueError, match="zero_opt_level must be 0, 1, 2 or 3"):
+        raf_dist.estimate_memory(model, raf_optimizer("adam"), 2, 4)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        raf_dist.estimate_memory(model, raf_optimizer("adam"), 0, 1)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "raf_dist.tools.estimate_memory", *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_cli_from_a_parameter_count():
+    proc = _cli("--params", "1e6", "--world-sizes", "4", "--optimizer", "adam")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("4 ")]
+    assert len(rows) == 4  # levels 0..3
+    # level 0 optimizer state: 8 bytes per parameter = 7.63 MB; level 3 params: 1e6 * 4 / 4
+    assert rows[0][6:8] == ["7.63", "MB"] and rows[3][2:4] == ["976.56", "KB"], proc.stdout
+
+
+def test_cli_from_a_model_script():
+    proc = _cli("--script", str(ROOT / "scripts" / "estimate_memory_model.py"),
+                "--world-sizes", "2", "--levels", "0,3")
+    assert proc.returncode == 0, proc.stderr
+    assert "temporaries" in proc.stdout and len(proc.stdout.splitlines()) == 4, proc.stdout
+
+
+def test_cli_rejects_bad_levels():
+    proc = _cli("--params", "1000", "--levels", "5")
+    assert proc.returncode == 2 and "levels in 0..3" in proc.stderr
