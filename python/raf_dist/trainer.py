@@ -4,12 +4,16 @@ It reads ``dist.get_config()`` once, builds the training step (``training.build_
 turns the config into explicit pass arguments, compiles (``compiler.compile_step``) and runs the
 step on the VM. Parameters and optimizer state stay in runtime tensors between steps.
 """
+import json
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import tvm
 from tvm import relax
 
+from . import __version__
 from . import runtime  # noqa: F401  (registers raf_dist.blas.*)
 from .compiler import compile_step, set_num_threads
 from .distributed import collectives, get_communicator, get_config
@@ -112,6 +116,7 @@ class Trainer:
         hypers = self.optimizer.hyper_values(self.step_count + 1)
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype), self._device)
                       for h in self.signature.hyper_names]
+        self.comm.activity = f"step {self.step_count + 1}"
         before = collectives.comm_counters() if self.data_parallel else None
         out = self._step_fn(*args, *self._params, *self._states, *hyper_args)
         if before is not None:
@@ -211,6 +216,122 @@ class Trainer:
             full = self._full(value, shapes[param][0]) if self.zero_level else value.numpy()
             out.setdefault(param, {})[state] = full
         return out
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def _checkpoint_rank(self):
+        if not self.data_parallel and self.comm.size > 1:
+            raise ValueError(
+                "save_checkpoint/load_checkpoint on a Trainer without data parallelism in a "
+                f"{self.comm.size}-rank job: every rank would use the same files. Enable "
+                "data parallelism, or give each rank its own directory")
+        return self.comm.rank if self.world > 1 else 0
+
+    def save_checkpoint(self, path, extra=None, keep=2):
+        """Write this rank's shards of every parameter and optimizer state under ``path``
+        (see raf_dist.checkpoint for the layout); ``extra`` (JSON-serialisable, e.g. the data
+        position) comes back from load_checkpoint. Atomic: ``path/latest`` moves to the new
+        checkpoint only once every rank's file is on disk. Keeps the newest ``keep``
+        checkpoints. Every rank must call it."""
+        from . import checkpoint as ckpt
+
+        rank = self._checkpoint_rank()
+        json_extra = json.loads(json.dumps(extra))  # fail now, not after writing shards
+        root = Path(path)
+        name = f"step-{self.step_count:08d}"
+        tmp = root / f".tmp-{name}"
+        self.comm.activity = f"saving checkpoint {root / name}"
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        if self.world > 1:
+            self.comm.idle_barrier()
+        tensors = {}
+        specs = dict(zip(self.signature.param_names, self.signature.param_specs))
+        for name_, value in zip(self.signature.param_names, self._params):
+            tensors[ckpt._param_key(name_)] = self._my_slice(value, specs[name_][0],
+                                                             self.zero_level == 3, rank)
+        for (param, state), value in zip(self.signature.state_keys(), self._states):
+            tensors[ckpt._state_key(param, state)] = self._my_slice(
+                value, specs[param][0], self.zero_level > 0, rank)
+        file = tmp / f"rank{rank:05d}.safetensors"
+        ckpt.write_rank_file(file, tensors)
+        record = {"name": file.name, "bytes": file.stat().st_size,
+                  "sha256": ckpt._file_digest(file)}
+        records = self.comm.mpi_comm.gather(record, root=0) if self.world > 1 else [record]
+        if rank == 0:
+            meta = {
+                "format": ckpt.FORMAT, "raf_dist": __version__, "step": self.step_count,
+                "seed": self.seed, "world_size": self.world, "zero_opt_level": self.zero_level,
+                "config": self.config, "loss": self.loss,
+                "model": ckpt.model_description(self.signature),
+                "optimizer": {"class": type(self.optimizer).__name__,
+                              "config": self.optimizer.config(),
+                              "state_names": list(self.signature.state_names)},
+                "extra": json_extra, "files": records}
+            ckpt.finalize(root, name, tmp, meta, keep)
+        if self.world > 1:
+            self.comm.idle_barrier()
+        self.comm.activity = None
+        return root / name
+
+    def _my_slice(self, tensor, shape, sharded, rank):
+        """Elements [r*s, (r+1)*s) of the flattened tensor, clipped to its true size."""
+        from .checkpoint import slice_range
+
+        numel = int(np.prod(shape, dtype=np.int64))
+        begin, end = slice_range(numel, self.world, rank)
+        values = tensor.numpy().reshape(-1)
+        return values[:end - begin] if sharded else values[begin:end]
+
+    def load_checkpoint(self, path):
+        """Load the newest checkpoint under ``path`` (or the checkpoint directory ``path``),
+        whatever world size and ZeRO level wrote it: each rank reads the element ranges it
+        now holds. Returns the ``extra`` given to save_checkpoint. Every file's size and
+        sha256 and the model's names, shapes and dtypes are checked first, on every rank,
+        and any problem raises the same CheckpointError everywhere before any data moves;
+        nothing on disk is modified. Every rank must call it."""
+        from . import checkpoint as ckpt
+
+        rank = self._checkpoint_rank()
+        self.comm.activity = f"loading checkpoint {path}"
+        error, directory, meta = None, None, None
+        try:
+            directory = ckpt.resolve(path)
+            meta = ckpt.read_meta(directory)
+            ckpt.check_compatible(meta, self.signature, self.optimizer)
+            ckpt.verify_files(directory, meta)
+        except ckpt.CheckpointError as exc:
+            error = str(exc)
+        errors = self.comm.mpi_comm.allgather(error) if self.world > 1 else [error]
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            self.comm.activity = None
+            r, e = failed[0]
+            raise ckpt.CheckpointError(e if self.world == 1 else f"rank {r}: {e}")
+        specs = dict(zip(self.signature.param_names, self.signature.param_specs))
+
+        def load(key, shape, dtype, sharded):
+            numel = int(np.prod(shape, dtype=np.int64))
+            if not sharded:
+                full = ckpt.read_range(directory, meta, key, numel, 0, numel, dtype)
+                return full.reshape(shape)
+            begin, end = ckpt.slice_range(numel, self.world, rank)
+            shard = np.zeros(shard_size(numel, self.world), dtype=dtype)
+            shard[:end - begin] = ckpt.read_range(directory, meta, key, numel, begin, end, dtype)
+            return shard
+
+        self._params = [tvm.runtime.tensor(load(ckpt._param_key(n), specs[n][0], specs[n][1],
+                                                self.zero_level == 3), self._device)
+                        for n in self.signature.param_names]
+        self._states = [tvm.runtime.tensor(load(ckpt._state_key(p, s), specs[p][0], specs[p][1],
+                                                self.zero_level > 0), self._device)
+                        for p, s in self.signature.state_keys()]
+        self.step_count = int(meta["step"])
+        self.seed = int(meta["seed"])
+        self.comm.activity = None
+        return meta.get("extra")
 
     def stats(self):
         """What this rank holds between steps (parameters, optimizer state), the gradient

@@ -43,6 +43,9 @@ class Communicator:
         self.hosts = hosts
         self.group = int(_native.func("init_group")(MPI._addressof(mpi_comm), check_collectives))
 
+    #: what this rank is doing (e.g. "step 12"), set by the Trainer; failure messages name it
+    activity = None
+
     def idle_barrier(self, poll_seconds=0.005):
         """A barrier that sleeps while it waits. MPICH's blocking barrier busy-polls, so ranks
         waiting for another's long local work (compiling, checkpoint I/O) would steal the
@@ -97,9 +100,10 @@ def _install_abort_on_exception(comm):
         if issubclass(exc_type, KeyboardInterrupt):
             return previous(exc_type, exc, tb)
         message = "".join(traceback.format_exception(exc_type, exc, tb))
+        during = f" during {comm.activity}" if comm.activity else ""
         sys.stderr.write(
-            f"[raf_dist] rank {comm.rank}/{comm.size} on {comm.host} failed; aborting the "
-            f"job:\n{message}"
+            f"[raf_dist] rank {comm.rank}/{comm.size} on {comm.host} failed{during}; aborting "
+            f"the job:\n{message}"
         )
         sys.stderr.flush()
         comm.mpi_comm.Abort(1)

@@ -1,0 +1,83 @@
+"""Full fp32 parameters of a sharded checkpoint in one safetensors file.
+
+    python -m raf_dist.tools.consolidate ckpt/ model.safetensors
+
+Reads ``ckpt/latest`` (or a checkpoint directory), checks every rank file's size and sha256,
+then assembles one parameter at a time from the ranks' slices and streams it into the
+output, so memory stays at the largest parameter. Names are the model's parameter names
+(for a PyTorch model, those of ``named_parameters()``)::
+
+    from safetensors.torch import load_file
+    module.load_state_dict(load_file("model.safetensors"))
+
+The output is written to a temporary name and renamed when complete. Nothing is unpickled.
+"""
+import argparse
+import json
+import os
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .. import checkpoint as ckpt
+
+
+def consolidate(checkpoint, output, dtype="float32"):
+    """Write the full parameters of ``checkpoint`` to ``output`` (safetensors); returns the
+    parameter names written."""
+    directory = ckpt.resolve(checkpoint)
+    meta = ckpt.read_meta(directory)
+    ckpt.verify_files(directory, meta)
+    params = meta["model"]
+    out_dtype = np.dtype(dtype)
+    # the safetensors layout: u64 header length, JSON header (offsets), raw little-endian data
+    header, offset = {}, 0
+    for p in params:
+        nbytes = int(np.prod(p["shape"], dtype=np.int64)) * out_dtype.itemsize
+        header[p["name"]] = {"dtype": {"float32": "F32", "float64": "F64", "float16": "F16"}[
+            out_dtype.name], "shape": p["shape"], "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt", "source": str(directory),
+                              "step": str(meta["step"])}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # align the data section
+    output = Path(output)
+    tmp = output.with_name(f".{output.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            for p in params:
+                numel = int(np.prod(p["shape"], dtype=np.int64))
+                values = ckpt.read_range(directory, meta, ckpt._param_key(p["name"]), numel, 0,
+                                         numel, np.dtype(p["dtype"]))
+                f.write(values.astype(out_dtype.newbyteorder("<"), copy=False).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, output)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return [p["name"] for p in params]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m raf_dist.tools.consolidate",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="checkpoint root (with 'latest') or a step directory")
+    parser.add_argument("output", help="the .safetensors file to write")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])
+    args = parser.parse_args(argv)
+    try:
+        names = consolidate(args.checkpoint, args.output, args.dtype)
+    except ckpt.CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(names)} parameters to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
