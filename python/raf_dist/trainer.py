@@ -4,6 +4,7 @@ It reads ``dist.get_config()`` once, builds the training step (``training.build_
 turns the config into explicit pass arguments, compiles (``compiler.compile_step``) and runs the
 step on the VM. Parameters and optimizer state stay in runtime tensors between steps.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -55,6 +56,8 @@ class Trainer:
         set_num_threads(max(1, _cores() // max(1, self.comm.local_size)))
 
         self.ir, self.signature = build_train_step(model, loss, optimizer)
+        if self.data_parallel and self.world > 1:
+            self._check_fingerprints()
         self.bucket_bytes = max(1, int(config.bucket_size_mb * 2**20))
         # gradient buckets (parameter indices, in backward order) the distribution pass uses
         self.grad_buckets = gradient_buckets(self.ir, self.bucket_bytes) if self.data_parallel else []
@@ -79,6 +82,45 @@ class Trainer:
         self._cache_dir = cache_dir
         self.seed = int(seed)
         self._hyper_dtype = self.signature.param_specs[0][1] if self._params else "float32"
+
+    def fingerprint(self):
+        """What every rank of a data-parallel job must agree on before the first collective:
+        the model (parameter names, shapes, dtypes; inputs), loss, optimizer, config and
+        versions. The compiled step is a function of these."""
+        from .checkpoint import model_description
+
+        description = {
+            "model": model_description(self.signature),
+            "inputs": [[list(map(int, s)), str(d)] for s, d in self.signature.input_specs],
+            "target": [list(map(int, self.signature.target_spec[0])),
+                       str(self.signature.target_spec[1])],
+            "loss": self.loss, "optimizer": type(self.optimizer).__name__,
+            "optimizer_config": self.optimizer.config(), "config": self.config,
+            "world_size": self.world, "versions": [__version__, tvm.__version__]}
+        text = json.dumps(description, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16], description
+
+    def _check_fingerprints(self):
+        digest, description = self.fingerprint()
+        everyone = self.comm.mpi_comm.allgather((digest, description))
+        groups = {}
+        for rank, (d, _) in enumerate(everyone):
+            groups.setdefault(d, []).append(rank)
+        if len(groups) > 1:
+            mine, theirs = everyone[0][1], None
+            differing = []
+            for rank, (d, desc) in enumerate(everyone):
+                if d != everyone[0][0]:
+                    theirs = desc
+                    differing = [k for k in desc if desc[k] != mine.get(k)]
+                    break
+            ranks = "; ".join(f"ranks {v}: {k}" for k, v in groups.items())
+            raise ValueError(
+                f"the ranks built different training steps (fingerprints {ranks}); they differ "
+                f"in {', '.join(differing)}. Every rank must create the same model, loss, "
+                f"optimizer and config. Rank 0 has {json.dumps({k: mine[k] for k in differing}, default=str)[:500]}, "
+                f"rank {groups[[k for k in groups if k != everyone[0][0]][0]][0]} has "
+                f"{json.dumps({k: theirs[k] for k in differing}, default=str)[:500]}")
 
     def _passes(self, config):
         """The config, read once, as explicit pass arguments."""
