@@ -55,6 +55,7 @@ setup(
         "mpi4py>=4.0",
         "ml-dtypes",
         "threadpoolctl",
+        "safetensors",
     ],
     extras_require={
         "torch": ["torch==2.13.0"],
