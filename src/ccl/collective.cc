@@ -99,8 +99,7 @@ void Work::Finish(std::string error) {
   cv_.notify_all();
 }
 
-/*! \brief Seconds a wait may block before raising; RAF_DIST_COLLECTIVE_TIMEOUT_S, 0 = none. */
-static double WaitTimeoutSeconds() {
+double WaitTimeoutSeconds() {
   static double timeout = [] {
     const char* env = std::getenv("RAF_DIST_COLLECTIVE_TIMEOUT_S");
     return env ? std::atof(env) : 0.0;

@@ -73,6 +73,9 @@ struct CollectiveCall {
   int peer = 0;            // root for broadcast, peer for send/recv
 };
 
+/*! \brief Seconds a wait may block before raising; RAF_DIST_COLLECTIVE_TIMEOUT_S, 0 = none. */
+double WaitTimeoutSeconds();
+
 /*!
  * \brief Completion state of an asynchronous collective. The call's tensors are held here,
  *        so their memory outlives the collective whatever the caller does meanwhile.

@@ -174,7 +174,9 @@ void MpiBackend::RunBlocking(CollectiveCall call) {
     if (stopping_) {
       TVM_FFI_THROW(RuntimeError) << "collective started after raf_dist.ccl.shutdown()";
     }
-    if (busy_ || !queue_.empty()) {
+    // With a timeout configured, blocking calls also go through the communication thread:
+    // an MPI call stuck on a dead peer cannot be interrupted, but a wait on it can give up.
+    if (busy_ || !queue_.empty() || WaitTimeoutSeconds() > 0) {
       lock.unlock();
       Start(std::move(call))->Wait();
       return;

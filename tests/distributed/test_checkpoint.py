@@ -51,6 +51,13 @@ def test_a_failing_rank_ends_the_job(tmp_path, how):
         assert "signal 9" in out or "Killed" in out, out
 
 
+def test_a_collective_that_never_completes_times_out(tmp_path):
+    code, out, seconds = run_mpi("ckpt_train.py", 3, "stall", tmp_path, timeout=120,
+                                 env={"RAF_DIST_COLLECTIVE_TIMEOUT_S": "3"})
+    assert code != 0 and seconds < 60, (code, seconds, out)
+    assert "failed during step 2" in out and "did not complete within 3" in out, out
+
+
 def test_ranks_with_different_steps_refuse_to_start(tmp_path):
     code, out, _ = run_mpi("ckpt_train.py", 2, "mismatch", tmp_path, timeout=120)
     assert code != 0, out

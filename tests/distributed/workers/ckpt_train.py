@@ -9,6 +9,8 @@
   check_saved LEVEL     load DIR and compare with DIR/expected.npz (bitwise)
   die_in_step HOW       rank 1 fails in step 3: HOW = raise | kill
   mismatch              rank 1 builds its Trainer with another learning rate
+  stall                 rank 1 stops calling collectives (sleeps); with
+                        RAF_DIST_COLLECTIVE_TIMEOUT_S set the others must raise, not hang
 Prints 'rank R: ALL OK' on success."""
 import os
 import signal
@@ -141,6 +143,15 @@ def main():
         for _ in range(5):
             t.step(xs, ys)
         raise AssertionError("the job should have ended")
+    elif mode == "stall":
+        t, xs, ys = trainer(1)
+        t.step(xs, ys)
+        if comm.rank == 1:
+            import time
+            time.sleep(600)  # alive but silent: ends when the job is aborted
+        for _ in range(3):
+            t.step(xs, ys)
+        raise AssertionError("the collective should have timed out")
     elif mode == "mismatch":
         trainer(1, lr=1e-3 if comm.rank == 1 else None)
         raise AssertionError("mismatched ranks must not start")
