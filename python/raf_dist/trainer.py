@@ -185,7 +185,8 @@ class Trainer:
     def predict(self, x):
         """Forward pass with the current parameters on any number of rows: the batch is cut
         into pieces of the captured batch size (the last one padded) and run through the
-        compiled forward function; returns the outputs as one numpy array."""
+        compiled forward function; returns the outputs as one numpy array. Under ZeRO-3 the
+        parameters are gathered first, so every rank must call it."""
         if self._forward is None:
             forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): self.model.forward})
             compiled = compile_step(forward_mod, passes=[DispatchToBLAS()],
@@ -201,11 +202,15 @@ class Trainer:
         batch, outputs = shape[0], []
         no_dropout = [tvm.runtime.tensor(np.ones(s, d), self._device)
                       for s, d, _ in self.signature.dropout_specs]
+        params = self._params
+        if self.zero_level == 3:  # sharded between steps: gather the full parameters
+            full = self.state_dict()
+            params = [tvm.runtime.tensor(full[n], self._device) for n in self.signature.param_names]
         for start in range(0, len(x), batch):
             piece = x[start:start + batch]
             padded = np.zeros(shape, dtype=dtype)
             padded[:len(piece)] = piece
-            out = self._forward(tvm.runtime.tensor(padded, self._device), *no_dropout, *self._params)
+            out = self._forward(tvm.runtime.tensor(padded, self._device), *no_dropout, *params)
             outputs.append(out.numpy()[:len(piece)])
         return np.concatenate(outputs)
 

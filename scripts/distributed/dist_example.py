@@ -2,14 +2,18 @@
 
     mpirun -np 2 python scripts/distributed/dist_example.py
     mpirun -np 4 --hostfile scripts/distributed/hostfile.localhost python scripts/distributed/dist_example.py
+    mpirun -np 2 python scripts/distributed/dist_example.py --zero-level 3 --checkpoint ckpt/
 
 As in RAF's distributed example, the distribution switches sit in ``raf_dist_config`` below
 and are applied to ``dist.get_config()`` before the Trainer is built. Every rank takes its
 slice of each global batch; the loss printed is the mean over the global batch; held-out
 accuracy is computed on each rank's share of the test set and summed across ranks.
+With ``--checkpoint DIR`` a sharded checkpoint is saved after every epoch and a later run
+(any number of ranks, any ZeRO level) resumes from it.
 """
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,9 +52,14 @@ def main():
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--zero-level", type=int, choices=[0, 1, 2, 3],
+                        help="override raf_dist_config['zero_opt_level']")
+    parser.add_argument("--checkpoint", help="save after each epoch here; resume if present")
     args = parser.parse_args()
 
     dist.get_config().update(raf_dist_config)
+    if args.zero_level is not None:
+        dist.get_config().zero_opt_level = args.zero_level
     comm = dist.get_communicator()
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[:, None]  # (N, 1, 8, 8)
@@ -67,8 +76,14 @@ def main():
         print(f"raf_dist: {comm.size} rank(s) on {sorted(set(comm.hosts))}, global batch "
               f"{args.global_batch}, {model.num_params()} parameters, config {dist.get_config().as_dict()}")
 
+    first_epoch = 0
+    if args.checkpoint and (Path(args.checkpoint) / "latest").exists():
+        first_epoch = trainer.load_checkpoint(args.checkpoint)["epoch"]
+        if comm.rank == 0:
+            print(f"resumed from {args.checkpoint} at epoch {first_epoch} (step "
+                  f"{trainer.step_count})", flush=True)
     steps = raf_dist.data.num_steps(len(x_train), args.global_batch)
-    for epoch in range(args.epochs):
+    for epoch in range(first_epoch, args.epochs):
         batches = raf_dist.data.shard((x_train, y_train), args.global_batch, shuffle=True,
                                       seed=0, epoch=epoch)
         losses = []
@@ -84,6 +99,8 @@ def main():
         if comm.rank == 0:
             print(f"epoch {epoch + 1}: mean loss {np.mean(losses):.4f}, held-out accuracy "
                   f"{correct / len(x_test):.3f}", flush=True)
+        if args.checkpoint:
+            trainer.save_checkpoint(args.checkpoint, extra={"epoch": epoch + 1})
     if comm.rank == 0:
         stats = trainer.stats()
         print(f"last step sent {stats['comm_bytes_last_step']} bus bytes; "

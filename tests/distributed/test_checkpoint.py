@@ -77,3 +77,17 @@ def test_damaged_shard_fails_every_rank_cleanly(tmp_path):
     assert code != 0 and time.monotonic() - start < 60, out
     assert "rank00001.safetensors is corrupted" in out, out
     assert shard.read_bytes() == before
+
+
+def test_dist_example_resumes_on_another_world_size_and_level(tmp_path):
+    from mpi_launch import ROOT
+
+    example = ROOT / "scripts" / "distributed" / "dist_example.py"
+    first = check_mpi(example, 2, "--epochs", "1", "--zero-level", "3", "--checkpoint",
+                      tmp_path / "ckpt", timeout=300)
+    assert "epoch 1:" in first, first
+    second = check_mpi(example, 4, "--epochs", "2", "--zero-level", "1", "--checkpoint",
+                       tmp_path / "ckpt", timeout=300)
+    assert "resumed from" in second and "at epoch 1" in second and "epoch 1:" not in second, second
+    accuracy = float(re.findall(r"held-out accuracy ([0-9.]+)", second)[-1])
+    assert accuracy >= 0.8, second
