@@ -72,10 +72,9 @@ class Trainer:
         if self.zero_level == 3:  # parameters held as this rank's flat padded shard
             init = {n: self._local_shard(a) for n, a in init.items()}
         self._params = [tvm.runtime.tensor(init[n], self._device) for n in self.signature.param_names]
-        self._states = [tvm.runtime.tensor(self._local_shard(np.zeros_like(model.init_params[p]))
-                                           if self.zero_level else np.zeros_like(model.init_params[p]),
-                                           self._device)
-                        for p, _ in self.signature.state_keys()]
+        self._states = self._pack_states({
+            (p, st): self._local_shard(np.zeros_like(model.init_params[p])) if self.zero_level
+            else np.zeros_like(model.init_params[p]) for p, st in self.signature.state_keys()})
         self.step_count = 0
         self._comm_last_step = {}
         self._forward = None
@@ -240,7 +239,7 @@ class Trainer:
     def _full(self, tensor, shape):
         """The whole tensor from every rank's shard (a collective under ZeRO)."""
         numel = int(np.prod(shape, dtype=np.int64))
-        shard = tensor.numpy()
+        shard = np.ascontiguousarray(_host(tensor))
         if self.world == 1:
             return shard[:numel].reshape(shape)
         return collectives.allgather(shard, numel=numel, group=self.comm.group).reshape(shape)
@@ -259,9 +258,38 @@ class Trainer:
         state is sharded, so this gathers it: every rank must call it."""
         shapes = dict(zip(self.signature.param_names, self.signature.param_specs))
         out = {}
-        for (param, state), value in zip(self.signature.state_keys(), self._states):
-            full = self._full(value, shapes[param][0]) if self.zero_level else value.numpy()
+        for (param, state), value in self._unpack_states().items():
+            full = self._full(value, shapes[param][0]) if self.zero_level else value
             out.setdefault(param, {})[state] = full
+        return out
+
+    def _pack_states(self, by_key):
+        """Runtime tensors for the step's optimizer-state arguments from {(param, state):
+        array} (full arrays at level 0; flat shards under ZeRO, where the step takes one
+        [S] buffer per gradient bucket and state, bucket-major: ShardZeRO's layout)."""
+        if not self.zero_level:
+            return [tvm.runtime.tensor(np.ascontiguousarray(by_key[key]), self._device)
+                    for key in self.signature.state_keys()]
+        names = self.signature.param_names
+        return [tvm.runtime.tensor(np.concatenate([by_key[(names[k], state)] for k in bucket]),
+                                   self._device)
+                for bucket in self.grad_buckets for state in self.signature.state_names]
+
+    def _unpack_states(self):
+        """{(param, state): array} of what this rank holds (inverse of _pack_states)."""
+        keys = self.signature.state_keys()
+        if not self.zero_level:
+            return {key: t.numpy() for key, t in zip(keys, self._states)}
+        names, specs = self.signature.param_names, self.signature.param_specs
+        out, i = {}, 0
+        for bucket in self.grad_buckets:
+            for state in self.signature.state_names:
+                flat, offset = self._states[i].numpy(), 0
+                i += 1
+                for k in bucket:
+                    shard = shard_size(int(np.prod(specs[k][0], dtype=np.int64)), self.world)
+                    out[(names[k], state)] = flat[offset:offset + shard]
+                    offset += shard
         return out
 
     # ---- checkpoints ------------------------------------------------------------------------
@@ -299,7 +327,7 @@ class Trainer:
         for name_, value in zip(self.signature.param_names, self._params):
             tensors[ckpt._param_key(name_)] = self._my_slice(value, specs[name_][0],
                                                              self.zero_level == 3, rank)
-        for (param, state), value in zip(self.signature.state_keys(), self._states):
+        for (param, state), value in self._unpack_states().items():
             tensors[ckpt._state_key(param, state)] = self._my_slice(
                 value, specs[param][0], self.zero_level > 0, rank)
         file = tmp / f"rank{rank:05d}.safetensors"
@@ -329,7 +357,7 @@ class Trainer:
 
         numel = int(np.prod(shape, dtype=np.int64))
         begin, end = slice_range(numel, self.world, rank)
-        values = tensor.numpy().reshape(-1)
+        values = _host(tensor).reshape(-1)
         return values[:end - begin] if sharded else values[begin:end]
 
     def load_checkpoint(self, path):
@@ -372,9 +400,9 @@ class Trainer:
         self._params = [tvm.runtime.tensor(load(ckpt._param_key(n), specs[n][0], specs[n][1],
                                                 self.zero_level == 3), self._device)
                         for n in self.signature.param_names]
-        self._states = [tvm.runtime.tensor(load(ckpt._state_key(p, s), specs[p][0], specs[p][1],
-                                                self.zero_level > 0), self._device)
-                        for p, s in self.signature.state_keys()]
+        self._states = self._pack_states({
+            (p, s): load(ckpt._state_key(p, s), specs[p][0], specs[p][1], self.zero_level > 0)
+            for p, s in self.signature.state_keys()})
         self.step_count = int(meta["step"])
         self.seed = int(meta["seed"])
         self.comm.activity = None
@@ -410,6 +438,11 @@ def step_passes(zero_level, world_size, bucket_bytes, overlap=True, group=0):
     else:
         distribute = StripGradientMarkers()
     return [distribute, DispatchToBLAS(), FastGelu()]
+
+
+def _host(tensor):
+    """A numpy array of a runtime tensor (or the array itself)."""
+    return tensor.numpy() if hasattr(tensor, "numpy") else np.asarray(tensor)
 
 
 def _nbytes(tensor):

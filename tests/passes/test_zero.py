@@ -46,12 +46,12 @@ class Before:
 # reduce_scatter (avg) leaves each rank its shard; the momentum update runs once on the flat
 # [S] shard (w2's chain, since every parameter's is the same), local_shard cuts this rank's
 # parameter shard at run time; the updated shards are all-gathered and unpacked, padding
-# trimmed; optimizer state stays sharded ([ceil(3/2)] and [ceil(1/2)]).
+# trimmed; optimizer state is one flat [S] = [ceil(1/2) + ceil(3/2)] shard for the bucket.
 @I.ir_module
 class ExpectedLevel2Overlap:
     @R.function(pure=False)
-    def train_step(x: R.Tensor((3,), dtype="float32"), w1: R.Tensor((3,), dtype="float32"), w2: R.Tensor((1,), dtype="float32"), w1_buf: R.Tensor((2,), dtype="float32"), w2_buf: R.Tensor((1,), dtype="float32"), lr: R.Tensor((), dtype="float32")) -> R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((3,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32")):
-        R.func_attr({"raf_dist.num_params": 2, "raf_dist.param_offset": 1, "raf_dist.states_per_param": 1})
+    def train_step(x: R.Tensor((3,), dtype="float32"), w1: R.Tensor((3,), dtype="float32"), w2: R.Tensor((1,), dtype="float32"), bucket0__state0: R.Tensor((3,), dtype="float32"), lr: R.Tensor((), dtype="float32")) -> R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((3,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((3,), dtype="float32")):
+        R.func_attr({"raf_dist.num_params": 2, "raf_dist.param_offset": 1, "raf_dist.states_per_param": 1, "raf_dist.zero_level": 2})
         with R.dataflow():
             y: R.Tensor((3,), dtype="float32") = R.multiply(x, w1)
             lv1: R.Tensor((3,), dtype="float32") = R.multiply(y, w2)
@@ -72,16 +72,12 @@ class ExpectedLevel2Overlap:
         R.call_packed("raf_dist.ccl.wait", reduce_scatter0_handle, grad_bucket0, grad_shard0, ty_args=(R.Tuple,))
         with R.dataflow():
             param_shard0 = R.call_dps_packed("raf_dist.ccl.local_shard", (w2, w1, 0), out_ty=R.Tensor((3,), dtype="float32"))
-            state0_shards0: R.Tensor((3,), dtype="float32") = R.concat((w2_buf, w1_buf), axis=0)
-            lv11_b0: R.Tensor((3,), dtype="float32") = R.multiply(state0_shards0, R.const(0.89999997615814209, "float32"))
+            lv11_b0: R.Tensor((3,), dtype="float32") = R.multiply(bucket0__state0, R.const(0.89999997615814209, "float32"))
             b2_b0: R.Tensor((3,), dtype="float32") = R.add(lv11_b0, grad_shard0)
             lv13_b0: R.Tensor((3,), dtype="float32") = R.multiply(b2_b0, lr)
             new_w2_b0: R.Tensor((3,), dtype="float32") = R.subtract(param_shard0, lv13_b0)
-            new_state0_0_parts: R.Tuple(R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32")) = R.split(b2_b0, indices_or_sections=[1], axis=0)
-            new_state0_0_shard1: R.Tensor((1,), dtype="float32") = new_state0_0_parts[0]
-            new_state0_0_shard0: R.Tensor((2,), dtype="float32") = new_state0_0_parts[1]
             updated0: R.Tensor((6,), dtype="float32") = R.builtin.alloc_tensor(R.shape([6]), R.dtype("float32"), 0, R.str("global"))
-            R.output(new_w2_b0, new_state0_0_shard1, new_state0_0_shard0, updated0)
+            R.output(b2_b0, new_w2_b0, updated0)
         allgather_updated0_handle: R.Prim("int64") = R.call_packed("raf_dist.ccl.allgather_start", new_w2_b0, 0, updated0, ty_args=R.Prim("int64"))
         R.call_packed("raf_dist.ccl.wait", allgather_updated0_handle, new_w2_b0, updated0, ty_args=(R.Tuple,))
         with R.dataflow():
@@ -97,7 +93,7 @@ class ExpectedLevel2Overlap:
             updated0_full0: R.Tensor((3,), dtype="float32") = R.reshape(updated0_trim0, R.shape([3]))
             R.output(updated0_full1, updated0_full0)
         R.call_packed("raf_dist.ccl.allreduce", loss, R.str("avg"), 0, loss, ty_args=(R.Tuple,))
-        step_outputs: R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((3,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32")) = loss, updated0_full0, updated0_full1, new_state0_0_shard0, new_state0_0_shard1
+        step_outputs: R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((3,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((3,), dtype="float32")) = loss, updated0_full0, updated0_full1, b2_b0
         return step_outputs
 
 
@@ -107,8 +103,8 @@ class ExpectedLevel2Overlap:
 @I.ir_module
 class ExpectedLevel3Serial:
     @R.function(pure=False)
-    def train_step(x: R.Tensor((3,), dtype="float32"), w1: R.Tensor((2,), dtype="float32"), w2: R.Tensor((1,), dtype="float32"), w1_buf: R.Tensor((2,), dtype="float32"), w2_buf: R.Tensor((1,), dtype="float32"), lr: R.Tensor((), dtype="float32")) -> R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32")):
-        R.func_attr({"raf_dist.num_params": 2, "raf_dist.param_offset": 1, "raf_dist.states_per_param": 1})
+    def train_step(x: R.Tensor((3,), dtype="float32"), w1: R.Tensor((2,), dtype="float32"), w2: R.Tensor((1,), dtype="float32"), bucket0__state0: R.Tensor((3,), dtype="float32"), lr: R.Tensor((), dtype="float32")) -> R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((3,), dtype="float32")):
+        R.func_attr({"raf_dist.num_params": 2, "raf_dist.param_offset": 1, "raf_dist.states_per_param": 1, "raf_dist.zero_level": 3})
         with R.dataflow():
             forward_gather0_shards: R.Tensor((3,), dtype="float32") = R.concat((w1, w2), axis=0)
             forward_gather0: R.Tensor((6,), dtype="float32") = R.builtin.alloc_tensor(R.shape([6]), R.dtype("float32"), 0, R.str("global"))
@@ -151,20 +147,16 @@ class ExpectedLevel3Serial:
         R.call_packed("raf_dist.ccl.reduce_scatter", grad_bucket0, R.str("avg"), 0, grad_shard0, ty_args=(R.Tuple,))
         with R.dataflow():
             param_shards0: R.Tensor((3,), dtype="float32") = R.concat((w2, w1), axis=0)
-            state0_shards0: R.Tensor((3,), dtype="float32") = R.concat((w2_buf, w1_buf), axis=0)
-            lv11_b0: R.Tensor((3,), dtype="float32") = R.multiply(state0_shards0, R.const(0.89999997615814209, "float32"))
+            lv11_b0: R.Tensor((3,), dtype="float32") = R.multiply(bucket0__state0, R.const(0.89999997615814209, "float32"))
             b2_b0: R.Tensor((3,), dtype="float32") = R.add(lv11_b0, grad_shard0)
             lv13_b0: R.Tensor((3,), dtype="float32") = R.multiply(b2_b0, lr)
             new_w2_b0: R.Tensor((3,), dtype="float32") = R.subtract(param_shards0, lv13_b0)
-            new_state0_0_parts: R.Tuple(R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32")) = R.split(b2_b0, indices_or_sections=[1], axis=0)
-            new_state0_0_shard1: R.Tensor((1,), dtype="float32") = new_state0_0_parts[0]
-            new_state0_0_shard0: R.Tensor((2,), dtype="float32") = new_state0_0_parts[1]
             new_param0_parts: R.Tuple(R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32")) = R.split(new_w2_b0, indices_or_sections=[1], axis=0)
             new_param0_shard1: R.Tensor((1,), dtype="float32") = new_param0_parts[0]
             new_param0_shard0: R.Tensor((2,), dtype="float32") = new_param0_parts[1]
-            R.output(new_state0_0_shard1, new_state0_0_shard0, new_param0_shard1, new_param0_shard0)
+            R.output(b2_b0, new_param0_shard1, new_param0_shard0)
         R.call_packed("raf_dist.ccl.allreduce", loss, R.str("avg"), 0, loss, ty_args=(R.Tuple,))
-        step_outputs: R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32")) = loss, new_param0_shard0, new_param0_shard1, new_state0_0_shard0, new_state0_0_shard1
+        step_outputs: R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((3,), dtype="float32")) = loss, new_param0_shard0, new_param0_shard1, b2_b0
         return step_outputs
 
 
@@ -211,12 +203,14 @@ def test_shapes_and_collective_counts(level, world_size, overlap):
     numels = [int(np.prod(shape)) for shape, _ in signature.param_specs]
     shards = [shard_size(n, world_size) for n in numels]
     params = func.params[n_in:n_in + len(numels)]
-    states = func.params[n_in + len(numels):n_in + 3 * len(numels)]
+    states = func.params[n_in + len(numels):n_in + len(numels) + 2 * len(buckets)]
     for p, (shape, _), s in zip(params, signature.param_specs, shards):
         expected = (s,) if level == 3 else tuple(shape)
         assert tuple(int(d) for d in p.ty.shape) == expected, p.name
-    for i, st in enumerate(states):  # Adam: exp_avg, exp_avg_sq per parameter
-        assert tuple(int(d) for d in st.ty.shape) == (shards[i // 2],), st.name
+    # Adam: exp_avg and exp_avg_sq as one flat shard per bucket, bucket-major
+    expected_states = [(sum(shards[k] for k in b),) for b in buckets for _ in range(2)]
+    assert [tuple(int(d) for d in st.ty.shape) for st in states] == expected_states
+    assert len(func.params) == n_in + len(numels) + 2 * len(buckets) + 3  # + Adam(W) scalars
     outputs = func.ret_ty.fields
     assert [tuple(int(d) for d in t.shape) for t in outputs[1:1 + len(numels)]] == [
         (s,) if level == 3 else tuple(shape) for (shape, _), s in zip(signature.param_specs, shards)]

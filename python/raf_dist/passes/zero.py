@@ -15,7 +15,8 @@ the chunk at run time, and ``raf_dist.ccl.local_shard`` cuts this rank's shard o
 parameter. The IR is the same on every rank.
 
 What each level emits (gradients averaged in the reduce_scatter; loss averaged as in DP):
-  1  optimizer state arguments become shards; after backward, every gradient bucket is
+  1  optimizer state arguments become one flat [S] shard per gradient bucket and state
+     (bucket-major: the layout ``state_layout`` describes); after backward, every gradient bucket is
      reduce-scattered; each rank updates its parameter shard (cut by local_shard) and its
      state shard; the updated shards are all-gathered per bucket into full parameters.
   2  as 1, but each bucket is reduce-scattered as soon as its last gradient exists; with
@@ -207,25 +208,34 @@ class _Rewriter:
         marker_var = {m.param_index: m.var for m in self.markers}
         chains, shared = self._update_chains(marker_var)
 
-        # new arguments: state shards (all levels), parameter shards (level 3)
-        def shard_var(var):
-            return relax.Var(var.name, relax.TensorType([shard_size(_numel(var.ty), n)],
-                                                        var.ty.dtype))
-        new_states = [shard_var(s) for s in states]
-        new_params = [shard_var(p) for p in params] if level == 3 else list(params)
-
         # gradient buckets, in backward order
         grad_order = [m.param_index for m in self.markers]
         types = [params[k].ty for k in grad_order]
         grad_buckets = [_Bucket(b, [grad_order[i] for i in idx], [types[i] for i in idx], n)
                         for b, idx in enumerate(assign_buckets([_nbytes(t) for t in types],
                                                                self.bucket_bytes))]
+
+        # new arguments: parameter shards (level 3); optimizer state as one flat [S] shard
+        # per bucket and state (bucket-major), the layout the update runs on, so no copy
+        # gathers or scatters it around each step
+        def shard_var(var):
+            return relax.Var(var.name, relax.TensorType([shard_size(_numel(var.ty), n)],
+                                                        var.ty.dtype))
+        new_params = [shard_var(p) for p in params] if level == 3 else list(params)
+        flat_states = {}
+        for bucket in grad_buckets:
+            for j in range(per_param):
+                name = states[bucket.keys[0] * per_param + j].name
+                suffix = name.rsplit("__", 1)[-1] if "__" in name else f"state{j}"
+                flat_states[(bucket.index, j)] = relax.Var(
+                    f"bucket{bucket.index}__{suffix}",
+                    relax.TensorType([bucket.shard_total], bucket.dtype))
         closes = {marker_pos[b.keys[-1]]: b for b in grad_buckets}
 
         in_flight = {}  # reduce_scatters: bucket index -> (bucket, handle, packed, out)
         gathering = []  # allgathers of updated shards: (bucket, handle, packed, out)
         full = {}  # parameter index -> its updated full value (levels 1-2)
-        shard_out = {}  # (parameter index, state slot) -> output shard; slot -1: the parameter
+        shard_out = {}  # (bucket, state slot) -> updated flat state; (param, -1): param shard
 
         def reduce_scatter(bucket):
             packed = self.pack_chunks(f"grad_bucket{bucket.index}", bucket,
@@ -265,8 +275,7 @@ class _Rewriter:
             k0 = keys[0]
             mapping = {params[k0]: param_flat, marker_var[k0]: grad_shard}
             for j in range(per_param):
-                mapping[states[k0 * per_param + j]] = self.concat_shards(
-                    f"state{j}_shards{b}", [new_states[k * per_param + j] for k in keys])
+                mapping[states[k0 * per_param + j]] = flat_states[(b, j)]
             for binding in chains[k0]:
                 value = self.seg.builder.normalize(_substitute(binding.value, mapping))
                 var = relax.DataflowVar(f"{binding.var.name}_b{b}", value.ty)
@@ -275,9 +284,7 @@ class _Rewriter:
             new_param = mapping.get(self.result.fields[1 + k0], param_flat)
             for j in range(per_param):
                 field = self.result.fields[1 + len(params) + k0 * per_param + j]
-                for k, piece in zip(keys, self.split_shards(f"new_state{j}_{b}", bucket,
-                                                            mapping[field])):
-                    shard_out[(k, j)] = piece
+                shard_out[(b, j)] = mapping.get(field, flat_states[(b, j)])
             if level == 3:
                 for k, piece in zip(keys, self.split_shards(f"new_param{b}", bucket, new_param)):
                     shard_out[(k, -1)] = piece
@@ -329,7 +336,7 @@ class _Rewriter:
             fields += [shard_out[(k, -1)] for k in range(len(params))]
         else:
             fields += [full[k] for k in range(len(params))]
-        fields += [shard_out[(k, j)] for k in range(len(params)) for j in range(per_param)]
+        fields += [shard_out[(b.index, j)] for b in grad_buckets for j in range(per_param)]
         self.bind("allreduce_loss", collective("raf_dist.ccl.allreduce", self.loss,
                                                tvm.ir.StringImm("avg"), self.group, self.loss),
                   dataflow=False)
@@ -337,7 +344,8 @@ class _Rewriter:
         func_params = list(self.func.params)
         offset = int(self.func.attrs[LAYOUT_PARAM_OFFSET])
         func_params[offset:offset + len(params)] = new_params
-        func_params[offset + len(params):offset + len(params) + len(states)] = new_states
+        func_params[offset + len(params):offset + len(params) + len(states)] = [
+            flat_states[(b.index, j)] for b in grad_buckets for j in range(per_param)]
         return assemble(self.func, self.seg.segments, output, params=func_params,
                         ret_ty=output.ty)
 
@@ -489,6 +497,8 @@ class ShardZeRO:
     def transform_module(self, mod, ctx):
         func = _Rewriter(mod[self.func_name], self.level, self.world_size, self.bucket_bytes,
                          self.overlap, self.group).run()
+        # parameters (level 3) and optimizer states are now held as ShardZeRO lays them out
+        func = func.with_attr("raf_dist.zero_level", self.level)
         mod = mod.__class__(dict(mod.functions_items()))
         mod[self.func_name] = func
         return relax.transform.Normalize()(mod)
