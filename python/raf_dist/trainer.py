@@ -15,6 +15,7 @@ import tvm
 from tvm import relax
 
 from . import __version__
+from . import checkpoint as ckpt
 from . import runtime  # noqa: F401  (registers raf_dist.blas.*)
 from .compiler import compile_step, set_num_threads
 from .distributed import collectives, get_communicator, get_config
@@ -86,10 +87,8 @@ class Trainer:
         """What every rank of a data-parallel job must agree on before the first collective:
         the model (parameter names, shapes, dtypes; inputs), loss, optimizer, config and
         versions. The compiled step is a function of these."""
-        from .checkpoint import model_description
-
         description = {
-            "model": model_description(self.signature),
+            "model": ckpt.model_description(self.signature),
             "inputs": [[list(map(int, s)), str(d)] for s, d in self.signature.input_specs],
             "target": [list(map(int, self.signature.target_spec[0])),
                        str(self.signature.target_spec[1])],
@@ -230,10 +229,10 @@ class Trainer:
     def _local_shard(self, array):
         """This rank's flat padded dim-0 shard of ``array`` (DESIGN.md section 3)."""
         flat = np.ascontiguousarray(array).reshape(-1)
-        shard = shard_size(flat.size, self.world)
-        out = np.zeros(shard, dtype=flat.dtype)
-        piece = flat[self.comm.rank * shard:(self.comm.rank + 1) * shard] if self.world > 1 else flat
-        out[:piece.size] = piece
+        rank = self.comm.rank if self.world > 1 else 0
+        begin, end = ckpt.slice_range(flat.size, self.world, rank)
+        out = np.zeros(shard_size(flat.size, self.world), dtype=flat.dtype)
+        out[:end - begin] = flat[begin:end]
         return out
 
     def _full(self, tensor, shape):
@@ -307,8 +306,6 @@ class Trainer:
         position) comes back from load_checkpoint. Atomic: ``path/latest`` moves to the new
         checkpoint only once every rank's file is on disk. Keeps the newest ``keep``
         checkpoints. Every rank must call it."""
-        from . import checkpoint as ckpt
-
         rank = self._checkpoint_rank()
         json_extra = json.loads(json.dumps(extra))  # fail now, not after writing shards
         root = Path(path)
@@ -353,10 +350,8 @@ class Trainer:
 
     def _my_slice(self, tensor, shape, sharded, rank):
         """Elements [r*s, (r+1)*s) of the flattened tensor, clipped to its true size."""
-        from .checkpoint import slice_range
-
         numel = int(np.prod(shape, dtype=np.int64))
-        begin, end = slice_range(numel, self.world, rank)
+        begin, end = ckpt.slice_range(numel, self.world, rank)
         values = _host(tensor).reshape(-1)
         return values[:end - begin] if sharded else values[begin:end]
 
@@ -367,8 +362,6 @@ class Trainer:
         sha256 and the model's names, shapes and dtypes are checked first, on every rank,
         and any problem raises the same CheckpointError everywhere before any data moves;
         nothing on disk is modified. Every rank must call it."""
-        from . import checkpoint as ckpt
-
         rank = self._checkpoint_rank()
         self.comm.activity = f"loading checkpoint {path}"
         error, directory, meta = None, None, None

@@ -24,13 +24,17 @@ def assign_buckets(sizes_bytes, bucket_bytes):
     return buckets
 
 
+def marker_buckets(markers, bucket_bytes):
+    """Parameter indices per gradient bucket, from gradient markers in backward order."""
+    return [[markers[i].param_index for i in idx]
+            for idx in assign_buckets([m.nbytes for m in markers], bucket_bytes)]
+
+
 def gradient_buckets(mod, bucket_bytes, func_name="train_step"):
     """Parameter indices per gradient bucket, in the order backward produces them: what
     AllReduceGradients and ShardZeRO reduce together."""
     from .gradient_markers import find_markers
-    markers = find_markers(mod[func_name].body.blocks[0])
-    return [[markers[i].param_index for i in idx]
-            for idx in assign_buckets([m.nbytes for m in markers], bucket_bytes)]
+    return marker_buckets(find_markers(mod[func_name].body.blocks[0]), bucket_bytes)
 
 
 class Segments:

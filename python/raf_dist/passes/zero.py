@@ -32,7 +32,7 @@ The optimizer region must be elementwise (SGD, Adam, AdamW are): it is re-emitte
 import tvm
 from tvm import relax
 
-from .bucketing import Segments, assemble, assign_buckets, collective
+from .bucketing import Segments, assemble, assign_buckets, collective, marker_buckets
 from .gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                                SubstituteVars, find_markers)
 
@@ -69,7 +69,15 @@ class _Bucket:
         self.shards = [shard_size(n, world_size) for n in self.numels]
         self.shard_total = sum(self.shards)
         self.dtype = str(types[0].dtype)
-        self.n = world_size
+
+    @property
+    def split_offsets(self):
+        """Where each tensor's shard starts in a packed [S] buffer, after the first."""
+        offsets, total = [], 0
+        for s in self.shards[:-1]:
+            total += s
+            offsets.append(total)
+        return offsets
 
 
 class _Rewriter:
@@ -151,11 +159,7 @@ class _Rewriter:
         rows = self.bind(f"{name}_rows", relax.op.reshape(gathered, [n, bucket.shard_total]))
         pieces = [rows]
         if len(bucket.keys) > 1:
-            offsets, total = [], 0
-            for s in bucket.shards[:-1]:
-                total += s
-                offsets.append(total)
-            parts = self.bind(f"{name}_parts", relax.op.split(rows, offsets, axis=1))
+            parts = self.bind(f"{name}_parts", relax.op.split(rows, bucket.split_offsets, axis=1))
             pieces = [self.bind(f"{name}_part{i}", relax.TupleGetItem(parts, i))
                       for i in range(len(bucket.keys))]
         out = []
@@ -173,11 +177,7 @@ class _Rewriter:
         """Per-tensor shards [s_i] of a packed [S] shard buffer."""
         if len(bucket.keys) == 1:
             return [packed]
-        offsets, total = [], 0
-        for s in bucket.shards[:-1]:
-            total += s
-            offsets.append(total)
-        parts = self.bind(f"{name}_parts", relax.op.split(packed, offsets, axis=0))
+        parts = self.bind(f"{name}_parts", relax.op.split(packed, bucket.split_offsets, axis=0))
         return [self.bind(f"{name}_shard{key}", relax.TupleGetItem(parts, i))
                 for i, key in enumerate(bucket.keys)]
 
@@ -209,11 +209,8 @@ class _Rewriter:
         chains, shared = self._update_chains(marker_var)
 
         # gradient buckets, in backward order
-        grad_order = [m.param_index for m in self.markers]
-        types = [params[k].ty for k in grad_order]
-        grad_buckets = [_Bucket(b, [grad_order[i] for i in idx], [types[i] for i in idx], n)
-                        for b, idx in enumerate(assign_buckets([_nbytes(t) for t in types],
-                                                               self.bucket_bytes))]
+        grad_buckets = [_Bucket(b, keys, [params[k].ty for k in keys], n) for b, keys in
+                        enumerate(marker_buckets(self.markers, self.bucket_bytes))]
 
         # new arguments: parameter shards (level 3); optimizer state as one flat [S] shard
         # per bucket and state (bucket-major), the layout the update runs on, so no copy
@@ -380,22 +377,28 @@ class _Rewriter:
         scalars = {p for p in self.func.params} | {b.var for b in shared}
 
         def describe(k):
+            """Parameter k's chain with its variables named by role, comparable across k."""
             local = {}
+
+            def name_of(v):
+                if v in local:
+                    return ("local", local[v])
+                if v in owner and owner[v][0] == k:
+                    return ("own", owner[v][1])
+                return ("scalar", v) if v in scalars else ("foreign", v.name)
+
             out = []
             for i, binding in enumerate(chains[k]):
+                out.append(_describe(binding.value, name_of))
                 local[binding.var] = i
-                out.append(_describe(binding.value, lambda v: (
-                    ("own", owner[v][1]) if v in owner and owner[v][0] == k and not isinstance(
-                        owner[v][1], int) else ("local", local[v]) if v in local else
-                    ("scalar", v) if v in scalars else ("foreign", v.name))))
-            result = [_describe_var(self.result.fields[1 + k], local, owner, k)]
-            result += [_describe_var(self.result.fields[1 + len(self.params) + k * per_param + j],
-                                     local, owner, k) for j in range(per_param)]
-            return out, result
+            results = [self.result.fields[1 + k]] + [
+                self.result.fields[1 + len(self.params) + k * per_param + j]
+                for j in range(per_param)]
+            return out, [name_of(v) for v in results]
 
         reference = describe(0) if self.params else None
         for k in range(1, len(self.params)):
-            if not _same(describe(k), reference):
+            if describe(k) != reference:
                 raise ValueError(
                     f"ShardZeRO: parameter {self.params[k].name}'s update differs from "
                     f"{self.params[0].name}'s; ZeRO updates a bucket of parameters with one "
@@ -459,18 +462,6 @@ def _describe(value, name_of):
             args.append(("expr", tvm.ir.structural_hash(arg)))
     return (value.op.name, tvm.ir.structural_hash(value.attrs) if value.attrs is not None else 0,
             tuple(args))
-
-
-def _describe_var(var, local, owner, k):
-    if var in local:
-        return ("local", local[var])
-    if var in owner and owner[var][0] == k:
-        return ("own", owner[var][1])
-    return ("other", var.name)
-
-
-def _same(a, b):
-    return a == b
 
 
 def _substitute(expr, mapping):
