@@ -17,11 +17,8 @@
 
 #include <cstring>
 
+#include "device_memory.h"
 #include "group.h"
-
-#ifdef RAF_DIST_USE_NCCL
-#include <cuda_runtime.h>
-#endif
 
 namespace raf_dist {
 namespace ccl {
@@ -30,46 +27,6 @@ int64_t GroupRank(int64_t group);
 int64_t GroupSize(int64_t group);
 
 namespace {
-
-void CopyBytes(const ffi::Tensor& like, void* dst, const void* src, size_t bytes) {
-  if (bytes == 0) return;
-  DLDeviceType type = like.device().device_type;
-  if (type == kDLCPU || type == kDLCUDAHost) {
-    std::memcpy(dst, src, bytes);
-    return;
-  }
-#ifdef RAF_DIST_USE_NCCL
-  if (type == kDLCUDA) {
-    cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr);
-    if (err != cudaSuccess) {
-      TVM_FFI_THROW(RuntimeError) << "local_shard: cudaMemcpyAsync: " << cudaGetErrorString(err);
-    }
-    return;
-  }
-#endif
-  TVM_FFI_THROW(ValueError) << "local_shard: device type " << static_cast<int>(type)
-                            << " is not supported in this build";
-}
-
-void ZeroBytes(const ffi::Tensor& like, void* dst, size_t bytes) {
-  if (bytes == 0) return;
-  DLDeviceType type = like.device().device_type;
-  if (type == kDLCPU || type == kDLCUDAHost) {
-    std::memset(dst, 0, bytes);
-    return;
-  }
-#ifdef RAF_DIST_USE_NCCL
-  if (type == kDLCUDA) {
-    cudaError_t err = cudaMemsetAsync(dst, 0, bytes, nullptr);
-    if (err != cudaSuccess) {
-      TVM_FFI_THROW(RuntimeError) << "local_shard: cudaMemsetAsync: " << cudaGetErrorString(err);
-    }
-    return;
-  }
-#endif
-  TVM_FFI_THROW(ValueError) << "local_shard: device type " << static_cast<int>(type)
-                            << " is not supported in this build";
-}
 
 void LocalShard(ffi::PackedArgs args, ffi::Any* rv) {
   if (args.size() < 3) {
@@ -103,8 +60,10 @@ void LocalShard(ffi::PackedArgs args, ffi::Any* rv) {
     }
     const int64_t begin = std::min(n, rank * shard), end = std::min(n, begin + shard);
     char* dst = static_cast<char*>(DataPtr(out)) + offset * elem;
-    CopyBytes(out, dst, static_cast<const char*>(DataPtr(t)) + begin * elem, (end - begin) * elem);
-    ZeroBytes(out, dst + (end - begin) * elem, (shard - (end - begin)) * elem);
+    CopyBytes(out.device(), dst, static_cast<const char*>(DataPtr(t)) + begin * elem,
+              (end - begin) * elem, "local_shard");
+    ZeroBytes(out.device(), dst + (end - begin) * elem, (shard - (end - begin)) * elem,
+              "local_shard");
     offset += shard;
   }
   if (offset != out_numel) {

@@ -5,7 +5,8 @@ import tvm
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from raf_dist.passes import AllReduceGradients, StripGradientMarkers, assign_buckets
+from raf_dist.passes import (AllReduceGradients, StripGradientMarkers, assign_buckets,
+                             bucket_layout)
 
 
 @pytest.mark.parametrize("sizes, bucket, expected", [
@@ -17,6 +18,17 @@ from raf_dist.passes import AllReduceGradients, StripGradientMarkers, assign_buc
 ])
 def test_assign_buckets(sizes, bucket, expected):
     assert assign_buckets(sizes, bucket) == expected
+
+
+@pytest.mark.parametrize("numels, elem_bytes, offsets, total", [
+    ([5, 160, 32], 4, [0, 16, 176], 208),  # float32: offsets are multiples of 16 elements
+    ([16, 16], 4, [0, 16], 32),  # aligned sizes need no padding
+    ([3, 1], 8, [0, 8], 9),  # float64: multiples of 8 elements
+    ([7, 2], 2, [0, 32], 34),  # float16: multiples of 32 elements
+    ([], 4, [], 0),
+])
+def test_bucket_layout_aligns_every_gradient_to_64_bytes(numels, elem_bytes, offsets, total):
+    assert bucket_layout(numels, elem_bytes) == (offsets, total)
 
 
 @I.ir_module
@@ -49,26 +61,28 @@ def test_overlap_starts_each_bucket_early_and_waits_at_first_use():
                 lv = R.multiply(x, w1)
                 loss = R.sum(lv, axis=None, keepdims=False)
                 g2 = R.multiply(w2, R.const(2.0, "float32"))
-                flat1 = R.reshape(g2, R.shape([4]))
-                bucket0 = R.add(flat1, R.const(0.0, "float32"))
+                bucket0 = R.call_pure_packed("raf_dist.bucket.pack", g2, R.shape([0]), R.prim_value(4),
+                                             ty_args=R.Tensor((4,), "float32"))
                 R.output(loss, bucket0)
             handle0: R.Prim("int64") = R.call_packed("raf_dist.ccl.allreduce_start", bucket0, R.str("avg"), 0,
                                              bucket0, ty_args=R.Prim("int64"))
             with R.dataflow():
                 g1 = R.multiply(x, R.const(3.0, "float32"))  # backward continues meanwhile
-                flat0 = R.reshape(g1, R.shape([4]))
-                bucket1 = R.add(flat0, R.const(0.0, "float32"))
+                bucket1 = R.call_pure_packed("raf_dist.bucket.pack", g1, R.shape([0]), R.prim_value(4),
+                                             ty_args=R.Tensor((4,), "float32"))
                 R.output(bucket1)
             handle1: R.Prim("int64") = R.call_packed("raf_dist.ccl.allreduce_start", bucket1, R.str("avg"), 0,
                                              bucket1, ty_args=R.Prim("int64"))
             R.call_packed("raf_dist.ccl.wait", handle1, bucket1, ty_args=(R.Tuple,))
             with R.dataflow():
-                m1 = R.reshape(bucket1, R.shape([4]))
+                m1 = R.call_pure_packed("raf_dist.bucket.view", bucket1, R.prim_value(0), R.shape([4]),
+                                        R.prim_value(0), ty_args=R.Tensor((4,), "float32"))
                 new_w1 = R.subtract(w1, m1)
                 R.output(new_w1)
             R.call_packed("raf_dist.ccl.wait", handle0, bucket0, ty_args=(R.Tuple,))
             with R.dataflow():
-                m2 = R.reshape(bucket0, R.shape([2, 2]))
+                m2 = R.call_pure_packed("raf_dist.bucket.view", bucket0, R.prim_value(0), R.shape([2, 2]),
+                                        R.prim_value(0), ty_args=R.Tensor((2, 2), "float32"))
                 new_w2 = R.subtract(w2, m2)
                 out = (loss, new_w1, new_w2)
                 R.output(out)
@@ -89,17 +103,16 @@ def test_serial_reduces_one_bucket_after_backward():
                 loss = R.sum(lv, axis=None, keepdims=False)
                 g2 = R.multiply(w2, R.const(2.0, "float32"))
                 g1 = R.multiply(x, R.const(3.0, "float32"))
-                flat1 = R.reshape(g2, R.shape([4]))
-                flat0 = R.reshape(g1, R.shape([4]))
-                bucket0 = R.concat((flat1, flat0), axis=0)  # backward order: w2 first
+                # backward order (w2 first); each gradient at a 64-byte aligned offset
+                bucket0 = R.call_pure_packed("raf_dist.bucket.pack", g2, g1, R.shape([0, 16]),
+                                             R.prim_value(20), ty_args=R.Tensor((20,), "float32"))
                 R.output(loss, bucket0)
             R.call_packed("raf_dist.ccl.allreduce", bucket0, R.str("avg"), 0, bucket0, ty_args=(R.Tuple,))
             with R.dataflow():
-                parts = R.split(bucket0, indices_or_sections=[4], axis=0)
-                part0 = parts[0]
-                m2 = R.reshape(part0, R.shape([2, 2]))
-                part1 = parts[1]
-                m1 = R.reshape(part1, R.shape([4]))
+                m2 = R.call_pure_packed("raf_dist.bucket.view", bucket0, R.prim_value(0), R.shape([2, 2]),
+                                        R.prim_value(0), ty_args=R.Tensor((2, 2), "float32"))
+                m1 = R.call_pure_packed("raf_dist.bucket.view", bucket0, R.prim_value(16), R.shape([4]),
+                                        R.prim_value(0), ty_args=R.Tensor((4,), "float32"))
                 new_w1 = R.subtract(w1, m1)
                 new_w2 = R.subtract(w2, m2)
                 out = (loss, new_w1, new_w2)

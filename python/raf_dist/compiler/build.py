@@ -5,7 +5,8 @@ Pipeline (in order; each pass's output is dumped to ``$RAF_DIST_DUMP_IR/NN_<pass
   1. the caller's passes (distribution, DispatchToBLAS, ...)
   2. TVM library dispatch + LegalizeOps + AnnotateTIROpPattern + FoldConstant + FuseOps + FuseTIR
   3. ScheduleCPU (parallel / vectorised loops for every generated PrimFunc)
-  4. TVM dataflow lowering + finalisation (StaticPlanBlockMemory, ...)
+  4. TVM dataflow lowering, WriteGradientsIntoBuckets (gradients computed in their bucket),
+     then TVM's finalisation (StaticPlanBlockMemory, ...)
   5. relax.build for the target
 
 The cache key is a hash of the module after step 1 (its TVMScript), the target, the TVM and
@@ -21,6 +22,7 @@ import tvm
 from tvm.relax.backend.cpu_generic import pipeline as cpu_pipeline
 
 from .. import __version__
+from .inplace_buckets import WriteGradientsIntoBuckets
 from .memory import planned_bytes
 from .schedule import ScheduleCPU
 
@@ -66,7 +68,8 @@ def default_cache_dir():
 
 
 def _plan(mod, target, instruments=()):
-    """Steps 2-4 up to memory planning: the module StaticPlanBlockMemory leaves."""
+    """Steps 2-4 up to memory planning: the module StaticPlanBlockMemory leaves (gradients
+    already redirected into their buckets by WriteGradientsIntoBuckets, so not planned)."""
     finalize = cpu_pipeline.finalize_passes(target)  # [StaticPlanBlockMemory, lowering...]
     with target, tvm.transform.PassContext(opt_level=3, instruments=list(instruments)):
         return tvm.transform.Sequential(
@@ -74,7 +77,7 @@ def _plan(mod, target, instruments=()):
             + cpu_pipeline.legalize_passes(target)
             + [ScheduleCPU()]
             + cpu_pipeline.dataflow_lower_passes(target)
-            + finalize[:1])(mod)
+            + [WriteGradientsIntoBuckets()] + finalize[:1])(mod)
 
 
 def plan_memory(mod, passes=(), target="llvm"):

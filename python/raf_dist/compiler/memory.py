@@ -4,6 +4,7 @@ from tvm import relax
 
 _ALLOC_STORAGE = tvm.ir.Op.get("relax.memory.alloc_storage")
 _ALLOC_TENSOR = tvm.ir.Op.get("relax.builtin.alloc_tensor")
+_BUCKETS = ("raf_dist.bucket.empty", "raf_dist.bucket.pack")
 
 
 def _static_size(shape_expr):
@@ -19,15 +20,21 @@ def _static_size(shape_expr):
 
 def planned_bytes(mod, func_name=None):
     """Bytes of storage the planned module allocates in one call of ``func_name`` (every Relax
-    function when None): planned storage blocks plus tensors the planner left unplanned (the
-    function's outputs). Run after StaticPlanBlockMemory."""
+    function when None): planned storage blocks, tensors the planner left unplanned (the
+    function's outputs) and gradient buckets (``raf_dist.bucket.empty`` / ``pack``, allocated at
+    run time). Run after
+    StaticPlanBlockMemory."""
     total = 0
 
     def visit(expr):
         nonlocal total
         if not isinstance(expr, relax.Call):
             return
-        if expr.op == _ALLOC_STORAGE:
+        if isinstance(expr.op, relax.ExternFunc) and expr.op.global_symbol in _BUCKETS:
+            numel = _static_size(expr.ty.shape) or 0
+            dtype = tvm.DataType(str(expr.ty.dtype))
+            total += numel * ((dtype.bits + 7) // 8) * dtype.lanes
+        elif expr.op == _ALLOC_STORAGE:
             total += _static_size(expr.args[0]) or 0
         elif expr.op == _ALLOC_TENSOR:
             numel = _static_size(expr.args[0]) or 0
@@ -44,32 +51,51 @@ _ALLOC_TENSOR_IN_STORAGE = tvm.ir.Op.get("relax.memory.alloc_tensor")
 
 
 def inflight_storage_conflicts(func):
-    """Allocations the memory planner placed on the storage of a buffer that an asynchronous
-    collective is still writing (between ``raf_dist.ccl.*_start`` and its ``wait``): the
-    silent corruption DESIGN.md section 5 describes. Run on a function after
-    StaticPlanBlockMemory; returns [(start binding, conflicting binding)] (empty when safe)."""
+    """Bindings that touch the memory of a buffer an asynchronous collective is still reading
+    or writing (between ``raf_dist.ccl.*_start`` and its ``wait``): an allocation the memory
+    planner placed on its storage, or a call that takes the buffer or a view of it
+    (``raf_dist.bucket.view``) — the silent corruption DESIGN.md section 5 describes. Run on a
+    function after StaticPlanBlockMemory (and WriteGradientsIntoBuckets); returns
+    [(start binding, conflicting binding)] (empty when safe)."""
     storage_of = {}  # tensor var -> storage var, through aliases
+    buffer_of = {}  # tensor var -> the tensor it aliases or views
     bindings = [b for block in func.body.blocks for b in block.bindings]
-    in_flight = {}  # handle var -> (storages the collective reads or writes, start binding name)
+    in_flight = {}  # handle var -> (storages, buffers the collective uses, start binding name)
     conflicts = []
+
+    def root(var):
+        while var in buffer_of:
+            var = buffer_of[var]
+        return var
+
     for binding in bindings:
         value = binding.value
+        symbol = value.op.global_symbol if (isinstance(value, relax.Call) and isinstance(
+            value.op, relax.ExternFunc)) else None
         if isinstance(value, relax.Call) and value.op == _ALLOC_TENSOR_IN_STORAGE:
             storage = value.args[0]
             storage_of[binding.var] = storage
-            for busy, start in in_flight.values():
+            for busy, _, start in in_flight.values():
                 if any(b.same_as(storage) for b in busy):
                     conflicts.append((start, binding.var.name))
-        elif isinstance(value, relax.Var) and value in storage_of:
-            storage_of[binding.var] = storage_of[value]
-        elif isinstance(value, relax.Call) and isinstance(value.op, relax.ExternFunc):
-            name = value.op.global_symbol
-            if name.startswith("raf_dist.ccl.") and name.endswith("_start"):
-                busy = [storage_of[a] for a in value.args if a in storage_of]
-                if busy:
-                    in_flight[binding.var] = (busy, binding.var.name)
-            elif name == "raf_dist.ccl.wait":
-                in_flight.pop(value.args[0], None)
+            continue
+        if isinstance(value, relax.Var):
+            buffer_of[binding.var] = value
+            if value in storage_of:
+                storage_of[binding.var] = storage_of[value]
+            continue
+        if symbol == "raf_dist.bucket.view":
+            buffer_of[binding.var] = value.args[0]
+        if symbol and symbol.startswith("raf_dist.ccl.") and symbol.endswith("_start"):
+            busy = [storage_of[a] for a in value.args if a in storage_of]
+            buffers = {root(a) for a in value.args if isinstance(a, relax.Var)}
+            in_flight[binding.var] = (busy, buffers, binding.var.name)
+        elif symbol == "raf_dist.ccl.wait":
+            in_flight.pop(value.args[0], None)
+        elif isinstance(value, relax.Call):
+            used = {root(v) for v in relax.analysis.free_vars(value)}
+            conflicts.extend((start, binding.var.name) for _, buffers, start in in_flight.values()
+                             if used & buffers)
     return conflicts
 
 

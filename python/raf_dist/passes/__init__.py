@@ -1,6 +1,6 @@
 """raf_dist's Relax passes. Each is a function of the IRModule and explicit arguments: no pass
 reads a global config or a communicator (DESIGN.md section 2)."""
-from .bucketing import assign_buckets, gradient_buckets
+from .bucketing import assign_buckets, bucket_layout, gradient_buckets
 from .data_parallel import AllReduceGradients
 from .dispatch_blas import DispatchToBLAS
 from .fast_math import FastGelu
@@ -8,5 +8,5 @@ from .zero import ShardZeRO, shard_size
 from .gradient_markers import StripGradientMarkers
 
 __all__ = ["AllReduceGradients", "DispatchToBLAS", "FastGelu", "StripGradientMarkers",
-           "ShardZeRO", "assign_buckets",
+           "ShardZeRO", "assign_buckets", "bucket_layout",
            "gradient_buckets", "shard_size"]

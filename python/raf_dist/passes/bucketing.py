@@ -24,6 +24,22 @@ def assign_buckets(sizes_bytes, bucket_bytes):
     return buckets
 
 
+BUCKET_ALIGN_BYTES = 64  # generated kernels assume 64-byte aligned data (misaligned: SIGSEGV)
+
+
+def bucket_layout(numels, elem_bytes):
+    """Element offsets of tensors placed back to back in one bucket, each starting on a
+    BUCKET_ALIGN_BYTES boundary so the kernel that computes a gradient can write it in place,
+    and the bucket's total element count (no padding after the last tensor)."""
+    align = max(1, BUCKET_ALIGN_BYTES // elem_bytes)
+    offsets, end = [], 0
+    for n in numels:
+        start = -(-end // align) * align
+        offsets.append(start)
+        end = start + n
+    return offsets, end
+
+
 def marker_buckets(markers, bucket_bytes):
     """Parameter indices per gradient bucket, from gradient markers in backward order."""
     return [[markers[i].param_index for i in idx]

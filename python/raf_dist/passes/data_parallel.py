@@ -21,32 +21,41 @@ and read (split) only after it, so the memory planner keeps its storage until th
 import tvm
 from tvm import relax
 
-from .bucketing import Segments, assemble, assign_buckets, collective
+from .bucketing import Segments, assemble, assign_buckets, bucket_layout, collective
 from .gradient_markers import StripGradientMarkers, find_markers
 
 
+BUCKET_PACK = "raf_dist.bucket.pack"
+BUCKET_VIEW = "raf_dist.bucket.view"
+
+
+def _layout(markers):
+    dtypes = {str(m.var.ty.dtype) for m in markers}
+    if len(dtypes) != 1:
+        raise ValueError(f"a gradient bucket holds one dtype, got {sorted(dtypes)} for parameters "
+                         f"{[m.param_index for m in markers]}: give the parameters one dtype")
+    dtype = tvm.DataType(dtypes.pop())
+    return bucket_layout([m.numel for m in markers], (dtype.bits * dtype.lanes + 7) // 8)
+
+
 def _flatten_bucket(seg, bucket_id, markers):
-    flats = [seg.bind(f"grad_flat{m.param_index}", relax.op.reshape(m.grad, [m.numel]))
-             for m in markers]
-    if len(flats) == 1:
-        # a fresh buffer, not a reshape view of the gradient's storage, is reduced in place
-        return seg.bind(f"bucket{bucket_id}", relax.op.add(flats[0], relax.const(0, flats[0].ty.dtype)))
-    return seg.bind(f"bucket{bucket_id}", relax.op.concat(flats, axis=0))
+    """The bucket: every gradient of it at its aligned offset in one new buffer."""
+    offsets, total = _layout(markers)
+    ty = relax.TensorType([total], markers[0].var.ty.dtype)
+    return seg.bind(f"bucket{bucket_id}", relax.call_pure_packed(
+        BUCKET_PACK, *[m.grad for m in markers], relax.ShapeExpr(offsets),
+        relax.prim_value(tvm.tirx.IntImm("int64", total)), ty_args=ty))
 
 
 def _unflatten_bucket(seg, bucket, markers):
-    """Bind each marker's own variable to its slice of the reduced bucket."""
-    offsets, total = [], 0
-    for m in markers[:-1]:
-        total += m.numel
-        offsets.append(total)
-    parts = None
-    if len(markers) > 1:
-        parts = seg.bind(f"{bucket.name}_parts", relax.op.split(bucket, offsets, axis=0))
-    for i, m in enumerate(markers):
-        piece = bucket if parts is None else seg.bind(f"{bucket.name}_part{i}",
-                                                      relax.TupleGetItem(parts, i))
-        value = seg.builder.normalize(relax.op.reshape(piece, [int(d) for d in m.var.ty.shape]))
+    """Bind each marker's own variable to a zero-copy view of its part of the reduced bucket."""
+    offsets, _ = _layout(markers)
+    for m, offset in zip(markers, offsets):
+        shape = [int(d) for d in m.var.ty.shape]
+        value = seg.builder.normalize(relax.call_pure_packed(
+            BUCKET_VIEW, bucket, relax.prim_value(tvm.tirx.IntImm("int64", offset)),
+            relax.ShapeExpr(shape), relax.prim_value(tvm.tirx.IntImm("int64", 0)),
+            ty_args=m.var.ty))
         seg.add(relax.VarBinding(m.var, value))
 
 

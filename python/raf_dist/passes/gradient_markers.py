@@ -34,6 +34,14 @@ def is_marker(expr):
     return is_packed_marker(expr, MARK_GRADIENT)
 
 
+def tensor_numel(ty):
+    """Element count of a statically shaped TensorType."""
+    n = 1
+    for d in ty.shape:
+        n *= int(d)
+    return n
+
+
 @dataclasses.dataclass
 class Marker:
     var: relax.Var  # the marked gradient (what the optimizer reads)
@@ -43,10 +51,7 @@ class Marker:
 
     @property
     def numel(self):
-        n = 1
-        for d in self.var.ty.shape:
-            n *= int(d)
-        return n
+        return tensor_numel(self.var.ty)
 
     @property
     def nbytes(self):

@@ -34,7 +34,7 @@ from tvm import relax
 
 from .bucketing import Segments, assemble, assign_buckets, collective, marker_buckets
 from .gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
-                               SubstituteVars, find_markers)
+                               SubstituteVars, find_markers, tensor_numel)
 
 ELEMENTWISE_OPS = frozenset(f"relax.{name}" for name in (
     "add", "subtract", "multiply", "divide", "sqrt", "rsqrt", "negative", "power", "maximum",
@@ -47,15 +47,8 @@ def shard_size(numel, world_size):
     return -(-int(numel) // int(world_size))
 
 
-def _numel(ty):
-    n = 1
-    for d in ty.shape:
-        n *= int(d)
-    return n
-
-
 def _nbytes(ty):
-    return _numel(ty) * tvm.DataType(ty.dtype).bits // 8
+    return tensor_numel(ty) * tvm.DataType(ty.dtype).bits // 8
 
 
 class _Bucket:
@@ -65,7 +58,7 @@ class _Bucket:
         self.index = index
         self.keys = list(keys)  # parameter indices
         self.types = list(types)
-        self.numels = [_numel(t) for t in types]
+        self.numels = [tensor_numel(t) for t in types]
         self.shards = [shard_size(n, world_size) for n in self.numels]
         self.shard_total = sum(self.shards)
         self.dtype = str(types[0].dtype)
@@ -216,7 +209,7 @@ class _Rewriter:
         # per bucket and state (bucket-major), the layout the update runs on, so no copy
         # gathers or scatters it around each step
         def shard_var(var):
-            return relax.Var(var.name, relax.TensorType([shard_size(_numel(var.ty), n)],
+            return relax.Var(var.name, relax.TensorType([shard_size(tensor_numel(var.ty), n)],
                                                         var.ty.dtype))
         new_params = [shard_var(p) for p in params] if level == 3 else list(params)
         flat_states = {}

@@ -1,0 +1,129 @@
+/*!
+ * \file bucket.cc
+ * \brief Gradient buckets as one buffer that gradients live in (DESIGN.md section 2):
+ *
+ *   raf_dist.bucket.pack(g_1, ..., g_k, offsets, total) -> bucket
+ *       a new [total] buffer with g_i's elements at element offset offsets[i] and zeros in
+ *       the gaps between them (the portable form the data-parallel pass emits);
+ *   raf_dist.bucket.view(bucket, offset, shape, pad) -> tensor
+ *       a zero-copy tensor of `shape` on the bucket's elements from `offset`, that keeps the
+ *       bucket alive; `pad` elements after it are zeroed (the gap to the next gradient). The
+ *       view's data pointer points into the bucket and its byte_offset is 0, so TVM's kernels
+ *       (which require byte_offset == 0) and BLAS write into it directly;
+ *   raf_dist.bucket.copy_into(src, bucket, offset, pad)
+ *       copy src into the bucket at `offset`, zero `pad` elements after it;
+ *   raf_dist.bucket.empty(like, total, dtype) -> bucket
+ *       a new [total] buffer of `dtype` on `like`'s device, contents undefined.
+ *
+ * Before memory planning, compiler/inplace_buckets.py turns every pack whose gradients it can
+ * trace to their allocation into `empty` plus views: the kernels that compute the gradients
+ * write them into the bucket, no copy remains, and the planner never allocates them. Offsets are multiples of 64
+ * bytes: generated kernels assume aligned data (a misaligned view crashes them).
+ */
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/reflection/registry.h>
+
+#include <utility>
+#include <vector>
+
+#include "collective.h"
+#include "device_memory.h"
+
+namespace raf_dist {
+namespace ccl {
+
+namespace {
+
+/*! \brief Data of a view: a pointer into the base tensor, which it keeps alive. */
+struct ViewAlloc {
+  ffi::Tensor base;
+  size_t byte_offset;
+  void AllocData(DLTensor* t) { t->data = static_cast<char*>(DataPtr(base)) + byte_offset; }
+  void FreeData(DLTensor*) {}
+};
+
+size_t ElemBytes(DLDataType dtype) { return (dtype.bits * dtype.lanes + 7) / 8; }
+
+void CheckRange(const ffi::Tensor& bucket, int64_t offset, int64_t numel, int64_t pad,
+                const char* what) {
+  const int64_t total = ContiguousNumel(bucket, what);
+  if (offset < 0 || numel < 0 || pad < 0 || offset + numel + pad > total) {
+    TVM_FFI_THROW(IndexError) << what << ": elements [" << offset << ", " << offset + numel + pad
+                              << ") do not fit a bucket of " << total << " elements";
+  }
+  if ((offset * ElemBytes(bucket.dtype())) % 64 != 0) {
+    TVM_FFI_THROW(ValueError) << what << ": offset " << offset
+                              << " is not 64-byte aligned; compiled kernels need aligned data";
+  }
+}
+
+ffi::Tensor View(ffi::Tensor bucket, int64_t offset, ffi::Shape shape, int64_t pad) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  CheckRange(bucket, offset, numel, pad, "raf_dist.bucket.view");
+  const size_t elem = ElemBytes(bucket.dtype());
+  ZeroBytes(bucket.device(), static_cast<char*>(DataPtr(bucket)) + (offset + numel) * elem,
+            pad * elem, "raf_dist.bucket.view");
+  DLDataType dtype = bucket.dtype();
+  DLDevice device = bucket.device();
+  return ffi::Tensor::FromNDAlloc(ViewAlloc{std::move(bucket), offset * elem}, shape, dtype,
+                                  device);
+}
+
+void CopyInto(const ffi::Tensor& src, const ffi::Tensor& bucket, int64_t offset, int64_t pad,
+              const char* what) {
+  if (src.dtype() != bucket.dtype()) {
+    TVM_FFI_THROW(TypeError) << what << ": gradient dtype " << ffi::DLDataTypeToString(src.dtype())
+                             << " differs from the bucket's "
+                             << ffi::DLDataTypeToString(bucket.dtype());
+  }
+  if (src.device().device_type != bucket.device().device_type) {
+    TVM_FFI_THROW(ValueError) << what << ": gradient and bucket live on different devices";
+  }
+  const int64_t numel = ContiguousNumel(src, what);
+  CheckRange(bucket, offset, numel, pad, what);
+  const size_t elem = ElemBytes(bucket.dtype());
+  char* dst = static_cast<char*>(DataPtr(bucket)) + offset * elem;
+  CopyBytes(bucket.device(), dst, DataPtr(src), numel * elem, what);
+  ZeroBytes(bucket.device(), dst + numel * elem, pad * elem, what);
+}
+
+void Pack(ffi::PackedArgs args, ffi::Any* rv) {
+  if (args.size() < 3) {
+    TVM_FFI_THROW(TypeError) << "raf_dist.bucket.pack(g_1, ..., g_k, offsets, total)";
+  }
+  const int k = args.size() - 2;
+  ffi::Shape offsets = args[k].cast<ffi::Shape>();
+  const int64_t total = args[k + 1].cast<int64_t>();
+  if (static_cast<int>(offsets.size()) != k) {
+    TVM_FFI_THROW(ValueError) << "raf_dist.bucket.pack: " << k << " gradients but "
+                              << offsets.size() << " offsets";
+  }
+  ffi::Tensor first = args[0].cast<ffi::Tensor>();
+  ffi::Tensor bucket = EmptyTensor(ffi::Shape({total}), first.dtype(), first.device());
+  for (int i = 0; i < k; ++i) {
+    ffi::Tensor g = args[i].cast<ffi::Tensor>();
+    const int64_t end = i + 1 < k ? offsets[i + 1] : total;
+    CopyInto(g, bucket, offsets[i], end - offsets[i] - g.numel(), "raf_dist.bucket.pack");
+  }
+  *rv = bucket;
+}
+
+}  // namespace
+
+TVM_FFI_STATIC_INIT_BLOCK() {
+  namespace refl = tvm::ffi::reflection;
+  refl::GlobalDef()
+      .def_packed("raf_dist.bucket.pack", Pack)
+      .def("raf_dist.bucket.view", View)
+      .def("raf_dist.bucket.copy_into",
+           [](ffi::Tensor src, ffi::Tensor bucket, int64_t offset, int64_t pad) {
+             CopyInto(src, bucket, offset, pad, "raf_dist.bucket.copy_into");
+           })
+      .def("raf_dist.bucket.empty", [](ffi::Tensor like, int64_t total, ffi::String dtype) {
+        return EmptyTensor(ffi::Shape({total}), ffi::StringToDLDataType(dtype), like.device());
+      });
+}
+
+}  // namespace ccl
+}  // namespace raf_dist

@@ -1,0 +1,28 @@
+/*!
+ * \file device_memory.h
+ * \brief Byte copies, fills and allocations on a tensor's device: memcpy/memset on the host,
+ *        the CUDA runtime (default stream) for GPU tensors in a build with NCCL.
+ */
+#ifndef RAF_DIST_CCL_DEVICE_MEMORY_H_
+#define RAF_DIST_CCL_DEVICE_MEMORY_H_
+
+#include <tvm/ffi/container/tensor.h>
+
+#include <cstddef>
+
+namespace raf_dist {
+namespace ccl {
+
+namespace ffi = tvm::ffi;
+
+/*! \brief Copy `bytes` from `src` to `dst`, both on `device` (`what` names the caller). */
+void CopyBytes(DLDevice device, void* dst, const void* src, size_t bytes, const char* what);
+/*! \brief Zero `bytes` at `dst` on `device`. */
+void ZeroBytes(DLDevice device, void* dst, size_t bytes, const char* what);
+/*! \brief A new contiguous tensor on `device` (64-byte aligned), contents undefined. */
+ffi::Tensor EmptyTensor(ffi::ShapeView shape, DLDataType dtype, DLDevice device);
+
+}  // namespace ccl
+}  // namespace raf_dist
+
+#endif  // RAF_DIST_CCL_DEVICE_MEMORY_H_
