@@ -46,9 +46,14 @@ def test_a_failing_rank_ends_the_job(tmp_path, how):
     elapsed = time.monotonic() - start
     assert code != 0 and elapsed < 60, (code, elapsed, out)
     if how == "raise":  # the failing rank names itself and the step
-        assert "rank 1/3" in out and "failed during step 3" in out, out
-    else:  # SIGKILL leaves no chance to speak: the launcher names the process and signal
-        assert "signal 9" in out or "Killed" in out, out
+        assert "rank 1/3 on" in out and "failed during step 3; aborting" in out, out
+        news = "rank 1/3 on {host} failed during step 3: RuntimeError: injected failure"
+    else:  # a SIGKILLed rank runs no code: its watchdog names it and its step
+        assert re.search(r"rank 1/3 on \S+ \(pid \d+\) died during step 3 without raising", out), out
+        news = "rank 1/3 on {host} (pid"
+    host = re.search(r"rank 1/3 on (\S+)", out).group(1)
+    for survivor in (0, 2):  # every other rank says why it ends
+        assert f"rank {survivor}/3 on {host}: ending the job: " + news.format(host=host) in out, out
 
 
 def test_a_collective_that_never_completes_times_out(tmp_path):

@@ -12,11 +12,15 @@ collectives never interleave with Python's own MPI calls.
 import atexit
 import os
 import socket
+import subprocess
 import sys
 import threading
+import time
 import traceback
+from pathlib import Path
 
 from .. import _native
+from . import watchdog
 
 
 class Communicator:
@@ -43,8 +47,63 @@ class Communicator:
         self.hosts = hosts
         self.group = int(_native.func("init_group")(MPI._addressof(mpi_comm), check_collectives))
 
-    #: what this rank is doing (e.g. "step 12"), set by the Trainer; failure messages name it
-    activity = None
+        self._activity = None
+        self._watchdog = None  # (process, pipe fd) in a multi-rank job, see watchdog.py
+
+    @property
+    def activity(self):
+        """What this rank is doing (e.g. "step 12"), set by the Trainer; failure messages (its
+        own, and its watchdog's if it dies silently) name it."""
+        return self._activity
+
+    @activity.setter
+    def activity(self, value):
+        self._activity = value
+        self._tell_watchdog(f"A {value or ''}")
+
+    def _tell_watchdog(self, line):
+        if self._watchdog is None:
+            return
+        try:
+            os.write(self._watchdog[1], (line.replace("\n", " ") + "\n").encode())
+        except OSError:  # the watchdog is gone; carry on without it
+            self._watchdog = None
+
+    def start_watchdog(self, grace_seconds):
+        """Start this rank's watchdog (``watchdog.py``) and introduce the watchdogs to each
+        other; collective. A rank that later dies without a word is named, with its activity,
+        by its watchdog, and the others end within ``grace_seconds`` (plus a few seconds)."""
+        read_end, write_end = os.pipe()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(Path(__file__).with_name("watchdog.py")),
+                 str(self.rank), str(self.size), self.host, str(os.getpid()), str(grace_seconds)],
+                stdin=read_end, stdout=subprocess.PIPE, start_new_session=True, close_fds=True)
+            port = int(process.stdout.readline())
+            process.stdout.close()
+        except (OSError, ValueError):
+            port = None
+        finally:
+            os.close(read_end)
+        addresses = self.mpi_comm.allgather((_address(self.host), port))
+        if port is None:
+            os.close(write_end)
+            return
+        self._watchdog = (process, write_end)
+        for peer, (ip, peer_port) in enumerate(addresses):
+            if peer != self.rank and peer_port is not None:
+                ip = "127.0.0.1" if self.hosts[peer] == self.host else ip
+                self._tell_watchdog(f"P {peer} {ip} {peer_port}")
+
+    @property
+    def has_watchdog(self):
+        return self._watchdog is not None
+
+    def leaving(self, failure=None):
+        """This rank ends on purpose: normally (its watchdog stays silent) or, with
+        ``failure`` (what happened, already printed by this rank), aborting the job (its
+        watchdog tells the others' watchdogs, which name this rank and the failure)."""
+        self._tell_watchdog(f"F {failure}" if failure else "X")
 
     def idle_barrier(self, poll_seconds=0.005):
         """A barrier that sleeps while it waits. MPICH's blocking barrier busy-polls, so ranks
@@ -67,6 +126,16 @@ _LOCK = threading.Lock()
 _COMM = None
 
 
+def _address(host):
+    """This host's IPv4 address as peers on other hosts would reach it (best effort)."""
+    try:
+        ips = [info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)]
+    except OSError:
+        ips = []
+    outward = [ip for ip in ips if not ip.startswith("127.")]
+    return (outward or ips or ["127.0.0.1"])[0]
+
+
 def get_communicator():
     """The world communicator, created on first call (collectively: every rank must call it)."""
     global _COMM
@@ -79,6 +148,9 @@ def get_communicator():
             _COMM = Communicator(MPI.COMM_WORLD, check)
             atexit.register(_shutdown)
             _install_abort_on_exception(_COMM)
+            if _COMM.size > 1 and os.environ.get("RAF_DIST_WATCHDOG", "1") != "0":
+                _COMM.start_watchdog(float(os.environ.get("RAF_DIST_WATCHDOG_GRACE_S", "10")))
+                atexit.register(_COMM.leaving)  # runs first: atexit is last-in, first-out
         return _COMM
 
 
@@ -106,6 +178,10 @@ def _install_abort_on_exception(comm):
             f"the job:\n{message}"
         )
         sys.stderr.flush()
+        comm.leaving(f"rank {comm.rank}/{comm.size} on {comm.host} failed{during}: "
+                     f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500])
+        if comm.has_watchdog:  # the other ranks' watchdogs print the news before the abort
+            time.sleep(watchdog.NEWS_SECONDS)
         comm.mpi_comm.Abort(1)
 
     sys.excepthook = abort_job

@@ -1,0 +1,98 @@
+"""The per-rank watchdog (raf_dist/distributed/watchdog.py) without MPI: two stand-in ranks
+(sleep processes) with their watchdogs introduced to each other, as Communicator does."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import raf_dist.distributed.watchdog as watchdog
+
+SCRIPT = str(Path(watchdog.__file__))
+
+
+def _start(rank, pid, grace, stderr):
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-I", "-S", SCRIPT, str(rank), "2", "testhost",
+                             str(pid), str(grace)], stdin=read_end, stdout=subprocess.PIPE,
+                            stderr=stderr, start_new_session=True)
+    os.close(read_end)
+    port = int(proc.stdout.readline())
+    return proc, write_end, port
+
+
+def _pair(tmp_path, grace=1.0):
+    ranks = [subprocess.Popen(["sleep", "120"]) for _ in range(2)]
+    logs = [open(tmp_path / f"watchdog{r}.txt", "w") for r in range(2)]
+    dogs = [_start(r, ranks[r].pid, grace, logs[r]) for r in range(2)]
+    for r, (_, pipe, _) in enumerate(dogs):
+        peer = 1 - r
+        os.write(pipe, f"P {peer} 127.0.0.1 {dogs[peer][2]}\nA step 7\n".encode())
+    return ranks, dogs, logs
+
+
+def _finish(ranks, dogs, logs):
+    for _, pipe, _ in dogs:  # the stand-ins leave on purpose from here on
+        try:
+            os.write(pipe, b"X\n")
+        except OSError:
+            pass
+    for rank in ranks:
+        if rank.poll() is None:
+            rank.kill()
+        rank.wait()
+    for proc, pipe, _ in dogs:
+        try:
+            os.close(pipe)
+        except OSError:
+            pass
+        proc.wait(timeout=30)
+    for log in logs:
+        log.close()
+
+
+def test_a_silent_death_is_named_and_the_other_rank_is_ended(tmp_path):
+    ranks, dogs, logs = _pair(tmp_path)
+    try:
+        start = time.monotonic()
+        ranks[1].send_signal(signal.SIGKILL)
+        ranks[1].wait()
+        assert ranks[0].wait(timeout=20) == -signal.SIGTERM  # ended by its watchdog
+        elapsed = time.monotonic() - start
+    finally:
+        _finish(ranks, dogs, logs)
+    died = (tmp_path / "watchdog1.txt").read_text()
+    ended = (tmp_path / "watchdog0.txt").read_text()
+    assert "rank 1/2 on testhost" in died and "died during step 7 without raising" in died, died
+    assert "rank 0/2 on testhost: ending the job: rank 1/2 on testhost" in ended, ended
+    assert "during step 7" in ended, ended
+    assert elapsed < 10, elapsed  # detection (<= 1 s poll) + 1 s grace + news time
+
+
+def test_a_rank_that_leaves_on_purpose_is_not_reported(tmp_path):
+    ranks, dogs, logs = _pair(tmp_path)
+    try:
+        os.write(dogs[1][1], b"X\n")
+        os.close(dogs[1][1])
+        dogs[1][0].wait(timeout=10)  # the watchdog ends with its rank's pipe
+        ranks[1].kill()
+        ranks[1].wait()
+        time.sleep(2.5)
+        assert ranks[0].poll() is None  # nobody was told to end
+    finally:
+        _finish(ranks, dogs, logs)
+    assert (tmp_path / "watchdog1.txt").read_text() == ""
+    assert (tmp_path / "watchdog0.txt").read_text() == ""
+
+
+def test_a_reported_failure_reaches_the_other_rank(tmp_path):
+    ranks, dogs, logs = _pair(tmp_path)
+    try:
+        os.write(dogs[1][1], b"F rank 1/2 on testhost failed during step 7: ValueError: bad\n")
+        assert ranks[0].wait(timeout=20) == -signal.SIGTERM
+    finally:
+        _finish(ranks, dogs, logs)
+    assert (tmp_path / "watchdog1.txt").read_text() == ""  # the rank printed it itself
+    assert ("ending the job: rank 1/2 on testhost failed during step 7: ValueError: bad"
+            in (tmp_path / "watchdog0.txt").read_text())
