@@ -1,6 +1,6 @@
 """Training-step time: raf_dist (compiled Relax step) vs PyTorch eager, same process.
 
-    python bench/step_time.py [--model mlp|gpt|all] [--steps 20] [--threads 2]
+    python bench/step_time.py [--model mlp|gpt|all] [--steps 20] [--threads 2] [--device cuda]
 
 Models (AdamW): MLP 784-1024-1024-10, batch 128; GPT-style 4 layers, d=128, 4 heads, seq 64,
 vocab 512, batch 16. The two frameworks run alternately on identical data and initial
@@ -84,24 +84,29 @@ def torch_step(module, opt, x, y):
     opt.step()
 
 
-def bench(name, steps, cache_dir):
+def bench(name, steps, cache_dir, device="cpu"):
     module, x, y = make(name)
     model = raf_dist.frontend.from_pytorch(module, (x,))
     start = time.perf_counter()
     trainer = raf_dist.Trainer(model, loss="cross_entropy",
-                               optimizer=raf_dist.optim.AdamW(lr=1e-3), cache_dir=cache_dir)
+                               optimizer=raf_dist.optim.AdamW(lr=1e-3), cache_dir=cache_dir,
+                               device=device)
     compile_s = time.perf_counter() - start
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    module, tx, ty = module.to(device), x.to(device), y.to(device)  # PyTorch on the same device
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    xn, yn = x.numpy(), y.numpy()
+    xn, yn = x.numpy(), y.numpy()  # raf_dist takes host batches and copies them over
     for _ in range(3):  # warm up both
         trainer.step(xn, yn)
-        torch_step(module, opt, x, y)
+        torch_step(module, opt, tx, ty)
+    sync()
     raf_times, torch_times = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        trainer.step(xn, yn)
+        trainer.step(xn, yn)  # returns the loss as a float: the step has finished
         t1 = time.perf_counter()
-        torch_step(module, opt, x, y)
+        torch_step(module, opt, tx, ty)
+        sync()
         t2 = time.perf_counter()
         raf_times.append(t1 - t0)
         torch_times.append(t2 - t1)
@@ -114,15 +119,17 @@ def main():
     parser.add_argument("--model", default="all", choices=["mlp", "gpt", "all"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: both frameworks on GPU 0 (needs a CUDA build of PyTorch)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     names = ["mlp", "gpt"] if args.model == "all" else [args.model]
-    print(f"# torch {torch.__version__}, {args.threads} threads; median of {args.steps} "
-          "alternating steps; AdamW")
+    print(f"# torch {torch.__version__} on {args.device}, {args.threads} threads; median of "
+          f"{args.steps} alternating steps; AdamW")
     print(f"{'model':6s} {'raf_dist ms':>12s} {'torch ms':>9s} {'ratio':>6s} {'compile s':>10s}")
     with tempfile.TemporaryDirectory() as cache_dir:  # cold cache: the compile time is real
         for name in names:
-            raf_ms, torch_ms, compile_s = bench(name, args.steps, cache_dir)
+            raf_ms, torch_ms, compile_s = bench(name, args.steps, cache_dir, args.device)
             print(f"{name:6s} {raf_ms:12.2f} {torch_ms:9.2f} {raf_ms / torch_ms:6.2f} {compile_s:10.2f}")
 
 

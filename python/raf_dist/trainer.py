@@ -16,6 +16,7 @@ from tvm import relax
 
 from . import __version__
 from . import checkpoint as ckpt
+from . import device as device_lib
 from . import runtime  # noqa: F401  (registers raf_dist.blas.*)
 from .compiler import compile_step, set_num_threads
 from .distributed import collectives, get_communicator, get_config
@@ -39,8 +40,7 @@ class Trainer:
         if not isinstance(optimizer, Optimizer):
             raise TypeError("optimizer must be a raf_dist.optim optimizer (SGD, Adam, AdamW), "
                             f"got {optimizer!r}")
-        if device != "cpu":
-            raise ValueError(f"device {device!r} is not supported yet; use device='cpu'")
+        device_lib.parse(device)  # a bad device string fails before anything starts
         config = get_config()
         config.check()
         self.config = config.as_dict()
@@ -54,6 +54,9 @@ class Trainer:
         self.model = model
         self.loss = loss
         self.optimizer = optimizer
+        self.device = device
+        self._device = device_lib.select(device, self.comm)  # collective for GPUs
+        self._target = device_lib.target_for(self._device)
         set_num_threads(max(1, _cores() // max(1, self.comm.local_size)))
 
         self.ir, self.signature = build_train_step(model, loss, optimizer)
@@ -63,7 +66,6 @@ class Trainer:
         # gradient buckets (parameter indices, in backward order) the distribution pass uses
         self.grad_buckets = gradient_buckets(self.ir, self.bucket_bytes) if self.data_parallel else []
         self.compiled = self._compile(config, cache_dir)
-        self._device = tvm.cpu()
         self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
         self._step_fn = self._vm["train_step"]
         init = {n: np.ascontiguousarray(model.init_params[n]) for n in self.signature.param_names}
@@ -93,6 +95,7 @@ class Trainer:
             "target": [list(map(int, self.signature.target_spec[0])),
                        str(self.signature.target_spec[1])],
             "loss": self.loss, "optimizer": type(self.optimizer).__name__,
+            "device": device_lib.parse(self.device)[0],
             "optimizer_config": self.optimizer.config(), "config": self.config,
             "world_size": self.world, "versions": [__version__, tvm.__version__]}
         text = json.dumps(description, sort_keys=True, default=str)
@@ -132,14 +135,15 @@ class Trainer:
         load the artifact instead of repeating the work. Without data parallelism a Trainer
         is a local object (it may exist on some ranks only) and compiles on its own."""
         passes = self._passes(config)
+        target = self._target
         if not self.data_parallel:
-            return compile_step(self.ir, passes=passes, cache_dir=cache_dir)
+            return compile_step(self.ir, passes=passes, target=target, cache_dir=cache_dir)
         if self.comm.local_rank == 0:
-            compiled = compile_step(self.ir, passes=passes, cache_dir=cache_dir)
+            compiled = compile_step(self.ir, passes=passes, target=target, cache_dir=cache_dir)
             self.comm.idle_barrier()
             return compiled
         self.comm.idle_barrier()
-        return compile_step(self.ir, passes=passes, cache_dir=cache_dir)
+        return compile_step(self.ir, passes=passes, target=target, cache_dir=cache_dir)
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self, x, y):
@@ -187,7 +191,7 @@ class Trainer:
         parameters are gathered first, so every rank must call it."""
         if self._forward is None:
             forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): self.model.forward})
-            compiled = compile_step(forward_mod, passes=[DispatchToBLAS()],
+            compiled = compile_step(forward_mod, passes=[DispatchToBLAS()], target=self._target,
                                     cache_dir=self._cache_dir)
             self._forward = relax.VirtualMachine(compiled.executable, self._device)["forward"]
         if self.signature.num_inputs != 1:
@@ -417,6 +421,7 @@ class Trainer:
             "optimizer_state_bytes": sum(_nbytes(s) for s in self._states),
             "planned_peak_bytes": self.compiled.planned_peak_bytes,
             "comm_bytes_last_step": dict(self._comm_last_step),
+            **device_lib.memory_stats(self._device),  # GPU: used / total (pynvml)
         }
 
 

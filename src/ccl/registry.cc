@@ -232,7 +232,14 @@ TVM_FFI_STATIC_INIT_BLOCK() {
              return out;
            })
       .def("raf_dist.ccl.reset_counters", []() { GlobalCounters().Reset(); })
-      .def("raf_dist.ccl.reinterpret", Reinterpret);
+      .def("raf_dist.ccl.reinterpret", Reinterpret)
+      .def("raf_dist.ccl.nccl_enabled", []() {
+#ifdef RAF_DIST_USE_NCCL
+        return true;
+#else
+        return false;
+#endif
+      });
 }
 
 }  // namespace ccl

@@ -1,10 +1,12 @@
-"""Compile a training-step module: raf_dist passes, TVM's CPU lowering with our schedule,
-memory planning, relax.build — with IR dumps and an on-disk cache of the built artifact.
+"""Compile a training-step module: raf_dist passes, TVM's lowering for the target (CPU with
+our schedule, or CUDA with dlight's GPU schedules), memory planning, relax.build — with IR
+dumps and an on-disk cache of the built artifact.
 
 Pipeline (in order; each pass's output is dumped to ``$RAF_DIST_DUMP_IR/NN_<pass>.py``):
   1. the caller's passes (distribution, DispatchToBLAS, ...)
   2. TVM library dispatch + LegalizeOps + AnnotateTIROpPattern + FoldConstant + FuseOps + FuseTIR
-  3. ScheduleCPU (parallel / vectorised loops for every generated PrimFunc)
+  3. ScheduleCPU (parallel / vectorised loops for every generated PrimFunc) on the CPU; dlight
+     GPU schedules (thread binding for every kernel) on CUDA
   4. TVM dataflow lowering, WriteGradientsIntoBuckets (gradients computed in their bucket),
      then TVM's finalisation (StaticPlanBlockMemory, ...)
   5. relax.build for the target
@@ -24,7 +26,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_pipeline
 from .. import __version__
 from .inplace_buckets import WriteGradientsIntoBuckets
 from .memory import planned_bytes
-from .schedule import ScheduleCPU
+from .schedule import ScheduleCPU, ScheduleGPU
 
 
 def _compiler_fingerprint():
@@ -67,23 +69,46 @@ def default_cache_dir():
                                / "raf_dist"))
 
 
+def make_target(target):
+    """A tvm Target from "llvm", "cuda" (for the GPU of this machine, else
+    $RAF_DIST_CUDA_ARCH or sm_80, with an LLVM host), a JSON-style dict, or a Target."""
+    if isinstance(target, tvm.target.Target):
+        return target
+    if target == "cuda":
+        arch = os.environ.get("RAF_DIST_CUDA_ARCH")
+        if arch is None and tvm.cuda(0).exist:
+            arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
+        return tvm.target.Target({"kind": "cuda", "arch": arch or "sm_80"}, host="llvm")
+    return tvm.target.Target(target)
+
+
+def _pipeline(target):
+    """TVM's backend pipeline for the target and the passes that schedule generated kernels:
+    ScheduleCPU on the CPU; on CUDA, ScheduleGPU (dlight's default GPU rules, as TVM's CUDA
+    pipeline applies them, but skipping a rule that fails on a kernel)."""
+    if target.kind.name == "cuda":
+        from tvm.relax.backend.cuda import pipeline
+        legalize = pipeline.legalize_passes(target)  # ends with dlight's ApplyDefaultSchedule
+        return pipeline, legalize[:-1] + [ScheduleGPU()]
+    return cpu_pipeline, cpu_pipeline.legalize_passes(target) + [ScheduleCPU()]
+
+
 def _plan(mod, target, instruments=()):
     """Steps 2-4 up to memory planning: the module StaticPlanBlockMemory leaves (gradients
     already redirected into their buckets by WriteGradientsIntoBuckets, so not planned)."""
-    finalize = cpu_pipeline.finalize_passes(target)  # [StaticPlanBlockMemory, lowering...]
+    pipeline, legalize = _pipeline(target)
+    finalize = pipeline.finalize_passes(target)  # [StaticPlanBlockMemory, lowering...]
     with target, tvm.transform.PassContext(opt_level=3, instruments=list(instruments)):
         return tvm.transform.Sequential(
-            cpu_pipeline.library_dispatch_passes(target)
-            + cpu_pipeline.legalize_passes(target)
-            + [ScheduleCPU()]
-            + cpu_pipeline.dataflow_lower_passes(target)
+            pipeline.library_dispatch_passes(target) + legalize
+            + pipeline.dataflow_lower_passes(target)
             + [WriteGradientsIntoBuckets()] + finalize[:1])(mod)
 
 
 def plan_memory(mod, passes=(), target="llvm"):
     """Bytes of the step's planned temporaries (what ``CompiledStep.planned_peak_bytes``
     reports) without building: the passes, then the pipeline up to memory planning."""
-    target = tvm.target.Target(target) if isinstance(target, str) else target
+    target = make_target(target)
     with tvm.transform.PassContext(opt_level=3):
         for p in passes:
             mod = p(mod)
@@ -91,10 +116,11 @@ def plan_memory(mod, passes=(), target="llvm"):
 
 
 def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
-    """Run ``passes`` then the CPU pipeline on ``mod`` and build it (or load it from cache)."""
+    """Run ``passes`` then the target's pipeline on ``mod`` and build it (or load it from
+    cache). ``target``: see ``make_target``."""
     dump_dir = dump_dir if dump_dir is not None else os.environ.get("RAF_DIST_DUMP_IR")
     instruments = [DumpIR(dump_dir)] if dump_dir else []
-    target = tvm.target.Target(target) if isinstance(target, str) else target
+    target = make_target(target)
     with tvm.transform.PassContext(opt_level=3, instruments=instruments):
         for p in passes:
             mod = p(mod)
@@ -112,7 +138,7 @@ def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
     planned = _plan(mod, target, instruments)
     peak = planned_bytes(planned)
     with target, tvm.transform.PassContext(opt_level=3, instruments=instruments):
-        lowered = tvm.transform.Sequential(cpu_pipeline.finalize_passes(target)[1:])(planned)
+        lowered = tvm.transform.Sequential(_pipeline(target)[0].finalize_passes(target)[1:])(planned)
     with target, tvm.transform.PassContext(opt_level=3):
         executable = tvm.compile(lowered, target=target, relax_pipeline=None)
     cache.mkdir(parents=True, exist_ok=True)

@@ -1,23 +1,40 @@
-"""``raf_dist.blas.matmul(a, b, trans_a, trans_b, out)``: numpy's BLAS on zero-copy views.
+"""``raf_dist.blas.*``: matmul and convolution on zero-copy DLPack views of the step's
+tensors — numpy's BLAS for host tensors, CuPy (cuBLAS) for CUDA tensors.
 
-numpy hands a transposed view of a contiguous matrix to gemm as a transpose flag, so folded
-transposes cost nothing; batched operands (rank > 2, broadcasting like np.matmul) run one gemm
-per matrix.
+numpy and CuPy hand a transposed view of a contiguous matrix to gemm as a transpose flag, so
+folded transposes cost nothing; batched operands (rank > 2, broadcasting like np.matmul) run
+one gemm per matrix. The functions are written once against the array module of their
+arguments (``_xp``). On the GPU, CuPy launches on its current stream, the legacy default
+stream, which TVM's kernels also use, so they stay ordered.
 """
 import numpy as np
 import tvm_ffi
 
 BLAS_MATMUL = "raf_dist.blas.matmul"
+_CUDA = 2  # kDLCUDA
+
+
+def _xp(tensor):
+    """numpy for host tensors, cupy for CUDA tensors."""
+    if tensor.device.dlpack_device_type() != _CUDA:
+        return np
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError("a CUDA step dispatches matmul/convolution to CuPy: install "
+                          "raf_dist[cuda12] or raf_dist[cuda13]") from e
+    return cupy
 
 
 def matmul(a, b, trans_a, trans_b, out):
-    a = np.from_dlpack(a)
-    b = np.from_dlpack(b)
+    xp = _xp(out)
+    a = xp.from_dlpack(a)
+    b = xp.from_dlpack(b)
     if trans_a:
-        a = np.swapaxes(a, -1, -2)
+        a = xp.swapaxes(a, -1, -2)
     if trans_b:
-        b = np.swapaxes(b, -1, -2)
-    np.matmul(a, b, out=np.from_dlpack(out))
+        b = xp.swapaxes(b, -1, -2)
+    xp.matmul(a, b, out=xp.from_dlpack(out))
 
 
 tvm_ffi.register_global_func(BLAS_MATMUL, matmul, override=True)
@@ -27,9 +44,9 @@ BLAS_CONV2D = "raf_dist.blas.conv2d"
 BLAS_CONV2D_TRANSPOSE = "raf_dist.blas.conv2d_transpose"
 
 
-def _as_layout(array, layout, target):
+def _as_layout(xp, array, layout, target):
     """View ``array`` (in ``layout``) with its axes in ``target`` order (no copy)."""
-    return np.transpose(array, [layout.index(axis) for axis in target])
+    return xp.transpose(array, [layout.index(axis) for axis in target])
 
 
 def conv2d(data, weight, strides, padding, dilation, layouts, out):
@@ -37,39 +54,41 @@ def conv2d(data, weight, strides, padding, dilation, layouts, out):
     view; tensordot copies them into one matrix and hands it to BLAS. ``layouts`` is
     "data_layout,kernel_layout,out_layout" (e.g. "NCHW,OIHW,NCHW", or the CNHW/IOHW/CNHW
     form the conv2d gradient uses for the weight gradient)."""
+    xp = _xp(out)
     data_layout, kernel_layout, out_layout = str(layouts).split(",")
-    x = _as_layout(np.from_dlpack(data), data_layout, "NCHW")
-    w = _as_layout(np.from_dlpack(weight), kernel_layout, "OIHW")
-    o = _as_layout(np.from_dlpack(out), out_layout, "NCHW")
+    x = _as_layout(xp, xp.from_dlpack(data), data_layout, "NCHW")
+    w = _as_layout(xp, xp.from_dlpack(weight), kernel_layout, "OIHW")
+    o = _as_layout(xp, xp.from_dlpack(out), out_layout, "NCHW")
     (sh, sw), (pt, pl, pb, pr), (dh, dw) = list(strides), list(padding), list(dilation)
     kh, kw = w.shape[2:]
-    x = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    x = xp.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
     span_h, span_w = dh * (kh - 1) + 1, dw * (kw - 1) + 1
-    windows = np.lib.stride_tricks.sliding_window_view(x, (span_h, span_w), axis=(2, 3))
+    windows = xp.lib.stride_tricks.sliding_window_view(x, (span_h, span_w), axis=(2, 3))
     windows = windows[:, :, ::sh, ::sw, ::dh, ::dw][:, :, :o.shape[2], :o.shape[3]]  # N C P Q KH KW
-    result = np.tensordot(windows, w, axes=([1, 4, 5], [1, 2, 3]))  # N P Q O
-    np.copyto(o, result.transpose(0, 3, 1, 2))
+    result = xp.tensordot(windows, w, axes=([1, 4, 5], [1, 2, 3]))  # N P Q O
+    xp.copyto(o, result.transpose(0, 3, 1, 2))
 
 
 def conv2d_transpose(data, weight, strides, padding, output_padding, dilation, layouts, out):
     """Transposed convolution (the data gradient of conv2d) as GEMM + col2im: one tensordot
     gives every kernel tap's contribution, then each tap is added into its strided place."""
+    xp = _xp(out)
     data_layout, kernel_layout, out_layout = str(layouts).split(",")
-    dy = _as_layout(np.from_dlpack(data), data_layout, "NCHW")  # N, I, P, Q
-    w = _as_layout(np.from_dlpack(weight), kernel_layout, "IOHW")  # I, O, KH, KW
-    o = _as_layout(np.from_dlpack(out), out_layout, "NCHW")  # N, O, H, W
+    dy = _as_layout(xp, xp.from_dlpack(data), data_layout, "NCHW")  # N, I, P, Q
+    w = _as_layout(xp, xp.from_dlpack(weight), kernel_layout, "IOHW")  # I, O, KH, KW
+    o = _as_layout(xp, xp.from_dlpack(out), out_layout, "NCHW")  # N, O, H, W
     (sh, sw), (pt, pl, _, _), (dh, dw) = list(strides), list(padding), list(dilation)
     n, _, p, q = dy.shape
     _, _, kh, kw = w.shape
-    cols = np.tensordot(dy, w, axes=([1], [0]))  # N P Q O KH KW
+    cols = xp.tensordot(dy, w, axes=([1], [0]))  # N P Q O KH KW
     full_h = max((p - 1) * sh + dh * (kh - 1) + 1, pt + o.shape[2])
     full_w = max((q - 1) * sw + dw * (kw - 1) + 1, pl + o.shape[3])
-    full = np.zeros((n, o.shape[1], full_h, full_w), dtype=o.dtype)
+    full = xp.zeros((n, o.shape[1], full_h, full_w), dtype=o.dtype)
     for i in range(kh):
         for j in range(kw):
             full[:, :, i * dh:i * dh + sh * (p - 1) + 1:sh, j * dw:j * dw + sw * (q - 1) + 1:sw] += \
                 cols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
-    np.copyto(o, full[:, :, pt:pt + o.shape[2], pl:pl + o.shape[3]])
+    xp.copyto(o, full[:, :, pt:pt + o.shape[2], pl:pl + o.shape[3]])
 
 
 tvm_ffi.register_global_func(BLAS_CONV2D, conv2d, override=True)

@@ -1,0 +1,126 @@
+"""Where a rank computes: the CPU, or one CUDA GPU per rank.
+
+``Trainer(..., device="cuda")`` puts parameters, activations and the compiled step on
+``cuda(local_rank)`` (``"cuda:N"`` picks GPU N of the host explicitly); the default stays
+``"cpu"``. Before anything runs on a GPU the ranks check, collectively, that the GPU exists,
+that the native runtime was built with NCCL (collectives and buckets on GPU memory need it),
+and that no two ranks share a GPU (pynvml's device UUIDs; without pynvml, the host and the
+index) — each failure is a ValueError naming the rank, host and fix, raised before any
+collective on GPU memory. ``memory_stats`` reads the GPU's used / total memory with pynvml
+for ``Trainer.stats()``.
+"""
+import os
+
+import tvm
+
+from . import _native
+
+ACCEPTED = '"cpu", "cuda" (the GPU of this rank\'s local rank) or "cuda:N"'
+
+
+def parse(device):
+    """("cpu", None) or ("cuda", index or None) from the ``device`` argument."""
+    if device == "cpu":
+        return "cpu", None
+    if device == "cuda":
+        return "cuda", None
+    if isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit():
+        return "cuda", int(device[5:])
+    raise ValueError(f"device {device!r} is not one of {ACCEPTED}")
+
+
+def _nvml():
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # noqa: BLE001 - no pynvml, or no driver: identity falls back
+        return None
+
+
+def _physical_index(index):
+    """The host-wide index of visible GPU ``index`` (CUDA_VISIBLE_DEVICES applied)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return str(index)
+    entries = [v.strip() for v in visible.split(",") if v.strip()]
+    return entries[index] if index < len(entries) else str(index)
+
+
+def gpu_identity(host, index):
+    """A name of the physical GPU that is equal for two ranks exactly when they share it."""
+    nvml = _nvml()
+    physical = _physical_index(index)
+    if nvml is not None:
+        try:
+            handle = (nvml.nvmlDeviceGetHandleByUUID(physical) if not physical.isdigit()
+                      else nvml.nvmlDeviceGetHandleByIndex(int(physical)))
+            uuid = nvml.nvmlDeviceGetUUID(handle)
+            return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+        except Exception:  # noqa: BLE001
+            pass
+    return f"{host}:gpu{physical}"
+
+
+def check_one_rank_per_gpu(identities, hosts):
+    """Raise naming the ranks that would share a GPU (``identities[r]`` is rank r's GPU)."""
+    owners = {}
+    for rank, identity in enumerate(identities):
+        owners.setdefault(identity, []).append(rank)
+    shared = {k: v for k, v in owners.items() if len(v) > 1}
+    if shared:
+        identity, ranks = next(iter(shared.items()))
+        raise ValueError(
+            f"ranks {ranks} on {hosts[ranks[0]]} would share one GPU ({identity}): raf_dist runs "
+            "one rank per GPU (NCCL needs it). Start at most as many ranks per host as it has "
+            "GPUs, or give each rank its own with device='cuda:N' / CUDA_VISIBLE_DEVICES")
+
+
+def select(device, comm):
+    """The tvm Device for this rank; collective when ``device`` is a GPU in a multi-rank
+    job (every rank must call it)."""
+    kind, index = parse(device)
+    if kind == "cpu":
+        return tvm.cpu()
+    index = comm.local_rank if index is None else index
+    problem = None
+    if not tvm.cuda(index).exist:
+        count = sum(1 for i in range(64) if tvm.cuda(i).exist)
+        problem = (f"rank {comm.rank} on {comm.host} asked for cuda:{index} but TVM sees "
+                   f"{count} CUDA GPU(s) there" + ("" if count else
+                                                    " (no NVIDIA driver or GPU on this host)")
+                   + ("; start at most that many ranks per host" if count else
+                      "; use device='cpu'"))
+    elif not _native.func("nccl_enabled")():
+        problem = ("raf_dist's native runtime was built without NCCL, which GPU collectives and "
+                   "gradient buckets need: reinstall with USE_CUDA=ON USE_NCCL=ON "
+                   "(pip install -e .[cuda12] or .[cuda13] provides NCCL)")
+    problems = comm.mpi_comm.allgather(problem) if comm.size > 1 else [problem]
+    failed = [(r, p) for r, p in enumerate(problems) if p]
+    if failed:
+        raise ValueError("; ".join(p for _, p in failed))
+    identity = gpu_identity(comm.host, index)
+    identities = comm.mpi_comm.allgather(identity) if comm.size > 1 else [identity]
+    check_one_rank_per_gpu(identities, comm.hosts)
+    return tvm.cuda(index)
+
+
+def memory_stats(dev):
+    """{"device_memory_used_bytes", "device_memory_total_bytes"} of a GPU (pynvml), or {}
+    on the CPU or without pynvml."""
+    if dev.dlpack_device_type() != tvm.cuda(0).dlpack_device_type():
+        return {}
+    nvml = _nvml()
+    if nvml is None:
+        return {}
+    physical = _physical_index(dev.index)
+    handle = (nvml.nvmlDeviceGetHandleByUUID(physical) if not physical.isdigit()
+              else nvml.nvmlDeviceGetHandleByIndex(int(physical)))
+    info = nvml.nvmlDeviceGetMemoryInfo(handle)
+    return {"device_memory_used_bytes": int(info.used),
+            "device_memory_total_bytes": int(info.total)}
+
+
+def target_for(dev):
+    """The compile target of a device: "cuda" for a GPU, else "llvm"."""
+    return "cuda" if dev.dlpack_device_type() == tvm.cuda(0).dlpack_device_type() else "llvm"

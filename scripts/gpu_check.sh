@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for a machine with one or more NVIDIA GPUs, the CUDA toolkit
+# (nvcc) and access to the package registry: builds raf_dist with USE_CUDA=ON USE_NCCL=ON in a
+# venv of its own (./.venv is untouched), then runs the GPU tier (GPU vs CPU results, a
+# single-rank NCCL run), the CUDA build tier, and the GPU step-time benchmark (raf_dist vs
+# PyTorch eager on the same GPU; needs PyTorch's CUDA build, which PyPI's torch is on Linux).
+#   scripts/gpu_check.sh [WORKDIR]            (default /tmp/raf_dist_gpu)
+#   CUDA_EXTRA=cuda12 scripts/gpu_check.sh    (CuPy/NCCL for CUDA 12; default from nvcc)
+set -euo pipefail
+src="$(cd "$(dirname "$0")/.." && pwd)"
+work="${1:-/tmp/raf_dist_gpu}"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv
+major="$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')"
+extra="${CUDA_EXTRA:-cuda${major:-12}}"
+rm -rf "$work" && mkdir -p "$work"
+git clone -q "$src" "$work/src"
+python3 -m venv "$work/venv"
+py="$work/venv/bin/python"
+"$py" -m pip install -q --upgrade pip
+command -v mpicc >/dev/null 2>&1 || "$py" -m pip install -q mpich
+"$py" -m pip install -q "setuptools>=64" wheel "cmake>=3.18" apache-tvm-ffi==0.1.15.post2 torch==2.13.0
+cd "$work/src"
+USE_CUDA=ON USE_NCCL=ON "$py" -m pip install -q --no-build-isolation -e ".[test,$extra]"
+"$py" - <<'PY'
+import tvm, raf_dist
+from raf_dist import _native
+assert tvm.cuda(0).exist, "TVM sees no CUDA GPU"
+assert _native.func("nccl_enabled")(), "the native runtime was built without NCCL"
+print("GPU:", tvm.cuda(0).device_name, "compute", tvm.cuda(0).compute_version)
+PY
+"$py" -m pytest -q -rs tests/gpu tests/passes/test_cuda_build.py tests/unit/test_device.py
+"$py" bench/step_time.py --device cuda --steps 20
