@@ -160,3 +160,34 @@ def torch_reference(name, opt_name, batch, steps, seed=0):
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
+
+
+def rel_err(a, b):
+    """Norm-relative difference of ``a`` from ``b``."""
+    import numpy as np
+
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def single_process_reference(name, opt_name, global_batch, steps):
+    """What the distributed workers compare against: rank 0 trains ``name`` alone on the whole
+    global batch (data parallelism off) for ``steps`` steps while the other ranks sleep; every
+    rank gets (losses, state_dict, optimizer_state_dict). Collective."""
+    import raf_dist
+    from raf_dist import distributed as dist
+
+    comm = dist.get_communicator()
+    reference = None
+    if comm.rank == 0:
+        config = dist.get_config()
+        saved = {k: getattr(config, k) for k in ("enable_data_parallel", "zero_opt_level")}
+        config.update({"enable_data_parallel": False, "zero_opt_level": 0})
+        module, x, y = make(name, global_batch, seed=0)
+        trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
+                                   optimizer=raf_optimizer(opt_name))
+        losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(steps)]
+        reference = (losses, trainer.state_dict(), trainer.optimizer_state_dict())
+        config.update(saved)
+    comm.idle_barrier()  # the others sleep while rank 0 compiles and runs the reference
+    return comm.mpi_comm.bcast(reference, root=0)

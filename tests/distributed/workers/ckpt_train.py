@@ -24,15 +24,10 @@ import raf_dist
 from raf_dist import checkpoint as ckpt
 from raf_dist import distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from models import make, raf_optimizer  # noqa: E402
+from models import make, raf_optimizer, rel_err, single_process_reference  # noqa: E402
 
 GLOBAL_BATCH = 12
 MODEL, OPT = "mlp", "adamw"
-
-
-def rel_err(a, b):
-    b = np.asarray(b, np.float64)
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-12))
 
 
 def trainer(level, seed=0, lr=None):
@@ -52,20 +47,6 @@ def trainer(level, seed=0, lr=None):
     opt = raf_optimizer(OPT) if lr is None else raf_dist.optim.AdamW(lr=lr)
     model = raf_dist.frontend.from_pytorch(module, (xs,))
     return raf_dist.Trainer(model, optimizer=opt), xs.numpy(), ys.numpy()
-
-
-def single_process_reference(steps):
-    comm = dist.get_communicator()
-    reference = None
-    if comm.rank == 0:
-        dist.get_config().update({"enable_data_parallel": False, "zero_opt_level": 0})
-        module, x, y = make(MODEL, GLOBAL_BATCH, seed=0)
-        t = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
-                             optimizer=raf_optimizer(OPT))
-        losses = [t.step(x.numpy(), y.numpy()) for _ in range(steps)]
-        reference = (losses, t.state_dict())
-    comm.idle_barrier()
-    return comm.mpi_comm.bcast(reference, root=0)
 
 
 def main():
@@ -95,7 +76,7 @@ def main():
             t.step(xs, ys)
         t.save_checkpoint(directory)
     elif mode == "load":
-        ref_losses, ref_params = single_process_reference(6)
+        ref_losses, ref_params, _ = single_process_reference(MODEL, OPT, GLOBAL_BATCH, 6)
         t, xs, ys = trainer(int(arg), seed=7)
         t.load_checkpoint(directory)
         assert t.step_count == 3

@@ -7,18 +7,12 @@ collective count (buckets + the loss) and the bus bytes (2 Psi (N-1)/N * 4 + the
 Prints 'rank R: ALL OK buckets=B' once every optimizer passed."""
 import sys
 
-import numpy as np
-
 import raf_dist
 from raf_dist import distributed as dist
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
-from models import make, raf_optimizer  # noqa: E402
+from models import make, raf_optimizer, rel_err, single_process_reference  # noqa: E402
 
 GLOBAL_BATCH = 12  # divides by 2, 3 and 4
-
-
-def rel_err(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-12))
 
 
 def main():
@@ -48,15 +42,8 @@ def check(name, opt_name, bucket_mb, overlap, steps):
     counters = dist.comm_counters()["allreduce"]
     last = trainer.stats()["comm_bytes_last_step"]
 
-    config.enable_data_parallel = False  # the reference: one process, the global batch
-    reference = None
-    if rank == 0:
-        ref_module, _, _ = make(name, GLOBAL_BATCH, seed=0)
-        trainer0 = raf_dist.Trainer(raf_dist.frontend.from_pytorch(ref_module, (x,)),
-                                    optimizer=raf_optimizer(opt_name))
-        reference = ([trainer0.step(x.numpy(), y.numpy()) for _ in range(steps)], trainer0.state_dict())
-    comm.idle_barrier()  # the others sleep while rank 0 compiles and runs the reference
-    ref_losses, ref_params = comm.mpi_comm.bcast(reference, root=0)
+    # the reference: one process, the global batch
+    ref_losses, ref_params, _ = single_process_reference(name, opt_name, GLOBAL_BATCH, steps)
 
     # float32 sums in a different order per rank count: ~1e-7 per step; 2e-5 after 6 steps
     assert rel_err(losses, ref_losses) <= 2e-5, (losses, ref_losses)
