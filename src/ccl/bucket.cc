@@ -13,7 +13,12 @@
  *   raf_dist.bucket.copy_into(src, bucket, offset, pad)
  *       copy src into the bucket at `offset`, zero `pad` elements after it;
  *   raf_dist.bucket.empty(like, total, dtype) -> bucket
- *       a new [total] buffer of `dtype` on `like`'s device, contents undefined.
+ *       a new [total] buffer of `dtype` on `like`'s device, contents undefined;
+ *   raf_dist.bucket.pack_chunks(t_1, ..., t_k, N, out)
+ *       fills `out`, ZeRO's chunk-interleaved [N * S] buffer (DESIGN.md section 3): chunk r
+ *       holds rank r's flat padded dim-0 shard (s_i = ceil(n_i / N) elements, zeros past n_i)
+ *       of t_1, then of t_2, ...; S = sum s_i. One reduce_scatter of it leaves every rank its
+ *       shards. Destination-passing, so the memory planner places `out` like any temporary.
  *
  * Before memory planning, compiler/inplace_buckets.py turns every pack whose gradients it can
  * trace to their allocation into `empty` plus views: the kernels that compute the gradients
@@ -23,6 +28,7 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/reflection/registry.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -109,12 +115,54 @@ void Pack(ffi::PackedArgs args, ffi::Any* rv) {
   *rv = bucket;
 }
 
+void PackChunks(ffi::PackedArgs args, ffi::Any* rv) {
+  if (args.size() < 3) {
+    TVM_FFI_THROW(TypeError) << "raf_dist.bucket.pack_chunks(t_1, ..., t_k, N, out)";
+  }
+  const int k = args.size() - 2;
+  const int64_t n = args[k].cast<int64_t>();
+  ffi::Tensor out = args[k + 1].cast<ffi::Tensor>();
+  if (n < 1) TVM_FFI_THROW(ValueError) << "raf_dist.bucket.pack_chunks: N must be >= 1, got " << n;
+  std::vector<ffi::Tensor> tensors;
+  int64_t shard_total = 0;
+  for (int i = 0; i < k; ++i) {
+    tensors.push_back(args[i].cast<ffi::Tensor>());
+    const ffi::Tensor& t = tensors.back();
+    if (t.dtype() != tensors[0].dtype() || t.device().device_type != tensors[0].device().device_type) {
+      TVM_FFI_THROW(TypeError) << "raf_dist.bucket.pack_chunks: tensor " << i
+                               << " differs in dtype or device from tensor 0";
+    }
+    shard_total += (ContiguousNumel(t, "raf_dist.bucket.pack_chunks") + n - 1) / n;
+  }
+  const DLDevice device = tensors[0].device();
+  if (ContiguousNumel(out, "raf_dist.bucket.pack_chunks output") != n * shard_total ||
+      out.dtype() != tensors[0].dtype()) {
+    TVM_FFI_THROW(ValueError) << "raf_dist.bucket.pack_chunks: output must be " << n * shard_total
+                              << " elements of the inputs' dtype";
+  }
+  const size_t elem = ElemBytes(out.dtype());
+  char* base = static_cast<char*>(DataPtr(out));
+  int64_t offset = 0;  // of t_i's shard inside a chunk
+  for (const ffi::Tensor& t : tensors) {
+    const int64_t numel = t.numel(), shard = (numel + n - 1) / n;
+    const char* src = static_cast<const char*>(DataPtr(t));
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t begin = std::min(numel, r * shard), end = std::min(numel, begin + shard);
+      char* dst = base + (r * shard_total + offset) * elem;
+      CopyBytes(device, dst, src + begin * elem, (end - begin) * elem, "pack_chunks");
+      ZeroBytes(device, dst + (end - begin) * elem, (shard - (end - begin)) * elem, "pack_chunks");
+    }
+    offset += shard;
+  }
+}
+
 }  // namespace
 
 TVM_FFI_STATIC_INIT_BLOCK() {
   namespace refl = tvm::ffi::reflection;
   refl::GlobalDef()
       .def_packed("raf_dist.bucket.pack", Pack)
+      .def_packed("raf_dist.bucket.pack_chunks", PackChunks)
       .def("raf_dist.bucket.view", View)
       .def("raf_dist.bucket.copy_into",
            [](ffi::Tensor src, ffi::Tensor bucket, int64_t offset, int64_t pad) {

@@ -67,3 +67,20 @@ def test_copy_into_and_bad_ranges():
         _fn("view")(bucket, 16, tvm_ffi.Shape([20]), 0)
     with pytest.raises(TypeError, match="dtype float64 differs"):
         _fn("copy_into")(tvm_ffi.from_dlpack(np.ones(3)), bucket, 0, 0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_pack_chunks_interleaves_every_rank_s_shards(world):
+    tensors = [np.arange(7, dtype="float32") + 1, np.arange(6, dtype="float32").reshape(2, 3) + 100,
+               np.array([42.0], dtype="float32")]
+    shards = [-(-t.size // world) for t in tensors]
+    expected = []
+    for r in range(world):  # chunk r: rank r's flat padded shard of each tensor in turn
+        for t, s in zip(tensors, shards):
+            piece = np.zeros(s, "float32")
+            part = t.reshape(-1)[r * s:(r + 1) * s]
+            piece[:part.size] = part
+            expected.append(piece)
+    packed = np.full(world * sum(shards), -1, "float32")  # every element gets written
+    _fn("pack_chunks")(*[tvm_ffi.from_dlpack(t) for t in tensors], world, tvm_ffi.from_dlpack(packed))
+    np.testing.assert_array_equal(packed, np.concatenate(expected))

@@ -58,14 +58,10 @@ class ExpectedLevel2Overlap:
             loss: R.Tensor((), dtype="float32") = R.sum(lv1, axis=None, keepdims=False)
             g2: R.Tensor((1,), dtype="float32") = R.sum(y, axis=[0], keepdims=True)
             g1: R.Tensor((3,), dtype="float32") = R.multiply(x, w2)
-            grad_bucket0_flat1: R.Tensor((1,), dtype="float32") = R.reshape(g2, R.shape([1]))
-            grad_bucket0_padded1: R.Tensor((2,), dtype="float32") = R.nn.pad(grad_bucket0_flat1, pad_width=[0, 1], pad_value=0.0, pad_mode="constant")
-            grad_bucket0_rows1: R.Tensor((2, 1), dtype="float32") = R.reshape(grad_bucket0_padded1, R.shape([2, 1]))
-            grad_bucket0_flat0: R.Tensor((3,), dtype="float32") = R.reshape(g1, R.shape([3]))
-            grad_bucket0_padded0: R.Tensor((4,), dtype="float32") = R.nn.pad(grad_bucket0_flat0, pad_width=[0, 1], pad_value=0.0, pad_mode="constant")
-            grad_bucket0_rows0: R.Tensor((2, 2), dtype="float32") = R.reshape(grad_bucket0_padded0, R.shape([2, 2]))
-            grad_bucket0_chunks: R.Tensor((2, 3), dtype="float32") = R.concat((grad_bucket0_rows1, grad_bucket0_rows0), axis=1)
-            grad_bucket0: R.Tensor((6,), dtype="float32") = R.reshape(grad_bucket0_chunks, R.shape([6]))
+            # chunk r = [shard r of g2 (s = 1), shard r of g1 (s = 2)], zeros past a tensor's end
+            grad_bucket0: R.Tensor((6,), dtype="float32") = R.call_dps_packed(
+                "raf_dist.bucket.pack_chunks", (g2, g1, R.prim_value(2)),
+                out_ty=R.Tensor((6,), dtype="float32"))
             grad_shard0: R.Tensor((3,), dtype="float32") = R.builtin.alloc_tensor(R.shape([3]), R.dtype("float32"), 0, R.str("global"))
             R.output(loss, grad_bucket0, grad_shard0)
         reduce_scatter0_handle: R.Prim("int64") = R.call_packed("raf_dist.ccl.reduce_scatter_start", grad_bucket0, R.str("avg"), 0, grad_shard0, ty_args=R.Prim("int64"))
@@ -134,14 +130,10 @@ class ExpectedLevel3Serial:
             backward_params0_trim1: R.Tensor((1,), dtype="float32") = R.strided_slice(backward_params0_flat1, (0,), (0,), (1,), assume_inbound=False)
             backward_params0_full1: R.Tensor((1,), dtype="float32") = R.reshape(backward_params0_trim1, R.shape([1]))
             g1: R.Tensor((3,), dtype="float32") = R.multiply(x, backward_params0_full1)
-            grad_bucket0_flat1: R.Tensor((1,), dtype="float32") = R.reshape(g2, R.shape([1]))
-            grad_bucket0_padded1: R.Tensor((2,), dtype="float32") = R.nn.pad(grad_bucket0_flat1, pad_width=[0, 1], pad_value=0.0, pad_mode="constant")
-            grad_bucket0_rows1: R.Tensor((2, 1), dtype="float32") = R.reshape(grad_bucket0_padded1, R.shape([2, 1]))
-            grad_bucket0_flat0: R.Tensor((3,), dtype="float32") = R.reshape(g1, R.shape([3]))
-            grad_bucket0_padded0: R.Tensor((4,), dtype="float32") = R.nn.pad(grad_bucket0_flat0, pad_width=[0, 1], pad_value=0.0, pad_mode="constant")
-            grad_bucket0_rows0: R.Tensor((2, 2), dtype="float32") = R.reshape(grad_bucket0_padded0, R.shape([2, 2]))
-            grad_bucket0_chunks: R.Tensor((2, 3), dtype="float32") = R.concat((grad_bucket0_rows1, grad_bucket0_rows0), axis=1)
-            grad_bucket0: R.Tensor((6,), dtype="float32") = R.reshape(grad_bucket0_chunks, R.shape([6]))
+            # chunk r = [shard r of g2 (s = 1), shard r of g1 (s = 2)], zeros past a tensor's end
+            grad_bucket0: R.Tensor((6,), dtype="float32") = R.call_dps_packed(
+                "raf_dist.bucket.pack_chunks", (g2, g1, R.prim_value(2)),
+                out_ty=R.Tensor((6,), dtype="float32"))
             grad_shard0: R.Tensor((3,), dtype="float32") = R.builtin.alloc_tensor(R.shape([3]), R.dtype("float32"), 0, R.str("global"))
             R.output(grad_bucket0, grad_shard0)
         R.call_packed("raf_dist.ccl.reduce_scatter", grad_bucket0, R.str("avg"), 0, grad_shard0, ty_args=(R.Tuple,))

@@ -36,6 +36,7 @@ from .bucketing import Segments, assemble, assign_buckets, collective, marker_bu
 from .gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                                SubstituteVars, find_markers, tensor_numel)
 
+PACK_CHUNKS = "raf_dist.bucket.pack_chunks"
 ELEMENTWISE_OPS = frozenset(f"relax.{name}" for name in (
     "add", "subtract", "multiply", "divide", "sqrt", "rsqrt", "negative", "power", "maximum",
     "minimum", "abs", "sign", "exp", "log", "square", "where", "greater", "less",
@@ -134,17 +135,14 @@ class _Rewriter:
                                                              relax.prim_value(0)))
 
     def pack_chunks(self, name, bucket, tensors):
-        """[N*S] chunk-interleaved buffer of full tensors (the reduce_scatter input)."""
-        n = self.n
-        rows = []
-        for key, t, numel, s in zip(bucket.keys, tensors, bucket.numels, bucket.shards):
-            flat = self.bind(f"{name}_flat{key}", relax.op.reshape(t, [numel]))
-            if n * s != numel:
-                flat = self.bind(f"{name}_padded{key}", relax.op.nn.pad(flat, [0, n * s - numel]))
-            rows.append(self.bind(f"{name}_rows{key}", relax.op.reshape(flat, [n, s])))
-        packed = rows[0] if len(rows) == 1 else self.bind(f"{name}_chunks",
-                                                          relax.op.concat(rows, axis=1))
-        return self.bind(name, relax.op.reshape(packed, [n * bucket.shard_total]))
+        """[N*S] chunk-interleaved buffer of full tensors (the reduce_scatter input), packed by
+        the runtime (``raf_dist.bucket.pack_chunks``, memcpy, destination-passing so the
+        planner places the buffer): TVM's fused pad/concat kernel for it ran at ~0.5 GB/s
+        (8.2 ms for the 3.7 MB GPT bucket, the largest cost ZeRO-2 added to the step)."""
+        ty = relax.TensorType([self.n * bucket.shard_total], bucket.dtype)
+        return self.bind(name, relax.call_dps_packed(
+            PACK_CHUNKS, relax.Tuple([*tensors, relax.prim_value(tvm.tirx.IntImm("int64", self.n))]),
+            ty))
 
     def unpack_chunks(self, name, bucket, gathered):
         """Full tensors from an [N*S] chunk-interleaved buffer (the allgather output)."""
