@@ -191,3 +191,22 @@ def single_process_reference(name, opt_name, global_batch, steps):
         config.update(saved)
     comm.idle_barrier()  # the others sleep while rank 0 compiles and runs the reference
     return comm.mpi_comm.bcast(reference, root=0)
+
+
+def train_zero(name, batch, level, steps, device="cpu"):
+    """(losses, trainer, x): ``steps`` AdamW steps of ``name`` on one fixed batch in this
+    process, with data parallelism and ZeRO ``level`` switched on when level > 0 (tiny
+    buckets, so models get several); the config is restored afterwards."""
+    import raf_dist
+    from raf_dist import distributed as dist
+
+    module, x, y = make(name, batch)
+    config = dist.get_config()
+    config.update({"enable_data_parallel": level > 0, "zero_opt_level": level,
+                   "bucket_size_mb": 0.001})
+    try:
+        trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
+                                   optimizer=raf_optimizer("adamw"), device=device)
+        return [trainer.step(x.numpy(), y.numpy()) for _ in range(steps)], trainer, x
+    finally:
+        config.update({"enable_data_parallel": False, "zero_opt_level": 0, "bucket_size_mb": 25})

@@ -9,6 +9,7 @@ index) — each failure is a ValueError naming the rank, host and fix, raised be
 collective on GPU memory. ``memory_stats`` reads the GPU's used / total memory with pynvml
 for ``Trainer.stats()``.
 """
+import functools
 import os
 
 import tvm
@@ -29,7 +30,9 @@ def parse(device):
     raise ValueError(f"device {device!r} is not one of {ACCEPTED}")
 
 
+@functools.lru_cache(maxsize=None)
 def _nvml():
+    """pynvml, initialised once, or None (no pynvml or no driver)."""
     try:
         import pynvml
         pynvml.nvmlInit()
@@ -47,15 +50,20 @@ def _physical_index(index):
     return entries[index] if index < len(entries) else str(index)
 
 
+def _nvml_handle(nvml, physical):
+    """pynvml's handle of a GPU named by host-wide index or UUID (CUDA_VISIBLE_DEVICES)."""
+    if physical.isdigit():
+        return nvml.nvmlDeviceGetHandleByIndex(int(physical))
+    return nvml.nvmlDeviceGetHandleByUUID(physical)
+
+
 def gpu_identity(host, index):
     """A name of the physical GPU that is equal for two ranks exactly when they share it."""
     nvml = _nvml()
     physical = _physical_index(index)
     if nvml is not None:
         try:
-            handle = (nvml.nvmlDeviceGetHandleByUUID(physical) if not physical.isdigit()
-                      else nvml.nvmlDeviceGetHandleByIndex(int(physical)))
-            uuid = nvml.nvmlDeviceGetUUID(handle)
+            uuid = nvml.nvmlDeviceGetUUID(_nvml_handle(nvml, physical))
             return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
         except Exception:  # noqa: BLE001
             pass
@@ -113,10 +121,7 @@ def memory_stats(dev):
     nvml = _nvml()
     if nvml is None:
         return {}
-    physical = _physical_index(dev.index)
-    handle = (nvml.nvmlDeviceGetHandleByUUID(physical) if not physical.isdigit()
-              else nvml.nvmlDeviceGetHandleByIndex(int(physical)))
-    info = nvml.nvmlDeviceGetMemoryInfo(handle)
+    info = nvml.nvmlDeviceGetMemoryInfo(_nvml_handle(nvml, _physical_index(dev.index)))
     return {"device_memory_used_bytes": int(info.used),
             "device_memory_total_bytes": int(info.total)}
 

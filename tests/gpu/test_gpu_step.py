@@ -6,10 +6,8 @@ import numpy as np
 import pytest
 import tvm
 
-import raf_dist
-from models import make, raf_optimizer
+from models import make, train_zero
 from raf_dist import _native
-from raf_dist import distributed as dist
 
 
 def _gpu_ready():
@@ -28,17 +26,8 @@ pytestmark = pytest.mark.skipif(_gpu_ready() is not None, reason=str(_gpu_ready(
 
 
 def _train(name, device, level=0, steps=3):
-    module, x, y = make(name, 8)
-    config = dist.get_config()
-    config.update({"enable_data_parallel": level > 0, "zero_opt_level": level,
-                   "bucket_size_mb": 0.001})
-    try:
-        trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
-                                   optimizer=raf_optimizer("adamw"), device=device)
-        losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(steps)]
-        return losses, trainer.state_dict(), trainer
-    finally:
-        config.update({"enable_data_parallel": False, "zero_opt_level": 0, "bucket_size_mb": 25})
+    losses, trainer, _ = train_zero(name, 8, level, steps, device)
+    return losses, trainer.state_dict(), trainer
 
 
 def _close(gpu, cpu):

@@ -4,24 +4,13 @@ see true shapes."""
 import numpy as np
 import pytest
 
-import raf_dist
-from models import make, raf_optimizer
-from raf_dist import distributed as dist
+from models import train_zero
 
 
 def _run(level, name="cnn", steps=3):
-    module, x, y = make(name, 6)
-    config = dist.get_config()
-    config.update({"enable_data_parallel": level > 0, "zero_opt_level": level,
-                   "bucket_size_mb": 0.001})
-    try:
-        trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
-                                   optimizer=raf_optimizer("adamw"))
-        losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(steps)]
-        return (losses, trainer.state_dict(), trainer.optimizer_state_dict(),
-                trainer.predict(x.numpy()), trainer)
-    finally:
-        config.update({"enable_data_parallel": False, "zero_opt_level": 0, "bucket_size_mb": 25})
+    losses, trainer, x = train_zero(name, 6, level, steps)
+    return (losses, trainer.state_dict(), trainer.optimizer_state_dict(),
+            trainer.predict(x.numpy()), trainer)
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])

@@ -51,10 +51,6 @@ def packed_call(expr):
     return None, None
 
 
-def _int(prim):
-    return int(prim.value)  # relax.prim_value(...) is a tirx IntImm in TVM 0.27
-
-
 def _static(ty):
     return (isinstance(ty, relax.TensorType) and ty.shape is not None
             and all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape))
@@ -64,7 +60,6 @@ class _Function:
     """The bindings of one lowered function, with where each variable is defined and used."""
 
     def __init__(self, func):
-        self.func = func
         self.bindings = [b for block in func.body.blocks for b in block.bindings]
         self.position = {b.var: i for i, b in enumerate(self.bindings)}
         self.value = {b.var: b.value for b in self.bindings}
@@ -112,14 +107,15 @@ def _rewrite(func):
         symbol, args = packed_call(binding.value)
         if symbol != BUCKET_PACK:
             continue
-        grads, offsets, total = args[:-2], [int(v) for v in args[-2].values], _int(args[-1])
+        # relax.prim_value(...) is a tirx IntImm in TVM 0.27
+        grads, offsets, total = args[:-2], [int(v) for v in args[-2].values], int(args[-1].value)
         ty = binding.var.ty
         bucket = relax.Var(f"{binding.var.name}_memory", ty)
         copies, mine = [], []
         for k, (grad, offset) in enumerate(zip(grads, offsets)):
             end = offsets[k + 1] if k + 1 < len(offsets) else total
-            pad = relax.prim_value(tvm.tirx.IntImm("int64", end - offset - tensor_numel(grad.ty)))
-            at = relax.prim_value(tvm.tirx.IntImm("int64", offset))
+            pad = relax.prim_value(end - offset - tensor_numel(grad.ty))
+            at = relax.prim_value(offset)
             root = info.allocation(grad, i) if isinstance(grad, relax.Var) else None
             if root is None or root in claimed:
                 copies.append(normalize(relax.Call(relax.ExternFunc(BUCKET_COPY_INTO),
@@ -133,7 +129,7 @@ def _rewrite(func):
                 ty_args=[root.ty]))
         first = min(mine, default=i)
         alloc = normalize(relax.Call(relax.ExternFunc(BUCKET_EMPTY), [
-            like, relax.prim_value(tvm.tirx.IntImm("int64", total)), tvm.ir.StringImm(str(ty.dtype))],
+            like, relax.prim_value(total), tvm.ir.StringImm(str(ty.dtype))],
             ty_args=[ty]))
         insert_before.setdefault(first, []).append(relax.VarBinding(bucket, alloc))
         replace[i] = [relax.VarBinding(relax.Var(f"_copy{j}", _VOID), c)
@@ -161,7 +157,7 @@ class WriteGradientsIntoBuckets:
     def transform_module(self, mod, ctx):
         updates = {gvar: _rewrite(func) for gvar, func in mod.functions_items()
                    if isinstance(func, relax.Function)}
-        mod = mod.__class__(dict(mod.functions_items()))
+        mod = mod.clone()  # the caller's module stays as it was
         for gvar, func in updates.items():
             mod[gvar] = func
         return mod

@@ -2,9 +2,16 @@
 import tvm
 from tvm import relax
 
+from .inplace_buckets import packed_call
+
 _ALLOC_STORAGE = tvm.ir.Op.get("relax.memory.alloc_storage")
 _ALLOC_TENSOR = tvm.ir.Op.get("relax.builtin.alloc_tensor")
 _BUCKETS = ("raf_dist.bucket.empty", "raf_dist.bucket.pack")
+
+
+def _is_start(symbol):
+    """An asynchronous collective's start (``raf_dist.ccl.*_start``)."""
+    return bool(symbol) and symbol.startswith("raf_dist.ccl.") and symbol.endswith("_start")
 
 
 def _static_size(shape_expr):
@@ -18,28 +25,28 @@ def _static_size(shape_expr):
     return size
 
 
+def _nbytes(numel, dtype):
+    dtype = tvm.DataType(str(dtype))
+    return numel * ((dtype.bits + 7) // 8) * dtype.lanes
+
+
 def planned_bytes(mod, func_name=None):
     """Bytes of storage the planned module allocates in one call of ``func_name`` (every Relax
     function when None): planned storage blocks, tensors the planner left unplanned (the
     function's outputs) and gradient buckets (``raf_dist.bucket.empty`` / ``pack``, allocated at
-    run time). Run after
-    StaticPlanBlockMemory."""
+    run time). Run after StaticPlanBlockMemory."""
     total = 0
 
     def visit(expr):
         nonlocal total
         if not isinstance(expr, relax.Call):
             return
-        if isinstance(expr.op, relax.ExternFunc) and expr.op.global_symbol in _BUCKETS:
-            numel = _static_size(expr.ty.shape) or 0
-            dtype = tvm.DataType(str(expr.ty.dtype))
-            total += numel * ((dtype.bits + 7) // 8) * dtype.lanes
+        if packed_call(expr)[0] in _BUCKETS:
+            total += _nbytes(_static_size(expr.ty.shape) or 0, expr.ty.dtype)
         elif expr.op == _ALLOC_STORAGE:
             total += _static_size(expr.args[0]) or 0
         elif expr.op == _ALLOC_TENSOR:
-            numel = _static_size(expr.args[0]) or 0
-            dtype = tvm.DataType(expr.args[1].value)
-            total += numel * ((dtype.bits + 7) // 8) * dtype.lanes
+            total += _nbytes(_static_size(expr.args[0]) or 0, expr.args[1].value)
 
     for gvar, func in mod.functions_items():
         if isinstance(func, relax.Function) and func_name in (None, gvar.name_hint):
@@ -70,8 +77,7 @@ def inflight_storage_conflicts(func):
 
     for binding in bindings:
         value = binding.value
-        symbol = value.op.global_symbol if (isinstance(value, relax.Call) and isinstance(
-            value.op, relax.ExternFunc)) else None
+        symbol, args = packed_call(value)
         if isinstance(value, relax.Call) and value.op == _ALLOC_TENSOR_IN_STORAGE:
             storage = value.args[0]
             storage_of[binding.var] = storage
@@ -85,13 +91,13 @@ def inflight_storage_conflicts(func):
                 storage_of[binding.var] = storage_of[value]
             continue
         if symbol == "raf_dist.bucket.view":
-            buffer_of[binding.var] = value.args[0]
-        if symbol and symbol.startswith("raf_dist.ccl.") and symbol.endswith("_start"):
-            busy = [storage_of[a] for a in value.args if a in storage_of]
-            buffers = {root(a) for a in value.args if isinstance(a, relax.Var)}
+            buffer_of[binding.var] = args[0]
+        if _is_start(symbol):
+            busy = [storage_of[a] for a in args if a in storage_of]
+            buffers = {root(a) for a in args if isinstance(a, relax.Var)}
             in_flight[binding.var] = (busy, buffers, binding.var.name)
         elif symbol == "raf_dist.ccl.wait":
-            in_flight.pop(value.args[0], None)
+            in_flight.pop(args[0], None)
         elif isinstance(value, relax.Call):
             used = {root(v) for v in relax.analysis.free_vars(value)}
             conflicts.extend((start, binding.var.name) for _, buffers, start in in_flight.values()
@@ -102,6 +108,4 @@ def inflight_storage_conflicts(func):
 def inflight_buffers(func):
     """Number of asynchronous collectives started in ``func`` (to make sure a check ran)."""
     return sum(1 for block in func.body.blocks for b in block.bindings
-               if isinstance(b.value, relax.Call) and isinstance(b.value.op, relax.ExternFunc)
-               and b.value.op.global_symbol.startswith("raf_dist.ccl.")
-               and b.value.op.global_symbol.endswith("_start"))
+               if _is_start(packed_call(b.value)[0]))

@@ -44,7 +44,7 @@ def _flatten_bucket(seg, bucket_id, markers):
     ty = relax.TensorType([total], markers[0].var.ty.dtype)
     return seg.bind(f"bucket{bucket_id}", relax.call_pure_packed(
         BUCKET_PACK, *[m.grad for m in markers], relax.ShapeExpr(offsets),
-        relax.prim_value(tvm.tirx.IntImm("int64", total)), ty_args=ty))
+        relax.prim_value(total), ty_args=ty))
 
 
 def _unflatten_bucket(seg, bucket, markers):
@@ -53,8 +53,8 @@ def _unflatten_bucket(seg, bucket, markers):
     for m, offset in zip(markers, offsets):
         shape = [int(d) for d in m.var.ty.shape]
         value = seg.builder.normalize(relax.call_pure_packed(
-            BUCKET_VIEW, bucket, relax.prim_value(tvm.tirx.IntImm("int64", offset)),
-            relax.ShapeExpr(shape), relax.prim_value(tvm.tirx.IntImm("int64", 0)),
+            BUCKET_VIEW, bucket, relax.prim_value(offset),
+            relax.ShapeExpr(shape), relax.prim_value(0),
             ty_args=m.var.ty))
         seg.add(relax.VarBinding(m.var, value))
 

@@ -141,7 +141,7 @@ class _Rewriter:
         (8.2 ms for the 3.7 MB GPT bucket, the largest cost ZeRO-2 added to the step)."""
         ty = relax.TensorType([self.n * bucket.shard_total], bucket.dtype)
         return self.bind(name, relax.call_dps_packed(
-            PACK_CHUNKS, relax.Tuple([*tensors, relax.prim_value(tvm.tirx.IntImm("int64", self.n))]),
+            PACK_CHUNKS, relax.Tuple([*tensors, relax.prim_value(self.n)]),
             ty))
 
     def unpack_chunks(self, name, bucket, gathered):
