@@ -6,9 +6,14 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #ifdef RAF_DIST_USE_NCCL
 #include <cuda_runtime.h>
+#include <tvm/ffi/extra/c_env_api.h>
+
+#include <cstdint>
+#include <mutex>
 #endif
 
 namespace raf_dist {
@@ -32,6 +37,32 @@ void CheckCuda(cudaError_t err, const char* call, const char* what) {
     TVM_FFI_THROW(RuntimeError) << what << ": " << call << ": " << cudaGetErrorString(err);
   }
 }
+
+/*! \brief The stream TVM's kernels run on for `device` (the legacy default stream unless the
+ *         caller set another through TVM's environment), so copies stay ordered with them. */
+cudaStream_t ComputeStream(int device) {
+  return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
+}
+
+/*! \brief Make the device's default memory pool keep freed blocks instead of returning them
+ *         to the driver at every synchronisation: stream-ordered allocation then recycles a
+ *         bucket's memory from one step to the next (as PyTorch's caching allocator does)
+ *         instead of a cudaMalloc + cudaFree — which synchronises the whole device — per
+ *         bucket per step. */
+void RetainFreedMemory(int device) {
+  static std::mutex mu;
+  static std::vector<bool> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (static_cast<size_t>(device) < done.size() && done[device]) return;
+  cudaMemPool_t pool;
+  CheckCuda(cudaDeviceGetDefaultMemPool(&pool, device), "cudaDeviceGetDefaultMemPool",
+            "EmptyTensor");
+  uint64_t keep_all = UINT64_MAX;
+  CheckCuda(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all),
+            "cudaMemPoolSetAttribute", "EmptyTensor");
+  if (done.size() <= static_cast<size_t>(device)) done.resize(device + 1, false);
+  done[device] = true;
+}
 #endif
 
 struct HostAlloc {
@@ -45,13 +76,23 @@ struct HostAlloc {
 };
 
 #ifdef RAF_DIST_USE_NCCL
+/*! \brief Stream-ordered allocation on the compute stream from the device's default pool
+ *         (RetainFreedMemory). A tensor is freed on that stream, so its memory is reused only
+ *         after the kernels queued before the free; a collective that reads it has made the
+ *         compute stream wait for its completion event before the step drops the tensor. */
 struct CudaAlloc {
   void AllocData(DLTensor* t) {
-    CheckCuda(cudaSetDevice(t->device.device_id), "cudaSetDevice", "EmptyTensor");
-    CheckCuda(cudaMalloc(&t->data, ffi::GetDataSize(*t) == 0 ? 64 : ffi::GetDataSize(*t)),
-              "cudaMalloc", "EmptyTensor");
+    const int device = t->device.device_id;
+    CheckCuda(cudaSetDevice(device), "cudaSetDevice", "EmptyTensor");
+    RetainFreedMemory(device);
+    size_t bytes = ffi::GetDataSize(*t);
+    CheckCuda(cudaMallocAsync(&t->data, bytes == 0 ? 64 : bytes, ComputeStream(device)),
+              "cudaMallocAsync", "EmptyTensor");
   }
-  void FreeData(DLTensor* t) { cudaFree(t->data); }
+  void FreeData(DLTensor* t) {
+    cudaSetDevice(t->device.device_id);
+    cudaFreeAsync(t->data, ComputeStream(t->device.device_id));
+  }
 };
 #endif
 
@@ -65,7 +106,7 @@ void CopyBytes(DLDevice device, void* dst, const void* src, size_t bytes, const 
   }
 #ifdef RAF_DIST_USE_NCCL
   if (device.device_type == kDLCUDA) {
-    CheckCuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr),
+    CheckCuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ComputeStream(device.device_id)),
               "cudaMemcpyAsync", what);
     return;
   }
@@ -81,7 +122,7 @@ void ZeroBytes(DLDevice device, void* dst, size_t bytes, const char* what) {
   }
 #ifdef RAF_DIST_USE_NCCL
   if (device.device_type == kDLCUDA) {
-    CheckCuda(cudaMemsetAsync(dst, 0, bytes, nullptr), "cudaMemsetAsync", what);
+    CheckCuda(cudaMemsetAsync(dst, 0, bytes, ComputeStream(device.device_id)), "cudaMemsetAsync", what);
     return;
   }
 #endif

@@ -1,7 +1,8 @@
 /*!
  * \file device_memory.h
  * \brief Byte copies, fills and allocations on a tensor's device: memcpy/memset on the host,
- *        the CUDA runtime (default stream) for GPU tensors in a build with NCCL.
+ *        the CUDA runtime for GPU tensors in a build with NCCL — on TVM's compute stream,
+ *        allocations stream-ordered from a pool that keeps freed memory for the next step.
  */
 #ifndef RAF_DIST_CCL_DEVICE_MEMORY_H_
 #define RAF_DIST_CCL_DEVICE_MEMORY_H_

@@ -2,6 +2,7 @@
 model compiles for an NVIDIA target — every generated kernel gets a GPU schedule (CUDA
 codegen rejects a kernel with unbound loops) and nvcc accepts the code. Needs nvcc (skipped
 otherwise); running the result needs a GPU (tests/gpu)."""
+import re
 import shutil
 
 import pytest
@@ -11,7 +12,7 @@ from tvm import relax
 import raf_dist
 from models import make, raf_optimizer
 from raf_dist.compiler import compile_step
-from raf_dist.compiler.schedule import ScheduleGPU, run_on_one_gpu_thread
+from raf_dist.compiler import schedule
 from raf_dist.trainer import step_passes
 from raf_dist.training import build_train_step
 
@@ -26,37 +27,55 @@ def _step(name):
     return mod
 
 
-def _module_kinds(executable):
-    kinds, todo = [], [executable.mod]
+def _modules(executable):
+    found, todo = [], [executable.mod]
     while todo:
         m = todo.pop()
-        kinds.append(m.kind)
+        found.append(m)
         todo.extend(m.imports)
-    return kinds
+    return found
 
 
 @pytest.mark.parametrize("name, level", [("mlp", 0), ("cnn", 2), ("transformer", 3)])
 def test_training_step_compiles_for_cuda(name, level, tmp_path):
     compiled = compile_step(_step(name), passes=step_passes(level, 2, 1000), target=TARGET,
                             cache_dir=tmp_path)
-    assert "cuda" in _module_kinds(compiled.executable)
-    assert compiled.planned_peak_bytes > 0
+    cuda = [m for m in _modules(compiled.executable) if m.kind == "cuda"]
+    assert cuda and compiled.planned_peak_bytes > 0
+    if name == "transformer":  # the embedding gradient: a zeroing and an accumulating kernel
+        kernels = re.findall(r"__global__ void __launch_bounds__\((\d+)\) (take_backward\w*)\(",
+                             cuda[0].inspect_source())
+        assert set(kernels) == {("16", "take_backward_kernel_1"), ("256", "take_backward_kernel")}
 
 
-def test_every_kernel_gets_a_gpu_schedule():
+def test_every_kernel_gets_a_gpu_schedule(monkeypatch):
     from tvm.relax.backend.cuda import pipeline
+    one_thread = []
+    monkeypatch.setattr(schedule, "run_on_one_gpu_thread",
+                        lambda func: one_thread.append(func) or func)
     mod = _step("transformer")
     for p in step_passes(0, 1, 1000):
         mod = p(mod)
     with TARGET, tvm.transform.PassContext(opt_level=3):
         mod = tvm.transform.Sequential(pipeline.library_dispatch_passes(TARGET)
                                        + pipeline.legalize_passes(TARGET)[:-1])(mod)
-        scheduled = ScheduleGPU()(mod)
+        scheduled = schedule.ScheduleGPU()(mod)
     kernels = {gv.name_hint: f for gv, f in scheduled.functions_items()
                if isinstance(f, tvm.tirx.PrimFunc)}
     assert kernels and all(int(f.attrs["tirx.is_scheduled"]) == 1 for f in kernels.values())
-    # take_backward (the embedding gradient's scatter-add) is declined by every dlight rule:
-    # it runs on one GPU thread
-    assert kernels["take_backward"].script().count("T.launch_thread") == 2
-    assert run_on_one_gpu_thread(mod["take_backward"]).script().count("T.launch_thread") == 2
+    # every kernel of the step has a real schedule: dlight's, or schedule_scatter_add for the
+    # embedding gradient (take_backward, which every dlight rule declines) — none falls back
+    # to a single GPU thread
+    assert one_thread == []
+    assert kernels["take_backward"].script().count("T.thread_binding") == 4
     relax.analysis.well_formed(scheduled)
+
+
+def test_the_last_resort_runs_a_kernel_on_one_thread():
+    from tvm.relax.backend.cuda import pipeline
+    mod = _step("transformer")
+    with TARGET, tvm.transform.PassContext(opt_level=3):
+        mod = tvm.transform.Sequential(pipeline.library_dispatch_passes(TARGET)
+                                       + pipeline.legalize_passes(TARGET)[:-1])(mod)
+    assert schedule.run_on_one_gpu_thread(mod["take_backward"]).script().count(
+        "T.launch_thread") == 2

@@ -137,13 +137,69 @@ def _gpu_rules():
 
 
 def run_on_one_gpu_thread(func):
-    """The last-resort GPU schedule, for a kernel no dlight rule takes (an opaque sequential
-    block such as take_backward's scatter-add): its whole body on one GPU thread. Correct
-    for any kernel, slow for big ones (DESIGN-notes: dispatch such ops to a library)."""
+    """The last-resort GPU schedule, for a kernel neither schedule_scatter_add nor a dlight
+    rule takes (an opaque sequential block none of the test models produces): its whole body
+    on one GPU thread. Correct for any kernel, slow for big ones."""
     body = func.body
     for tag in ("threadIdx.x", "blockIdx.x"):
         iv = tvm.tirx.IterVar(tvm.ir.Range(0, 1), tvm.tirx.Var(tag, "int32"), 1, tag)
         body = tvm.tirx.AttrStmt(iv, "thread_extent", 1, body)
+    return func.with_body(body).with_attr("tirx.is_scheduled", True)
+
+
+_GPU_THREADS = 256  # threads per block of a kernel made from an independent loop
+_SCATTER_ADD_BLOCKS = ("take_backward",)  # TVM's opaque scatter-add kernels (legalize_ops.grad)
+
+
+def _loop_on_gpu_threads(loop, bind=True):
+    """``for v in range(n): body`` as a grid of n GPU threads, thread v running ``body``:
+    blockIdx.x * 256 + threadIdx.x binds v, a guard drops the tail of the last block.
+    ``bind=False`` keeps the grid as two serial loops (the CPU tests run it that way)."""
+    extent = int(loop.extent)
+    threads = min(extent, _GPU_THREADS)
+    blocks = -(-extent // threads)
+    bx, tx = tvm.tirx.Var("bx", "int32"), tvm.tirx.Var("tx", "int32")
+    index = bx * threads + tx
+    v = loop.loop_var
+    body = loop.body if blocks * threads == extent else tvm.tirx.IfThenElse(
+        index < extent, loop.body, None)
+    body = tvm.tirx.SeqStmt([tvm.tirx.Bind(v, index.astype(str(v.ty))), body])
+
+    def bound(var, n, tag, stmt):
+        if not bind:
+            return tvm.tirx.For(var, 0, n, tvm.tirx.ForKind.SERIAL, stmt)
+        iv = tvm.tirx.IterVar(tvm.ir.Range(0, n), var, 1, tag)  # 1: thread index
+        return tvm.tirx.For(var, 0, n, tvm.tirx.ForKind.THREAD_BINDING, stmt, thread_binding=iv)
+
+    return bound(bx, blocks, "blockIdx.x", bound(tx, threads, "threadIdx.x", body))
+
+
+def schedule_scatter_add(func, bind=True):
+    """TVM's take_backward (the embedding gradient) is one opaque block of two loops run in
+    sequence: zero the output, then for each (leading index, column) of the output walk the
+    indices and add rows. Every iteration of either loop touches its own output elements
+    (the second loop's iteration owns a column, its inner walk stays serial, so repeated
+    indices add in order, deterministically). Each loop becomes its own kernel over GPU
+    threads — one launch after the other on the stream, so the zeroing finishes first.
+    Returns None for any other kernel or shape; ``bind``: see _loop_on_gpu_threads."""
+    realize = func.body
+    block = getattr(realize, "block", None)
+    if block is None or block.name_hint not in _SCATTER_ADD_BLOCKS:
+        return None
+    scope = block.body
+    seq = scope.body if isinstance(scope, tvm.tirx.AttrStmt) else scope
+    loops = list(seq.seq) if isinstance(seq, tvm.tirx.SeqStmt) else [seq]
+    if not all(isinstance(l, tvm.tirx.For) and l.kind == tvm.tirx.ForKind.SERIAL
+               and isinstance(l.extent, tvm.tirx.IntImm) and 0 < int(l.extent) < 2 ** 31
+               for l in loops):
+        return None
+    seq = tvm.tirx.SeqStmt([_loop_on_gpu_threads(l, bind) for l in loops])
+    if isinstance(scope, tvm.tirx.AttrStmt):
+        seq = tvm.tirx.AttrStmt(scope.node, scope.attr_key, scope.value, seq)
+    from tvm.s_tir import stmt as sst
+    block = sst.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, seq,
+                       block.init, block.alloc_buffers, block.match_buffers, block.annotations)
+    body = sst.SBlockRealize(realize.iter_values, realize.predicate, block)
     return func.with_body(body).with_attr("tirx.is_scheduled", True)
 
 
@@ -159,11 +215,15 @@ def _lowers(func):
 
 
 def schedule_gpu_prim_func(func, target, rules=None):
-    """``func`` scheduled by the first of dlight's GPU rules that applies to it and whose
-    result lowers (every loop bound to GPU threads), else run_on_one_gpu_thread. A rule
+    """``func`` scheduled by schedule_scatter_add if it is take_backward, else by the first of
+    dlight's GPU rules that applies to it and whose result lowers (every loop bound to GPU
+    threads), else run_on_one_gpu_thread. A rule
     that raises on a kernel it claims is skipped — in TVM 0.27 dlight's Reduction asserts on
     some training-step reductions (``detect_dominant_read``) and others yield cross-thread
     reductions TVM cannot lower ("No matched reducer") — and the next rule tried."""
+    scatter_add = schedule_scatter_add(func)
+    if scatter_add is not None:
+        return scatter_add
     for rule in rules or _gpu_rules():
         try:
             space = rule.apply(func, target, False)

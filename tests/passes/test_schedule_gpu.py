@@ -1,0 +1,93 @@
+"""IR tier for the GPU schedule of take_backward (the embedding gradient), which no dlight
+rule takes: two kernels over GPU threads, and — run on the CPU with the same grid as serial
+loops — the same result as numpy's unbuffered scatter-add, repeated indices included."""
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from raf_dist.compiler.schedule import schedule_scatter_add
+
+V, D, N = 37, 11, 50  # V*D = 407 elements: two blocks of 256 threads, the second one partial
+
+
+def _take_backward(axis):
+    x_shape = (V, D) if axis == 0 else (D, V)
+    g_shape = (N, D) if axis == 0 else (D, N)
+
+    bb = relax.BlockBuilder()
+    g = relax.Var("g", relax.TensorType(g_shape, "float32"))
+    x = relax.Var("x", relax.TensorType(x_shape, "float32"))
+    idx = relax.Var("idx", relax.TensorType((N,), "int32"))
+    with bb.function("main", [g, x, idx]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.grad.take_backward(g, x, idx, axis))
+        bb.emit_func_output(out)
+    with tvm.target.Target("llvm"):
+        mod = relax.transform.LegalizeOps()(bb.get())
+    (gvar, func), = [(gv, f) for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
+    return mod, gvar, func
+
+
+def _loops(func):
+    loops = []
+    tvm_ffi.structural_walk(func.body, [(tirx.For, lambda loop: loops.append(
+        (loop.kind, int(loop.extent), loop.thread_binding.thread_tag
+         if loop.thread_binding is not None else None)))])
+    return loops
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_take_backward_becomes_two_thread_grids(axis):
+    _, _, func = _take_backward(axis)
+    scheduled = schedule_scatter_add(func)
+    bound = [(extent, tag) for kind, extent, tag in _loops(scheduled)
+             if kind == tirx.ForKind.THREAD_BINDING]
+    # (innermost loop first) zeroing: a thread per output element, 407 = 2 blocks of 256;
+    # accumulation: a thread per output column
+    assert bound == [(256, "threadIdx.x"), (2, "blockIdx.x"), (D, "threadIdx.x"), (1, "blockIdx.x")]
+    # the walk over the indices stays a serial loop inside each column's thread
+    assert (tirx.ForKind.SERIAL, N, None) in _loops(scheduled)
+    assert int(scheduled.attrs["tirx.is_scheduled"]) == 1
+
+
+def test_other_kernels_are_left_to_dlight():
+    @I.ir_module
+    class Add:
+        @R.function
+        def main(x: R.Tensor((4,), "float32")):
+            with R.dataflow():
+                y = R.add(x, x)
+                R.output(y)
+            return y
+
+    with tvm.target.Target("llvm"):
+        mod = relax.transform.LegalizeOps()(Add)
+    func = [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)][0]
+    assert schedule_scatter_add(func) is None
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_the_grid_computes_the_scatter_add(axis):
+    """The rewrite's index arithmetic (block * 256 + thread, the guard on the last block), run
+    on the CPU: the grid as serial loops gives numpy's scatter-add, repeated indices summed."""
+    mod, gvar, func = _take_backward(axis)
+    mod = mod.clone()
+    mod[gvar] = schedule_scatter_add(func, bind=False)
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, V, N).astype("int32")
+    idx[:5] = 3  # a row hit repeatedly
+    g_shape = (N, D) if axis == 0 else (D, N)
+    g = rng.standard_normal(g_shape).astype("float32")
+    x = np.zeros((V, D) if axis == 0 else (D, V), "float32")
+    expected = np.zeros_like(x)
+    if axis == 0:
+        np.add.at(expected, idx, g)
+    else:
+        np.add.at(expected.T, idx, g.T)
+    out = vm["main"](tvm.runtime.tensor(g), tvm.runtime.tensor(x), tvm.runtime.tensor(idx))
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-6, atol=1e-6)
