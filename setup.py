@@ -60,8 +60,8 @@ setup(
     extras_require={
         "torch": ["torch==2.13.0"],
         "test": ["pytest>=8", "pytest-timeout", "scikit-learn", "safetensors", "tqdm"],
-        "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12", "nvidia-ml-py"],
-        "cuda13": ["cupy-cuda13x", "nvidia-nccl-cu13", "nvidia-ml-py"],
+        "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12>=2.18", "nvidia-ml-py"],
+        "cuda13": ["cupy-cuda13x>=13", "nvidia-nccl-cu13>=2.18", "nvidia-ml-py"],
     },
     zip_safe=False,
 )

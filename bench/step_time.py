@@ -47,7 +47,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / (q.shape[-1] ** 0.5)
-        mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool))
+        mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool, device=x.device))
         att = att.masked_fill(~mask, float("-inf")).softmax(-1)
         x = x + self.proj((att @ v).transpose(1, 2).reshape(batch, seq, d))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))

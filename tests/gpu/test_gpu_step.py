@@ -2,11 +2,10 @@
 scripts/gpu_check.sh on a GPU machine): the same training steps on cuda(0) as on the CPU,
 with matmul/convolution on cuBLAS through CuPy, and a single-rank NCCL run (ZeRO-2 in a
 world of one: reduce_scatter, allgather, local_shard and buckets on GPU memory)."""
-import numpy as np
 import pytest
 import tvm
 
-from models import make, train_zero
+from models import make, rel_err, train_zero
 from raf_dist import _native
 
 
@@ -31,11 +30,15 @@ def _train(name, device, level=0, steps=3):
 
 
 def _close(gpu, cpu):
+    """GPU and CPU runs agree as the distributed tests require of DP against one process
+    (norm-relative, 2e-5): both are float32 with different summation orders; CuPy leaves
+    TF32 off unless CUPY_TF32=1, which would break this comparison."""
     losses, params, _ = gpu
     ref_losses, ref_params, _ = cpu
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert rel_err(losses, ref_losses) <= 2e-5, (losses, ref_losses)
+    assert params.keys() == ref_params.keys()
     for key, value in ref_params.items():
-        np.testing.assert_allclose(params[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+        assert rel_err(params[key], value) <= 2e-5, (key, rel_err(params[key], value))
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
