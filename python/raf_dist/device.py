@@ -84,9 +84,11 @@ def check_one_rank_per_gpu(identities, hosts):
             "GPUs, or give each rank its own with device='cuda:N' / CUDA_VISIBLE_DEVICES")
 
 
-def select(device, comm):
-    """The tvm Device for this rank; collective when ``device`` is a GPU in a multi-rank
-    job (every rank must call it)."""
+def select(device, comm, collective=True):
+    """The tvm Device for this rank. For a GPU with ``collective`` (a data-parallel job of
+    several ranks: every rank must call it) the ranks agree first that every one has its GPU
+    and an NCCL build, and that no two share a GPU; otherwise (a Trainer of this rank alone,
+    which other ranks may not build) only this rank's GPU is checked, with no collective."""
     kind, index = parse(device)
     if kind == "cpu":
         return tvm.cpu()
@@ -103,13 +105,14 @@ def select(device, comm):
         problem = ("raf_dist's native runtime was built without NCCL, which GPU collectives and "
                    "gradient buckets need: reinstall with USE_CUDA=ON USE_NCCL=ON "
                    "(pip install -e .[cuda12] or .[cuda13] provides NCCL)")
-    problems = comm.mpi_comm.allgather(problem) if comm.size > 1 else [problem]
+    collective = collective and comm.size > 1
+    problems = comm.mpi_comm.allgather(problem) if collective else [problem]
     failed = [(r, p) for r, p in enumerate(problems) if p]
     if failed:
         raise ValueError("; ".join(p for _, p in failed))
-    identity = gpu_identity(comm.host, index)
-    identities = comm.mpi_comm.allgather(identity) if comm.size > 1 else [identity]
-    check_one_rank_per_gpu(identities, comm.hosts)
+    if collective:
+        check_one_rank_per_gpu(comm.mpi_comm.allgather(gpu_identity(comm.host, index)),
+                               comm.hosts)
     return tvm.cuda(index)
 
 

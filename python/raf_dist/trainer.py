@@ -55,7 +55,9 @@ class Trainer:
         self.loss = loss
         self.optimizer = optimizer
         self.device = device
-        self._device = device_lib.select(device, self.comm)  # collective for GPUs
+        # collective only when every rank builds this Trainer (data parallel, several ranks)
+        self._device = device_lib.select(device, self.comm,
+                                         collective=self.data_parallel and self.world > 1)
         self._target = device_lib.target_for(self._device)
         set_num_threads(max(1, _cores() // max(1, self.comm.local_size)))
 

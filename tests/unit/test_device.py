@@ -52,3 +52,30 @@ def test_cuda_trainer_without_a_gpu_says_so_before_compiling():
                                          r"\(no NVIDIA driver or GPU on this host\); use device='cpu'"):
         raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                          optimizer=raf_optimizer("adamw"), device="cuda")
+
+
+class _TwoRanks:
+    """Rank 0 of a two-rank job on this host, recording the collectives it is asked for."""
+
+    def __init__(self):
+        self.rank, self.size, self.local_rank, self.host, self.hosts = 0, 2, 0, "h0", ["h0", "h0"]
+        self.gathered = []
+        self.mpi_comm = self
+
+    def allgather(self, value):
+        self.gathered.append(value)
+        return [value, "rank 1 on h0 asked for cuda:1 but TVM sees 0 CUDA GPU(s) there"]
+
+
+@pytest.mark.skipif(tvm.cuda(0).exist, reason="this host has a GPU")
+def test_gpu_checks_are_collective_only_for_a_data_parallel_trainer():
+    # a Trainer of this rank alone (other ranks may never build one): no collective, so no
+    # hang — only this rank's own problem
+    comm = _TwoRanks()
+    with pytest.raises(ValueError, match="rank 0 on h0 asked for cuda:0") as err:
+        device.select("cuda", comm, collective=False)
+    assert comm.gathered == [] and "rank 1" not in str(err.value)
+    # data parallel: every rank learns every rank's problem, before any GPU collective
+    with pytest.raises(ValueError, match="rank 0 on h0 .*; rank 1 on h0 asked for cuda:1"):
+        device.select("cuda", comm, collective=True)
+    assert len(comm.gathered) == 1
