@@ -2,6 +2,7 @@
 (sleep processes) with their watchdogs introduced to each other, as Communicator does."""
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,7 +29,8 @@ def _pair(tmp_path, grace=1.0):
     dogs = [_start(r, ranks[r].pid, grace, logs[r]) for r in range(2)]
     for r, (_, pipe, _) in enumerate(dogs):
         peer = 1 - r
-        os.write(pipe, f"P {peer} 127.0.0.1 {dogs[peer][2]}\nA step 7\n".encode())
+        # two addresses, the first unreachable (TEST-NET-1): news must still arrive
+        os.write(pipe, f"P {peer} 192.0.2.1,127.0.0.1 {dogs[peer][2]}\nA step 7\n".encode())
     return ranks, dogs, logs
 
 
@@ -96,3 +98,12 @@ def test_a_reported_failure_reaches_the_other_rank(tmp_path):
     assert (tmp_path / "watchdog1.txt").read_text() == ""  # the rank printed it itself
     assert ("ending the job: rank 1/2 on testhost failed during step 7: ValueError: bad"
             in (tmp_path / "watchdog0.txt").read_text())
+
+
+def test_watchdog_addresses_prefer_outward_ones():
+    from raf_dist.distributed.communicator import _addresses
+
+    ips = _addresses(socket.gethostname())
+    assert ips and all(len(ip.split(".")) == 4 for ip in ips)
+    assert ips == ["127.0.0.1"] or not any(ip.startswith("127.") for ip in ips)
+    assert _addresses("no-such-host.invalid")  # unresolvable: the route's address, or loopback

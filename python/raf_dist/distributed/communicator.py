@@ -85,15 +85,15 @@ class Communicator:
             port = None
         finally:
             os.close(read_end)
-        addresses = self.mpi_comm.allgather((_address(self.host), port))
+        addresses = self.mpi_comm.allgather((_addresses(self.host), port))
         if port is None:
             os.close(write_end)
             return
         self._watchdog = (process, write_end)
-        for peer, (ip, peer_port) in enumerate(addresses):
+        for peer, (ips, peer_port) in enumerate(addresses):
             if peer != self.rank and peer_port is not None:
-                ip = "127.0.0.1" if self.hosts[peer] == self.host else ip
-                self._tell_watchdog(f"P {peer} {ip} {peer_port}")
+                ips = ["127.0.0.1"] if self.hosts[peer] == self.host else ips
+                self._tell_watchdog(f"P {peer} {','.join(ips)} {peer_port}")
 
     @property
     def has_watchdog(self):
@@ -126,14 +126,24 @@ _LOCK = threading.Lock()
 _COMM = None
 
 
-def _address(host):
-    """This host's IPv4 address as peers on other hosts would reach it (best effort)."""
+def _addresses(host, limit=4):
+    """IPv4 addresses at which watchdogs on other hosts may reach this host's, most likely
+    first: the source address of its default route, then what its name resolves to, loopback
+    only when nothing else is found (a name that resolves to 127.0.1.1 alone, as Debian's
+    /etc/hosts makes it, must not leave the watchdog unreachable). News goes to all of them."""
+    found = []
     try:
-        ips = [info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: a UDP connect picks a route, sends nothing
+            found.append(probe.getsockname()[0])
     except OSError:
-        ips = []
-    outward = [ip for ip in ips if not ip.startswith("127.")]
-    return (outward or ips or ["127.0.0.1"])[0]
+        pass  # no default route
+    try:
+        found += [info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)]
+    except OSError:
+        pass
+    outward = [ip for ip in dict.fromkeys(found) if not ip.startswith("127.") and ip != "0.0.0.0"]
+    return outward[:limit] or ["127.0.0.1"]
 
 
 def get_communicator():

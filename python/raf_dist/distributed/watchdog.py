@@ -24,7 +24,8 @@ of the rank leaves it alone:
   survivors wait in their next collective.
 
 Run as: python watchdog.py RANK SIZE HOST PID GRACE_SECONDS. Protocol on stdin, one line each:
-``A <activity>``, ``P <rank> <ip> <port>`` (a peer), ``X``, ``F <news>``. The watchdog prints its UDP port
+``A <activity>``, ``P <rank> <ip>[,<ip>...] <port>`` (a peer, news goes to each of its
+addresses), ``X``, ``F <news>``. The watchdog prints its UDP port
 as the first line on stdout, then closes stdout.
 """
 import os
@@ -85,8 +86,8 @@ def _end_rank(pid, grace):
 
 
 def _tell(udp, peers, rank, when, news):
-    for peer, address in peers.items():
-        if peer != rank:
+    for peer, addresses in peers.items():
+        for address in addresses if peer != rank else ():
             try:
                 udp.sendto(f"{when:.6f} {news}".encode(), address)
             except OSError:
@@ -137,8 +138,8 @@ def main(rank, size, host, pid, grace):
                     if kind == "A":
                         activity = rest or None
                     elif kind == "P":
-                        peer, ip, port = rest.split()
-                        peers[int(peer)] = (ip, int(port))
+                        peer, ips, port = rest.split()
+                        peers[int(peer)] = [(ip, int(port)) for ip in ips.split(",")]
                     elif kind == "X":
                         leaving = True
                     elif kind == "F":  # the rank printed its failure; the others hear it here
