@@ -2,8 +2,9 @@
 # The GPU checks in one command, for a machine with one or more NVIDIA GPUs, the CUDA toolkit
 # (nvcc) and access to the package registry: builds raf_dist with USE_CUDA=ON USE_NCCL=ON in a
 # venv of its own (./.venv is untouched), then runs the GPU tier (GPU vs CPU results, a
-# single-rank NCCL run), the CUDA build tier, and the GPU step-time benchmark (raf_dist vs
-# PyTorch eager on the same GPU; needs PyTorch's CUDA build, which PyPI's torch is on Linux).
+# single-rank NCCL run), the CUDA build tier, the GPU step-time benchmark (raf_dist vs
+# PyTorch eager on the same GPU; needs PyTorch's CUDA build, which PyPI's torch is on Linux),
+# and, with two or more GPUs, the distributed example on all of them (NCCL between ranks).
 #   scripts/gpu_check.sh [WORKDIR]            (default /tmp/raf_dist_gpu)
 #   CUDA_EXTRA=cuda12 scripts/gpu_check.sh    (CuPy/NCCL for CUDA 12; default from nvcc)
 set -euo pipefail
@@ -30,3 +31,11 @@ print("GPU:", tvm.cuda(0).device_name, "compute", tvm.cuda(0).compute_version)
 PY
 "$py" -m pytest -q -rs tests/gpu tests/passes/test_cuda_build.py tests/unit/test_device.py
 "$py" bench/step_time.py --device cuda --steps 20
+# every GPU of the machine, one rank each: data parallelism with NCCL collectives between ranks
+ngpu="$("$py" -c 'import tvm; print(sum(tvm.cuda(i).exist for i in range(64)))')"
+if [ "$ngpu" -ge 2 ]; then
+  launcher="$(dirname "$py")/mpiexec"  # the mpich wheel's, else the system MPI's
+  [ -x "$launcher" ] || launcher=mpiexec
+  timeout 600 "$launcher" -n "$ngpu" "$py" scripts/distributed/dist_example.py \
+    --device cuda --epochs 2 --global-batch $((16 * ngpu))
+fi

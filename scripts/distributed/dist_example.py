@@ -3,6 +3,7 @@
     mpirun -np 2 python scripts/distributed/dist_example.py
     mpirun -np 4 --hostfile scripts/distributed/hostfile.localhost python scripts/distributed/dist_example.py
     mpirun -np 2 python scripts/distributed/dist_example.py --zero-level 3 --checkpoint ckpt/
+    mpirun -np 2 python scripts/distributed/dist_example.py --device cuda   (one rank per GPU)
 
 As in RAF's distributed example, the distribution switches sit in ``raf_dist_config`` below
 and are applied to ``dist.get_config()`` before the Trainer is built. Every rank takes its
@@ -55,6 +56,9 @@ def main():
     parser.add_argument("--zero-level", type=int, choices=[0, 1, 2, 3],
                         help="override raf_dist_config['zero_opt_level']")
     parser.add_argument("--checkpoint", help="save after each epoch here; resume if present")
+    parser.add_argument("--device", default="cpu",
+                        help='"cpu", or "cuda" for the GPU of each rank\'s local rank (one rank '
+                             'per GPU; NCCL collectives)')
     args = parser.parse_args()
 
     dist.get_config().update(raf_dist_config)
@@ -71,9 +75,10 @@ def main():
 
     torch.manual_seed(0)
     model = raf_dist.frontend.from_pytorch(DigitsCNN(), (torch.zeros(local_batch, 1, 8, 8),))
-    trainer = raf_dist.Trainer(model, loss="cross_entropy", optimizer=raf_dist.optim.Adam(lr=args.lr))
+    trainer = raf_dist.Trainer(model, loss="cross_entropy", optimizer=raf_dist.optim.Adam(lr=args.lr),
+                               device=args.device)
     if comm.rank == 0:
-        print(f"raf_dist: {comm.size} rank(s) on {sorted(set(comm.hosts))}, global batch "
+        print(f"raf_dist: {comm.size} rank(s) on {sorted(set(comm.hosts))} ({args.device}), global batch "
               f"{args.global_batch}, {model.num_params()} parameters, config {dist.get_config().as_dict()}")
 
     first_epoch = 0
