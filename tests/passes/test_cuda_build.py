@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax
 
 import raf_dist
@@ -27,6 +28,13 @@ def _step(name):
     return mod
 
 
+def _thread_loops(func):
+    loops = []
+    tvm_ffi.structural_walk(func.body, [(tvm.tirx.For, lambda loop: loops.append(loop)
+                                         if loop.thread_binding is not None else None)])
+    return loops
+
+
 def _modules(executable):
     found, todo = [], [executable.mod]
     while todo:
@@ -43,6 +51,7 @@ def test_training_step_compiles_for_cuda(name, level, tmp_path):
     cuda = [m for m in _modules(compiled.executable) if m.kind == "cuda"]
     assert cuda and compiled.planned_peak_bytes > 0
     if name == "transformer":  # the embedding gradient: a zeroing and an accumulating kernel
+        # (read from the generated CUDA C: without a GPU the module cannot be loaded to ask it)
         kernels = re.findall(r"__global__ void __launch_bounds__\((\d+)\) (take_backward\w*)\(",
                              cuda[0].inspect_source())
         assert set(kernels) == {("16", "take_backward_kernel_1"), ("256", "take_backward_kernel")}
@@ -67,7 +76,7 @@ def test_every_kernel_gets_a_gpu_schedule(monkeypatch):
     # embedding gradient (take_backward, which every dlight rule declines) — none falls back
     # to a single GPU thread
     assert one_thread == []
-    assert kernels["take_backward"].script().count("T.thread_binding") == 4
+    assert len(_thread_loops(kernels["take_backward"])) == 4  # two kernels: block x thread
     relax.analysis.well_formed(scheduled)
 
 
@@ -77,5 +86,8 @@ def test_the_last_resort_runs_a_kernel_on_one_thread():
     with TARGET, tvm.transform.PassContext(opt_level=3):
         mod = tvm.transform.Sequential(pipeline.library_dispatch_passes(TARGET)
                                        + pipeline.legalize_passes(TARGET)[:-1])(mod)
-    assert schedule.run_on_one_gpu_thread(mod["take_backward"]).script().count(
-        "T.launch_thread") == 2
+    extents = []
+    tvm_ffi.structural_walk(schedule.run_on_one_gpu_thread(mod["take_backward"]).body, [
+        (tvm.tirx.AttrStmt, lambda a: extents.append(int(a.value))
+         if a.attr_key == "thread_extent" else None)])
+    assert extents == [1, 1]  # one block of one thread

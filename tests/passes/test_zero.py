@@ -4,6 +4,7 @@ properties of the pass on a real training step for every level and N = 1 to 4. N
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
@@ -215,7 +216,11 @@ def test_shapes_and_collective_counts(level, world_size, overlap):
         assert len(allgathers) > len(gradient_buckets(mod, bucket_bytes)) // 2
     waits, _ = _calls(func, "raf_dist.ccl.wait")
     assert len(waits) == (len(reduce_scatters) + len(allgathers) if overlap else 0)
-    assert "group_rank" not in func.script()  # which shard is mine: resolved at run time
+    # which shard is mine is resolved at run time: no function of the step asks for the rank
+    externs = []
+    tvm_ffi.structural_walk(func, [(relax.ExternFunc, lambda f: externs.append(f.global_symbol))])
+    assert "raf_dist.ccl.local_shard" in externs or level == 3
+    assert not any("rank" in name for name in externs), externs
 
 
 def _last_gradient_position(func, mod):
@@ -280,8 +285,9 @@ def test_level2_gradients_die_at_their_reduce_scatter():
 def test_level3_regathers_only_what_backward_reads():
     mod, signature = _step()  # MLP: backward reads the 2nd and 3rd weights only
     func = ShardZeRO(3, 2, 10**9)(mod)["train_step"]
-    text = func.script()
-    assert "backward_gather0" in text and "backward_gather1" not in text
+    names = {b.var.name for block in func.body.blocks for b in block.bindings}
+    assert "backward_gather0" in names  # one backward bucket...
+    assert not any(n.startswith("backward_gather1") for n in names)  # ...and no second
     gathered = [b for block in func.body.blocks for b in block.bindings
                 if b.var.name == "backward_gather0_shards"]
     concat_args = {a.name for a in gathered[0].value.args[0].fields}
