@@ -18,6 +18,9 @@ Atomicity: files are written into ``root/.tmp-step-...``, flushed to disk, and o
 every rank is done does rank 0 write meta.json, rename the directory into place and then
 replace ``latest`` (os.replace). A save killed at any moment leaves ``latest`` naming the
 previous complete checkpoint. Loading checks every file's size and sha256 before reading.
+
+``save`` and ``load`` at the end are Trainer.save_checkpoint / load_checkpoint: which element
+ranges this rank writes and reads for its world size and ZeRO level.
 """
 import hashlib
 import json
@@ -40,6 +43,11 @@ def slice_range(numel, world_size, rank):
     shard = -(-int(numel) // int(world_size))
     begin = min(int(numel), rank * shard)
     return begin, min(int(numel), begin + shard)
+
+
+def host_array(tensor):
+    """A numpy array of a runtime tensor (or the array itself)."""
+    return tensor.numpy() if hasattr(tensor, "numpy") else np.asarray(tensor)
 
 
 def _file_digest(path):
@@ -192,3 +200,115 @@ def read_range(directory, meta, key, numel, begin, end, dtype):
         with safe_open(str(directory / meta["files"][r]["name"]), framework="numpy") as f:
             out[lo - begin:hi - begin] = f.get_slice(key)[lo - b:hi - b]
     return out
+
+
+# ---- a Trainer's checkpoints ------------------------------------------------------------
+def _rank(trainer):
+    """The rank whose file this process writes and whose ranges it reads."""
+    if not trainer.data_parallel and trainer.comm.size > 1:
+        raise ValueError(
+            "save_checkpoint/load_checkpoint on a Trainer without data parallelism in a "
+            f"{trainer.comm.size}-rank job: every rank would use the same files. Enable "
+            "data parallelism, or give each rank its own directory")
+    return trainer.comm.rank if trainer.world > 1 else 0
+
+
+def _my_slice(tensor, numel, world_size, rank, sharded):
+    """Elements [r*s, (r+1)*s) of the flattened tensor, clipped to its true size, from the
+    full tensor or (``sharded``) from this rank's padded shard of it."""
+    begin, end = slice_range(numel, world_size, rank)
+    values = host_array(tensor).reshape(-1)
+    return values[:end - begin] if sharded else values[begin:end]
+
+
+def save(trainer, path, params, states, extra=None, keep=2):
+    """Trainer.save_checkpoint: ``params`` (the trainer's runtime tensors, in signature
+    order: full, or shards at level 3) and ``states`` ({(param, state): full array, or shard
+    under ZeRO}) as this rank's file, then rank 0 finalizes once every file is on disk."""
+    from . import __version__
+
+    rank, world = _rank(trainer), trainer.world
+    json_extra = json.loads(json.dumps(extra))  # fail now, not after writing shards
+    root = Path(path)
+    name = f"step-{trainer.step_count:08d}"
+    tmp = root / f".tmp-{name}"
+    trainer.comm.activity = f"saving checkpoint {root / name}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    if world > 1:
+        trainer.comm.idle_barrier()
+    signature = trainer.signature
+    numels = {n: int(np.prod(shape, dtype=np.int64))
+              for n, (shape, _) in zip(signature.param_names, signature.param_specs)}
+    tensors = {}
+    for param, value in zip(signature.param_names, params):
+        tensors[_param_key(param)] = _my_slice(value, numels[param], world, rank,
+                                               trainer.zero_level == 3)
+    for (param, state), value in states.items():
+        tensors[_state_key(param, state)] = _my_slice(value, numels[param], world, rank,
+                                                      trainer.zero_level > 0)
+    file = tmp / f"rank{rank:05d}.safetensors"
+    write_rank_file(file, tensors)
+    record = {"name": file.name, "bytes": file.stat().st_size, "sha256": _file_digest(file)}
+    records = trainer.comm.mpi_comm.gather(record, root=0) if world > 1 else [record]
+    if rank == 0:
+        meta = {
+            "format": FORMAT, "raf_dist": __version__, "step": trainer.step_count,
+            "seed": trainer.seed, "world_size": world, "zero_opt_level": trainer.zero_level,
+            "config": trainer.config, "loss": trainer.loss,
+            "model": model_description(signature),
+            "optimizer": {"class": type(trainer.optimizer).__name__,
+                          "config": trainer.optimizer.config(),
+                          "state_names": list(signature.state_names)},
+            "extra": json_extra, "files": records}
+        finalize(root, name, tmp, meta, keep)
+    if world > 1:
+        trainer.comm.idle_barrier()
+    trainer.comm.activity = None
+    return root / name
+
+
+def load(trainer, path):
+    """Trainer.load_checkpoint's reading: checks on every rank first (the same
+    CheckpointError everywhere), then (params, states, meta) — the parameters in signature
+    order (full, or this rank's padded shard at level 3) and {(param, state): array} (full,
+    or this rank's padded shard under ZeRO) as numpy arrays, for the trainer's world size."""
+    from .passes import shard_size
+
+    rank, world = _rank(trainer), trainer.world
+    trainer.comm.activity = f"loading checkpoint {path}"
+    error, directory, meta = None, None, None
+    try:
+        directory = resolve(path)
+        meta = read_meta(directory)
+        check_compatible(meta, trainer.signature, trainer.optimizer)
+        verify_files(directory, meta)
+    except CheckpointError as exc:
+        error = str(exc)
+    errors = trainer.comm.mpi_comm.allgather(error) if world > 1 else [error]
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        trainer.comm.activity = None
+        r, e = failed[0]
+        raise CheckpointError(e if world == 1 else f"rank {r}: {e}")
+    specs = dict(zip(trainer.signature.param_names, trainer.signature.param_specs))
+
+    def read(key, param, sharded):
+        shape, dtype = specs[param]
+        numel = int(np.prod(shape, dtype=np.int64))
+        if not sharded:
+            return read_range(directory, meta, key, numel, 0, numel, dtype).reshape(shape)
+        begin, end = slice_range(numel, world, rank)
+        shard = np.zeros(shard_size(numel, world), dtype=dtype)
+        shard[:end - begin] = read_range(directory, meta, key, numel, begin, end, dtype)
+        return shard
+
+    params = [read(_param_key(p), p, trainer.zero_level == 3)
+              for p in trainer.signature.param_names]
+    states = {(p, s): read(_state_key(p, s), p, trainer.zero_level > 0)
+              for p, s in trainer.signature.state_keys()}
+    trainer.comm.activity = None
+    return params, states, meta

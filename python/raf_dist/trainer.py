@@ -7,8 +7,6 @@ step on the VM. Parameters and optimizer state stay in runtime tensors between s
 import hashlib
 import json
 import os
-import shutil
-from pathlib import Path
 
 import numpy as np
 import tvm
@@ -244,7 +242,7 @@ class Trainer:
     def _full(self, tensor, shape):
         """The whole tensor from every rank's shard (a collective under ZeRO)."""
         numel = int(np.prod(shape, dtype=np.int64))
-        shard = np.ascontiguousarray(_host(tensor))
+        shard = np.ascontiguousarray(ckpt.host_array(tensor))
         if self.world == 1:
             return shard[:numel].reshape(shape)
         return collectives.allgather(shard, numel=numel, group=self.comm.group).reshape(shape)
@@ -297,69 +295,14 @@ class Trainer:
                     offset += shard
         return out
 
-    # ---- checkpoints ------------------------------------------------------------------------
-    def _checkpoint_rank(self):
-        if not self.data_parallel and self.comm.size > 1:
-            raise ValueError(
-                "save_checkpoint/load_checkpoint on a Trainer without data parallelism in a "
-                f"{self.comm.size}-rank job: every rank would use the same files. Enable "
-                "data parallelism, or give each rank its own directory")
-        return self.comm.rank if self.world > 1 else 0
-
+    # ---- checkpoints (the files and what each rank reads and writes: raf_dist.checkpoint) ----
     def save_checkpoint(self, path, extra=None, keep=2):
         """Write this rank's shards of every parameter and optimizer state under ``path``
         (see raf_dist.checkpoint for the layout); ``extra`` (JSON-serialisable, e.g. the data
         position) comes back from load_checkpoint. Atomic: ``path/latest`` moves to the new
         checkpoint only once every rank's file is on disk. Keeps the newest ``keep``
-        checkpoints. Every rank must call it."""
-        rank = self._checkpoint_rank()
-        json_extra = json.loads(json.dumps(extra))  # fail now, not after writing shards
-        root = Path(path)
-        name = f"step-{self.step_count:08d}"
-        tmp = root / f".tmp-{name}"
-        self.comm.activity = f"saving checkpoint {root / name}"
-        if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        if self.world > 1:
-            self.comm.idle_barrier()
-        tensors = {}
-        specs = dict(zip(self.signature.param_names, self.signature.param_specs))
-        for name_, value in zip(self.signature.param_names, self._params):
-            tensors[ckpt._param_key(name_)] = self._my_slice(value, specs[name_][0],
-                                                             self.zero_level == 3, rank)
-        for (param, state), value in self._unpack_states().items():
-            tensors[ckpt._state_key(param, state)] = self._my_slice(
-                value, specs[param][0], self.zero_level > 0, rank)
-        file = tmp / f"rank{rank:05d}.safetensors"
-        ckpt.write_rank_file(file, tensors)
-        record = {"name": file.name, "bytes": file.stat().st_size,
-                  "sha256": ckpt._file_digest(file)}
-        records = self.comm.mpi_comm.gather(record, root=0) if self.world > 1 else [record]
-        if rank == 0:
-            meta = {
-                "format": ckpt.FORMAT, "raf_dist": __version__, "step": self.step_count,
-                "seed": self.seed, "world_size": self.world, "zero_opt_level": self.zero_level,
-                "config": self.config, "loss": self.loss,
-                "model": ckpt.model_description(self.signature),
-                "optimizer": {"class": type(self.optimizer).__name__,
-                              "config": self.optimizer.config(),
-                              "state_names": list(self.signature.state_names)},
-                "extra": json_extra, "files": records}
-            ckpt.finalize(root, name, tmp, meta, keep)
-        if self.world > 1:
-            self.comm.idle_barrier()
-        self.comm.activity = None
-        return root / name
-
-    def _my_slice(self, tensor, shape, sharded, rank):
-        """Elements [r*s, (r+1)*s) of the flattened tensor, clipped to its true size."""
-        numel = int(np.prod(shape, dtype=np.int64))
-        begin, end = ckpt.slice_range(numel, self.world, rank)
-        values = _host(tensor).reshape(-1)
-        return values[:end - begin] if sharded else values[begin:end]
+        checkpoints. Returns the checkpoint's directory. Every rank must call it."""
+        return ckpt.save(self, path, self._params, self._unpack_states(), extra, keep)
 
     def load_checkpoint(self, path):
         """Load the newest checkpoint under ``path`` (or the checkpoint directory ``path``),
@@ -368,43 +311,10 @@ class Trainer:
         sha256 and the model's names, shapes and dtypes are checked first, on every rank,
         and any problem raises the same CheckpointError everywhere before any data moves;
         nothing on disk is modified. Every rank must call it."""
-        rank = self._checkpoint_rank()
-        self.comm.activity = f"loading checkpoint {path}"
-        error, directory, meta = None, None, None
-        try:
-            directory = ckpt.resolve(path)
-            meta = ckpt.read_meta(directory)
-            ckpt.check_compatible(meta, self.signature, self.optimizer)
-            ckpt.verify_files(directory, meta)
-        except ckpt.CheckpointError as exc:
-            error = str(exc)
-        errors = self.comm.mpi_comm.allgather(error) if self.world > 1 else [error]
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            self.comm.activity = None
-            r, e = failed[0]
-            raise ckpt.CheckpointError(e if self.world == 1 else f"rank {r}: {e}")
-        specs = dict(zip(self.signature.param_names, self.signature.param_specs))
-
-        def load(key, shape, dtype, sharded):
-            numel = int(np.prod(shape, dtype=np.int64))
-            if not sharded:
-                full = ckpt.read_range(directory, meta, key, numel, 0, numel, dtype)
-                return full.reshape(shape)
-            begin, end = ckpt.slice_range(numel, self.world, rank)
-            shard = np.zeros(shard_size(numel, self.world), dtype=dtype)
-            shard[:end - begin] = ckpt.read_range(directory, meta, key, numel, begin, end, dtype)
-            return shard
-
-        self._params = [tvm.runtime.tensor(load(ckpt._param_key(n), specs[n][0], specs[n][1],
-                                                self.zero_level == 3), self._device)
-                        for n in self.signature.param_names]
-        self._states = self._pack_states({
-            (p, s): load(ckpt._state_key(p, s), specs[p][0], specs[p][1], self.zero_level > 0)
-            for p, s in self.signature.state_keys()})
-        self.step_count = int(meta["step"])
-        self.seed = int(meta["seed"])
-        self.comm.activity = None
+        params, states, meta = ckpt.load(self, path)
+        self._params = [tvm.runtime.tensor(p, self._device) for p in params]
+        self._states = self._pack_states(states)
+        self.step_count, self.seed = int(meta["step"]), int(meta["seed"])
         return meta.get("extra")
 
     def stats(self):
@@ -438,11 +348,6 @@ def step_passes(zero_level, world_size, bucket_bytes, overlap=True, group=0):
     else:
         distribute = StripGradientMarkers()
     return [distribute, DispatchToBLAS(), FastGelu()]
-
-
-def _host(tensor):
-    """A numpy array of a runtime tensor (or the array itself)."""
-    return tensor.numpy() if hasattr(tensor, "numpy") else np.asarray(tensor)
 
 
 def _nbytes(tensor):
