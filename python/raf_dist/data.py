@@ -69,7 +69,7 @@ def _shard_arrays(arrays, global_batch, shuffle, seed, epoch, drop_last, rank, w
         raise ValueError(f"{num} samples are fewer than one global batch of {global_batch}")
     order = np.arange(num)
     if shuffle:
-        order = np.random.default_rng(seed + epoch).permutation(num)
+        order = np.random.default_rng([seed, epoch]).permutation(num)  # (1, 0) != (0, 1)
     steps = num // global_batch
     if not drop_last and num % global_batch:
         steps += 1

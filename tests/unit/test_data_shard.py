@@ -44,3 +44,15 @@ def test_errors():
         next(data.shard(np.arange(10), 5, rank=0, world_size=2))
     with pytest.raises(ValueError, match="does not divide by 3"):
         next(data.shard([(np.arange(4),)], rank=0, world_size=3))
+
+
+def test_each_seed_and_epoch_shuffles_differently():
+    y = np.arange(64)
+
+    def order(seed, epoch):
+        return np.concatenate(list(data.shard(y, 8, shuffle=True, seed=seed, epoch=epoch,
+                                              rank=0, world_size=1)))
+
+    # seed + epoch would make (seed 1, epoch 0) and (seed 0, epoch 1) the same run
+    assert not np.array_equal(order(1, 0), order(0, 1))
+    assert np.array_equal(order(2, 3), order(2, 3))
