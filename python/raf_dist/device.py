@@ -3,14 +3,17 @@
 ``Trainer(..., device="cuda")`` puts parameters, activations and the compiled step on
 ``cuda(local_rank)`` (``"cuda:N"`` picks GPU N of the host explicitly); the default stays
 ``"cpu"``. Before anything runs on a GPU the ranks check, collectively, that the GPU exists,
-that the native runtime was built with NCCL (collectives and buckets on GPU memory need it),
+that TVM can compile CUDA kernels here (``cuda_compiler``), that the native runtime was built
+with NCCL (collectives and buckets on GPU memory need it),
 and that no two ranks share a GPU (pynvml's device UUIDs; without pynvml, the host and the
 index) — each failure is a ValueError naming the rank, host and fix, raised before any
 collective on GPU memory. ``memory_stats`` reads the GPU's used / total memory with pynvml
 for ``Trainer.stats()``.
 """
 import functools
+import importlib.util
 import os
+import shutil
 
 import tvm
 
@@ -84,6 +87,25 @@ def check_one_rank_per_gpu(identities, hosts):
             "GPUs, or give each rank its own with device='cuda:N' / CUDA_VISIBLE_DEVICES")
 
 
+def cuda_compiler():
+    """How TVM will compile the step's CUDA kernels on this host: ``$TVM_CUDA_COMPILE_MODE``
+    when set; else TVM's default, NVRTC, when the cuda-bindings package it needs is
+    installed; else nvcc when it is on PATH; None when neither is there. Both read the CUDA
+    toolkit's headers (nvcc on PATH, ``CUDA_PATH`` or /usr/local/cuda). The apache-tvm
+    wheel defaults to NVRTC without depending on cuda-bindings, so on a host with only nvcc
+    a CUDA build would fail at its first kernel; ``compiler.build`` applies this choice."""
+    mode = os.environ.get("TVM_CUDA_COMPILE_MODE")
+    if mode:
+        return mode.lower()
+    try:
+        has_bindings = importlib.util.find_spec("cuda.bindings") is not None
+    except ModuleNotFoundError:  # no "cuda" namespace package at all
+        has_bindings = False
+    if has_bindings:
+        return "nvrtc"
+    return "nvcc" if shutil.which("nvcc") else None
+
+
 def select(device, comm, collective=True):
     """The tvm Device for this rank. For a GPU with ``collective`` (a data-parallel job of
     several ranks: every rank must call it) the ranks agree first that every one has its GPU
@@ -101,6 +123,10 @@ def select(device, comm, collective=True):
                                                     " (no NVIDIA driver or GPU on this host)")
                    + ("; start at most that many ranks per host" if count else
                       "; use device='cpu'"))
+    elif cuda_compiler() is None:
+        problem = (f"rank {comm.rank} on {comm.host}: compiling the step for CUDA needs the "
+                   "CUDA toolkit's nvcc on PATH (or the cuda-bindings package, for NVRTC); "
+                   "install the CUDA toolkit or add its bin/ to PATH")
     elif not _native.func("nccl_enabled")():
         problem = ("raf_dist's native runtime was built without NCCL, which GPU collectives and "
                    "gradient buckets need: reinstall with USE_CUDA=ON USE_NCCL=ON "

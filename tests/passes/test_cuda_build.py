@@ -1,6 +1,7 @@
 """The CUDA build without a GPU: the training step (data parallel and ZeRO) of every test
 model compiles for an NVIDIA target — every generated kernel gets a GPU schedule (CUDA
-codegen rejects a kernel with unbound loops) and nvcc accepts the code. Needs nvcc (skipped
+codegen rejects a kernel with unbound loops) and the generated CUDA C compiles to sm_80
+machine code with the compiler a GPU host would use (nvcc here). Needs nvcc (skipped
 otherwise); running the result needs a GPU (tests/gpu)."""
 import re
 import shutil
@@ -9,11 +10,13 @@ import pytest
 import tvm
 import tvm_ffi
 from tvm import relax
+from tvm.support import nvcc
 
 import raf_dist
 from models import make, raf_optimizer
 from raf_dist.compiler import compile_step
 from raf_dist.compiler import schedule
+from raf_dist.device import cuda_compiler
 from raf_dist.trainer import step_passes
 from raf_dist.training import build_train_step
 
@@ -50,6 +53,12 @@ def test_training_step_compiles_for_cuda(name, level, tmp_path):
                             cache_dir=tmp_path)
     cuda = [m for m in _modules(compiled.executable) if m.kind == "cuda"]
     assert cuda and compiled.planned_peak_bytes > 0
+    # Without a GPU, TVM keeps the kernels as CUDA C (it compiles them where a CUDA runtime
+    # is loaded): compile them here with the compiler a GPU host would use, to machine code
+    with TARGET:
+        cubin = nvcc.compile_cuda(cuda[0].inspect_source(), target_format="cubin",
+                                  compiler=cuda_compiler())
+    assert len(cubin) > 1000
     if name == "transformer":  # the embedding gradient: a zeroing and an accumulating kernel
         # (read from the generated CUDA C: without a GPU the module cannot be loaded to ask it)
         kernels = re.findall(r"__global__ void __launch_bounds__\((\d+)\) (take_backward\w*)\(",

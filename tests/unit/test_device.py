@@ -79,3 +79,28 @@ def test_gpu_checks_are_collective_only_for_a_data_parallel_trainer():
     with pytest.raises(ValueError, match="rank 0 on h0 .*; rank 1 on h0 asked for cuda:1"):
         device.select("cuda", comm, collective=True)
     assert len(comm.gathered) == 1
+
+
+def test_cuda_compiler_follows_the_environment_then_what_is_installed(monkeypatch):
+    monkeypatch.setenv("TVM_CUDA_COMPILE_MODE", "NVCC")
+    assert device.cuda_compiler() == "nvcc"  # the user's choice wins
+    monkeypatch.delenv("TVM_CUDA_COMPILE_MODE")
+    monkeypatch.setattr(device.importlib.util, "find_spec", lambda name: object())
+    assert device.cuda_compiler() == "nvrtc"  # TVM's default, when cuda-bindings is there
+    monkeypatch.setattr(device.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(device.shutil, "which", lambda name: "/usr/bin/nvcc")
+    assert device.cuda_compiler() == "nvcc"
+    monkeypatch.setattr(device.shutil, "which", lambda name: None)
+    assert device.cuda_compiler() is None
+
+
+def test_a_gpu_without_a_cuda_compiler_is_refused_before_anything_runs(monkeypatch):
+    class _Gpu:
+        exist = True
+
+    monkeypatch.setattr(device.tvm, "cuda", lambda index=0: _Gpu())
+    monkeypatch.setattr(device, "cuda_compiler", lambda: None)
+    comm = _TwoRanks()
+    with pytest.raises(ValueError, match="rank 0 on h0: compiling the step for CUDA needs the "
+                                         "CUDA toolkit's nvcc on PATH"):
+        device.select("cuda", comm, collective=False)

@@ -135,6 +135,9 @@ def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
         return CompiledStep(tvm.runtime.load_module(str(lib_path)), meta["planned_peak_bytes"],
                             str(lib_path), True)
 
+    if target.kind.name == "cuda":  # TVM reads its kernel compiler from the environment
+        from ..device import cuda_compiler
+        os.environ.setdefault("TVM_CUDA_COMPILE_MODE", cuda_compiler() or "nvrtc")
     planned = _plan(mod, target, instruments)
     peak = planned_bytes(planned)
     with target, tvm.transform.PassContext(opt_level=3, instruments=instruments):
