@@ -2,12 +2,12 @@
 
 ``Trainer(..., device="cuda")`` puts parameters, activations and the compiled step on
 ``cuda(local_rank)`` (``"cuda:N"`` picks GPU N of the host explicitly); the default stays
-``"cpu"``. Before anything runs on a GPU the ranks check, collectively, that the GPU exists,
-that TVM can compile CUDA kernels here (``cuda_compiler``), that the native runtime was built
-with NCCL (collectives and buckets on GPU memory need it),
-and that no two ranks share a GPU (pynvml's device UUIDs; without pynvml, the host and the
-index) — each failure is a ValueError naming the rank, host and fix, raised before any
-collective on GPU memory. ``memory_stats`` reads the GPU's used / total memory with pynvml
+``"cpu"``. Before anything runs on a GPU the ranks of a data-parallel job check, together,
+that the GPU exists, that TVM can compile CUDA kernels here (``cuda_compiler``), that the
+native runtime was built with NCCL (collectives and buckets on GPU memory need it), and that
+no two ranks share a GPU (pynvml's device UUIDs; without pynvml, the host and the index) —
+each failure is a ValueError naming the rank, host and fix, raised before any collective on
+GPU memory. ``memory_stats`` reads the GPU's used / total memory with pynvml
 for ``Trainer.stats()``.
 """
 import functools
