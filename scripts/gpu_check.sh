@@ -28,6 +28,9 @@ from raf_dist import _native
 assert tvm.cuda(0).exist, "TVM sees no CUDA GPU"
 assert _native.func("nccl_enabled")(), "the native runtime was built without NCCL"
 print("GPU:", tvm.cuda(0).device_name, "compute", tvm.cuda(0).compute_version)
+from raf_dist.device import cuda_compiler
+assert cuda_compiler(), "no CUDA kernel compiler: put nvcc on PATH or pip install cuda-bindings"
+print("CUDA kernels compiled with", cuda_compiler())
 PY
 "$py" -m pytest -q -rs tests/gpu tests/passes/test_cuda_build.py tests/unit/test_device.py
 "$py" bench/step_time.py --device cuda --steps 20
