@@ -21,7 +21,10 @@ py="$work/venv/bin/python"
 command -v mpicc >/dev/null 2>&1 || "$py" -m pip install -q mpich
 "$py" -m pip install -q "setuptools>=64" wheel "cmake>=3.18" apache-tvm-ffi==0.1.15.post2 torch==2.13.0
 cd "$work/src"
-USE_CUDA=ON USE_NCCL=ON "$py" -m pip install -q --no-build-isolation -e ".[test,$extra]"
+# pip builds the package before it installs its dependencies, so the NCCL wheel the CUDA build
+# links is not there yet on the first install: install with the extras first, then rebuild
+"$py" -m pip install -q --no-build-isolation -e ".[test,$extra]"
+USE_CUDA=ON USE_NCCL=ON "$py" -m pip install -q --no-build-isolation --no-deps --force-reinstall -e .
 "$py" - <<'PY'
 import tvm, raf_dist
 from raf_dist import _native
