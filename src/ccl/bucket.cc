@@ -48,8 +48,6 @@ struct ViewAlloc {
   void FreeData(DLTensor*) {}
 };
 
-size_t ElemBytes(DLDataType dtype) { return (dtype.bits * dtype.lanes + 7) / 8; }
-
 void CheckRange(const ffi::Tensor& bucket, int64_t offset, int64_t numel, int64_t pad,
                 const char* what) {
   const int64_t total = ContiguousNumel(bucket, what);
@@ -134,7 +132,6 @@ void PackChunks(ffi::PackedArgs args, ffi::Any* rv) {
     }
     shard_total += (ContiguousNumel(t, "raf_dist.bucket.pack_chunks") + n - 1) / n;
   }
-  const DLDevice device = tensors[0].device();
   if (ContiguousNumel(out, "raf_dist.bucket.pack_chunks output") != n * shard_total ||
       out.dtype() != tensors[0].dtype()) {
     TVM_FFI_THROW(ValueError) << "raf_dist.bucket.pack_chunks: output must be " << n * shard_total
@@ -144,13 +141,9 @@ void PackChunks(ffi::PackedArgs args, ffi::Any* rv) {
   char* base = static_cast<char*>(DataPtr(out));
   int64_t offset = 0;  // of t_i's shard inside a chunk
   for (const ffi::Tensor& t : tensors) {
-    const int64_t numel = t.numel(), shard = (numel + n - 1) / n;
-    const char* src = static_cast<const char*>(DataPtr(t));
+    int64_t shard = 0;
     for (int64_t r = 0; r < n; ++r) {
-      const int64_t begin = std::min(numel, r * shard), end = std::min(numel, begin + shard);
-      char* dst = base + (r * shard_total + offset) * elem;
-      CopyBytes(device, dst, src + begin * elem, (end - begin) * elem, "pack_chunks");
-      ZeroBytes(device, dst + (end - begin) * elem, (shard - (end - begin)) * elem, "pack_chunks");
+      shard = CopyShard(t, r, n, base + (r * shard_total + offset) * elem, "pack_chunks");
     }
     offset += shard;
   }

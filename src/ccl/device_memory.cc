@@ -4,6 +4,9 @@
  */
 #include "device_memory.h"
 
+#include "collective.h"
+
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -127,6 +130,16 @@ void ZeroBytes(DLDevice device, void* dst, size_t bytes, const char* what) {
   }
 #endif
   Unsupported(device, what);
+}
+
+int64_t CopyShard(const ffi::Tensor& t, int64_t rank, int64_t world, char* dst, const char* what) {
+  const int64_t numel = t.numel(), shard = (numel + world - 1) / world;
+  const int64_t begin = std::min(numel, rank * shard), end = std::min(numel, begin + shard);
+  const size_t elem = ElemBytes(t.dtype());
+  const char* src = static_cast<const char*>(DataPtr(t));
+  CopyBytes(t.device(), dst, src + begin * elem, (end - begin) * elem, what);
+  ZeroBytes(t.device(), dst + (end - begin) * elem, (shard - (end - begin)) * elem, what);
+  return shard;
 }
 
 ffi::Tensor EmptyTensor(ffi::ShapeView shape, DLDataType dtype, DLDevice device) {

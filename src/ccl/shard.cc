@@ -37,7 +37,7 @@ void LocalShard(ffi::PackedArgs args, ffi::Any* rv) {
   ffi::Tensor out = args[k + 1].cast<ffi::Tensor>();
   const int64_t rank = GroupRank(group), size = GroupSize(group);
   const DLDataType dtype = out.dtype();
-  const size_t elem = (dtype.bits * dtype.lanes + 7) / 8;
+  const size_t elem = ElemBytes(dtype);
   const int64_t out_numel = ContiguousNumel(out, "local_shard output");
   int64_t offset = 0;
   for (int i = 0; i < k; ++i) {
@@ -58,12 +58,7 @@ void LocalShard(ffi::PackedArgs args, ffi::Any* rv) {
                                 << " elements, the shards need more (" << offset + shard
                                 << " so far)";
     }
-    const int64_t begin = std::min(n, rank * shard), end = std::min(n, begin + shard);
-    char* dst = static_cast<char*>(DataPtr(out)) + offset * elem;
-    CopyBytes(out.device(), dst, static_cast<const char*>(DataPtr(t)) + begin * elem,
-              (end - begin) * elem, "local_shard");
-    ZeroBytes(out.device(), dst + (end - begin) * elem, (shard - (end - begin)) * elem,
-              "local_shard");
+    CopyShard(t, rank, size, static_cast<char*>(DataPtr(out)) + offset * elem, "local_shard");
     offset += shard;
   }
   if (offset != out_numel) {
