@@ -6,7 +6,6 @@ step on the VM. Parameters and optimizer state stay in runtime tensors between s
 """
 import hashlib
 import json
-import os
 
 import numpy as np
 import tvm
@@ -16,7 +15,7 @@ from . import __version__
 from . import checkpoint as ckpt
 from . import device as device_lib
 from . import runtime  # noqa: F401  (registers raf_dist.blas.*)
-from .compiler import compile_step, set_num_threads
+from .compiler import available_cores, compile_step, set_num_threads
 from .distributed import collectives, get_communicator, get_config
 from .optim import Optimizer
 from .passes import (AllReduceGradients, DispatchToBLAS, FastGelu, ShardZeRO,
@@ -57,7 +56,7 @@ class Trainer:
         self._device = device_lib.select(device, self.comm,
                                          collective=self.data_parallel and self.world > 1)
         self._target = device_lib.target_for(self._device)
-        set_num_threads(max(1, _cores() // max(1, self.comm.local_size)))
+        set_num_threads(max(1, available_cores() // max(1, self.comm.local_size)))
 
         self.ir, self.signature = build_train_step(model, loss, optimizer)
         if self.data_parallel and self.world > 1:
@@ -352,10 +351,3 @@ def step_passes(zero_level, world_size, bucket_bytes, overlap=True, group=0):
 
 def _nbytes(tensor):
     return int(np.prod(tensor.shape)) * tvm.DataType(tensor.dtype).bits // 8
-
-
-def _cores():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1

@@ -8,26 +8,11 @@ work is large enough to pay for the thread pool, and a fully data-parallel block
 """
 import os
 
-import threadpoolctl
 import tvm
 from tvm.s_tir import Schedule
 
 _MIN_PARALLEL_WORK = 1 << 14  # elements: below this, waking the pool costs more than it saves
 _VECTOR = 8  # float32 lanes in an AVX2 register
-
-
-def set_num_threads(num_threads):
-    """Size the compute thread pools — TVM's (it defaults to one thread here) and the BLAS
-    library numpy uses for matmul — to ``num_threads`` (the Trainer passes cores / local
-    ranks: ranks sharing a host must not oversubscribe it; measured in bench/RESULTS.md).
-
-    Idle pool workers sleep instead of spinning (TVM_THREAD_POOL_SPIN_COUNT=0 unless the user
-    set it): spinning workers steal the cores from the MPI communication thread, from BLAS and
-    from whatever runs between steps (measured in bench/RESULTS.md: PyTorch next to a spinning
-    pool ran 10x slower)."""
-    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
-    tvm.get_global_func("runtime.config_threadpool")(1, int(num_threads))
-    threadpoolctl.threadpool_limits(limits=int(num_threads), user_api="blas")
 
 
 def _extent(loop_rv, sch):
