@@ -29,10 +29,12 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -x tests/unit tests/passes tests/numeric
 
+# each script starts its own sides (one process or mpiexec job per side and round)
 bench: install
-	$(MPIRUN) -np 2 $(PY) bench/collectives.py
+	$(PY) bench/collectives.py
 	$(PY) bench/step_time.py
-	$(MPIRUN) -np 2 $(PY) bench/dp_step.py
+	$(PY) bench/dp_step.py
+	$(PY) bench/zero.py
 
 clean:
 	rm -rf build python/raf_dist/libraf_dist.so

@@ -8,17 +8,13 @@ the form AllReduceGradients emits) — timed alternately on the same data.
 One process: the allreduce over a world of one returns at once, so the difference is the
 copies (and their memory traffic) alone. Prints medians, their ratio, and planned memory.
 """
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/step_time.py
-
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from unittest import mock  # noqa: E402
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_time  # noqa: E402

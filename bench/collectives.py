@@ -1,52 +1,52 @@
-"""Bus bandwidth of raf_dist's collectives against raw mpi4py on the same buffers, same run.
+"""Bus bandwidth of raf_dist's collectives against raw mpi4py on the same buffers, each alone.
 
-    mpirun -np 2 python bench/collectives.py [--max-mb 64] [--iters 20]
+    python bench/collectives.py [--np 2] [--max-mb 64] [--iters 20] [--rounds 3]
 
 raf_dist is called the way compiled code calls it (the native ``raf_dist.ccl.*`` function on
 pre-wrapped tensors), so the figure includes its validation, the hand-off to the
-communication thread and the wait. The two are timed alternately, each measurement between
-barriers, and the median is reported. Bus bytes follow nccl-tests: allreduce 2(N-1)/N*S,
-reduce_scatter and allgather (N-1)/N*S, S = the full buffer.
+communication thread and the wait; mpi4py calls MPI directly, in a job that never imports
+raf_dist. Each side is its own `mpiexec -n N` job (bench/harness.py), the sides alternating for
+``--rounds`` rounds; within a job each measurement sits between barriers (slowest rank) and the
+median is kept. Bus bytes follow nccl-tests: allreduce 2(N-1)/N*S, reduce_scatter and
+allgather (N-1)/N*S, S = the full buffer.
 """
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
-import tvm_ffi
 from mpi4py import MPI
 
-from raf_dist import _native
-from raf_dist import distributed as dist
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+KINDS = ("allreduce", "reduce_scatter", "allgather")
 
 
-def make_cases(comm, count):
+def bus_bytes(kind, n, count):
+    return (2 if kind == "allreduce" else 1) * (n - 1) / n * count * 4
+
+
+def make_calls(side, comm, count):
+    """{kind: a no-argument call running that collective once on ``count`` float32 elements}."""
     n = comm.size
-    shard = count // n
-    full = np.ones(count, np.float32)
-    out_full = np.empty(count, np.float32)
-    part = np.ones(shard, np.float32)
-    out_part = np.empty(shard, np.float32)
-    t = tvm_ffi.from_dlpack
-    g = dist.get_communicator().group
-    mpi = comm
-    return {
-        "allreduce": (
-            2 * (n - 1) / n * count * 4,
-            lambda f=_native.func("allreduce"), a=(t(full), "sum", g, t(out_full)): f(*a),
-            lambda: mpi.Allreduce(full, out_full, op=MPI.SUM),
-        ),
-        "reduce_scatter": (
-            (n - 1) / n * count * 4,
-            lambda f=_native.func("reduce_scatter"), a=(t(full), "sum", g, t(out_part)): f(*a),
-            lambda: mpi.Reduce_scatter_block(full, out_part, op=MPI.SUM),
-        ),
-        "allgather": (
-            (n - 1) / n * count * 4,
-            lambda f=_native.func("allgather"), a=(t(part), g, t(out_full)): f(*a),
-            lambda: mpi.Allgather(part, out_full),
-        ),
-    }
+    full, out_full = np.ones(count, np.float32), np.empty(count, np.float32)
+    part, out_part = np.ones(count // n, np.float32), np.empty(count // n, np.float32)
+    if side == "mpi4py":
+        return {"allreduce": lambda: comm.Allreduce(full, out_full, op=MPI.SUM),
+                "reduce_scatter": lambda: comm.Reduce_scatter_block(full, out_part, op=MPI.SUM),
+                "allgather": lambda: comm.Allgather(part, out_full)}
+    import tvm_ffi
+
+    from raf_dist import _native
+    from raf_dist import distributed as dist
+    t, g = tvm_ffi.from_dlpack, dist.get_communicator().group
+    calls = {"allreduce": (_native.func("allreduce"), (t(full), "sum", g, t(out_full))),
+             "reduce_scatter": (_native.func("reduce_scatter"), (t(full), "sum", g, t(out_part))),
+             "allgather": (_native.func("allgather"), (t(part), g, t(out_full)))}
+    return {kind: (lambda f=f, a=a: f(*a)) for kind, (f, a) in calls.items()}
 
 
 def timed(comm, fn):
@@ -57,40 +57,61 @@ def timed(comm, fn):
     return comm.allreduce(elapsed, op=MPI.MAX)  # the slowest rank defines the collective
 
 
+def run_side(side, sizes, iters_base):
+    comm = MPI.COMM_WORLD
+    result = {}
+    for nbytes in sizes:
+        count = nbytes // 4
+        for kind, call in make_calls(side, comm, count).items():
+            iters = max(5, min(iters_base * 10, int(iters_base * 2**22 / nbytes)))
+            call()  # warm up
+            seconds = statistics.median(timed(comm, call) for _ in range(iters))
+            result[f"{kind}:{nbytes}"] = bus_bytes(kind, comm.size, count) / seconds / 1e9
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--max-mb", type=float, default=64)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--side", choices=["raf", "mpi4py"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    comm = MPI.COMM_WORLD
-    dist.get_communicator()
     sizes = []
     nbytes = 4096
     while nbytes <= args.max_mb * 2**20:
         sizes.append(nbytes)
         nbytes *= 4
-    rows = []
-    for nbytes in sizes:
-        count = nbytes // 4
-        for kind, (bus_bytes, raf, raw) in make_cases(comm, count).items():
-            iters = max(5, min(args.iters * 10, int(args.iters * 2**22 / nbytes)))
-            raf(), raw()  # warm up both paths
-            raf_times, raw_times = [], []
-            for _ in range(iters):
-                raf_times.append(timed(comm, raf))
-                raw_times.append(timed(comm, raw))
-            raf_bw = bus_bytes / statistics.median(raf_times) / 1e9
-            raw_bw = bus_bytes / statistics.median(raw_times) / 1e9
-            rows.append((kind, nbytes, raf_bw, raw_bw))
-    if comm.rank == 0:
-        print(f"# {comm.size} ranks, float32, median of alternating runs; GB/s = bus bytes / s")
-        print(f"{'collective':15s} {'size':>9s} {'raf_dist GB/s':>14s} {'mpi4py GB/s':>12s} {'ratio':>6s}")
-        for kind, nbytes, raf_bw, raw_bw in sorted(rows, key=lambda r: (r[0], r[1])):
+    if args.side:
+        result = run_side(args.side, sizes, args.iters)
+        if MPI.COMM_WORLD.rank == 0:
+            harness.report(result)
+        return
+    common = [harness.mpiexec(), "-n", str(args.np), sys.executable, __file__, "--max-mb",
+              str(args.max_mb), "--iters", str(args.iters)]
+    results = harness.alternate({"raf": common + ["--side", "raf"],
+                                 "mpi4py": common + ["--side", "mpi4py"]}, args.rounds,
+                                log=lambda line: None)
+    print(f"# {args.np} ranks, float32; {harness.machine()}; each side alone, {args.rounds} "
+          "alternating rounds; GB/s = bus bytes / s (median over rounds); ratio = median "
+          "[spread] of the per-round ratios")
+    print(f"{'collective':15s} {'size':>9s} {'raf_dist GB/s':>14s} {'mpi4py GB/s':>12s} "
+          f"{'ratio [spread]':>16s}")
+    big = []
+    for kind in KINDS:
+        for nbytes in sizes:
+            key = f"{kind}:{nbytes}"
+            raf = [r[key] for r in results["raf"]]
+            raw = [r[key] for r in results["mpi4py"]]
             size = f"{nbytes // 1024} KB" if nbytes < 2**20 else f"{nbytes // 2**20} MB"
-            print(f"{kind:15s} {size:>9s} {raf_bw:14.3f} {raw_bw:12.3f} {raf_bw / raw_bw:6.2f}")
-        big = [r[2] / r[3] for r in rows if r[1] >= 2**20]
-        print(f"# geometric-mean ratio from 1 MB up: {statistics.geometric_mean(big):.3f} "
-              f"(min {min(big):.3f}); goal >= 0.9")
+            # bandwidth: higher is better, so the ratio is raf / mpi4py (>= 1: raf_dist as fast)
+            print(f"{kind:15s} {size:>9s} {statistics.median(raf):14.3f} "
+                  f"{statistics.median(raw):12.3f} {harness.format_ratio(raf, raw):>16s}")
+            if nbytes >= 2**20:
+                big.append(harness.ratio_summary(raf, raw)[0])
+    print(f"# geometric mean of the median ratios from 1 MB up: "
+          f"{statistics.geometric_mean(big):.3f} (min {min(big):.3f}); goal >= 0.9")
 
 
 if __name__ == "__main__":

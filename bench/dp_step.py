@@ -1,113 +1,121 @@
-"""Data-parallel step time: raf_dist vs PyTorch DDP (gloo, default 25 MB buckets), same
-processes, same global batch, alternating steps.
+"""Data-parallel step time: raf_dist vs PyTorch DDP (gloo, default 25 MB buckets), each alone.
 
-    mpirun -np 2 python bench/dp_step.py [--model mlp|gpt|all] [--steps 10]
+    python bench/dp_step.py [--np 2] [--model mlp|gpt|all] [--steps 10] [--rounds 3]
 
-Models are bench/step_time.py's (MLP batch 128, GPT batch 16), AdamW. Each rank takes
-global_batch / N rows. Times are the slowest rank's (barrier before each step), median over
-steps. Also printed: raf_dist's single-process step on the global batch (rank 0 alone, all
-cores) and the speedup / efficiency from 1 to N ranks.
+Models are bench/step_time.py's (MLP batch 128, GPT batch 16), AdamW; each rank takes
+global_batch / N rows. Each side is its own `mpiexec -n N` job (bench/harness.py), the sides
+alternating for ``--rounds`` rounds. Threads per rank are the same for both: cores / ranks
+(raf_dist's default, and what torchrun's OMP_NUM_THREADS=1 default gives on this machine).
+A step's time is the slowest rank's (barrier before each step); medians over steps. Also
+printed: raf_dist's one-process step on the global batch (all cores), for the speedup.
+
+    mpiexec -n 2 python bench/dp_step.py --side raf|ddp --model gpt   one side, one BENCH line
 """
+import argparse
 import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/step_time.py
-
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as tdist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 import step_time  # noqa: E402
 
-import raf_dist  # noqa: E402
-from raf_dist import distributed as dist  # noqa: E402
+
+def _slowest_rank(mpi_comm):
+    from mpi4py import MPI
+
+    def timer(fn):
+        mpi_comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        return mpi_comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    return timer
 
 
-def timed(comm, fn):
-    comm.mpi_comm.Barrier()
-    start = time.perf_counter()
-    fn()
-    return comm.mpi_comm.allreduce(time.perf_counter() - start, op=__import__("mpi4py").MPI.MAX)
-
-
-def run(name, steps, cache_dir, comm):
+def _local_rows(name, rank, size):
     module, x, y = step_time.make(name)
-    n, rank = comm.size, comm.rank
-    local = x.shape[0] // n
-    xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+    local = x.shape[0] // size
+    return module, x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
 
-    dist.get_config().update({"enable_data_parallel": True})
+
+def raf_side(name, steps, cache_dir):
+    import raf_dist
+    from raf_dist import distributed as dist
+
+    comm = dist.get_communicator()
+    module, xs, ys = _local_rows(name, comm.rank, comm.size)
+    dist.get_config().enable_data_parallel = comm.size > 1
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (xs,)),
                                optimizer=raf_dist.optim.AdamW(lr=1e-3), cache_dir=cache_dir)
-    ddp = DistributedDataParallel(module)  # gloo process group, default 25 MB buckets
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     xn, yn = xs.numpy(), ys.numpy()
+    ms = harness.median_ms(lambda: trainer.step(xn, yn), steps,
+                           timer=_slowest_rank(comm.mpi_comm))
+    return {"ms": ms, "ranks": comm.size}
 
-    def ddp_step():
-        step_time.torch_step(ddp, opt, xs, ys)
 
-    for _ in range(3):
-        trainer.step(xn, yn)
-        ddp_step()
-    raf_times, ddp_times = [], []
-    for _ in range(steps):
-        raf_times.append(timed(comm, lambda: trainer.step(xn, yn)))
-        ddp_times.append(timed(comm, ddp_step))
+def ddp_side(name, steps):
+    import torch
+    import torch.distributed as tdist
+    from mpi4py import MPI
+    from torch.nn.parallel import DistributedDataParallel
 
-    # one process on the global batch, with the whole machine: the 1-rank baseline
-    dist.get_config().enable_data_parallel = False
-    single_ms = float("nan")
-    if rank == 0:
-        torch.set_num_threads(os.cpu_count() or 1)
-        solo_module, _, _ = step_time.make(name)
-        solo = raf_dist.Trainer(raf_dist.frontend.from_pytorch(solo_module, (x,)),
-                                optimizer=raf_dist.optim.AdamW(lr=1e-3), cache_dir=cache_dir)
-        for _ in range(3):
-            solo.step(x.numpy(), y.numpy())
-        solo_times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            solo.step(x.numpy(), y.numpy())
-            solo_times.append(time.perf_counter() - start)
-        single_ms = statistics.median(solo_times) * 1e3
-    comm.idle_barrier()
-    return statistics.median(raf_times) * 1e3, statistics.median(ddp_times) * 1e3, single_ms
+    world = MPI.COMM_WORLD
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    # torchrun's default for several workers per node is OMP_NUM_THREADS=1; on this 2-core
+    # machine with 2 ranks that is also cores / local ranks, raf_dist's default
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local.size))
+    port = world.bcast(29500 + os.getpid() % 1000 if world.rank == 0 else None, root=0)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
+                             world_size=world.size)
+    module, xs, ys = _local_rows(name, world.rank, world.size)
+    ddp = DistributedDataParallel(module)  # default 25 MB buckets
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    ms = harness.median_ms(lambda: step_time.torch_step(ddp, opt, xs, ys), steps,
+                           timer=_slowest_rank(world))
+    tdist.destroy_process_group()
+    return {"ms": ms, "threads": torch.get_num_threads()}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--model", default="all", choices=["mlp", "gpt", "all"])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--side", choices=["raf", "ddp"], help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    comm = dist.get_communicator()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.local_size))
-    port = comm.mpi_comm.bcast(29500 + os.getpid() % 1000 if comm.rank == 0 else None, root=0)
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
-                             world_size=comm.size)
+    if args.side:
+        result = (raf_side(args.model, args.steps, args.cache_dir) if args.side == "raf"
+                  else ddp_side(args.model, args.steps))
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.rank == 0:
+            harness.report(result)
+        return
+
+    import torch
     names = ["mlp", "gpt"] if args.model == "all" else [args.model]
+    print(f"# {args.np} ranks, torch {torch.__version__} DDP/gloo; {harness.machine()}; each side "
+          f"alone, {args.rounds} alternating rounds of {args.steps} steps (slowest rank); AdamW")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        cache_dir = comm.mpi_comm.bcast(tmp if comm.rank == 0 else None, root=0)
+    with tempfile.TemporaryDirectory() as cache_dir:
         for name in names:
-            rows.append((name, *run(name, args.steps, cache_dir, comm)))
-    if comm.rank == 0:
-        n = comm.size
-        print(f"# {n} ranks, torch {torch.__version__} DDP/gloo; median of {args.steps} "
-              "alternating steps (slowest rank); AdamW")
-        print(f"{'model':6s} {'raf_dist ms':>12s} {'DDP ms':>8s} {'ratio':>6s} "
-              f"{'raf 1-rank ms':>14s} {'speedup':>8s} {'efficiency':>10s}")
-        for name, raf_ms, ddp_ms, single_ms in rows:
-            speedup = single_ms / raf_ms
-            print(f"{name:6s} {raf_ms:12.2f} {ddp_ms:8.2f} {raf_ms / ddp_ms:6.2f} "
-                  f"{single_ms:14.2f} {speedup:8.2f} {speedup / n:10.2f}")
-    tdist.destroy_process_group()
+            common = [sys.executable, __file__, "--model", name, "--steps", str(args.steps)]
+            mpi = [harness.mpiexec(), "-n", str(args.np)]
+            sides = {"raf": mpi + common + ["--side", "raf", "--cache-dir", cache_dir],
+                     "ddp": mpi + common + ["--side", "ddp"],
+                     "raf 1 process": common + ["--side", "raf", "--cache-dir", cache_dir]}
+            rows.append((name, harness.alternate(sides, args.rounds)))
+    print(f"{'model':6s} {'raf_dist ms':>12s} {'DDP ms':>8s} {'ratio [spread]':>16s} "
+          f"{'raf 1-proc ms':>14s} {'speedup':>8s}")
+    for name, results in rows:
+        raf, ddp, solo = ([r["ms"] for r in results[k]] for k in ("raf", "ddp", "raf 1 process"))
+        print(f"{name:6s} {statistics.median(raf):12.2f} {statistics.median(ddp):8.2f} "
+              f"{harness.format_ratio(raf, ddp):>16s} {statistics.median(solo):14.2f} "
+              f"{statistics.median(solo) / statistics.median(raf):8.2f}")
 
 
 if __name__ == "__main__":

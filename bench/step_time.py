@@ -1,28 +1,30 @@
-"""Training-step time: raf_dist (compiled Relax step) vs PyTorch eager, same process.
+"""Training-step time: raf_dist (compiled Relax step) vs PyTorch eager, each alone.
 
-    python bench/step_time.py [--model mlp|gpt|all] [--steps 20] [--threads 2] [--device cuda]
+    python bench/step_time.py [--model mlp|gpt|all] [--steps 20] [--rounds 3] [--cores K]
+                              [--device cpu|cuda]
 
 Models (AdamW): MLP 784-1024-1024-10, batch 128; GPT-style 4 layers, d=128, 4 heads, seq 64,
-vocab 512, batch 16. The two frameworks run alternately on identical data and initial
-weights; the table gives median step times, their ratio (raf_dist / PyTorch, < 1 is faster)
-and raf_dist's compile time (cold cache).
+vocab 512, batch 16. Each side runs in a process of its own with its own defaults (bench/
+harness.py), on the same cores (all the driver may use, or the first K), identical data and
+initial weights; the sides alternate for ``--rounds`` rounds. Printed: each side's median step
+time over the rounds, the median of the per-round ratios raf_dist / PyTorch (< 1: raf_dist is
+faster) with their spread, and raf_dist's compile time in the first round (cold cache).
+
+    python bench/step_time.py --side raf|torch --model mlp    one side, one BENCH line
 """
-import os
-
-# Idle OpenMP workers (PyTorch) wait passively, as raf_dist's TVM pool does by default, so that
-# neither framework's spinning threads steal the 2 cores from the other between alternating steps.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import argparse  # noqa: E402
+import argparse
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import raf_dist
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -84,7 +86,10 @@ def torch_step(module, opt, x, y):
     opt.step()
 
 
-def bench(name, steps, cache_dir, device="cpu"):
+def raf_side(name, steps, cache_dir, device="cpu"):
+    """raf_dist alone: compile (timed) then the median step."""
+    import raf_dist
+
     module, x, y = make(name)
     model = raf_dist.frontend.from_pytorch(module, (x,))
     start = time.perf_counter()
@@ -92,45 +97,64 @@ def bench(name, steps, cache_dir, device="cpu"):
                                optimizer=raf_dist.optim.AdamW(lr=1e-3), cache_dir=cache_dir,
                                device=device)
     compile_s = time.perf_counter() - start
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    module, tx, ty = module.to(device), x.to(device), y.to(device)  # PyTorch on the same device
+    xn, yn = x.numpy(), y.numpy()  # raf_dist takes host batches (and copies them to a GPU)
+    # step() returns the loss as a float: the step has finished when it returns
+    ms = harness.median_ms(lambda: trainer.step(xn, yn), steps)
+    return {"ms": ms, "compile_s": compile_s}
+
+
+def torch_side(name, steps, device="cpu"):
+    """PyTorch eager alone, on its default thread settings."""
+    module, x, y = make(name)
+    module, x, y = module.to(device), x.to(device), y.to(device)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    xn, yn = x.numpy(), y.numpy()  # raf_dist takes host batches and copies them over
-    for _ in range(3):  # warm up both
-        trainer.step(xn, yn)
-        torch_step(module, opt, tx, ty)
-    sync()
-    raf_times, torch_times = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        trainer.step(xn, yn)  # returns the loss as a float: the step has finished
-        t1 = time.perf_counter()
-        torch_step(module, opt, tx, ty)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def step():
+        torch_step(module, opt, x, y)
         sync()
-        t2 = time.perf_counter()
-        raf_times.append(t1 - t0)
-        torch_times.append(t2 - t1)
-    raf_ms, torch_ms = statistics.median(raf_times) * 1e3, statistics.median(torch_times) * 1e3
-    return raf_ms, torch_ms, compile_s
+
+    return {"ms": harness.median_ms(step, steps), "threads": torch.get_num_threads()}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="all", choices=["mlp", "gpt", "all"])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cores", type=int, default=None,
+                        help="run both sides on the first K cores (default: all)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: both frameworks on GPU 0 (needs a CUDA build of PyTorch)")
+    parser.add_argument("--side", choices=["raf", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.side == "raf":
+        return harness.report(raf_side(args.model, args.steps, args.cache_dir, args.device))
+    if args.side == "torch":
+        return harness.report(torch_side(args.model, args.steps, args.device))
+
     names = ["mlp", "gpt"] if args.model == "all" else [args.model]
-    print(f"# torch {torch.__version__} on {args.device}, {args.threads} threads; median of "
-          f"{args.steps} alternating steps; AdamW")
-    print(f"{'model':6s} {'raf_dist ms':>12s} {'torch ms':>9s} {'ratio':>6s} {'compile s':>10s}")
-    with tempfile.TemporaryDirectory() as cache_dir:  # cold cache: the compile time is real
+    cpu_set = harness.cores(args.cores)
+    print(f"# torch {torch.__version__} on {args.device}; {harness.machine()}; each side alone, "
+          f"{args.rounds} alternating rounds of {args.steps} steps; AdamW")
+    rows = []
+    with tempfile.TemporaryDirectory() as cache_dir:  # cold in round 1: the compile time is real
         for name in names:
-            raf_ms, torch_ms, compile_s = bench(name, args.steps, cache_dir, args.device)
-            print(f"{name:6s} {raf_ms:12.2f} {torch_ms:9.2f} {raf_ms / torch_ms:6.2f} {compile_s:10.2f}")
+            common = [sys.executable, __file__, "--model", name, "--steps", str(args.steps),
+                      "--device", args.device]
+            sides = {"raf": common + ["--side", "raf", "--cache-dir", cache_dir],
+                     "torch": common + ["--side", "torch"]}
+            results = harness.alternate(sides, args.rounds, cpu_set)
+            rows.append((name, results))
+    print(f"{'model':6s} {'raf_dist ms':>12s} {'torch ms':>9s} {'ratio [spread]':>16s} "
+          f"{'compile s':>10s} {'torch threads':>13s}")
+    for name, results in rows:
+        raf = [r["ms"] for r in results["raf"]]
+        peer = [r["ms"] for r in results["torch"]]
+        print(f"{name:6s} {statistics.median(raf):12.2f} {statistics.median(peer):9.2f} "
+              f"{harness.format_ratio(raf, peer):>16s} {results['raf'][0]['compile_s']:10.2f} "
+              f"{results['torch'][0]['threads']:13d}")
 
 
 if __name__ == "__main__":
