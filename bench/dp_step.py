@@ -8,6 +8,8 @@ alternating for ``--rounds`` rounds. Threads per rank are the same for both: cor
 (raf_dist's default, and what torchrun's OMP_NUM_THREADS=1 default gives on this machine).
 A step's time is the slowest rank's (barrier before each step); medians over steps. Also
 printed: raf_dist's one-process step on the global batch (all cores), for the speedup.
+``--pin-ranks`` adds a raf_dist side whose ranks are bound to disjoint core sets by local rank
+(the alternative to raf_dist's default of binding nothing; compiler/threads.py).
 
     mpiexec -n 2 python bench/dp_step.py --side raf|ddp --model gpt   one side, one BENCH line
 """
@@ -41,11 +43,16 @@ def _local_rows(name, rank, size):
     return module, x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
 
 
-def raf_side(name, steps, cache_dir):
+def raf_side(name, steps, cache_dir, pin=False):
     import raf_dist
     from raf_dist import distributed as dist
 
     comm = dist.get_communicator()
+    if pin:  # disjoint core sets by local rank, bound before any thread pool starts
+        mine = sorted(os.sched_getaffinity(0))
+        per_rank = max(1, len(mine) // comm.local_size)
+        start = (comm.local_rank * per_rank) % len(mine)
+        os.sched_setaffinity(0, set(mine[start:start + per_rank]))
     module, xs, ys = _local_rows(name, comm.rank, comm.size)
     dist.get_config().enable_data_parallel = comm.size > 1
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (xs,)),
@@ -85,12 +92,14 @@ def main():
     parser.add_argument("--model", default="all", choices=["mlp", "gpt", "all"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--side", choices=["raf", "ddp"], help=argparse.SUPPRESS)
+    parser.add_argument("--pin-ranks", action="store_true",
+                        help="also time raf_dist with ranks bound to disjoint core sets")
+    parser.add_argument("--side", choices=["raf", "raf-pinned", "ddp"], help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        result = (raf_side(args.model, args.steps, args.cache_dir) if args.side == "raf"
-                  else ddp_side(args.model, args.steps))
+        result = (ddp_side(args.model, args.steps) if args.side == "ddp" else
+                  raf_side(args.model, args.steps, args.cache_dir, pin=args.side == "raf-pinned"))
         from mpi4py import MPI
         if MPI.COMM_WORLD.rank == 0:
             harness.report(result)
@@ -108,6 +117,8 @@ def main():
             sides = {"raf": mpi + common + ["--side", "raf", "--cache-dir", cache_dir],
                      "ddp": mpi + common + ["--side", "ddp"],
                      "raf 1 process": common + ["--side", "raf", "--cache-dir", cache_dir]}
+            if args.pin_ranks:
+                sides["raf pinned"] = mpi + common + ["--side", "raf-pinned", "--cache-dir", cache_dir]
             rows.append((name, harness.alternate(sides, args.rounds)))
     print(f"{'model':6s} {'raf_dist ms':>12s} {'DDP ms':>8s} {'ratio [spread]':>16s} "
           f"{'raf 1-proc ms':>14s} {'speedup':>8s}")
@@ -116,6 +127,10 @@ def main():
         print(f"{name:6s} {statistics.median(raf):12.2f} {statistics.median(ddp):8.2f} "
               f"{harness.format_ratio(raf, ddp):>16s} {statistics.median(solo):14.2f} "
               f"{statistics.median(solo) / statistics.median(raf):8.2f}")
+        if "raf pinned" in results:
+            pinned = [r["ms"] for r in results["raf pinned"]]
+            print(f"{'':6s} raf_dist, ranks on disjoint cores: {statistics.median(pinned):.2f} ms, "
+                  f"{harness.format_ratio(pinned, raf)} x unpinned")
 
 
 if __name__ == "__main__":
