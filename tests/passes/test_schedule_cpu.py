@@ -1,12 +1,17 @@
-"""IR tier for ScheduleCPU: the loops it produces (kinds and extents), and unchanged results."""
+"""IR tier for ScheduleCPU: the loops it produces (kinds and extents), unchanged results, and
+fallbacks that are logged (or raise in strict mode, which the suite runs in)."""
+import logging
+
 import numpy as np
+import pytest
 import tvm
 import tvm_ffi
 from tvm import relax, tirx
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from raf_dist.compiler import ScheduleCPU
+from raf_dist.compiler import ScheduleCPU, compile_step
+from raf_dist.compiler.schedule import ScheduleFallbackError
 
 
 def _lowered(mod):
@@ -98,3 +103,93 @@ def test_column_reduction_walks_rows_inside_column_bands():
     vm = relax.VirtualMachine(tvm.compile(scheduled, target="llvm"), tvm.cpu())
     np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), x.sum(0), rtol=1e-4,
                                atol=1e-4)
+
+
+@I.ir_module
+class WholeSum:
+    """A reduction of 256*512 elements to one scalar: no data-parallel loop to split, which
+    ScheduleCPU does not handle (it has no rfactor schedule)."""
+
+    @R.function
+    def main(x: R.Tensor((256, 512), "float32")):
+        with R.dataflow():
+            z = R.sum(x)
+            R.output(z)
+        return z
+
+
+def test_unhandled_block_is_logged_and_left_serial(caplog):
+    with caplog.at_level(logging.WARNING, logger="raf_dist"):
+        scheduled = ScheduleCPU(strict=False)(_lowered(WholeSum))
+    (kernel,) = [f for _, f in scheduled.functions_items() if isinstance(f, tirx.PrimFunc)]
+    assert all(kind == tirx.ForKind.SERIAL for kind, _ in _loop_kinds(kernel))
+    (record,) = [r for r in caplog.records if "left unscheduled" in r.getMessage()]
+    message = record.getMessage()
+    assert "'sum'" in message and "no data-parallel outer loop" in message, message
+    x = np.random.default_rng(2).standard_normal((256, 512)).astype("float32")
+    vm = relax.VirtualMachine(tvm.compile(scheduled, target="llvm"), tvm.cpu())
+    # float32 sum of 131072 standard normals in two different orders
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), x.sum(), rtol=1e-3)
+
+
+def test_strict_mode_raises_on_a_fallback(monkeypatch):
+    monkeypatch.setenv("RAF_DIST_STRICT_SCHEDULE", "1")  # what tests/conftest.py sets anyway
+    with pytest.raises(ScheduleFallbackError, match=r"kernel 'sum', block 'x_red'.*RAF_DIST_STRICT"):
+        ScheduleCPU()(_lowered(WholeSum))
+    monkeypatch.setenv("RAF_DIST_STRICT_SCHEDULE", "maybe")
+    with pytest.raises(ValueError, match="RAF_DIST_STRICT_SCHEDULE='maybe' is not a switch"):
+        ScheduleCPU()(_lowered(WholeSum))
+
+
+def test_tvm_prescheduled_kernels_are_left_alone():
+    lowered = _lowered(Elementwise)
+    gvar, func = [(g, f) for g, f in lowered.functions_items() if isinstance(f, tirx.PrimFunc)][0]
+    lowered = lowered.clone()
+    lowered[gvar] = func.with_attr("tirx.is_scheduled", True)  # TVM 0.27's attribute
+    kept = ScheduleCPU()(lowered)[gvar]
+    assert all(kind == tirx.ForKind.SERIAL for kind, _ in _loop_kinds(kept))
+    fresh = ScheduleCPU()(_lowered(Elementwise))[gvar.name_hint]
+    assert int(fresh.attrs["tirx.is_scheduled"]) == 1
+
+
+def _embedding_gradient(vocab, dim, rows):
+    bb = relax.BlockBuilder()
+    g = relax.Var("g", relax.TensorType((rows, dim), "float32"))
+    x = relax.Var("x", relax.TensorType((vocab, dim), "float32"))
+    idx = relax.Var("idx", relax.TensorType((rows,), "int32"))
+    with bb.function("main", [g, x, idx]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.grad.take_backward(g, x, idx, 0))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_embedding_gradient_runs_parallel_and_adds_repeated_rows():
+    """TVM's take_backward is an opaque block Schedule() cannot open ("Cannot find a block
+    with the name: root"): it used to be left serial without a word on every model with an
+    embedding. Its two loops (zero the output, then one iteration per column) now run in
+    parallel, and repeated indices still add up."""
+    vocab, dim, rows = 512, 128, 1024  # the GPT of bench/step_time.py
+    scheduled = ScheduleCPU()(_lowered(_embedding_gradient(vocab, dim, rows)))
+    (kernel,) = [f for _, f in scheduled.functions_items() if isinstance(f, tirx.PrimFunc)]
+    kinds = _loop_kinds(kernel)
+    assert (tirx.ForKind.PARALLEL, vocab * dim) in kinds and (tirx.ForKind.PARALLEL, dim) in kinds
+    assert (tirx.ForKind.SERIAL, rows) in kinds  # each column walks the indices in order
+    rng = np.random.default_rng(3)
+    idx = rng.integers(0, vocab, rows).astype("int32")
+    idx[:9] = 7  # a row hit repeatedly
+    g = rng.standard_normal((rows, dim)).astype("float32")
+    expected = np.zeros((vocab, dim), "float32")
+    np.add.at(expected, idx, g)
+    vm = relax.VirtualMachine(tvm.compile(scheduled, target="llvm"), tvm.cpu())
+    out = vm["main"](tvm.runtime.tensor(g), tvm.runtime.tensor(np.zeros_like(expected)),
+                     tvm.runtime.tensor(idx))
+    # the same additions in the same order per element as np.add.at
+    np.testing.assert_array_equal(out.numpy(), expected)
+
+
+def test_cpu_build_prints_no_unknown_pragma(capfd, tmp_path):
+    """TVM's IR builder wraps take_backward's loops in a ``pragma_scope`` attribute LLVM's code
+    generator does not know; DropScopePragma removes it, so the build prints no warning."""
+    compile_step(_embedding_gradient(24, 16, 64), cache_dir=tmp_path)
+    assert "Unknown pragma" not in capfd.readouterr().err

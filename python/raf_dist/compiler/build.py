@@ -21,9 +21,10 @@ import os
 from pathlib import Path
 
 import tvm
+import tvm_ffi
 from tvm.relax.backend.cpu_generic import pipeline as cpu_pipeline
 
-from .. import __version__
+from .. import __version__, env
 from .inplace_buckets import WriteGradientsIntoBuckets
 from .memory import planned_bytes
 from .schedule import ScheduleCPU, ScheduleGPU
@@ -82,6 +83,26 @@ def make_target(target):
     return tvm.target.Target(target)
 
 
+@tvm.transform.module_pass(opt_level=0, name="DropScopePragma")
+class DropScopePragma:
+    """Removes the ``pragma_scope`` attribute TVM's IR builder wraps around a sequence of loops
+    (``T.seq_scope()``, in take_backward and the scatter kernels). It only told the builder
+    to accept several statements; the LLVM code generator does not know it and warned
+    "Unknown pragma pragma_scope" on every CPU build of a model with an embedding."""
+
+    def transform_module(self, mod, ctx):
+        def drop(stmt):
+            return stmt.body if stmt.attr_key == "pragma_scope" else stmt
+
+        updates = {gvar: func.with_body(tvm_ffi.structural_map(
+                       func.body, [(tvm.tirx.AttrStmt, drop)]))
+                   for gvar, func in mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)}
+        mod = mod.clone()  # the caller's module stays as it was
+        for gvar, func in updates.items():
+            mod[gvar] = func
+        return mod
+
+
 def _pipeline(target):
     """TVM's backend pipeline for the target and the passes that schedule generated kernels:
     ScheduleCPU on the CPU; on CUDA, ScheduleGPU (dlight's default GPU rules, as TVM's CUDA
@@ -90,7 +111,7 @@ def _pipeline(target):
         from tvm.relax.backend.cuda import pipeline
         legalize = pipeline.legalize_passes(target)  # ends with dlight's ApplyDefaultSchedule
         return pipeline, legalize[:-1] + [ScheduleGPU()]
-    return cpu_pipeline, cpu_pipeline.legalize_passes(target) + [ScheduleCPU()]
+    return cpu_pipeline, cpu_pipeline.legalize_passes(target) + [ScheduleCPU(), DropScopePragma()]
 
 
 def _plan(mod, target, instruments=()):
@@ -124,8 +145,10 @@ def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
     with tvm.transform.PassContext(opt_level=3, instruments=instruments):
         for p in passes:
             mod = p(mod)
+    # strictness is part of the key: a step built leniently (kernels left unscheduled) must
+    # not satisfy a strict build from the cache
     key_text = "\n".join([mod.script(show_meta=True), str(target), tvm.__version__, __version__,
-                          _compiler_fingerprint()])
+                          _compiler_fingerprint(), f"strict={env.strict_schedules()}"])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     lib_path = cache / f"step-{key}.so"

@@ -1,18 +1,65 @@
 """ScheduleCPU: a simple schedule for every PrimFunc TVM generates (after FuseTIR).
 
-Input: a module whose PrimFuncs are unscheduled (LegalizeOps output, fused).
+Input: a module whose PrimFuncs are unscheduled (LegalizeOps output, fused); functions that
+carry ``tirx.is_scheduled`` (the attribute TVM 0.27 reads and its own pre-scheduled kernels
+set) are left alone.
 Output: the same functions with injective intermediate blocks inlined into their consumers;
 for each remaining block, the leading data-parallel loops fused and run in parallel when the
 work is large enough to pay for the thread pool, and a fully data-parallel block's innermost
-8 elements vectorised. Blocks the schedule cannot handle are left as they were.
+8 elements vectorised; each marked ``tirx.is_scheduled``.
+
+A block the schedule cannot handle stays as it was: a serial loop nest, which for a large
+kernel is two orders of magnitude slower than its scheduled form. Such a fallback is never
+silent: it is logged on the ``raf_dist`` logger (function, block and why), and under
+``RAF_DIST_STRICT_SCHEDULE=1`` (raf_dist.env; the test suite runs so) it raises
+ScheduleFallbackError. Blocks too small to pay for the thread pool are serial by design and
+are not fallbacks.
 """
-import os
+import logging
 
 import tvm
+import tvm_ffi
 from tvm.s_tir import Schedule
+from tvm.s_tir.schedule import ScheduleError
+
+from .. import env
+
+logger = logging.getLogger("raf_dist")
 
 _MIN_PARALLEL_WORK = 1 << 14  # elements: below this, waking the pool costs more than it saves
 _VECTOR = 8  # float32 lanes in an AVX2 register
+SCHEDULED = "tirx.is_scheduled"  # TVM 0.27's attribute (tir::attr::kIsScheduled)
+
+
+@tvm_ffi.register_error  # keeps its type when it crosses TVM's pass infrastructure
+class ScheduleFallbackError(RuntimeError):
+    """A kernel ScheduleCPU could not schedule, in strict mode."""
+
+
+def _fallback(func_name, block_name, reason, strict):
+    """Report a kernel (or one block of it) left unscheduled: a warning, or in strict mode
+    an error naming the kernel, the block and the reason."""
+    message = (f"ScheduleCPU: kernel {func_name!r}, block {block_name!r} left unscheduled "
+               f"(serial, not vectorised): {reason}")
+    if strict:
+        raise ScheduleFallbackError(
+            f"{message}. RAF_DIST_STRICT_SCHEDULE=1 makes this an error: teach "
+            "raf_dist/compiler/schedule.py this block's shape, or unset the variable to run "
+            "the kernel unscheduled")
+    logger.warning(message)
+
+
+def _work(stmt):
+    """Iterations of the loops inside ``stmt`` (an upper bound: the product of every loop's
+    extent; a loop of unknown extent counts as large)."""
+    work = [1]
+
+    def visit(loop):
+        extent = loop.extent
+        work[0] *= int(extent) if isinstance(extent, tvm.tirx.IntImm) else _MIN_PARALLEL_WORK
+
+    tvm_ffi.structural_walk(stmt, [(tvm.tirx.For, visit)])
+    return work[0]
 
 
 def _extent(loop_rv, sch):
@@ -43,26 +90,37 @@ def _schedule_column_reduction(sch, block, loops, lead, extents):
 
 
 def _schedule_block(sch, block):
+    """Schedule one block; returns None when done (or when it is too small to be worth
+    scheduling), else why it was left as it was."""
     sblock = sch.get(block)
     loops = sch.get_loops(block)
     kinds = [iv.iter_type for iv in sblock.iter_vars]
-    if len(loops) != len(kinds) or not loops:
-        return
+    if not kinds:  # an opaque block: its loops, if any, are inside its body
+        if _work(sblock.body) * _work_of_loops(loops, sch) < _MIN_PARALLEL_WORK:
+            return None  # small: serial by design
+        return "an opaque block (its loops are inside the block, with no block axes)"
+    if not loops:
+        return None  # a scalar: nothing to schedule
     extents = [_extent(loop, sch) for loop in loops]
-    if any(e is None for e in extents):
-        return
+    work = 1
+    for e in extents:
+        work = work * e if e is not None and work is not None else None
+    if len(loops) != len(kinds):
+        return (f"its {len(loops)} loops do not map one to one to its {len(kinds)} block "
+                "axes (an opaque or imperfect loop nest)")
+    if work is None:
+        return f"loop extents {extents} are not all constants"
     lead = 0
     while lead < len(kinds) and kinds[lead] == tvm.tirx.IterVar.DataPar:
         lead += 1
     if lead == 0:
-        return
-    work = 1
-    for e in extents:
-        work *= e
+        if work < _MIN_PARALLEL_WORK:
+            return None  # a small reduction to a scalar: serial by design
+        return f"a reduction over all {work} elements with no data-parallel outer loop"
     if (lead < len(loops) and extents[lead - 1] % _VECTOR == 0 and work >= _MIN_PARALLEL_WORK
             and _reduces_across_rows(sblock, lead)):
         _schedule_column_reduction(sch, block, loops, lead, extents)
-        return
+        return None
     spatial = sch.fuse(*loops[:lead]) if lead > 1 else loops[0]
     spatial_extent = 1
     for e in extents[:lead]:
@@ -74,41 +132,77 @@ def _schedule_block(sch, block):
         spatial = outer
     if work >= _MIN_PARALLEL_WORK and spatial_extent > 1:
         sch.parallel(spatial)
+    return None
 
 
-def schedule_prim_func(func):
+def _work_of_loops(loops, sch):
+    work = 1
+    for loop in loops:
+        extent = _extent(loop, sch)
+        work *= extent if extent is not None else _MIN_PARALLEL_WORK
+    return work
+
+
+def _inlinable(sch, block):
+    """A block compute_inline may take: every axis data-parallel (an injective block)."""
+    return all(iv.iter_type == tvm.tirx.IterVar.DataPar for iv in sch.get(block).iter_vars)
+
+
+def schedule_prim_func(func, name="main", strict=False):
+    """``func`` with its injective intermediate blocks inlined and every block scheduled (see
+    the module docstring); a block left unscheduled is logged, or raises when ``strict``."""
     sch = Schedule(func)
     root = sch.get_sblock("root")
     outputs = {sch.get(b).name_hint for b in sch.get_output_blocks(root)}
     for block in sch.get_child_blocks(root):
-        if sch.get(block).name_hint in outputs:
-            continue
+        block_name = sch.get(block).name_hint
+        if block_name in outputs or not _inlinable(sch, block):
+            continue  # reductions and outputs stay blocks of their own
         try:
             sch.compute_inline(block)
-        except Exception:  # not injective / not inlinable: keep the block
-            pass
+        except ScheduleError as error:
+            # not a fallback: the block keeps its own loop nest and is scheduled below
+            logger.debug("ScheduleCPU: kernel %r: block %r not inlined: %s", name, block_name,
+                         str(error).strip().splitlines()[-1])
     for block in sch.get_child_blocks(root):
+        block_name = sch.get(block).name_hint
         try:
-            _schedule_block(sch, block)
-        except Exception:  # leave this block unscheduled rather than fail the build
-            pass
+            reason = _schedule_block(sch, block)
+        except ScheduleError as error:  # a primitive refused: the block keeps its loops
+            reason = f"TVM refused a schedule primitive: {str(error).strip().splitlines()[-1]}"
+        if reason is not None:
+            _fallback(name, block_name, reason, strict)
     return sch.mod["main"]
 
 
 @tvm.transform.module_pass(opt_level=0, name="ScheduleCPU")
 class ScheduleCPU:
-    """See the module docstring."""
+    """See the module docstring. ``strict``: raise on a fallback (default: RAF_DIST_STRICT_SCHEDULE)."""
+
+    def __init__(self, strict: "bool | None" = None):
+        self.strict = strict
 
     def transform_module(self, mod, ctx):
-        if os.environ.get("RAF_DIST_NO_SCHEDULE"):
+        if env.skip_schedules():
+            logger.warning("ScheduleCPU: RAF_DIST_NO_SCHEDULE is set: every kernel runs serial")
             return mod
+        strict = env.strict_schedules() if self.strict is None else self.strict
         updates = {}
         for gvar, func in mod.functions_items():
-            if isinstance(func, tvm.tirx.PrimFunc) and not func.attrs.get("tir.is_scheduled"):
+            if not isinstance(func, tvm.tirx.PrimFunc) or (
+                    func.attrs is not None and int(func.attrs.get(SCHEDULED, 0)) == 1):
+                continue
+            scheduled = schedule_scatter_add_cpu(func)
+            if scheduled is None:
                 try:
-                    updates[gvar] = schedule_prim_func(func).with_attr("tir.is_scheduled", True)
-                except Exception:
+                    scheduled = schedule_prim_func(func, gvar.name_hint, strict)
+                except ScheduleFallbackError:
+                    raise
+                except Exception as error:  # noqa: BLE001 - reported (or raised) just below
+                    _fallback(gvar.name_hint, "(the whole kernel)",
+                              f"{type(error).__name__}: {str(error).strip()[-300:]}", strict)
                     continue
+            updates[gvar] = scheduled.with_attr(SCHEDULED, True)
         mod = mod.clone()  # the caller's module stays as it was
         for gvar, func in updates.items():
             mod[gvar] = func
@@ -159,14 +253,10 @@ def _loop_on_gpu_threads(loop, bind=True):
     return bound(bx, blocks, "blockIdx.x", bound(tx, threads, "threadIdx.x", body))
 
 
-def schedule_scatter_add(func, bind=True):
-    """TVM's take_backward (the embedding gradient) is one opaque block of two loops run in
-    sequence: zero the output, then for each (leading index, column) of the output walk the
-    indices and add rows. Every iteration of either loop touches its own output elements
-    (the second loop's iteration owns a column, its inner walk stays serial, so repeated
-    indices add in order, deterministically). Each loop becomes its own kernel over GPU
-    threads — one launch after the other on the stream, so the zeroing finishes first.
-    Returns None for any other kernel or shape; ``bind``: see _loop_on_gpu_threads."""
+def _scatter_add_loops(func):
+    """(realize, block, scope, loops) of TVM's take_backward kernel: one opaque block whose
+    body (possibly under an AttrStmt) is a sequence of serial loops of constant extent; None
+    for any other kernel."""
     realize = func.body
     block = getattr(realize, "block", None)
     if block is None or block.name_hint not in _SCATTER_ADD_BLOCKS:
@@ -178,14 +268,52 @@ def schedule_scatter_add(func, bind=True):
                and isinstance(l.extent, tvm.tirx.IntImm) and 0 < int(l.extent) < 2 ** 31
                for l in loops):
         return None
-    seq = tvm.tirx.SeqStmt([_loop_on_gpu_threads(l, bind) for l in loops])
+    return realize, block, scope, loops
+
+
+def _with_scatter_add_loops(func, matched, loops):
+    """``func`` with the loops of its take_backward block (``matched``) replaced."""
+    realize, block, scope, _ = matched
+    seq = tvm.tirx.SeqStmt(loops)
     if isinstance(scope, tvm.tirx.AttrStmt):
         seq = tvm.tirx.AttrStmt(scope.node, scope.attr_key, scope.value, seq)
     from tvm.s_tir import stmt as sst
     block = sst.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, seq,
                        block.init, block.alloc_buffers, block.match_buffers, block.annotations)
     body = sst.SBlockRealize(realize.iter_values, realize.predicate, block)
-    return func.with_body(body).with_attr("tirx.is_scheduled", True)
+    return func.with_body(body).with_attr(SCHEDULED, True)
+
+
+def schedule_scatter_add(func, bind=True):
+    """TVM's take_backward (the embedding gradient) is one opaque block of two loops run in
+    sequence: zero the output, then for each (leading index, column) of the output walk the
+    indices and add rows. Every iteration of either loop touches its own output elements
+    (the second loop's iteration owns a column, its inner walk stays serial, so repeated
+    indices add in order, deterministically). Each loop becomes its own kernel over GPU
+    threads — one launch after the other on the stream, so the zeroing finishes first.
+    Returns None for any other kernel or shape; ``bind``: see _loop_on_gpu_threads."""
+    matched = _scatter_add_loops(func)
+    if matched is None:
+        return None
+    return _with_scatter_add_loops(func, matched,
+                                   [_loop_on_gpu_threads(l, bind) for l in matched[3]])
+
+
+def schedule_scatter_add_cpu(func):
+    """take_backward (see schedule_scatter_add) on the CPU: each of its loops runs in parallel
+    when it is large enough to pay for the thread pool (its iterations own disjoint output
+    elements, and the parallel loops still run one after the other); None for any other
+    kernel."""
+    matched = _scatter_add_loops(func)
+    if matched is None:
+        return None
+    loops = []
+    for loop in matched[3]:
+        if int(loop.extent) > 1 and int(loop.extent) * _work(loop.body) >= _MIN_PARALLEL_WORK:
+            loop = tvm.tirx.For(loop.loop_var, loop.min, loop.extent, tvm.tirx.ForKind.PARALLEL,
+                                loop.body)
+        loops.append(loop)
+    return _with_scatter_add_loops(func, matched, loops)
 
 
 def _lowers(func):

@@ -1,0 +1,41 @@
+"""The RAF_DIST_* environment variables that switch raf_dist's diagnostics, parsed and
+validated here (the one place that reads them) so that a typo in a value fails at once with
+the allowed values instead of being read as "off".
+
+  RAF_DIST_STRICT_SCHEDULE=1   a kernel the CPU schedule cannot handle raises
+                               (ScheduleFallbackError) instead of being logged and left
+                               unscheduled; the test suite runs this way (tests/conftest.py)
+  RAF_DIST_NO_SCHEDULE=1       skip the CPU schedule altogether (every kernel serial; for
+                               measuring what the schedule gains)
+  RAF_DIST_PROFILE=dir         every Trainer step writes Chrome-trace events to
+                               ``dir/trace-rank{R}.json`` (see raf_dist.profiler)
+"""
+import os
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r} is not a switch: set it to one of "
+                     f"{', '.join(_TRUE)} (on) or {', '.join(repr(v) for v in _FALSE)} (off)")
+
+
+def strict_schedules() -> bool:
+    """RAF_DIST_STRICT_SCHEDULE: a scheduling fallback raises instead of logging."""
+    return _flag("RAF_DIST_STRICT_SCHEDULE")
+
+
+def skip_schedules() -> bool:
+    """RAF_DIST_NO_SCHEDULE: leave every generated kernel unscheduled."""
+    return _flag("RAF_DIST_NO_SCHEDULE")
+
+
+def profile_dir() -> "str | None":
+    """RAF_DIST_PROFILE: the directory every Trainer writes its per-rank trace to, or None."""
+    value = os.environ.get("RAF_DIST_PROFILE", "").strip()
+    return value or None
