@@ -1,15 +1,19 @@
-"""Process-group bootstrap under an MPI launcher.
+"""Process-group bootstrap under an MPI launcher or ``raf_dist.run``.
 
 mpi4py initialises MPI (MPI_THREAD_MULTIPLE, which the native communication thread needs);
 rank and size come from MPI, the local rank from an exchange of host names (so it is right
 under MPICH and Open MPI, with ``-H``, ``--hostfile`` or neither, without reading any
-launcher-specific variable). Started without a launcher, the world is one process.
+launcher-specific variable). Started without a launcher, the world is one process. Started by
+``raf_dist.run`` (its variables in the environment, a world of one from MPI's point of view),
+the workers form their world through the rendezvous store (``rendezvous.py``): rank =
+``RANK``, local rank = ``LOCAL_RANK``, and "same host" means "same launcher node".
 
 The native runtime receives the communicator by address (``MPI._addressof``): MPICH's derived
 handles do not fit a Python int conversion, and the native side duplicates it so background
 collectives never interleave with Python's own MPI calls.
 """
 import atexit
+import logging
 import os
 import socket
 import subprocess
@@ -20,7 +24,9 @@ import traceback
 from pathlib import Path
 
 from .. import _native
-from . import watchdog
+from . import rendezvous, watchdog
+
+logger = logging.getLogger("raf_dist")
 
 
 class Communicator:
@@ -34,17 +40,27 @@ class Communicator:
         mpi_comm: the mpi4py communicator (for Python-side control messages).
     """
 
-    def __init__(self, mpi_comm, check_collectives):
+    def __init__(self, mpi_comm, check_collectives, placement=None, reach_address=None):
         from mpi4py import MPI
 
         self.mpi_comm = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.host = MPI.Get_processor_name() or socket.gethostname()
-        hosts = mpi_comm.allgather(self.host)
-        self.local_rank = sum(1 for h in hosts[: self.rank] if h == self.host)
-        self.local_size = sum(1 for h in hosts if h == self.host)
-        self.hosts = hosts
+        self.hosts = mpi_comm.allgather(self.host)
+        # which ranks share a host: by name under an MPI launcher; by launcher node under
+        # raf_dist.run, whose nodes may share a name (containers, network namespaces)
+        node = self.host if placement is None else placement.node_rank
+        self._nodes = mpi_comm.allgather(node)
+        self.local_rank = sum(1 for h in self._nodes[: self.rank] if h == node)
+        self.local_size = sum(1 for h in self._nodes if h == node)
+        if placement is not None and (self.local_rank, self.local_size) != (
+                placement.local_rank, placement.local_world_size):
+            raise rendezvous.RendezvousError(
+                f"rank {self.rank}: the launcher set LOCAL_RANK={placement.local_rank} of "
+                f"LOCAL_WORLD_SIZE={placement.local_world_size}, the world says local rank "
+                f"{self.local_rank} of {self.local_size}")
+        self._reach_address = reach_address
         self.group = int(_native.func("init_group")(MPI._addressof(mpi_comm), check_collectives))
 
         self._activity = None
@@ -85,14 +101,14 @@ class Communicator:
             port = None
         finally:
             os.close(read_end)
-        addresses = self.mpi_comm.allgather((_addresses(self.host), port))
+        addresses = self.mpi_comm.allgather((_addresses(self.host, self._reach_address), port))
         if port is None:
             os.close(write_end)
             return
         self._watchdog = (process, write_end)
         for peer, (ips, peer_port) in enumerate(addresses):
             if peer != self.rank and peer_port is not None:
-                ips = ["127.0.0.1"] if self.hosts[peer] == self.host else ips
+                ips = ["127.0.0.1"] if self._nodes[peer] == self._nodes[self.rank] else ips
                 self._tell_watchdog(f"P {peer} {','.join(ips)} {peer_port}")
 
     @property
@@ -126,12 +142,13 @@ _LOCK = threading.Lock()
 _COMM = None
 
 
-def _addresses(host, limit=4):
+def _addresses(host, reach_address=None, limit=4):
     """IPv4 addresses at which watchdogs on other hosts may reach this host's, most likely
-    first: the source address of its default route, then what its name resolves to, loopback
-    only when nothing else is found (a name that resolves to 127.0.1.1 alone, as Debian's
-    /etc/hosts makes it, must not leave the watchdog unreachable). News goes to all of them."""
-    found = []
+    first: the address it reaches node 0's rendezvous store from (under raf_dist.run), the
+    source address of its default route, then what its name resolves to, loopback only when
+    nothing else is found (a name that resolves to 127.0.1.1 alone, as Debian's /etc/hosts
+    makes it, must not leave the watchdog unreachable). News goes to all of them."""
+    found = [reach_address] if reach_address else []
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect(("192.0.2.1", 9))  # TEST-NET-1: a UDP connect picks a route, sends nothing
@@ -155,7 +172,17 @@ def get_communicator():
             from mpi4py import MPI
 
             check = os.environ.get("RAF_DIST_CHECK_COLLECTIVES", "0") not in ("", "0")
-            _COMM = Communicator(MPI.COMM_WORLD, check)
+            placement = rendezvous.placement_from_environment()
+            if placement is not None and MPI.COMM_WORLD.Get_size() > 1:
+                # raf_dist.run's variables inherited into an mpirun job: MPI's world wins
+                logger.warning("raf_dist.run's variables are set but MPI started %d ranks: "
+                               "using MPI's world", MPI.COMM_WORLD.Get_size())
+                placement = None
+            if placement is None:
+                _COMM = Communicator(MPI.COMM_WORLD, check)
+            else:
+                world, reach_address = rendezvous.join_world(placement)
+                _COMM = Communicator(world, check, placement, reach_address)
             atexit.register(_shutdown)
             _install_abort_on_exception(_COMM)
             if _COMM.size > 1 and os.environ.get("RAF_DIST_WATCHDOG", "1") != "0":
