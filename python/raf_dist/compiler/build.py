@@ -8,6 +8,7 @@ Pipeline (in order; each pass's output is dumped to ``$RAF_DIST_DUMP_IR/NN_<pass
   3. ScheduleCPU (parallel / vectorised loops for every generated PrimFunc) on the CPU; dlight
      GPU schedules (thread binding for every kernel) on CUDA
   4. TVM dataflow lowering, WriteGradientsIntoBuckets (gradients computed in their bucket),
+     UpdateInPlace (new parameters and optimizer state written into the argument buffers),
      then TVM's finalisation (StaticPlanBlockMemory, ...)
   5. relax.build for the target
 
@@ -26,6 +27,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_pipeline
 
 from .. import __version__, env
 from .inplace_buckets import WriteGradientsIntoBuckets
+from .inplace_update import UpdateInPlace
 from .memory import planned_bytes
 from .schedule import ScheduleCPU, ScheduleGPU
 
@@ -123,7 +125,7 @@ def _plan(mod, target, instruments=()):
         return tvm.transform.Sequential(
             pipeline.library_dispatch_passes(target) + legalize
             + pipeline.dataflow_lower_passes(target)
-            + [WriteGradientsIntoBuckets()] + finalize[:1])(mod)
+            + [WriteGradientsIntoBuckets(), UpdateInPlace()] + finalize[:1])(mod)
 
 
 def plan_memory(mod, passes=(), target="llvm"):

@@ -23,6 +23,10 @@ MARK_GRADIENT = "raf_dist.mark_gradient"
 LAYOUT_PARAM_OFFSET = "raf_dist.param_offset"  # index of the first parameter argument
 LAYOUT_NUM_PARAMS = "raf_dist.num_params"
 LAYOUT_STATES_PER_PARAM = "raf_dist.states_per_param"
+# output field 1 + i of train_step is the new value of argument UPDATED_ARGUMENTS[i] (the
+# parameters, then the optimizer states): compiler.UpdateInPlace makes the step write it into
+# that argument's buffer
+UPDATED_ARGUMENTS = "raf_dist.updated_arguments"
 
 
 def mark_gradient(grad, param_index):

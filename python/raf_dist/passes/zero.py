@@ -20,9 +20,11 @@ What each level emits (gradients averaged in the reduce_scatter; loss averaged a
      reduce-scattered; each rank updates its parameter shard (cut by local_shard) and its
      state shard; the updated shards are all-gathered per bucket into full parameters.
   2  as 1, but each bucket is reduce-scattered as soon as its last gradient exists; with
-     overlap the collective runs while backward continues and is waited on when the next
-     bucket starts, so at most two full gradient buckets are alive (the planner sees the rest
-     die at their reduce_scatter).
+     overlap the collective runs while backward continues and is waited on (and the bucket's
+     shards updated) when the next bucket is complete, before that one is packed, so one
+     packed gradient bucket is alive at a time (the planner sees the gradients die at their
+     reduce_scatter). The updated shards are all-gathered once backward is done (as
+     DeepSpeed does): a gathered bucket is as large as a gradient bucket.
   3  as 2, and parameters themselves are shard arguments: parameters are gathered in buckets
      (forward order) just before their first forward use, the next bucket's gather started
      one ahead; the gathered tensors die after their last forward use; backward gathers the
@@ -34,7 +36,7 @@ from tvm import relax
 
 from .bucketing import Segments, assemble, assign_buckets, collective, marker_buckets
 from .gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
-                               SubstituteVars, find_markers, tensor_numel)
+                               UPDATED_ARGUMENTS, SubstituteVars, find_markers, tensor_numel)
 
 PACK_CHUNKS = "raf_dist.bucket.pack_chunks"
 ELEMENTWISE_OPS = frozenset(f"relax.{name}" for name in (
@@ -144,15 +146,26 @@ class _Rewriter:
             PACK_CHUNKS, relax.Tuple([*tensors, relax.prim_value(self.n)]),
             ty))
 
-    def unpack_chunks(self, name, bucket, gathered):
-        """Full tensors from an [N*S] chunk-interleaved buffer (the allgather output)."""
+    def unpack_chunks(self, name, bucket, gathered, into_params=False):
+        """Full tensors from an [N*S] chunk-interleaved buffer (the allgather output);
+        ``into_params``: they are the step's new parameters."""
         n = self.n
         rows = self.bind(f"{name}_rows", relax.op.reshape(gathered, [n, bucket.shard_total]))
         pieces = [rows]
-        if len(bucket.keys) > 1:
+        if len(bucket.keys) > 1 and not into_params:
             parts = self.bind(f"{name}_parts", relax.op.split(rows, bucket.split_offsets, axis=1))
             pieces = [self.bind(f"{name}_part{i}", relax.TupleGetItem(parts, i))
                       for i in range(len(bucket.keys))]
+        elif len(bucket.keys) > 1:
+            # one slice per tensor, not a split: each fuses with its reshapes into one kernel
+            # that copies from the gathered buffer straight into the parameter's buffer (no
+            # [N*S] intermediate copy of the whole bucket). Not for ZeRO-3's gathers, whose
+            # tensors feed compute: there the planner placed the slices worse (bench MLP,
+            # N=4, one bucket: 19.0 MB planned instead of 14.8 MB)
+            starts = [0] + bucket.split_offsets
+            pieces = [self.bind(f"{name}_part{i}", relax.op.strided_slice(
+                rows, axes=[1], begin=[start], end=[start + s]))
+                for i, (start, s) in enumerate(zip(starts, bucket.shards))]
         out = []
         for key, piece, ty, numel, s in zip(bucket.keys, pieces, bucket.types, bucket.numels,
                                             bucket.shards):
@@ -164,12 +177,13 @@ class _Rewriter:
                                  relax.op.reshape(flat, [int(d) for d in ty.shape])))
         return out
 
-    def split_shards(self, name, bucket, packed):
+    def split_shards(self, name, bucket, packed, dataflow=True):
         """Per-tensor shards [s_i] of a packed [S] shard buffer."""
         if len(bucket.keys) == 1:
             return [packed]
-        parts = self.bind(f"{name}_parts", relax.op.split(packed, bucket.split_offsets, axis=0))
-        return [self.bind(f"{name}_shard{key}", relax.TupleGetItem(parts, i))
+        parts = self.bind(f"{name}_parts", relax.op.split(packed, bucket.split_offsets, axis=0),
+                          dataflow)
+        return [self.bind(f"{name}_shard{key}", relax.TupleGetItem(parts, i), dataflow)
                 for i, key in enumerate(bucket.keys)]
 
     def concat_shards(self, name, shards):
@@ -224,6 +238,7 @@ class _Rewriter:
         gathering = []  # allgathers of updated shards: (bucket, handle, packed, out)
         full = {}  # parameter index -> its updated full value (levels 1-2)
         shard_out = {}  # (bucket, state slot) -> updated flat state; (param, -1): param shard
+        deferred = []  # level 2: updated shards gathered once backward is done
 
         def reduce_scatter(bucket):
             packed = self.pack_chunks(f"grad_bucket{bucket.index}", bucket,
@@ -246,7 +261,7 @@ class _Rewriter:
                 bucket, handle, packed, out = gathering.pop(0)
                 self.wait(f"wait_allgather_updated{bucket.index}", handle, packed, out)
                 full.update(zip(bucket.keys, self.unpack_chunks(f"updated{bucket.index}",
-                                                                 bucket, out)))
+                                                                 bucket, out, into_params=True)))
 
         def update(bucket, grad_shard):
             """The optimizer on one bucket's flat shards: parameter k0's update chain (the
@@ -274,13 +289,27 @@ class _Rewriter:
                 field = self.result.fields[1 + len(params) + k0 * per_param + j]
                 shard_out[(b, j)] = mapping.get(field, flat_states[(b, j)])
             if level == 3:
-                for k, piece in zip(keys, self.split_shards(f"new_param{b}", bucket, new_param)):
+                # the split stays outside the dataflow block, so FuseOps keeps it out of the
+                # update's kernel: alone it reads only the updated [S] shards, and each piece
+                # can be written into its parameter's buffer (compiler.UpdateInPlace); fused,
+                # every piece's block read every parameter of the bucket
+                pieces = self.split_shards(f"new_param{b}", bucket, new_param, dataflow=False)
+                for k, piece in zip(keys, pieces):
                     shard_out[(k, -1)] = piece
-            else:  # gather the updated shards while the next bucket is updated
-                out = self._alloc(f"updated{b}", n * bucket.shard_total, bucket.dtype)
-                gathering.append((bucket, self.start("allgather", f"allgather_updated{b}",
-                                                     new_param, out), new_param, out))
-                finish_gathers(1 if self.overlap else 0)
+            elif level == 2:  # a gathered bucket is full-sized: not during backward
+                deferred.append((bucket, new_param))
+            else:
+                gather_updated(bucket, new_param)
+
+        def gather_updated(bucket, new_param):
+            """Allgather a bucket's updated shards: level 1 while the next bucket is updated;
+            level 2, after backward, one bucket at a time (two gathered buckets in flight
+            would need a second bucket-sized buffer, and the planner cannot reuse the blocks
+            the updated shards sit in; the unpack they would overlap is a memcpy)."""
+            out = self._alloc(f"updated{bucket.index}", n * bucket.shard_total, bucket.dtype)
+            gathering.append((bucket, self.start("allgather", f"allgather_updated{bucket.index}",
+                                                 new_param, out), new_param, out))
+            finish_gathers(1 if self.overlap and level == 1 else 0)
 
         # ---- level 3 parameter gathers
         gathers = {}
@@ -299,10 +328,11 @@ class _Rewriter:
                 self._prefetch(gathers["backward"], 0)
             if pos in marker_by_pos:
                 if pos in closes and level >= 2:
+                    # the previous bucket's reduce_scatter has had a whole bucket of backward
+                    # to finish: wait for it (and update its shards) before packing this
+                    # bucket, so one packed bucket at a time is alive
+                    finish_all_but(0)
                     reduce_scatter(closes[pos])
-                    # with overlap the previous bucket's reduce_scatter has had a whole bucket
-                    # of backward to finish: wait for it, so at most two full buckets live
-                    finish_all_but(1 if self.overlap else 0)
                 continue
             value = binding.value
             if level == 3:
@@ -316,6 +346,8 @@ class _Rewriter:
                 reduce_scatter(bucket)
                 finish_all_but(1 if self.overlap else 0)
         finish_all_but(0)
+        for bucket, new_param in deferred:
+            gather_updated(bucket, new_param)
         finish_gathers(0)
 
         # ---- outputs: (loss, params, states)
@@ -334,8 +366,10 @@ class _Rewriter:
         func_params[offset:offset + len(params)] = new_params
         func_params[offset + len(params):offset + len(params) + len(states)] = [
             flat_states[(b.index, j)] for b in grad_buckets for j in range(per_param)]
-        return assemble(self.func, self.seg.segments, output, params=func_params,
+        func = assemble(self.func, self.seg.segments, output, params=func_params,
                         ret_ty=output.ty)
+        # outputs 1.. still replace the parameter and state arguments, in their new layout
+        return func.with_attr(UPDATED_ARGUMENTS, list(range(offset, offset + len(fields) - 1)))
 
     # ---- the optimizer's update chains ------------------------------------------------------
     def _update_chains(self, marker_var):

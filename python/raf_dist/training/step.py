@@ -10,6 +10,10 @@ backward produces it; the optimizer reads the marked value. A distribution pass 
 markers into collectives; without one, StripGradientMarkers removes them.
 ``opt_states`` are ordered parameter-major: for each parameter, each of the optimizer's
 ``state_names``. ``hypers`` are 0-d float tensors, one per ``optimizer.hyper_names``.
+The function is written functionally (new values out); the ``raf_dist.updated_arguments``
+attribute says which argument each output replaces, and the compiler (UpdateInPlace) makes the
+compiled step write each new value into that argument's buffer, as torch.optim does, so the
+step holds one copy of the parameters and optimizer state.
 """
 import dataclasses
 
@@ -17,7 +21,8 @@ import tvm
 from tvm import relax
 
 from ..passes.gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET,
-                                        LAYOUT_STATES_PER_PARAM, mark_gradient)
+                                        LAYOUT_STATES_PER_PARAM, UPDATED_ARGUMENTS,
+                                        mark_gradient)
 from . import gradients  # noqa: F401  (registers the gradients TVM 0.27 lacks)
 from .loss import build_loss
 
@@ -132,10 +137,12 @@ def build_train_step(model, loss, optimizer, target_spec=None):
         bb.emit_func_output(out)
     step_mod = bb.get()
     # where the parameters and optimizer states sit among the arguments, for the passes that
-    # change how they are held (ZeRO shards them)
+    # change how they are held (ZeRO shards them), and which argument each output updates
+    first = len(inputs) + 1
     step_mod["train_step"] = step_mod["train_step"].with_attrs({
-        LAYOUT_PARAM_OFFSET: len(inputs) + 1, LAYOUT_NUM_PARAMS: n_params,
-        LAYOUT_STATES_PER_PARAM: n_states})
+        LAYOUT_PARAM_OFFSET: first, LAYOUT_NUM_PARAMS: n_params,
+        LAYOUT_STATES_PER_PARAM: n_states,
+        UPDATED_ARGUMENTS: list(range(first, first + n_params * (1 + n_states)))})
     step_mod = relax.transform.DeadCodeElimination(["train_step"])(step_mod)
     signature = TrainStepSignature(
         input_specs=list(model.input_specs), target_spec=tuple(target_spec),
