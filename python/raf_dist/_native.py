@@ -10,8 +10,6 @@ import functools
 import os
 from pathlib import Path
 
-import tvm_ffi
-
 _LIB_NAME = "libraf_dist.so"
 
 
@@ -27,6 +25,8 @@ def _candidates():
 @functools.lru_cache(maxsize=None)
 def load():
     """Load the native library once; raise with the fix if it was never built."""
+    import tvm_ffi  # noqa: F401  (libtvm_ffi, which the library links, loads with it)
+
     tried = []
     for path in _candidates():
         tried.append(str(path))
@@ -43,5 +43,9 @@ def load():
 @functools.lru_cache(maxsize=None)
 def func(name):
     """The native global function ``raf_dist.ccl.<name>``."""
+    # imported here, not at the top: raf_dist.run imports the package (tvm_ffi took 1-4 s to
+    # import on this machine) and must be up, with its signal handlers, at once
+    import tvm_ffi
+
     load()
     return tvm_ffi.get_global_func("raf_dist.ccl." + name)

@@ -11,7 +11,6 @@ Every call validates its arguments before any message is sent, so bad input on o
 raises there instead of leaving the others waiting.
 """
 import numpy as np
-import tvm_ffi
 
 from .. import _native
 from .communicator import get_communicator
@@ -26,6 +25,8 @@ except ImportError:  # pragma: no cover - apache-tvm depends on ml_dtypes
 
 def _as_tensor(array, what):
     """Zero-copy tvm-ffi view of a contiguous buffer (numpy bfloat16 included)."""
+    import tvm_ffi  # on first use: raf_dist.run imports this package and must start fast
+
     if isinstance(array, np.ndarray):
         if not array.flags.c_contiguous:
             raise ValueError(f"{what} is not C-contiguous; pass np.ascontiguousarray(x)")
