@@ -5,9 +5,10 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import raf_dist
-from models import make, raf_optimizer
+from models import MLP, make, raf_optimizer
 from raf_dist import distributed as dist
 from raf_dist.tools.estimate_memory import model_state_bytes
 
@@ -41,8 +42,10 @@ def test_estimate_matches_stats_in_one_process(level):
         config.update({"enable_data_parallel": False, "zero_opt_level": 0, "bucket_size_mb": 25})
     estimate = raf_dist.estimate_memory(model, raf_optimizer("adamw"), 1, level,
                                         bucket_size_mb=0.001)
+    # the estimator plans the module the Trainer compiles (only the process-group id in the
+    # IR differs), so the figures agree; 5% is the bound the issue sets for the estimator
     for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes", "planned_peak_bytes"):
-        assert abs(estimate[key] - measured[key]) <= 0.1 * measured[key], (key, estimate, measured)
+        assert abs(estimate[key] - measured[key]) <= 0.05 * measured[key], (key, estimate, measured)
     assert estimate["peak_bytes"] == (estimate["param_bytes"] + estimate["optimizer_state_bytes"]
                                       + estimate["planned_peak_bytes"])
 
@@ -58,6 +61,18 @@ def test_estimate_for_more_ranks_needs_no_launcher():
     assert peaks[3]["param_bytes"] == pytest.approx(4 * psi / 4, rel=0.01)
     totals = [p["peak_bytes"] for p in peaks]
     assert all(a > b for a, b in zip(totals, totals[1:])), totals
+
+
+def test_zero2_plans_less_than_zero1_when_gradients_outlive_backward():
+    """bench/zero.py's MLP (784-1024-1024-10, per-rank batch 32 of 128) on 4 ranks, in buckets
+    of 1 MB (two): at level 1 every gradient is alive when backward ends; at level 2 each
+    bucket is reduce-scattered, and its gradients die, as soon as it is complete."""
+    torch.manual_seed(0)
+    model = raf_dist.frontend.from_pytorch(MLP((784, 1024, 1024, 10)), (torch.randn(32, 784),))
+    level1, level2 = (raf_dist.estimate_memory(model, raf_optimizer("adamw"), 4, level,
+                                               bucket_size_mb=1) for level in (1, 2))
+    assert level2["planned_peak_bytes"] < level1["planned_peak_bytes"], (level1, level2)
+    assert level2["peak_bytes"] < level1["peak_bytes"]
 
 
 def test_bad_arguments():
