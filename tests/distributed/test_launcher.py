@@ -75,7 +75,7 @@ def test_killed_worker_resumes_from_checkpoint_like_an_uninterrupted_mpiexec_run
 
 def test_killed_worker_without_restarts_ends_the_job_naming_it(tmp_path):
     code, out, seconds = _run("--nproc-per-node", 2, "--max-restarts", 0,
-                              WORKERS / "elastic_train.py", tmp_path, 3, timeout=120)
+                              WORKERS / "launch_probe.py", "kill", timeout=120)
     assert code == 128 + 9 and seconds < 60, (code, seconds, out)
     assert re.search(r"job failed in attempt 0: rank 1 \(local rank 1 on node 0, host \S+\) was "
                      r"killed by signal 9 \(SIGKILL\); no restarts left \(--max-restarts 0\)",

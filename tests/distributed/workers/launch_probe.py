@@ -3,9 +3,11 @@
   info     allreduce of rank + 1; print this rank's communicator fields and the sum as JSON
   sleep    join the world, print 'rank R: running pid P', then sleep (ended by the launcher)
   nojoin   rank 1 never calls get_communicator (sleeps); the others must time out naming it
-  fail     join, then rank 1 exits with code 3"""
+  fail     join, then rank 1 exits with code 3
+  kill     join, then rank 1 SIGKILLs itself"""
 import json
 import os
+import signal
 import sys
 import time
 
@@ -28,10 +30,10 @@ def main(mode):
     elif mode == "sleep":
         print(f"rank {comm.rank}: running pid {os.getpid()}", flush=True)
         time.sleep(600)
-    elif mode == "fail":
+    elif mode in ("fail", "kill"):
         dist.barrier()
         if comm.rank == 1:
-            sys.exit(3)
+            sys.exit(3) if mode == "fail" else os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(600)
     else:
         raise SystemExit(f"unknown mode {mode}")
