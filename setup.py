@@ -63,5 +63,6 @@ setup(
         "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12>=2.18", "nvidia-ml-py"],
         "cuda13": ["cupy-cuda13x>=13", "nvidia-nccl-cu13>=2.18", "nvidia-ml-py"],
     },
+    entry_points={"console_scripts": ["raf_dist-run = raf_dist.run:main"]},
     zip_safe=False,
 )
