@@ -52,7 +52,7 @@ class Before:
 class ExpectedLevel2Overlap:
     @R.function(pure=False)
     def train_step(x: R.Tensor((3,), dtype="float32"), w1: R.Tensor((3,), dtype="float32"), w2: R.Tensor((1,), dtype="float32"), bucket0__state0: R.Tensor((3,), dtype="float32"), lr: R.Tensor((), dtype="float32")) -> R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((3,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((3,), dtype="float32")):
-        R.func_attr({"raf_dist.num_params": 2, "raf_dist.param_offset": 1, "raf_dist.states_per_param": 1, "raf_dist.zero_level": 2})
+        R.func_attr({"raf_dist.num_params": 2, "raf_dist.param_offset": 1, "raf_dist.states_per_param": 1, "raf_dist.updated_arguments": [1, 2, 3], "raf_dist.zero_level": 2})
         with R.dataflow():
             y: R.Tensor((3,), dtype="float32") = R.multiply(x, w1)
             lv1: R.Tensor((3,), dtype="float32") = R.multiply(y, w2)
@@ -79,9 +79,9 @@ class ExpectedLevel2Overlap:
         R.call_packed("raf_dist.ccl.wait", allgather_updated0_handle, new_w2_b0, updated0, ty_args=(R.Tuple,))
         with R.dataflow():
             updated0_rows: R.Tensor((2, 3), dtype="float32") = R.reshape(updated0, R.shape([2, 3]))
-            updated0_parts: R.Tuple(R.Tensor((2, 1), dtype="float32"), R.Tensor((2, 2), dtype="float32")) = R.split(updated0_rows, indices_or_sections=[1], axis=1)
-            updated0_part0: R.Tensor((2, 1), dtype="float32") = updated0_parts[0]
-            updated0_part1: R.Tensor((2, 2), dtype="float32") = updated0_parts[1]
+            # one slice per tensor: each fuses with its reshapes into one copy into the parameter
+            updated0_part0: R.Tensor((2, 1), dtype="float32") = R.strided_slice(updated0_rows, (1,), (0,), (1,), assume_inbound=False)
+            updated0_part1: R.Tensor((2, 2), dtype="float32") = R.strided_slice(updated0_rows, (1,), (1,), (3,), assume_inbound=False)
             updated0_flat1: R.Tensor((2,), dtype="float32") = R.reshape(updated0_part0, R.shape([2]))
             updated0_trim1: R.Tensor((1,), dtype="float32") = R.strided_slice(updated0_flat1, (0,), (0,), (1,), assume_inbound=False)
             updated0_full1: R.Tensor((1,), dtype="float32") = R.reshape(updated0_trim1, R.shape([1]))
@@ -101,7 +101,7 @@ class ExpectedLevel2Overlap:
 class ExpectedLevel3Serial:
     @R.function(pure=False)
     def train_step(x: R.Tensor((3,), dtype="float32"), w1: R.Tensor((2,), dtype="float32"), w2: R.Tensor((1,), dtype="float32"), bucket0__state0: R.Tensor((3,), dtype="float32"), lr: R.Tensor((), dtype="float32")) -> R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((3,), dtype="float32")):
-        R.func_attr({"raf_dist.num_params": 2, "raf_dist.param_offset": 1, "raf_dist.states_per_param": 1, "raf_dist.zero_level": 3})
+        R.func_attr({"raf_dist.num_params": 2, "raf_dist.param_offset": 1, "raf_dist.states_per_param": 1, "raf_dist.updated_arguments": [1, 2, 3], "raf_dist.zero_level": 3})
         with R.dataflow():
             forward_gather0_shards: R.Tensor((3,), dtype="float32") = R.concat((w1, w2), axis=0)
             forward_gather0: R.Tensor((6,), dtype="float32") = R.builtin.alloc_tensor(R.shape([6]), R.dtype("float32"), 0, R.str("global"))
@@ -144,10 +144,12 @@ class ExpectedLevel3Serial:
             b2_b0: R.Tensor((3,), dtype="float32") = R.add(lv11_b0, grad_shard0)
             lv13_b0: R.Tensor((3,), dtype="float32") = R.multiply(b2_b0, lr)
             new_w2_b0: R.Tensor((3,), dtype="float32") = R.subtract(param_shards0, lv13_b0)
-            new_param0_parts: R.Tuple(R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32")) = R.split(new_w2_b0, indices_or_sections=[1], axis=0)
-            new_param0_shard1: R.Tensor((1,), dtype="float32") = new_param0_parts[0]
-            new_param0_shard0: R.Tensor((2,), dtype="float32") = new_param0_parts[1]
-            R.output(b2_b0, new_param0_shard1, new_param0_shard0)
+            R.output(b2_b0, new_w2_b0)
+        # outside the dataflow block: not fused with the update, so each shard can be written
+        # into its parameter's buffer
+        new_param0_parts: R.Tuple(R.Tensor((1,), dtype="float32"), R.Tensor((2,), dtype="float32")) = R.split(new_w2_b0, indices_or_sections=[1], axis=0)
+        new_param0_shard1: R.Tensor((1,), dtype="float32") = new_param0_parts[0]
+        new_param0_shard0: R.Tensor((2,), dtype="float32") = new_param0_parts[1]
         R.call_packed("raf_dist.ccl.allreduce", loss, R.str("avg"), 0, loss, ty_args=(R.Tuple,))
         step_outputs: R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((3,), dtype="float32")) = loss, new_param0_shard0, new_param0_shard1, b2_b0
         return step_outputs
