@@ -107,3 +107,27 @@ def test_watchdog_addresses_prefer_outward_ones():
     assert ips and all(len(ip.split(".")) == 4 for ip in ips)
     assert ips == ["127.0.0.1"] or not any(ip.startswith("127.") for ip in ips)
     assert _addresses("no-such-host.invalid")  # unresolvable: the route's address, or loopback
+
+def test_stray_datagrams_are_dropped_and_the_jobs_news_still_arrives(tmp_path):
+    rank = subprocess.Popen(["sleep", "120"])
+    with open(tmp_path / "watchdog.txt", "w") as log:
+        dog, pipe, port = _start(0, rank.pid, 0.5, log)
+    os.write(pipe, b"T s3cret\nA step 4\n")
+    time.sleep(0.2)  # the token is read before the first datagram
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        for stray in (b"1.0 rank 9/9 on h died",            # the format before tokens
+                      b"other\n1.0 rank 9/9 on h died",     # another job's
+                      b"s3cret\nnan rank 9/9 on h died",    # a time that never orders
+                      b"s3cret\nsoon rank 9/9 on h died",   # a time that does not parse
+                      b"s3cret\n" + b"7" * 9000,            # longer than any news
+                      b"\xff\xfe\x00garbage"):
+            udp.sendto(stray, ("127.0.0.1", port))
+        time.sleep(1.5)
+        assert rank.poll() is None and dog.poll() is None, "a stray datagram ended the rank"
+        udp.sendto(b"s3cret\n1.0 rank 9/9 on h died during step 3", ("127.0.0.1", port))
+        rank.wait(timeout=30)  # ended after the 0.5 s grace
+    dog.wait(timeout=30)
+    os.close(pipe)
+    said = (tmp_path / "watchdog.txt").read_text()
+    assert "rank 0/2 on testhost: ending the job: rank 9/9 on h died during step 3" in said, said
+    assert said.count("ending the job") == 1, said

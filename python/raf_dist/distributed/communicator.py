@@ -15,6 +15,7 @@ collectives never interleave with Python's own MPI calls.
 import atexit
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -102,10 +103,13 @@ class Communicator:
         finally:
             os.close(read_end)
         addresses = self.mpi_comm.allgather((_addresses(self.host, self._reach_address), port))
+        # the watchdogs drop datagrams without the job's token (their port is open to all)
+        token = self.mpi_comm.bcast(secrets.token_hex(16) if self.rank == 0 else None, root=0)
         if port is None:
             os.close(write_end)
             return
         self._watchdog = (process, write_end)
+        self._tell_watchdog(f"T {token}")
         for peer, (ips, peer_port) in enumerate(addresses):
             if peer != self.rank and peer_port is not None:
                 ips = ["127.0.0.1"] if self._nodes[peer] == self._nodes[self.rank] else ips

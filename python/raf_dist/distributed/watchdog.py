@@ -24,10 +24,16 @@ of the rank leaves it alone:
   survivors wait in their next collective.
 
 Run as: python watchdog.py RANK SIZE HOST PID GRACE_SECONDS. Protocol on stdin, one line each:
-``A <activity>``, ``P <rank> <ip>[,<ip>...] <port>`` (a peer, news goes to each of its
-addresses), ``X``, ``F <news>``. The watchdog prints its UDP port
-as the first line on stdout, then closes stdout.
+``T <token>`` (the job's token, before any peer), ``A <activity>``, ``P <rank>
+<ip>[,<ip>...] <port>`` (a peer, news goes to each of its addresses), ``X``, ``F <news>``.
+The watchdog prints its UDP port as the first line on stdout, then closes stdout.
+
+Datagrams are ``<token>\n<time> <news>``: the ranks agree on a random token per job (rank
+0's, passed over MPI, never on a command line), and a datagram without it, or one that does
+not parse, is dropped. The port listens on every interface (peers on other hosts must reach
+it), so without the token any stray packet could end a job.
 """
+import hmac
 import os
 import select
 import signal
@@ -85,13 +91,30 @@ def _end_rank(pid, grace):
             time.sleep(0.1)
 
 
-def _tell(udp, peers, rank, when, news):
+def _tell(udp, peers, rank, when, news, token):
     for peer, addresses in peers.items():
         for address in addresses if peer != rank else ():
             try:
-                udp.sendto(f"{when:.6f} {news}".encode(), address)
+                udp.sendto(f"{token}\n{when:.6f} {news}".encode()[:_MAX_DATAGRAM], address)
             except OSError:
                 pass
+
+
+#: news is one line of text; anything longer is cut here and refused on receipt
+_MAX_DATAGRAM = 4096
+
+
+def _parse(datagram, token):
+    """(time, news) of a datagram from a peer watchdog of this job, else None."""
+    try:
+        theirs, _, body = datagram.decode().partition("\n")
+        when, _, news = body.partition(" ")
+        when = float(when)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not hmac.compare_digest(theirs.encode(), token.encode()) or not news or when != when:
+        return None  # another job's, or a stray packet's; NaN never orders
+    return when, news
 
 
 def main(rank, size, host, pid, grace):
@@ -102,14 +125,16 @@ def main(rank, size, host, pid, grace):
     sys.stdout.close()
     me = f"rank {rank}/{size} on {host}"
     peers, activity, leaving, buffered = {}, None, False, b""
+    token = "-"  # until the rank sends the job's
     heard = []  # (time, news) from the other watchdogs
     died_at = None  # wall-clock time this rank was found dead without having said goodbye
     stdin = sys.stdin.buffer.raw
     while True:
         ready, _, _ = select.select([udp] + ([stdin] if died_at is None else []), [], [], 0.1)
-        if udp in ready:
-            when, _, news = udp.recv(4096).decode(errors="replace").partition(" ")
-            heard.append((float(when), news))
+        heard_now = _parse(udp.recv(_MAX_DATAGRAM + 1), token) if udp in ready else None
+        if heard_now is not None:
+            when, news = heard_now
+            heard.append(heard_now)
             if not leaving and died_at is None:  # our rank is alive: a survivor
                 leaving = True
                 _say(f"[raf_dist] {me}: ending the job: {news}")
@@ -142,9 +167,11 @@ def main(rank, size, host, pid, grace):
                         peers[int(peer)] = [(ip, int(port)) for ip in ips.split(",")]
                     elif kind == "X":
                         leaving = True
+                    elif kind == "T":
+                        token = rest
                     elif kind == "F":  # the rank printed its failure; the others hear it here
                         leaving = True
-                        _tell(udp, peers, rank, time.time(), rest)
+                        _tell(udp, peers, rank, time.time(), rest, token)
                 continue
             if leaving:
                 return
@@ -152,7 +179,7 @@ def main(rank, size, host, pid, grace):
             during = f" during {activity}" if activity else ""
             _tell(udp, peers, rank, died_at,
                   f"rank {rank}/{size} on {host} (pid {pid}) died{during} without raising an "
-                  f"error (killed by a signal: SIGKILL, the out-of-memory killer, ...)")
+                  f"error (killed by a signal: SIGKILL, the out-of-memory killer, ...)", token)
 
 
 if __name__ == "__main__":
