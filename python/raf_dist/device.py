@@ -156,5 +156,17 @@ def memory_stats(dev):
 
 
 def target_for(dev):
-    """The compile target of a device: "cuda" for a GPU, else "llvm"."""
-    return "cuda" if dev.dlpack_device_type() == tvm.cuda(0).dlpack_device_type() else "llvm"
+    """The compile target of a device: "cuda" for a GPU, else this host's CPU (host_target)."""
+    return "cuda" if dev.dlpack_device_type() == tvm.cuda(0).dlpack_device_type() else host_target()
+
+
+def host_target():
+    """LLVM for the CPU this process runs on. Plain "llvm" means generic x86-64 (SSE2, no FMA):
+    LLVM then leaves most of a step's elementwise loops scalar — measured here (znver3), an exp
+    over 1M floats took 2.6 ms generic and 0.46 ms with the host's AVX2/FMA. The build cache
+    key holds the target, so hosts with different CPUs never share a compiled step."""
+    cpu = tvm.get_global_func("target.llvm_get_system_cpu", allow_missing=True)
+    name = cpu() if cpu is not None else ""
+    if not name or name == "generic":
+        return "llvm"
+    return tvm.target.Target({"kind": "llvm", "mcpu": name})

@@ -14,11 +14,12 @@ from tvm import relax
 from . import __version__
 from . import checkpoint as ckpt
 from . import device as device_lib
+from . import env, profiler
 from . import runtime  # noqa: F401  (registers raf_dist.blas.*)
 from .compiler import available_cores, compile_step, set_num_threads
 from .distributed import collectives, get_communicator, get_config
 from .optim import Optimizer
-from .passes import (AllReduceGradients, DispatchToBLAS, FastGelu, ShardZeRO,
+from .passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, ShardZeRO,
                      StripGradientMarkers, gradient_buckets, shard_size)
 from .training import LOSSES, build_train_step
 
@@ -83,6 +84,9 @@ class Trainer:
         self._cache_dir = cache_dir
         self.seed = int(seed)
         self._hyper_dtype = self.signature.param_specs[0][1] if self._params else "float32"
+        self._profiling = None  # a profiler.StepProfiler while Trainer.profile records
+        if env.profile_dir() is not None:
+            self.profile(env.profile_steps(), env.profile_dir())
 
     def fingerprint(self):
         """What every rank of a data-parallel job must agree on before the first collective:
@@ -148,6 +152,23 @@ class Trainer:
     def step(self, x, y):
         """One optimizer step on this rank's slice of the global batch; returns the mean loss
         over the global batch (every rank's slice must have the captured shape)."""
+        if self._profiling is not None and self._profiling.active:
+            return self._profiling.step(self._run_step, self.step_count + 1, x, y)
+        return self._run_step(x, y)
+
+    def profile(self, steps: int, path) -> str:
+        """Record the next ``steps`` calls to ``step`` — every kernel, BLAS call, collective
+        start / wait (with bytes) and the step itself — and write them as a Chrome trace to
+        ``path/trace-rank{R}.json`` when the last one ends (see raf_dist.profiler). Returns
+        that file's path. Open it in Perfetto, or merge the ranks' files with
+        ``python -m raf_dist.tools.timeline path``."""
+        if self._profiling is not None:
+            self._profiling.finish()  # a trace already being recorded is written as it is
+        self._profiling = profiler.StepProfiler(self._vm, self.comm.rank, steps, path)
+        return str(self._profiling.path)
+
+    def _run_step(self, x, y):
+        """``step`` without the profiler."""
         inputs = x if isinstance(x, (tuple, list)) else (x,)
         if len(inputs) != self.signature.num_inputs:
             raise ValueError(f"step() got {len(inputs)} inputs; the model was captured with "
@@ -346,7 +367,7 @@ def step_passes(zero_level, world_size, bucket_bytes, overlap=True, group=0):
         distribute = AllReduceGradients(world_size, bucket_bytes, overlap=overlap, group=group)
     else:
         distribute = StripGradientMarkers()
-    return [distribute, DispatchToBLAS(), FastGelu()]
+    return [distribute, DispatchToBLAS(), FastGelu(), FastExp()]
 
 
 def _nbytes(tensor):

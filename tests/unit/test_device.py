@@ -41,8 +41,16 @@ def test_gpu_identity_follows_cuda_visible_devices(monkeypatch):
 
 
 def test_cpu_device_needs_no_gpu_stack():
-    assert device.target_for(tvm.cpu()) == "llvm"
+    target = tvm.target.Target(device.target_for(tvm.cpu()))
+    assert target.kind.name == "llvm"
     assert device.memory_stats(tvm.cpu()) == {}
+
+
+def test_cpu_target_is_this_hosts_cpu():
+    """Compiled for the host's CPU, not generic x86-64 (whose SSE2 leaves loops scalar)."""
+    system_cpu = tvm.get_global_func("target.llvm_get_system_cpu")()
+    target = tvm.target.Target(device.target_for(tvm.cpu()))
+    assert str(target.attrs.get("mcpu", "generic")) == system_cpu
 
 
 @pytest.mark.skipif(tvm.cuda(0).exist, reason="this host has a GPU")

@@ -3,10 +3,10 @@ reads a global config or a communicator (DESIGN.md section 2)."""
 from .bucketing import assign_buckets, bucket_layout, gradient_buckets
 from .data_parallel import AllReduceGradients
 from .dispatch_blas import DispatchToBLAS
-from .fast_math import FastGelu
+from .fast_math import FastExp, FastGelu
 from .zero import ShardZeRO, shard_size
 from .gradient_markers import StripGradientMarkers
 
-__all__ = ["AllReduceGradients", "DispatchToBLAS", "FastGelu", "StripGradientMarkers",
+__all__ = ["AllReduceGradients", "DispatchToBLAS", "FastExp", "FastGelu", "StripGradientMarkers",
            "ShardZeRO", "assign_buckets", "bucket_layout",
            "gradient_buckets", "shard_size"]

@@ -1,21 +1,31 @@
-"""FastGelu: gelu through TVM's vectorisable polynomial erf.
+"""Fast math: the transcendental functions of a training step as arithmetic LLVM vectorises,
+where the libm calls TVM legalizes them to run one element at a time (after the matmuls,
+gelu, its gradient and softmax were the GPT step's largest kernels). Float32 only; both keep
+float32 accuracy (tests/passes/test_fast_math.py).
 
-Input: a module before LegalizeOps. Output: every ``R.nn.gelu(x)`` becomes
+FastGelu. Input: a module before LegalizeOps. Output: every ``R.nn.gelu(x)`` becomes
 ``x * (0.5 + 0.5 * erf(x / sqrt(2)))`` and every ``R.erf`` (the gelu gradient's too) TVM's
-``fast_erf``: LLVM vectorises it, where the libm ``erff`` it replaces runs one element at a
-time (gelu and its gradient were the GPT step's largest TVM kernels). ``fast_erf`` agrees
-with erf to float32 rounding (checked in tests/passes/test_fast_math.py).
+``fast_erf``, which agrees with erf to float32 rounding.
+
+FastExp. Input: a module before LegalizeOps. Output: every ``R.exp`` (the gelu gradient's,
+cross-entropy's backward) becomes ``exp_float32`` below, and ``R.nn.softmax`` /
+``R.nn.log_softmax`` become the same max / exp / sum / normalise stages as TOPI's with that
+exp. Why not TVM's ``fast_exp``: it reduces the argument with a single ln 2 constant, off by
+up to 4e-6 relative (measured: -87 < x < -20); Cephes' two-constant reduction keeps 1-2 ulp.
 """
 import math
 
 import tvm
-from tvm import relax, topi
+from tvm import relax, te, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .mutate import mutate_functions
 
 _GELU = tvm.ir.Op.get("relax.nn.gelu")
 _ERF = tvm.ir.Op.get("relax.erf")
+_EXP = tvm.ir.Op.get("relax.exp")
+_SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
+_LOG_SOFTMAX = tvm.ir.Op.get("relax.nn.log_softmax")
 
 
 @mutator
@@ -40,3 +50,97 @@ class FastGelu:
 
     def transform_module(self, mod, ctx):
         return mutate_functions(mod, _Rewrite(mod))
+
+
+# Cephes expf: exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 computed with ln 2
+# split in two (the high part exact in float32) so r keeps its low bits, then a degree-7
+# polynomial for exp(r) on |r| <= ln 2 / 2, and 2^n built in the exponent bits.
+# Beyond [_EXP_LO, _EXP_HI]: 0 and inf. Above log(FLT_MAX) float32 overflows anyway; below
+# ln(FLT_MIN) the denormals libm would return are flushed to 0 (absolute error < 1.2e-38).
+_EXP_HI, _EXP_LO = 88.72283935546875, -87.3365478515625
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+             1.6666665459e-1, 5.0000001201e-1)
+
+
+def exp_float32(value: tvm.tirx.Expr) -> tvm.tirx.Expr:
+    """exp of a float32 scalar expression as vectorisable arithmetic; NaN stays NaN."""
+    def const(v, dtype="float32"):
+        return tvm.tirx.const(v, dtype)
+
+    # selects, not min/max: a comparison with NaN is false, so NaN passes through every step
+    # (LLVM's minnum/maxnum would replace it by the bound)
+    clamped = tvm.tirx.Select(value > const(_EXP_HI), const(_EXP_HI), value)
+    clamped = tvm.tirx.Select(clamped < const(_EXP_LO), const(_EXP_LO), clamped)
+    n = te.floor(clamped * const(1 / math.log(2)) + const(0.5))
+    r = clamped - n * const(_LN2_HI) - n * const(_LN2_LO)
+    poly = const(_EXP_POLY[0])
+    for coefficient in _EXP_POLY[1:]:
+        poly = poly * r + const(coefficient)
+    exp_r = poly * r * r + r + const(1.0)
+    # 2^n as two factors: n reaches 128 near the top of the range, past float32's exponent
+    n_int = n.astype("int32")
+    half = n_int >> const(1, "int32")
+    result = exp_r * _pow2(half) * _pow2(n_int - half)
+    result = tvm.tirx.Select(value > const(_EXP_HI), const(float("inf")), result)
+    return tvm.tirx.Select(value < const(_EXP_LO), const(0.0), result)
+
+
+def _pow2(n):
+    """2^n for an int32 expression -126 <= n <= 127, built in the exponent bits."""
+    return tvm.tirx.reinterpret("float32", (n + tvm.tirx.const(127, "int32"))
+                                << tvm.tirx.const(23, "int32"))
+
+
+def _exp(x):
+    return te.compute(x.shape, lambda *i: exp_float32(x(*i)), name="exp_float32")
+
+
+def _softmax_stages(x, axis):
+    """TOPI's softmax stages (max, shifted exp, sum) with exp_float32."""
+    shape = x.shape
+    axis = axis % len(shape)
+    reduced = tuple(d for i, d in enumerate(shape) if i != axis)
+    k1, k2 = te.reduce_axis((0, shape[axis]), "k1"), te.reduce_axis((0, shape[axis]), "k2")
+
+    def full(index, k):
+        return index[:axis] + (k,) + index[axis:]
+
+    def row(index):
+        return tuple(v for i, v in enumerate(index) if i != axis)
+
+    max_elem = te.compute(reduced, lambda *i: te.max(x[full(i, k1)], axis=k1), name="row_max")
+    exp = te.compute(shape, lambda *i: exp_float32(x[i] - max_elem[row(i)]), name="shifted_exp")
+    expsum = te.compute(reduced, lambda *i: te.sum(exp[full(i, k2)], axis=k2), name="row_expsum")
+    return max_elem, exp, expsum, row
+
+
+def _softmax(x, axis):
+    _, exp, expsum, row = _softmax_stages(x, axis)
+    return te.compute(x.shape, lambda *i: exp[i] / expsum[row(i)], name="softmax")
+
+
+def _log_softmax(x, axis):
+    max_elem, _, expsum, row = _softmax_stages(x, axis)
+    return te.compute(x.shape, lambda *i: x[i] - max_elem[row(i)] - te.log(expsum[row(i)]),
+                      name="log_softmax")
+
+
+@mutator
+class _RewriteExp(PyExprMutator):
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        if call.op not in (_EXP, _SOFTMAX, _LOG_SOFTMAX) or call.args[0].ty.dtype != "float32":
+            return call
+        if call.op == _EXP:
+            return self.builder_.call_te(_exp, call.args[0])
+        compute = _softmax if call.op == _SOFTMAX else _log_softmax
+        return self.builder_.call_te(compute, call.args[0], int(call.attrs.axis))
+
+
+@tvm.transform.module_pass(opt_level=0, name="FastExp")
+class FastExp:
+    """See the module docstring."""
+
+    def transform_module(self, mod, ctx):
+        return mutate_functions(mod, _RewriteExp(mod))
