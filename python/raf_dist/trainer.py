@@ -188,6 +188,8 @@ class Trainer:
             self._comm_last_step = {k: after[k]["bus_bytes"] - before[k]["bus_bytes"]
                                     for k in after if after[k]["calls"] > before[k]["calls"]}
         n = len(self._params)
+        # the step wrote the new values into the tensors it was given (UpdateInPlace) and
+        # returns them; an output it could not prove safe to update in place is a new tensor
         self._params = [out[1 + i] for i in range(n)]
         self._states = [out[1 + n + i] for i in range(len(self._states))]
         self.step_count += 1

@@ -8,7 +8,8 @@ Model states follow DESIGN.md section 3 exactly (flat, padded shards of ceil(n/N
 per tensor): parameters 4Ψ, or 4Ψ/N at level 3; optimizer state K·4Ψ, or K·4Ψ/N from level 1;
 gradients that outlive their bucket 4Ψ at levels 0–1, 4Ψ/N at 2–3 (fp32 sizes shown; the
 parameters' own dtype is used). With a model, the step's planned temporaries (activations,
-gradient buckets, in-flight collective buffers, the step's outputs) come from building the
+gradient buckets, in-flight collective buffers; not the new parameters and optimizer state,
+which the step writes into the buffers it was given) come from building the
 step for that world size and level and running TVM's memory planner on it, without MPI and
 without compiling code: the same figure ``Trainer.stats()["planned_peak_bytes"]`` reports for
 the run. Capture the model with the per-rank batch, as the run would.
