@@ -15,8 +15,8 @@ from . import __version__
 from . import checkpoint as ckpt
 from . import device as device_lib
 from . import env, profiler
-from . import runtime  # noqa: F401  (registers raf_dist.blas.*)
-from .compiler import available_cores, compile_step, set_num_threads
+from .compiler import compile_step
+from .runtime import available_cores, set_num_threads  # importing it registers raf_dist.blas.*
 from .distributed import collectives, get_communicator, get_config
 from .optim import Optimizer
 from .passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, ShardZeRO,
