@@ -206,32 +206,33 @@ class Agent:
                     for sig in (signal.SIGINT, signal.SIGTERM)}
         workers: List[Worker] = []
         attempt = 0
+        # removed only after the workers have ended: they are signalled through files in it
+        run_dir = tempfile.TemporaryDirectory(prefix="raf_dist_run_")
         try:
             self._open_store()
             self._meet_nodes()
-            with tempfile.TemporaryDirectory(prefix="raf_dist_run_") as run_dir:
-                while True:
-                    workers = self._start(attempt, Path(run_dir))
-                    self._watching = True
-                    failure = self._watch(attempt, workers)
-                    self._watching = False
-                    end_all(workers)
-                    workers = []
-                    if failure is None:
-                        self._close(attempt)
-                        return 0
-                    left = cfg.max_restarts - attempt
-                    if failure["final"] or left <= 0 or self.received is not None:
-                        why = "" if failure["final"] else (
-                            f"; no restarts left (--max-restarts {cfg.max_restarts})")
-                        _say(f"job failed in attempt {attempt}: {failure['what']}{why}")
-                        self._close(attempt)
-                        return failure["code"]
-                    _say(f"attempt {attempt} failed: {failure['what']}; restarting every "
-                         f"worker ({cfg.max_restarts - left + 1} of {cfg.max_restarts} "
-                         f"restarts)")
-                    self._next_attempt(attempt)
-                    attempt += 1
+            while True:
+                workers = self._start(attempt, Path(run_dir.name))
+                self._watching = True
+                failure = self._watch(attempt, workers)
+                self._watching = False
+                end_all(workers)
+                workers = []
+                if failure is None:
+                    self._close(attempt)
+                    return 0
+                left = cfg.max_restarts - attempt
+                if failure["final"] or left <= 0 or self.received is not None:
+                    why = "" if failure["final"] else (
+                        f"; no restarts left (--max-restarts {cfg.max_restarts})")
+                    _say(f"job failed in attempt {attempt}: {failure['what']}{why}")
+                    self._close(attempt)
+                    return failure["code"]
+                _say(f"attempt {attempt} failed: {failure['what']}; restarting every "
+                     f"worker ({cfg.max_restarts - left + 1} of {cfg.max_restarts} "
+                     f"restarts)")
+                self._next_attempt(attempt)
+                attempt += 1
         except (LaunchError, StoreError, OSError) as err:
             _say(f"node {cfg.node_rank}: {err}")
             return 1
@@ -241,6 +242,7 @@ class Agent:
         finally:
             if workers:
                 end_all(workers)
+            run_dir.cleanup()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self.store is not None:
