@@ -59,7 +59,7 @@ setup(
     ],
     extras_require={
         "torch": ["torch==2.13.0"],
-        "test": ["pytest>=8", "pytest-timeout", "scikit-learn", "safetensors", "tqdm"],
+        "test": ["pytest>=8", "pytest-timeout", "scikit-learn", "safetensors", "tqdm", "matplotlib"],
         "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12>=2.18", "nvidia-ml-py"],
         "cuda13": ["cupy-cuda13x>=13", "nvidia-nccl-cu13>=2.18", "nvidia-ml-py"],
     },

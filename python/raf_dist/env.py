@@ -7,8 +7,9 @@ the allowed values instead of being read as "off".
                                unscheduled; the test suite runs this way (tests/conftest.py)
   RAF_DIST_NO_SCHEDULE=1       skip the CPU schedule altogether (every kernel serial; for
                                measuring what the schedule gains)
-  RAF_DIST_PROFILE=dir         every Trainer step writes Chrome-trace events to
-                               ``dir/trace-rank{R}.json`` (see raf_dist.profiler)
+  RAF_DIST_PROFILE=dir         every Trainer records its first RAF_DIST_PROFILE_STEPS steps
+                               (default 10) and writes them as a Chrome trace to
+                               ``dir/trace-rank{R}.json`` (Trainer.profile, raf_dist.profiler)
 """
 import os
 
@@ -39,3 +40,17 @@ def profile_dir() -> "str | None":
     """RAF_DIST_PROFILE: the directory every Trainer writes its per-rank trace to, or None."""
     value = os.environ.get("RAF_DIST_PROFILE", "").strip()
     return value or None
+
+
+_DEFAULT_PROFILE_STEPS = 10  # enough to see the first step's warm-up and a few steady ones
+
+
+def profile_steps() -> int:
+    """RAF_DIST_PROFILE_STEPS: how many steps RAF_DIST_PROFILE records (a positive integer)."""
+    value = os.environ.get("RAF_DIST_PROFILE_STEPS", "").strip()
+    if not value:
+        return _DEFAULT_PROFILE_STEPS
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"RAF_DIST_PROFILE_STEPS={value!r}: give a positive number of steps "
+                         f"(default {_DEFAULT_PROFILE_STEPS})")
+    return int(value)
