@@ -5,8 +5,10 @@ writes ``path/trace-rank{R}.json``, which opens in Perfetto (ui.perfetto.dev) or
 chrome://tracing; ``python -m raf_dist.tools.timeline DIR -o timeline.png`` merges the ranks.
 
 How: TVM's VM calls an instrument function before and after every call instruction it
-executes (``VirtualMachine.set_instrument``), with the callee's name and arguments. Each call
-becomes one complete ("X") event, categorised by the callee:
+executes (``VirtualMachine.set_instrument``), with the callee's name and arguments. (TVM
+0.27 has no VM profiler any more: ``VirtualMachine`` takes no ``profile=`` and its runtime
+library registers no profiler VM.) Each call becomes one complete ("X") event, categorised by
+the callee:
 
   kernel      a PrimFunc TVM generated (fused elementwise, reductions, the optimizer)
   blas        raf_dist.blas.* (numpy / CuPy matmul and convolution); args: operand shapes

@@ -223,7 +223,7 @@ def run_on_one_gpu_thread(func):
     for tag in ("threadIdx.x", "blockIdx.x"):
         iv = tvm.tirx.IterVar(tvm.ir.Range(0, 1), tvm.tirx.Var(tag, "int32"), 1, tag)
         body = tvm.tirx.AttrStmt(iv, "thread_extent", 1, body)
-    return func.with_body(body).with_attr("tirx.is_scheduled", True)
+    return func.with_body(body).with_attr(SCHEDULED, True)
 
 
 _GPU_THREADS = 256  # threads per block of a kernel made from an independent loop
@@ -345,7 +345,7 @@ def schedule_gpu_prim_func(func, target, rules=None):
         if space is None:
             continue
         sch = space[0] if isinstance(space, (list, tuple)) else space
-        scheduled = sch.mod["main"].with_attr("tirx.is_scheduled", True)
+        scheduled = sch.mod["main"].with_attr(SCHEDULED, True)
         if _lowers(scheduled):
             return scheduled
     return run_on_one_gpu_thread(func)
@@ -363,7 +363,7 @@ class ScheduleGPU:
         for gvar, func in mod.functions_items():
             if not isinstance(func, tvm.tirx.PrimFunc):
                 continue
-            if func.attrs is not None and int(func.attrs.get("tirx.is_scheduled", 0)) == 1:
+            if func.attrs is not None and int(func.attrs.get(SCHEDULED, 0)) == 1:
                 continue
             updated[gvar] = schedule_gpu_prim_func(func, target, rules)
         mod = mod.clone()  # the caller's module stays as it was
