@@ -54,10 +54,16 @@ def test_profile_records_steps_kernels_and_blas_then_stops(tmp_path):
             if e["cat"] == "step"] == ["step 4"]
 
     png = tmp_path / "timeline.png"
-    assert timeline.main([str(tmp_path), "-o", str(png), "--top", "5"]) == 0
+    assert timeline.main([str(tmp_path), "-o", str(png), "--top", "5", "--skip", "1"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rows = timeline.top_calls(timeline.load_traces(tmp_path), 5)
+    traces = timeline.load_traces(tmp_path)
+    rows = timeline.top_calls(traces, 5)
     assert len(rows) == 5 and rows[0]["total_ms"] >= rows[-1]["total_ms"] > 0
+    later = timeline.skip_steps(traces, 1)[0]
+    assert [e["name"] for e in later if e["cat"] == "step"] == ["step 2"]
+    assert sum(1 for e in later if e["cat"] == "kernel") == per_step[1]
+    with pytest.raises(ValueError, match="recorded 2 steps: cannot skip 2"):
+        timeline.skip_steps(traces, 2)
 
 
 def test_environment_variable_profiles_the_first_steps(tmp_path, monkeypatch):

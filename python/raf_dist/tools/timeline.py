@@ -1,13 +1,15 @@
 """Merge the ranks' Chrome traces of a profiled run and show where the time went.
 
-    python -m raf_dist.tools.timeline DIR -o timeline.png [--top 10] [--merged all.json]
+    python -m raf_dist.tools.timeline DIR -o timeline.png [--top 10] [--skip N] [--merged all.json]
 
 DIR holds ``trace-rank{R}.json`` files (``Trainer.profile(steps, DIR)`` or
 ``RAF_DIST_PROFILE=DIR``). Prints, per rank, the time in steps, compute (kernels, BLAS, the
 VM's builtins) and communication (collective calls, waits included), then the calls that
 took the most time in all; draws compute vs communication per rank over time (matplotlib,
 one lane each, steps as a band behind them); ``--merged`` writes one trace with every rank
-for Perfetto / chrome://tracing. Times are aligned on the ranks' wall clocks.
+for Perfetto / chrome://tracing; ``--skip N`` leaves out each rank's first N recorded steps
+(warm-up: first-touch allocations, thread pools starting). Times are aligned on the ranks'
+wall clocks.
 """
 import argparse
 import json
@@ -39,6 +41,22 @@ def load_traces(directory) -> dict:
                              "writes; move other files out of the directory")
         traces[int(rank)] = complete
     return traces
+
+
+def skip_steps(traces: dict, count: int) -> dict:
+    """``traces`` without each rank's first ``count`` steps (and every event before the end
+    of the last one skipped)."""
+    if count <= 0:
+        return traces
+    out = {}
+    for rank, events in traces.items():
+        steps = sorted((e for e in events if e["cat"] == "step"), key=lambda e: e["ts"])
+        if len(steps) <= count:
+            raise ValueError(f"rank {rank} recorded {len(steps)} steps: cannot skip {count}; "
+                             "profile more steps or skip fewer")
+        cutoff = steps[count - 1]["ts"] + steps[count - 1]["dur"]
+        out[rank] = [e for e in events if e["ts"] >= cutoff]
+    return out
 
 
 def summary(traces: dict) -> dict:
@@ -142,9 +160,11 @@ def main(argv=None) -> int:
     parser.add_argument("directory", help="directory of trace-rank{R}.json files")
     parser.add_argument("-o", "--output", default="timeline.png", help="PNG to write")
     parser.add_argument("--top", type=int, default=10, help="callees to list (by total time)")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="leave out each rank's first SKIP recorded steps (warm-up)")
     parser.add_argument("--merged", help="also write every rank's events to this JSON trace")
     args = parser.parse_args(argv)
-    traces = load_traces(args.directory)
+    traces = skip_steps(load_traces(args.directory), args.skip)
     print(report(traces, args.top))
     plot(traces, args.output)
     print(f"wrote {args.output}")
