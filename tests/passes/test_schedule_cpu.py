@@ -167,14 +167,15 @@ def _embedding_gradient(vocab, dim, rows):
 def test_embedding_gradient_runs_parallel_and_adds_repeated_rows():
     """TVM's take_backward is an opaque block Schedule() cannot open ("Cannot find a block
     with the name: root"): it used to be left serial without a word on every model with an
-    embedding. Its two loops (zero the output, then one iteration per column) now run in
-    parallel, and repeated indices still add up."""
+    embedding. Its zeroing loop now runs in parallel, its accumulation in parallel bands of
+    16 columns, each walking the rows in order; repeated indices still add up."""
     vocab, dim, rows = 512, 128, 1024  # the GPT of bench/step_time.py
     scheduled = ScheduleCPU()(_lowered(_embedding_gradient(vocab, dim, rows)))
     (kernel,) = [f for _, f in scheduled.functions_items() if isinstance(f, tirx.PrimFunc)]
     kinds = _loop_kinds(kernel)
-    assert (tirx.ForKind.PARALLEL, vocab * dim) in kinds and (tirx.ForKind.PARALLEL, dim) in kinds
-    assert (tirx.ForKind.SERIAL, rows) in kinds  # each column walks the indices in order
+    # (innermost first) 16 contiguous columns inside the walk over the rows, 8 parallel bands
+    assert kinds == [(tirx.ForKind.PARALLEL, vocab * dim), (tirx.ForKind.SERIAL, 16),
+                     (tirx.ForKind.SERIAL, rows), (tirx.ForKind.PARALLEL, dim // 16)]
     rng = np.random.default_rng(3)
     idx = rng.integers(0, vocab, rows).astype("int32")
     idx[:9] = 7  # a row hit repeatedly

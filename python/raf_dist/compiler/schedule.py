@@ -299,20 +299,46 @@ def schedule_scatter_add(func, bind=True):
                                    [_loop_on_gpu_threads(l, bind) for l in matched[3]])
 
 
+def _column_bands(loop, width):
+    """``for c in range(C): for k in range(N): body(c, k)`` (each c owns output column c) as
+    ``for band in range(C / width): for k in range(N): for lane in range(width):
+    body(band * width + lane, k)``: each pass over the rows k touches ``width`` contiguous
+    columns instead of one, and every column still adds its rows in order."""
+    inner = loop.body
+    column = loop.loop_var
+    band = tvm.tirx.Var("band", str(column.ty))
+    lane = tvm.tirx.Var("lane", str(column.ty))
+    body = tvm.tirx.SeqStmt([tvm.tirx.Bind(column, band * width + lane), inner.body])
+    lanes = tvm.tirx.For(lane, 0, width, tvm.tirx.ForKind.SERIAL, body)
+    rows = tvm.tirx.For(inner.loop_var, inner.min, inner.extent, tvm.tirx.ForKind.SERIAL, lanes)
+    return tvm.tirx.For(band, 0, int(loop.extent) // width, tvm.tirx.ForKind.SERIAL, rows)
+
+
+def _parallel(loop):
+    """``loop`` run in parallel when it is large enough to pay for the thread pool."""
+    if int(loop.extent) > 1 and int(loop.extent) * _work(loop.body) >= _MIN_PARALLEL_WORK:
+        return tvm.tirx.For(loop.loop_var, loop.min, loop.extent, tvm.tirx.ForKind.PARALLEL,
+                            loop.body)
+    return loop
+
+
 def schedule_scatter_add_cpu(func):
-    """take_backward (see schedule_scatter_add) on the CPU: each of its loops runs in parallel
-    when it is large enough to pay for the thread pool (its iterations own disjoint output
-    elements, and the parallel loops still run one after the other); None for any other
-    kernel."""
+    """take_backward (see schedule_scatter_add) on the CPU: the zeroing loop in parallel, the
+    accumulation over bands of 16 (or 8) contiguous columns, the bands in parallel (each
+    walks the rows in order: deterministic, no atomics); the loops still run one after the
+    other. None for any other kernel."""
     matched = _scatter_add_loops(func)
     if matched is None:
         return None
     loops = []
     for loop in matched[3]:
-        if int(loop.extent) > 1 and int(loop.extent) * _work(loop.body) >= _MIN_PARALLEL_WORK:
-            loop = tvm.tirx.For(loop.loop_var, loop.min, loop.extent, tvm.tirx.ForKind.PARALLEL,
-                                loop.body)
-        loops.append(loop)
+        inner = loop.body
+        if (isinstance(inner, tvm.tirx.For) and inner.kind == tvm.tirx.ForKind.SERIAL
+                and not isinstance(inner.body, tvm.tirx.For)):
+            width = next((w for w in (2 * _VECTOR, _VECTOR) if int(loop.extent) % w == 0), None)
+            if width is not None:
+                loop = _column_bands(loop, width)
+        loops.append(_parallel(loop))
     return _with_scatter_add_loops(func, matched, loops)
 
 
