@@ -21,7 +21,9 @@ def mpiexec():
 def launcher_is_open_mpi():
     """Open MPI and MPICH take different hostfile formats (and Open MPI more flags)."""
     out = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=30)
-    return "open mpi" in (out.stdout + out.stderr).lower()
+    # Open MPI 5 says "Open MPI"; 4.x says "mpiexec (OpenRTE) 4.1.6" and points to open-mpi.org
+    text = (out.stdout + out.stderr).lower()
+    return any(mark in text for mark in ("open mpi", "openrte", "open-mpi"))
 
 
 def localhost_hostfile():

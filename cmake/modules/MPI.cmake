@@ -24,3 +24,7 @@ else()
   target_link_libraries(raf_dist::mpi INTERFACE MPI::MPI_C)
   message(STATUS "raf_dist: MPI from the system: ${MPI_C_LIBRARIES}")
 endif()
+# The runtime uses MPI's C API only. Compiled as C++, Open MPI's (and old MPICH's) mpi.h pulls
+# in the deprecated C++ bindings, whose symbols (MPI::Datatype::Free, ...) live in libmpi_cxx,
+# which we do not link: loading libraf_dist.so then failed on a GPU host with Open MPI 4.1.
+target_compile_definitions(raf_dist::mpi INTERFACE OMPI_SKIP_MPICXX MPICH_SKIP_MPICXX)
