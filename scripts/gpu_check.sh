@@ -7,6 +7,9 @@
 # and, with two or more GPUs, the distributed example on all of them (NCCL between ranks).
 #   scripts/gpu_check.sh [WORKDIR]            (default /tmp/raf_dist_gpu)
 #   CUDA_EXTRA=cuda12 scripts/gpu_check.sh    (CuPy/NCCL for CUDA 12; default from nvcc)
+#   GPU_CHECK_OFFLINE=1 scripts/gpu_check.sh  (a machine without network whose python3 already
+#       has PyTorch, CuPy, nvidia-nccl, mpi4py + an MPI and, importable or as wheels in
+#       $GPU_CHECK_WHEELS, apache-tvm and apache-tvm-ffi: installs into that python, no venv)
 set -euo pipefail
 src="$(cd "$(dirname "$0")/.." && pwd)"
 work="${1:-/tmp/raf_dist_gpu}"
@@ -14,17 +17,34 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --f
 major="$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')"
 extra="${CUDA_EXTRA:-cuda${major:-12}}"
 rm -rf "$work" && mkdir -p "$work"
-git clone -q "$src" "$work/src"
-python3 -m venv "$work/venv"
-py="$work/venv/bin/python"
-"$py" -m pip install -q --upgrade pip
-command -v mpicc >/dev/null 2>&1 || "$py" -m pip install -q mpich
-"$py" -m pip install -q "setuptools>=64" wheel "cmake>=3.18" apache-tvm-ffi==0.1.15.post2 torch==2.13.0
-cd "$work/src"
-# pip builds the package before it installs its dependencies, so the NCCL wheel the CUDA build
-# links is not there yet on the first install: install with the extras first, then rebuild
-"$py" -m pip install -q --no-build-isolation -e ".[test,$extra]"
-USE_CUDA=ON USE_NCCL=ON "$py" -m pip install -q --no-build-isolation --no-deps --force-reinstall -e .
+if [ -d "$src/.git" ]; then git clone -q "$src" "$work/src"; else cp -a "$src" "$work/src"; fi
+if [ "${GPU_CHECK_OFFLINE:-0}" = 1 ]; then
+  py=python3
+  if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
+    "$py" -m pip install -q --no-index --no-deps "$GPU_CHECK_WHEELS"/*.whl
+  fi
+  cd "$work/src"
+  # CMake looks for the NCCL wheel in the install's own site-packages; point it at python3's
+  NCCL_ROOT="$("$py" -c "import importlib.util, os; print(next(os.path.join(p, 'nccl') for p in
+    importlib.util.find_spec('nvidia').submodule_search_locations
+    if os.path.isdir(os.path.join(p, 'nccl'))))")"
+  export NCCL_ROOT
+  USE_CUDA=ON USE_NCCL=ON "$py" -m pip install -q --no-index --no-build-isolation --no-deps -e .
+else
+  python3 -m venv "$work/venv"
+  py="$work/venv/bin/python"
+  "$py" -m pip install -q --upgrade pip
+  command -v mpicc >/dev/null 2>&1 || "$py" -m pip install -q mpich
+  "$py" -m pip install -q "setuptools>=64" wheel "cmake>=3.18" apache-tvm-ffi==0.1.15.post2 torch==2.13.0
+  cd "$work/src"
+  # pip builds the package before it installs its dependencies, so the NCCL wheel the CUDA
+  # build links is not there yet on the first install: install with the extras first, then
+  # rebuild
+  "$py" -m pip install -q --no-build-isolation -e ".[test,$extra]"
+  USE_CUDA=ON USE_NCCL=ON "$py" -m pip install -q --no-build-isolation --no-deps --force-reinstall -e .
+fi
+# Open MPI refuses to start ranks as root unless told (the lent GPU machines run as root)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 "$py" - <<'PY'
 import tvm, raf_dist
 from raf_dist import _native
@@ -36,7 +56,7 @@ assert cuda_compiler(), "no CUDA kernel compiler: put nvcc on PATH or pip instal
 print("CUDA kernels compiled with", cuda_compiler())
 PY
 "$py" -m pytest -q -rs tests/gpu tests/passes/test_cuda_build.py tests/unit/test_device.py
-"$py" bench/step_time.py --device cuda --steps 20
+"$py" bench/step_time.py --device cuda --steps 20 --rounds 3
 # every GPU of the machine, one rank each: data parallelism with NCCL collectives between ranks
 ngpu="$("$py" -c 'import tvm; print(sum(tvm.cuda(i).exist for i in range(64)))')"
 if [ "$ngpu" -ge 2 ]; then

@@ -19,8 +19,8 @@ from .compiler import compile_step
 from .runtime import available_cores, set_num_threads  # importing it registers raf_dist.blas.*
 from .distributed import collectives, get_communicator, get_config
 from .optim import Optimizer
-from .passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, ShardZeRO,
-                     StripGradientMarkers, gradient_buckets, shard_size)
+from .passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, MaxPoolGradient,
+                     ShardZeRO, StripGradientMarkers, gradient_buckets, shard_size)
 from .training import LOSSES, build_train_step
 
 
@@ -369,7 +369,7 @@ def step_passes(zero_level, world_size, bucket_bytes, overlap=True, group=0):
         distribute = AllReduceGradients(world_size, bucket_bytes, overlap=overlap, group=group)
     else:
         distribute = StripGradientMarkers()
-    return [distribute, DispatchToBLAS(), FastGelu(), FastExp()]
+    return [distribute, DispatchToBLAS(), FastGelu(), FastExp(), MaxPoolGradient()]
 
 
 def _nbytes(tensor):

@@ -163,29 +163,3 @@ def test_grouped_conv_stays_with_tvm():
 
     tvm.ir.assert_structural_equal(DispatchToBLAS()(Grouped), Grouped)
 
-
-@pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("a_shape, b_shape, trans_a, trans_b", [
-    ((7, 6, 5), (7, 5, 4), 0, 0),        # batch of small matrices, split across threads
-    ((7, 5, 6), (7, 4, 5), 1, 1),        # both transposed
-    ((3, 7, 6, 5), (5, 4), 0, 0),        # 4-D batch against a broadcast matrix
-    ((3, 64, 64), (3, 64, 64), 0, 1),    # as many matrices as threads (or fewer: not split)
-])
-def test_batched_matmul_split_across_threads_equals_numpy(threads, a_shape, b_shape, trans_a,
-                                                         trans_b):
-    import numpy as np
-
-    from raf_dist.runtime import blas
-
-    rng = np.random.default_rng(1)
-    a, b = rng.standard_normal(a_shape, "float32"), rng.standard_normal(b_shape, "float32")
-    ta = np.swapaxes(a, -1, -2) if trans_a else a
-    tb = np.swapaxes(b, -1, -2) if trans_b else b
-    expected = np.matmul(ta, tb)
-    out = tvm.runtime.tensor(np.full(expected.shape, np.nan, "float32"))
-    blas.set_num_threads(threads)
-    try:
-        blas.matmul(tvm.runtime.tensor(a), tvm.runtime.tensor(b), trans_a, trans_b, out)
-    finally:
-        blas.set_num_threads(1)
-    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)

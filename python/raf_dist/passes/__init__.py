@@ -4,9 +4,10 @@ from .bucketing import assign_buckets, bucket_layout, gradient_buckets
 from .data_parallel import AllReduceGradients
 from .dispatch_blas import DispatchToBLAS
 from .fast_math import FastExp, FastGelu
+from .pool_gradient import MaxPoolGradient
 from .zero import ShardZeRO, shard_size
 from .gradient_markers import StripGradientMarkers
 
-__all__ = ["AllReduceGradients", "DispatchToBLAS", "FastExp", "FastGelu", "StripGradientMarkers",
-           "ShardZeRO", "assign_buckets", "bucket_layout",
+__all__ = ["AllReduceGradients", "DispatchToBLAS", "FastExp", "FastGelu", "MaxPoolGradient",
+           "StripGradientMarkers", "ShardZeRO", "assign_buckets", "bucket_layout",
            "gradient_buckets", "shard_size"]

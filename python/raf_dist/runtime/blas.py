@@ -3,33 +3,17 @@ tensors — numpy's BLAS for host tensors, CuPy (cuBLAS) for CUDA tensors.
 
 numpy and CuPy hand a transposed view of a contiguous matrix to gemm as a transpose flag, so
 folded transposes cost nothing; batched operands (rank > 2, broadcasting like np.matmul) run
-one gemm per matrix. On the host, a batch of small matrices is split across the rank's
-threads (``set_num_threads``): BLAS runs a gemm that small on one thread, so the attention's
-batched products (64 matrices of 64x32) otherwise used one core of two. The functions are written once against the array module of their
+one gemm per matrix. (Splitting a batch of small matrices, which BLAS runs on one thread,
+across threads was tried: no gain on the GPT's attention products, 64 of 64x32 on 2 cores,
+0.30-0.42 ms either way.) The functions are written once against the array module of their
 arguments (``_xp``). On the GPU, CuPy launches on its current stream, the legacy default
 stream, which TVM's kernels also use, so they stay ordered.
 """
-import concurrent.futures
-
 import numpy as np
 import tvm_ffi
 
 BLAS_MATMUL = "raf_dist.blas.matmul"
 _CUDA = 2  # kDLCUDA
-# OpenBLAS runs a gemm on one thread below m*n*k = 65536 * GEMM_MULTITHREAD_THRESHOLD (4 by
-# default); up to there a batch is split across threads by raf_dist instead
-_SMALL_GEMM = 65536 * 4
-_threads = 1
-_pool = None
-
-
-def set_num_threads(num_threads: int) -> None:
-    """Threads a batch of small host matmuls is split across (the rank's compute threads)."""
-    global _threads, _pool
-    if num_threads != _threads and _pool is not None:
-        _pool.shutdown(wait=True)
-        _pool = None
-    _threads = max(1, int(num_threads))
 
 
 def _xp(tensor):
@@ -52,31 +36,7 @@ def matmul(a, b, trans_a, trans_b, out):
         a = xp.swapaxes(a, -1, -2)
     if trans_b:
         b = xp.swapaxes(b, -1, -2)
-    out = xp.from_dlpack(out)
-    if xp is np and _threads > 1 and out.ndim > 2 and out.shape[0] >= _threads \
-            and out.shape[-2] * out.shape[-1] * a.shape[-1] <= _SMALL_GEMM:
-        _split_batch(a, b, out)
-    else:
-        xp.matmul(a, b, out=out)
-
-
-def _split_batch(a, b, out):
-    """np.matmul(a, b, out=out) as one slice of the leading batch axis per thread (numpy
-    releases the GIL inside matmul); an operand without that axis broadcasts to every slice."""
-    global _pool
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(_threads - 1, "raf_dist-blas")
-    bounds = np.linspace(0, out.shape[0], _threads + 1).astype(int)
-
-    def part(lo, hi):
-        def rows(x):
-            return x[lo:hi] if x.ndim == out.ndim and x.shape[0] == out.shape[0] else x
-        np.matmul(rows(a), rows(b), out=out[lo:hi])
-
-    futures = [_pool.submit(part, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
-    part(bounds[0], bounds[1])  # the calling thread takes the first slice
-    for future in futures:
-        future.result()
+    xp.matmul(a, b, out=xp.from_dlpack(out))
 
 
 tvm_ffi.register_global_func(BLAS_MATMUL, matmul, override=True)

@@ -1,5 +1,4 @@
-"""Compute thread pools: TVM's, the BLAS library numpy uses and raf_dist's batched-matmul
-workers (runtime/blas.py), sized per rank, never pinned.
+"""Compute thread pools: TVM's and the BLAS library numpy uses, sized per rank, never pinned.
 
 TVM's `runtime.config_threadpool` binds the *calling* thread to core 0 (and its workers to the
 following cores) unless ``TVM_BIND_THREADS=0``. Called from the main thread that pins the
@@ -17,8 +16,6 @@ import os
 import threadpoolctl
 import tvm
 
-from . import blas
-
 logger = logging.getLogger("raf_dist")
 
 
@@ -31,8 +28,7 @@ def available_cores() -> int:
 
 
 def set_num_threads(num_threads: int) -> None:
-    """Size TVM's pool (it defaults to one thread here), numpy's BLAS and the batched-matmul
-    workers to ``num_threads``.
+    """Size TVM's pool (it defaults to one thread here) and numpy's BLAS to ``num_threads``.
 
     Idle TVM workers sleep instead of spinning (TVM_THREAD_POOL_SPIN_COUNT=0 unless the user
     set it): spinning workers steal the cores from the MPI communication thread, from BLAS and
@@ -53,7 +49,6 @@ def set_num_threads(num_threads: int) -> None:
                     sorted(_affinity()), sorted(affinity))
         os.sched_setaffinity(0, affinity)
     threadpoolctl.threadpool_limits(limits=int(num_threads), user_api="blas")
-    blas.set_num_threads(int(num_threads))
 
 
 def _affinity():
