@@ -17,7 +17,11 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --f
 major="$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')"
 extra="${CUDA_EXTRA:-cuda${major:-12}}"
 rm -rf "$work" && mkdir -p "$work"
-if [ -d "$src/.git" ]; then git clone -q "$src" "$work/src"; else cp -a "$src" "$work/src"; fi
+if [ -d "$src/.git" ]; then
+  git clone -q "$src" "$work/src"
+else  # a copy of a working tree without git: leave its build outputs behind
+  cp -a "$src" "$work/src" && rm -rf "$work/src/build" "$work/src"/python/raf_dist/*.so
+fi
 if [ "${GPU_CHECK_OFFLINE:-0}" = 1 ]; then
   py=python3
   if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
