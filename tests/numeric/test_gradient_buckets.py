@@ -6,7 +6,7 @@ import pytest
 import tvm_ffi
 
 import raf_dist
-from models import make, raf_optimizer
+from models import make, raf_optimizer, rel_err
 from raf_dist import _native
 from raf_dist.trainer import step_passes
 
@@ -26,9 +26,14 @@ def _train(name, bucketed, monkeypatch, steps=3):
 def test_bucketed_step_trains_like_the_plain_step(name, monkeypatch):
     losses, params = _train(name, True, monkeypatch)
     ref_losses, ref_params = _train(name, False, monkeypatch)
+    # The two steps fuse the gradients' producers differently (into the bucket's views vs
+    # into the optimizer's kernels), so a gradient may differ in its last bit; AdamW turns a
+    # last-bit difference on an element whose gradient is ~0 into a visible step (seen in
+    # CI: one qkv.weight element of 768 off by 3e-6 relative after 3 steps). Hence a
+    # norm-relative bound per tensor, 1e-6 (float32 ~1e-7 per step, 3 steps).
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for key, value in ref_params.items():
-        np.testing.assert_allclose(params[key], value, rtol=1e-6, atol=1e-8, err_msg=key)
+        assert rel_err(params[key], value) <= 1e-6, (key, rel_err(params[key], value))
 
 
 def _fn(name):

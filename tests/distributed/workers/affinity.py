@@ -1,4 +1,4 @@
-"""Build and step a data-parallel Trainer, then report (one JSON line per rank) the affinity
+"""Build and step a data-parallel Trainer, then report (rank 0 prints one JSON line per rank) the affinity
 the process had before, what every thread of the process may run on afterwards, and what a
 thread the user starts afterwards may run on (tests/distributed/test_affinity.py)."""
 import json
@@ -43,6 +43,11 @@ def thread_cpus():
     return cpus
 
 
-print("AFFINITY " + json.dumps({"rank": comm.rank, "before": before,
-                                "main_after": sorted(os.sched_getaffinity(0)),
-                                "user_thread": user_thread["cpus"], "threads": thread_cpus()}))
+report = {"rank": comm.rank, "before": before, "main_after": sorted(os.sched_getaffinity(0)),
+          "user_thread": user_thread["cpus"], "threads": thread_cpus()}
+# rank 0 prints every rank's report: lines printed by two ranks at once can interleave in the
+# launcher's merged output (seen: one rank's JSON glued to the other's)
+reports = comm.mpi_comm.gather(report, root=0)
+if comm.rank == 0:
+    for item in reports:
+        print("AFFINITY " + json.dumps(item), flush=True)
