@@ -35,6 +35,7 @@ from typing import Dict, List, Optional
 from ..distributed.rendezvous import RESTART_ENV, TIMEOUT_ENV, TOKEN_ENV
 from ..distributed.store import StoreClient, StoreError, StoreServer
 from .config import LaunchConfig, LaunchError
+from .mpi_env import host_identity, worker_environment
 from .workers import Worker, end_all, mpiexec
 
 logger = logging.getLogger("raf_dist")
@@ -59,6 +60,7 @@ class Agent:
         self.store: Optional[StoreClient] = None
         self.port = config.master_port
         self.nodes: List[Dict] = []
+        self.mpi_env: Dict[str, str] = {}  # what the workers' MPI needs (mpi_env.py)
         self._watching = False  # signals are handled by _watch (flag) or at once (raise)
 
     # -- rendezvous of the launchers -------------------------------------------------------
@@ -78,7 +80,8 @@ class Agent:
         cfg, store = self.config, self.store
         settings = {"nnodes": cfg.nnodes, "max_restarts": cfg.max_restarts}
         record = json.dumps({"host": self.host, "pid": os.getpid(),
-                             "nproc": cfg.nproc_per_node, **settings}).encode()
+                             "nproc": cfg.nproc_per_node, **host_identity(),
+                             **settings}).encode()
         holder = store.compare_set(f"node/{cfg.node_rank}", b"", record)
         if holder != record:
             other = json.loads(holder)
@@ -104,6 +107,9 @@ class Agent:
                     "launchers disagree: " + ", ".join(
                         f"--{k.replace('_', '-')} is {theirs} on node {rank} and {mine} on node "
                         f"{cfg.node_rank}" for k, (theirs, mine) in differs.items()))
+        self.mpi_env, note = worker_environment(self.nodes, cfg.node_rank, os.environ)
+        if note:
+            _say(note)
 
     # -- one attempt -----------------------------------------------------------------------
 
@@ -114,7 +120,7 @@ class Agent:
         workers = []
         for local_rank in range(cfg.nproc_per_node):
             rank = first_rank + local_rank
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
+            env = dict(os.environ, **self.mpi_env, RANK=str(rank), WORLD_SIZE=str(world_size),
                        LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(cfg.nproc_per_node),
                        GROUP_RANK=str(cfg.node_rank), MASTER_ADDR=cfg.master_addr,
                        MASTER_PORT=str(self.port), **{RESTART_ENV: str(attempt),

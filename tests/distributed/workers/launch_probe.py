@@ -24,7 +24,7 @@ def main(mode):
         total = dist.allreduce(np.full(3, comm.rank + 1.0, dtype=np.float32))
         print("INFO " + json.dumps({
             "rank": comm.rank, "size": comm.size, "local_rank": comm.local_rank,
-            "local_size": comm.local_size, "sum": float(total[0]),
+            "local_size": comm.local_size, "sum": float(total[0]), "host": comm.host,
             "env_rank": int(os.environ["RANK"]), "node": int(os.environ["GROUP_RANK"])}),
             flush=True)
     elif mode == "sleep":
