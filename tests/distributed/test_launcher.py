@@ -73,6 +73,19 @@ def test_killed_worker_resumes_from_checkpoint_like_an_uninterrupted_mpiexec_run
         assert np.array_equal(expected[name], got[name]), name
 
 
+@pytest.mark.parametrize("worker, levels", [("dp_train.py", ()), ("zero_train.py", ("2,3",))],
+                         ids=["data-parallel", "zero-2-3"])
+def test_four_workers_train_like_one_process(worker, levels):
+    """4 workers started by the launcher (no mpiexec world) run the checks of test_data_parallel
+    and test_zero: losses, parameters (and optimizer state) equal one process on the global
+    batch, with DESIGN.md's collective counts and bytes, as under mpiexec."""
+    code, out, _ = _run("--nproc-per-node", 4, WORKERS / worker, "mlp", "adamw", 0.001, 1,
+                        *levels, timeout=420)
+    assert code == 0, out
+    for rank in range(4):
+        assert re.search(rf"\[rank {rank}\]: rank {rank}: ALL OK", out), out
+
+
 def test_killed_worker_without_restarts_ends_the_job_naming_it(tmp_path):
     code, out, seconds = _run("--nproc-per-node", 2, "--max-restarts", 0,
                               WORKERS / "launch_probe.py", "kill", timeout=120)
