@@ -1,9 +1,10 @@
 """Process-group bootstrap under an MPI launcher or ``raf_dist.run``.
 
 mpi4py initialises MPI (MPI_THREAD_MULTIPLE, which the native communication thread needs);
-rank and size come from MPI, the local rank from an exchange of host names (so it is right
-under MPICH and Open MPI, with ``-H``, ``--hostfile`` or neither, without reading any
-launcher-specific variable). Started without a launcher, the world is one process. Started by
+rank and size come from MPI, the local rank from MPI's shared-memory split
+(``MPI_COMM_TYPE_SHARED``: right under MPICH and Open MPI, with ``-H``, ``--hostfile`` or
+neither, without reading any launcher-specific variable, and where machines share a host
+name). Started without a launcher, the world is one process. Started by
 ``raf_dist.run`` (its variables in the environment, a world of one from MPI's point of view),
 the workers form their world through the rendezvous store (``rendezvous.py``): rank =
 ``RANK``, local rank = ``LOCAL_RANK``, and "same host" means "same launcher node".
@@ -49,9 +50,9 @@ class Communicator:
         self.size = mpi_comm.Get_size()
         self.host = MPI.Get_processor_name() or socket.gethostname()
         self.hosts = mpi_comm.allgather(self.host)
-        # which ranks share a host: by name under an MPI launcher; by launcher node under
-        # raf_dist.run, whose nodes may share a name (containers, network namespaces)
-        node = self.host if placement is None else placement.node_rank
+        # which ranks share a host: MPI's shared-memory split under an MPI launcher (host
+        # names may repeat across machines: containers), the launcher's node under raf_dist.run
+        node = _shared_memory_node(mpi_comm) if placement is None else placement.node_rank
         self._nodes = mpi_comm.allgather(node)
         self.local_rank = sum(1 for h in self._nodes[: self.rank] if h == node)
         self.local_size = sum(1 for h in self._nodes if h == node)
@@ -91,10 +92,13 @@ class Communicator:
         other; collective. A rank that later dies without a word is named, with its activity,
         by its watchdog, and the others end within ``grace_seconds`` (plus a few seconds)."""
         read_end, write_end = os.pipe()
+        # a job on one host needs no datagram from outside it: listen on loopback only
+        bind = "127.0.0.1" if len(set(self._nodes)) == 1 else "0.0.0.0"
         try:
             process = subprocess.Popen(
                 [sys.executable, "-I", "-S", str(Path(__file__).with_name("watchdog.py")),
-                 str(self.rank), str(self.size), self.host, str(os.getpid()), str(grace_seconds)],
+                 str(self.rank), str(self.size), self.host, str(os.getpid()), str(grace_seconds),
+                 bind],
                 stdin=read_end, stdout=subprocess.PIPE, start_new_session=True, close_fds=True)
             port = int(process.stdout.readline())
             process.stdout.close()
@@ -103,7 +107,7 @@ class Communicator:
         finally:
             os.close(read_end)
         addresses = self.mpi_comm.allgather((_addresses(self.host, self._reach_address), port))
-        # the watchdogs drop datagrams without the job's token (their port is open to all)
+        # the watchdogs drop datagrams without the job's token (across hosts their port is open)
         token = self.mpi_comm.bcast(secrets.token_hex(16) if self.rank == 0 else None, root=0)
         if port is None:
             os.close(write_end)
@@ -144,6 +148,19 @@ class Communicator:
 
 _LOCK = threading.Lock()
 _COMM = None
+
+
+def _shared_memory_node(mpi_comm):
+    """An id of this rank's node, equal on exactly the ranks that share memory with it: the
+    lowest world rank of its MPI_COMM_TYPE_SHARED group (MPI's own notion of a node, not the
+    host name)."""
+    from mpi4py import MPI
+
+    local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return local.allreduce(mpi_comm.Get_rank(), op=MPI.MIN)
+    finally:
+        local.Free()
 
 
 def _addresses(host, reach_address=None, limit=4):

@@ -117,9 +117,9 @@ def _parse(datagram, token):
     return when, news
 
 
-def main(rank, size, host, pid, grace):
+def main(rank, size, host, pid, grace, bind="0.0.0.0"):
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.bind(("0.0.0.0", 0))
+    udp.bind((bind, 0))
     sys.stdout.write(f"{udp.getsockname()[1]}\n")
     sys.stdout.flush()
     sys.stdout.close()
@@ -184,4 +184,4 @@ def main(rank, size, host, pid, grace):
 
 if __name__ == "__main__":
     r, n, h, p, g = sys.argv[1:6]
-    main(int(r), int(n), h, int(p), float(g))
+    main(int(r), int(n), h, int(p), float(g), *sys.argv[6:7])
