@@ -96,6 +96,86 @@ class SDPAClassifier(nn.Module):
         return self.out(y.transpose(1, 2).reshape(batch, seq, d).mean(dim=1))
 
 
+class TiedLM(nn.Module):
+    """GPT-2's weight tying in miniature: the output head is the token embedding
+    (``head.weight is tok.weight``), so named_parameters() lists it once as ``tok.weight``
+    while state_dict() lists both names."""
+
+    def __init__(self, vocab=16, d=8, seq=5):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.1)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.fc(self.tok(idx) + self.pos)))
+
+
+class BatchNormCNN(nn.Module):
+    """conv2d + BatchNorm2d (running statistics) + max pooling."""
+
+    def __init__(self, classes=10):
+        super().__init__()
+        # no bias before batch norm (as ResNet): its true gradient is 0, and Adam would turn
+        # the float noise in it into full-size steps in arbitrary directions
+        self.conv = nn.Conv2d(1, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 4 * 4, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.fc(torch.flatten(x, 1))
+
+
+class BatchNormMLP(nn.Module):
+    """BatchNorm1d with the default momentum and one with momentum=None (cumulative average),
+    and one without affine parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(20, 16, bias=False)  # no bias before batch norm (see BatchNormCNN)
+        self.bn1 = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 16, bias=False)
+        self.bn2 = nn.BatchNorm1d(16, momentum=None, affine=False)
+        self.fc3 = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.fc1(x)))
+        return self.fc3(F.relu(self.bn2(self.fc2(x))))
+
+
+class BatchNorm3dNet(nn.Module):
+    """conv3d + BatchNorm3d (momentum 0.3)."""
+
+    def __init__(self, classes=4):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 3, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm3d(3, momentum=0.3)
+        self.fc = nn.Linear(3 * 4 * 4 * 4, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.relu(self.bn(self.conv(x))), 1))
+
+
+class CausalMaskNet(nn.Module):
+    """Constant buffers: a non-persistent causal mask and a persistent scale table that
+    nothing writes (IR constants)."""
+
+    def __init__(self, seq=6, d=8, classes=4):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq)), persistent=False)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d))
+        self.out = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = torch.tanh(self.proj(x)) * self.scale
+        mixed = (self.mask / self.mask.sum(-1, keepdim=True)) @ h  # causal running average
+        return self.out(mixed.mean(dim=1))
+
+
 def make(name, batch, seed=0):
     """(module, example input, target) with deterministic data for a global batch."""
     torch.manual_seed(seed)
@@ -111,10 +191,25 @@ def make(name, batch, seed=0):
     if name == "transformer":
         return (TransformerBlock(), torch.randint(0, 24, (batch, 8), generator=gen),
                 torch.randint(0, 24, (batch, 8), generator=gen))
+    if name == "tied":
+        return (TiedLM(), torch.randint(0, 16, (batch, 5), generator=gen),
+                torch.randint(0, 16, (batch, 5), generator=gen))
     if name == "mha":
         return MHAClassifier(), torch.randn(batch, 6, 16, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
     if name == "sdpa":
         return SDPAClassifier(), torch.randn(batch, 6, 16, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
+    if name == "bn_cnn":
+        return (BatchNormCNN(), torch.randn(batch, 1, 8, 8, generator=gen),
+                torch.randint(0, 10, (batch,), generator=gen))
+    if name == "bn_mlp":
+        return (BatchNormMLP(), torch.randn(batch, 20, generator=gen) * 2 + 1,
+                torch.randint(0, 5, (batch,), generator=gen))
+    if name == "bn3d":
+        return (BatchNorm3dNet(), torch.randn(batch, 2, 4, 4, 4, generator=gen),
+                torch.randint(0, 4, (batch,), generator=gen))
+    if name == "causal_mask":
+        return (CausalMaskNet(), torch.randn(batch, 6, 8, generator=gen),
+                torch.randint(0, 4, (batch,), generator=gen))
     raise ValueError(name)
 
 

@@ -10,6 +10,14 @@ the allowed values instead of being read as "off".
   RAF_DIST_PROFILE=dir         every Trainer records its first RAF_DIST_PROFILE_STEPS steps
                                (default 10) and writes them as a Chrome trace to
                                ``dir/trace-rank{R}.json`` (Trainer.profile, raf_dist.profiler)
+  RAF_DIST_COLLECTIVE_TIMEOUT_S=600  seconds a collective may wait before raising TimeoutError
+                               (default 600; 0 or none: wait forever)
+  RAF_DIST_BARRIER_TIMEOUT_S=3600    seconds Communicator.idle_barrier (the barriers around
+                               compilation and checkpoint I/O) may wait (default 3600; 0 or
+                               none: wait forever)
+
+The README lists every RAF_DIST_* variable, including the few read elsewhere (launcher
+variables set by ``raf_dist.run``, build settings).
 """
 import os
 
@@ -54,3 +62,40 @@ def profile_steps() -> int:
         raise ValueError(f"RAF_DIST_PROFILE_STEPS={value!r}: give a positive number of steps "
                          f"(default {_DEFAULT_PROFILE_STEPS})")
     return int(value)
+
+
+# Ten minutes, as torch's NCCL default. Collectives run only inside steps, after the compile
+# barriers, so the wait is the slowest rank's compute between two collectives of one step plus
+# the transfer: seconds, not minutes. Compilation and checkpoint I/O sit behind idle barriers,
+# which have their own, longer limit (below), so a slow compile on one rank cannot trip this.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+# An hour: the idle barriers wait for one rank's compile (minutes for a large model on a busy
+# host) or its checkpoint file (1/N of the model, to possibly slow shared storage).
+DEFAULT_BARRIER_TIMEOUT_S = 3600.0
+_NO_TIMEOUT = ("0", "none", "off", "inf")
+
+
+def _seconds(name: str, default: float) -> "float | None":
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _NO_TIMEOUT:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{name}={os.environ[name]!r} is not a timeout: give a number of seconds "
+                         f"(default {default:g}), or 0 / none to wait forever")
+    return seconds
+
+
+def collective_timeout_s() -> "float | None":
+    """RAF_DIST_COLLECTIVE_TIMEOUT_S: how long a collective may wait, None = forever."""
+    return _seconds("RAF_DIST_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S)
+
+
+def barrier_timeout_s() -> "float | None":
+    """RAF_DIST_BARRIER_TIMEOUT_S: how long Communicator.idle_barrier may wait, None = forever."""
+    return _seconds("RAF_DIST_BARRIER_TIMEOUT_S", DEFAULT_BARRIER_TIMEOUT_S)

@@ -3,6 +3,13 @@
 ``mod["forward"]`` is a Relax function ``forward(*inputs, *dropout_masks, *params) -> output``
 (one tensor); ``param_names`` gives the parameter order, ``init_params`` their initial values,
 ``dropout_specs`` the (shape, dtype, rate) of each dropout mask input (see passes/dropout.py).
+
+Buffers (frontend/buffers.py): the ones the forward writes (BatchNorm running statistics),
+``buffer_names``, are forward's last arguments, ``forward(*inputs, *masks, *params, *buffers)``,
+and forward then returns ``(output, *new_buffer_values)`` in that order; ``init_buffers`` holds
+their initial values. Buffers nothing writes are IR constants, kept in ``constant_buffers`` for
+``Trainer.buffers_dict``. ``mod["forward_eval"](*inputs, *params, *buffers) -> output``, when
+present, is the evaluation-mode forward (running statistics) that ``Trainer.predict`` runs.
 """
 import dataclasses
 
@@ -18,10 +25,30 @@ class Model:
     init_params: dict  # name -> numpy array
     source: str = "relax"  # where the model came from, for error messages
     dropout_specs: list = dataclasses.field(default_factory=list)  # [(shape, dtype, rate)]
+    buffer_names: list = dataclasses.field(default_factory=list)  # written by forward, in order
+    init_buffers: dict = dataclasses.field(default_factory=dict)  # name -> numpy array
+    constant_buffers: dict = dataclasses.field(default_factory=dict)  # name -> numpy array
+    buffer_order: list = dataclasses.field(default_factory=list)  # as module.named_buffers()
+    non_persistent_buffers: list = dataclasses.field(default_factory=list)  # not in a state_dict
+    # {other name: named_parameters() name} of each tied parameter (frontend/parameters.py):
+    # one parameter, held and trained once; module.state_dict() lists every name
+    tied_params: dict = dataclasses.field(default_factory=dict)
+    # parameters not trained (requires_grad=False): step constants, no gradient or state
+    frozen_params: list = dataclasses.field(default_factory=list)
 
     @property
     def forward(self):
         return self.mod["forward"]
+
+    @property
+    def forward_eval(self):
+        """The evaluation-mode forward, or None when it is the training forward."""
+        return self.mod["forward_eval"] if "forward_eval" in [g.name_hint for g in
+                                                              self.mod.get_global_vars()] else None
+
+    def buffer_specs(self):
+        return [(tuple(self.init_buffers[n].shape), str(self.init_buffers[n].dtype))
+                for n in self.buffer_names]
 
     def param_specs(self):
         return [(tuple(self.init_params[n].shape), str(self.init_params[n].dtype))

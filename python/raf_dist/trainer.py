@@ -6,6 +6,8 @@ step on the VM. Parameters and optimizer state stay in runtime tensors between s
 """
 import hashlib
 import json
+import logging
+import math
 
 import numpy as np
 import tvm
@@ -19,9 +21,16 @@ from .compiler import compile_step
 from .runtime import available_cores, set_num_threads  # importing it registers raf_dist.blas.*
 from .distributed import collectives, get_communicator, get_config
 from .optim import Optimizer
+from .passes.batch_norm import decompose_forward, has_training_batch_norm
+from .passes.lower_allreduce import LowerAllReduce
 from .passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, MaxPoolGradient,
                      ShardZeRO, StripGradientMarkers, gradient_buckets, shard_size)
+from .passes.propagate_nan import PropagateNaN
 from .training import LOSSES, build_train_step
+from .training.loss import check_targets, num_classes
+
+NONFINITE_MODES = ("raise", "skip")
+_LOG = logging.getLogger("raf_dist")
 
 
 class Trainer:
@@ -32,15 +41,25 @@ class Trainer:
     """
 
     def __init__(self, model, loss="cross_entropy", optimizer=None, device="cpu", cache_dir=None,
-                 seed=0):
+                 seed=0, nonfinite="raise"):
+        """``nonfinite``: what ``step`` does when the loss or a gradient is NaN or infinite:
+        ``"raise"`` (default) raises FloatingPointError naming the step, ``"skip"`` returns the
+        NaN loss and logs a warning on the ``raf_dist`` logger; either way the update is not
+        applied, on every rank together (parameters and optimizer state stay as they were;
+        training/nonfinite.py). Under ZeRO the update of a bucket runs as soon as its
+        gradients are reduced, before the others exist, so only ``"raise"`` is available
+        there and it is raised after the update."""
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
         if not isinstance(optimizer, Optimizer):
             raise TypeError("optimizer must be a raf_dist.optim optimizer (SGD, Adam, AdamW), "
                             f"got {optimizer!r}")
         device_lib.parse(device)  # a bad device string fails before anything starts
         config = get_config()
         config.check()
+        config.check_supported()
         self.config = config.as_dict()
         self.comm = get_communicator()
         # ZeRO runs at every world size (one rank: each shard is the whole tensor), plain data
@@ -59,7 +78,17 @@ class Trainer:
         self._target = device_lib.target_for(self._device)
         set_num_threads(max(1, available_cores() // max(1, self.comm.local_size)))
 
-        self.ir, self.signature = build_train_step(model, loss, optimizer)
+        # synchronized batch norm: statistics of the global batch (passes/batch_norm.py)
+        self.sync_batch_norm_world = (self.world if config.sync_batch_norm and self.data_parallel
+                                      else 1)
+        step_model = model
+        if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
+            step_model = decompose_forward(model, self.sync_batch_norm_world)
+        self.nonfinite = nonfinite
+        self.ir, self.signature = build_train_step(step_model, loss, optimizer,
+                                                   nonfinite_guard=self._nonfinite_guard())
+        self._classes = num_classes(model.forward, loss)  # for the target check
+        self.skipped_steps = 0  # steps whose update nonfinite="skip" left out
         if self.data_parallel and self.world > 1:
             self._check_fingerprints()
         self.bucket_bytes = max(1, int(config.bucket_size_mb * 2**20))
@@ -75,9 +104,11 @@ class Trainer:
         if self.zero_level == 3:  # parameters held as this rank's flat padded shard
             init = {n: self._local_shard(a) for n, a in init.items()}
         self._params = [tvm.runtime.tensor(init[n], self._device) for n in self.signature.param_names]
+        self._frozen = self._init_frozen(model)  # requires_grad=False: passed, never updated
         self._states = self._pack_states({
             (p, st): self._local_shard(np.zeros_like(model.init_params[p])) if self.zero_level
             else np.zeros_like(model.init_params[p]) for p, st in self.signature.state_keys()})
+        self._buffers = self._init_buffers(model)
         self.step_count = 0
         self._comm_last_step = {}
         self._forward = None
@@ -128,9 +159,12 @@ class Trainer:
 
     def _passes(self, config):
         """The config, read once, as explicit pass arguments."""
-        return step_passes(self.zero_level if self.data_parallel else 0,
-                           self.world if self.data_parallel else 1, self.bucket_bytes,
-                           overlap=config.overlap_comm, group=self.comm.group)
+        passes = step_passes(self.zero_level if self.data_parallel else 0,
+                             self.world if self.data_parallel else 1, self.bucket_bytes,
+                             overlap=config.overlap_comm, group=self.comm.group)
+        if self.sync_batch_norm_world > 1:  # the statistics' allreduce ops, after autodiff
+            passes.insert(1, LowerAllReduce(self.comm.group))
+        return passes
 
     def _compile(self, config, cache_dir):
         """Under data parallelism every rank builds the same Trainer and compiles the same IR
@@ -143,9 +177,9 @@ class Trainer:
             return compile_step(self.ir, passes=passes, target=target, cache_dir=cache_dir)
         if self.comm.local_rank == 0:
             compiled = compile_step(self.ir, passes=passes, target=target, cache_dir=cache_dir)
-            self.comm.idle_barrier()
+            self.comm.idle_barrier("the barrier after local rank 0 compiled the step")
             return compiled
-        self.comm.idle_barrier()
+        self.comm.idle_barrier("the barrier after local rank 0 compiled the step")
         return compile_step(self.ir, passes=passes, target=target, cache_dir=cache_dir)
 
     # ---- the loop -------------------------------------------------------------------------
@@ -176,13 +210,20 @@ class Trainer:
         args = [self._to_device(a, spec, f"input {i}")
                 for i, (a, spec) in enumerate(zip(inputs, self.signature.input_specs))]
         args += [tvm.runtime.tensor(m, self._device) for m in self.dropout_masks(self.step_count + 1)]
-        args.append(self._to_device(y, self.signature.target_spec, "target"))
-        hypers = self.optimizer.hyper_values(self.step_count + 1)
+        args += self._frozen
+        target = self._to_device(y, self.signature.target_spec, "target")
+        if self._classes is not None:  # before any collective: the message names the value
+            check_targets(y, self._classes)
+        args.append(target)
+        # the optimizer's own step count (Adam's bias correction): skipped steps do not count
+        hypers = self.optimizer.hyper_values(self.step_count + 1 - self.skipped_steps)
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype), self._device)
                       for h in self.signature.hyper_names]
-        self.comm.activity = f"step {self.step_count + 1}"
+        # the step running and the last one completed: a failure message is unambiguous
+        # (checkpoints are named by the last completed step)
+        self.comm.activity = f"step {self.step_count + 1} (last completed: {self.step_count})"
         before = collectives.comm_counters() if self.data_parallel else None
-        out = self._step_fn(*args, *self._params, *self._states, *hyper_args)
+        out = self._step_fn(*args, *self._params, *self._states, *hyper_args, *self._buffers)
         if before is not None:
             after = collectives.comm_counters()
             self._comm_last_step = {k: after[k]["bus_bytes"] - before[k]["bus_bytes"]
@@ -192,8 +233,64 @@ class Trainer:
         # returns them; an output it could not prove safe to update in place is a new tensor
         self._params = [out[1 + i] for i in range(n)]
         self._states = [out[1 + n + i] for i in range(len(self._states))]
+        first_buffer = 1 + n + len(self._states)
+        self._buffers = [out[first_buffer + i] for i in range(len(self._buffers))]
+        self._keep_rank0_buffers()
+        loss = float(out[0].numpy())
+        if not math.isfinite(loss):
+            self._nonfinite_step(loss)
         self.step_count += 1
-        return float(out[0].numpy())
+        self.comm.activity = f"work between steps (last completed: {self.step_count})"
+        return loss
+
+    # ---- non-finite losses and gradients (training/nonfinite.py) ---------------------------
+    def _nonfinite_guard(self):
+        """What the step checks before it updates (``nonfinite_guard``)."""
+        return nonfinite_guard(self.zero_level if self.data_parallel else 0,
+                               self.world if self.data_parallel else 1, self.nonfinite)
+
+    def _nonfinite_step(self, loss):
+        """The step returned a NaN/inf loss (the step makes it NaN when a gradient is not
+        finite). The loss is the global one, so every rank takes the same branch."""
+        step = self.step_count + 1
+        if self.update_guarded:
+            if self.nonfinite == "skip":
+                self.skipped_steps += 1
+                _LOG.warning("step %d: the loss or a gradient is not finite (loss %s); the "
+                             "update was skipped on every rank (nonfinite='skip')", step, loss)
+                return
+            raise FloatingPointError(
+                f"step {step}: the loss or a gradient is not finite (loss {loss}); the update "
+                "was not applied, parameters and optimizer state are unchanged. Check this "
+                "step's inputs and the learning rate, or pass Trainer(nonfinite='skip') to skip "
+                "such steps")
+        self.step_count += 1  # the update ran (ZeRO): the step happened
+        raise FloatingPointError(
+            f"step {step}: the loss is not finite ({loss}); under ZeRO the parameters were "
+            "already updated with its gradients. Restore the last checkpoint, and check this "
+            "step's inputs and the learning rate")
+
+    @property
+    def update_guarded(self) -> bool:
+        """Whether the compiled step skips its own update on a non-finite gradient."""
+        return not (self.data_parallel and self.zero_level > 0)
+
+    def _init_frozen(self, model):
+        """Runtime tensors of the frozen parameters (full on every rank: rank 0's values)."""
+        frozen = []
+        for name in self.signature.frozen_names:
+            value = np.ascontiguousarray(model.init_params[name]).copy()
+            if self.data_parallel and self.world > 1:
+                value = collectives.broadcast(value, root=0)
+            frozen.append(tvm.runtime.tensor(value, self._device))
+        return frozen
+
+    def _in_model_order(self, trained):
+        """{name: value} of the trained parameters plus the frozen ones, ordered as the
+        model's parameters (``named_parameters()`` for a PyTorch model)."""
+        values = dict(trained)
+        values.update(zip(self.signature.frozen_names, self._frozen))
+        return {name: values[name] for name in self.model.param_names}
 
     def dropout_masks(self, step):
         """The dropout masks of 1-based ``step`` on this rank, in execution order: 0 or
@@ -211,9 +308,13 @@ class Trainer:
         into pieces of the captured batch size (the last one padded) and run through the
         compiled forward function; returns the outputs as one numpy array. Under ZeRO-3 the
         parameters are gathered first, so every rank must call it."""
+        evaluation = self.model.forward_eval  # running statistics (BatchNorm eval mode)
         if self._forward is None:
-            forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): self.model.forward})
-            compiled = compile_step(forward_mod, passes=[DispatchToBLAS()], target=self._target,
+            forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): (
+                evaluation if evaluation is not None else self.model.forward).with_attr(
+                    "global_symbol", "forward")})
+            compiled = compile_step(forward_mod, passes=[PropagateNaN(), DispatchToBLAS()],
+                                    target=self._target,
                                     cache_dir=self._cache_dir)
             self._forward = relax.VirtualMachine(compiled.executable, self._device)["forward"]
         if self.signature.num_inputs != 1:
@@ -225,16 +326,20 @@ class Trainer:
                              f"{tuple(x.shape[1:])}")
         batch, outputs = shape[0], []
         no_dropout = [tvm.runtime.tensor(np.ones(s, d), self._device)
-                      for s, d, _ in self.signature.dropout_specs]
-        params = self._params
+                      for s, d, _ in self.signature.dropout_specs] if evaluation is None else []
+        params = list(self._in_model_order(zip(self.signature.param_names,
+                                                self._params)).values())
         if self.zero_level == 3:  # sharded between steps: gather the full parameters
             full = self.state_dict()
-            params = [tvm.runtime.tensor(full[n], self._device) for n in self.signature.param_names]
+            params = [tvm.runtime.tensor(full[n], self._device) for n in self.model.param_names]
         for start in range(0, len(x), batch):
             piece = x[start:start + batch]
             padded = np.zeros(shape, dtype=dtype)
             padded[:len(piece)] = piece
-            out = self._forward(tvm.runtime.tensor(padded, self._device), *no_dropout, *params)
+            out = self._forward(tvm.runtime.tensor(padded, self._device), *no_dropout, *params,
+                                *(self._buffers if evaluation is not None else ()))
+            if evaluation is None and self._buffers:  # training forward: (output, *buffers)
+                out = out[0]
             outputs.append(out.numpy()[:len(piece)])
         return np.concatenate(outputs)
 
@@ -274,9 +379,42 @@ class Trainer:
         """Full parameters by name (numpy arrays, true shapes). Under ZeRO-3 parameters are
         sharded, so this gathers them: every rank must call it."""
         if self.zero_level == 3:
-            return {name: self._full(p, shape) for name, p, (shape, _) in
-                    zip(self.signature.param_names, self._params, self.signature.param_specs)}
-        return {name: p.numpy() for name, p in zip(self.signature.param_names, self._params)}
+            trained = {name: self._full(p, shape) for name, p, (shape, _) in
+                       zip(self.signature.param_names, self._params, self.signature.param_specs)}
+        else:
+            trained = {name: p.numpy() for name, p in zip(self.signature.param_names, self._params)}
+        # frozen parameters too (never updated), in named_parameters() order
+        return {n: ckpt.host_array(v) for n, v in self._in_model_order(trained).items()}
+
+    def buffers_dict(self) -> dict:
+        """Every buffer of the model by name, as ``module.named_buffers()`` lists them (numpy
+        arrays): the running statistics the step carries (the same on every rank: rank 0's
+        under data parallelism) and the constants folded into the IR."""
+        carried = {name: t.numpy() for name, t in zip(self.signature.buffer_names, self._buffers)}
+        order = self.model.buffer_order or list(carried)
+        return {name: carried[name] if name in carried else self.model.constant_buffers[name]
+                for name in order}
+
+    def _init_buffers(self, model):
+        """Runtime tensors of the buffers the step carries, rank 0's values on every rank."""
+        buffers = []
+        for name in self.signature.buffer_names:
+            value = np.array(model.init_buffers[name], order="C")  # 0-d stays 0-d
+            if self.data_parallel and self.world > 1:
+                collectives.broadcast(value.reshape(-1), root=0)
+            buffers.append(tvm.runtime.tensor(value, self._device))
+        return buffers
+
+    def _keep_rank0_buffers(self):
+        """DDP's broadcast_buffers: every rank normalized with its own batch statistics, rank
+        0's updated running statistics are the ones kept (with sync_batch_norm they are equal
+        on every rank already; the broadcast keeps them bit-identical)."""
+        if not (self.data_parallel and self.world > 1 and self._buffers):
+            return
+        for i, tensor in enumerate(self._buffers):
+            host = np.array(tensor.numpy(), order="C")
+            collectives.broadcast(host.reshape(-1), root=0)  # a view: fills host
+            self._buffers[i] = tvm.runtime.tensor(host, self._device)
 
     def optimizer_state_dict(self):
         """Optimizer state as {param name: {state name: array}}, full shapes. Under ZeRO the
@@ -324,17 +462,22 @@ class Trainer:
         position) comes back from load_checkpoint. Atomic: ``path/latest`` moves to the new
         checkpoint only once every rank's file is on disk. Keeps the newest ``keep``
         checkpoints. Returns the checkpoint's directory. Every rank must call it."""
-        return ckpt.save(self, path, self._params, self._unpack_states(), extra, keep)
+        return ckpt.save(self, path, self._params, self._unpack_states(), extra, keep,
+                         buffers=self.buffers_dict())
 
     def load_checkpoint(self, path):
         """Load the newest checkpoint under ``path`` (or the checkpoint directory ``path``),
         whatever world size and ZeRO level wrote it: each rank reads the element ranges it
-        now holds. Returns the ``extra`` given to save_checkpoint. Every file's size and
-        sha256 and the model's names, shapes and dtypes are checked first, on every rank,
+        now holds. Returns the ``extra`` given to save_checkpoint. Every file's size, the
+        sha256 of each file a rank reads, and the model's names, shapes and dtypes are checked first, on every rank,
         and any problem raises the same CheckpointError everywhere before any data moves;
         nothing on disk is modified. Every rank must call it."""
-        params, states, meta = ckpt.load(self, path)
+        params, states, buffers, frozen, meta = ckpt.load(self, path)
+        self._frozen = [tvm.runtime.tensor(frozen[n], self._device) if n in frozen else t
+                        for n, t in zip(self.signature.frozen_names, self._frozen)]
         self._params = [tvm.runtime.tensor(p, self._device) for p in params]
+        self._buffers = [tvm.runtime.tensor(buffers[n], self._device)
+                         for n in self.signature.buffer_names]
         self._states = self._pack_states(states)
         self.step_count, self.seed = int(meta["step"]), int(meta["seed"])
         return meta.get("extra")
@@ -343,7 +486,7 @@ class Trainer:
         """What this rank holds between steps (parameters, optimizer state), the gradient
         bytes that outlive their bucket's collective, the step's planned temporaries and the
         bus bytes it sent in the last step by collective kind."""
-        param_bytes = sum(_nbytes(p) for p in self._params)
+        param_bytes = sum(_nbytes(p) for p in self._params + self._frozen)
         full_param_bytes = sum(int(np.prod(s, dtype=np.int64)) * (tvm.DataType(d).bits // 8)
                                for s, d in self.signature.param_specs)
         shard_bytes = sum(shard_size(int(np.prod(s, dtype=np.int64)), self.world)
@@ -359,6 +502,20 @@ class Trainer:
         }
 
 
+def nonfinite_guard(zero_level: int, world_size: int, nonfinite: str = "raise"):
+    """What a step checks for non-finite values before it updates (training/nonfinite.py):
+    the reduced gradients (the same on every rank) under data parallelism, the loss too on one
+    process; nothing under ZeRO (each bucket is updated as soon as it is reduced)."""
+    if zero_level > 0:
+        if nonfinite == "skip":
+            raise ValueError(
+                "nonfinite='skip' needs zero_opt_level 0: under ZeRO each bucket's update "
+                "runs as soon as its gradients are reduced, before the step can know that "
+                "every gradient is finite. Use nonfinite='raise' or zero_opt_level=0")
+        return None
+    return "gradients" if world_size > 1 else "gradients_and_loss"
+
+
 def step_passes(zero_level, world_size, bucket_bytes, overlap=True, group=0):
     """The raf_dist passes a training step goes through (before TVM's lowering): the
     distribution pass for the ZeRO level (0: data parallel allreduce; world size 1 at level 0:
@@ -369,7 +526,8 @@ def step_passes(zero_level, world_size, bucket_bytes, overlap=True, group=0):
         distribute = AllReduceGradients(world_size, bucket_bytes, overlap=overlap, group=group)
     else:
         distribute = StripGradientMarkers()
-    return [distribute, DispatchToBLAS(), FastGelu(), FastExp(), MaxPoolGradient()]
+    return [distribute, PropagateNaN(), DispatchToBLAS(), FastGelu(), FastExp(),
+            MaxPoolGradient()]
 
 
 def _nbytes(tensor):

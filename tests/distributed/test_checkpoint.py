@@ -35,7 +35,7 @@ def test_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
     code, out, _ = run_mpi("ckpt_train.py", 2, "kill_in_save", directory, 2, timeout=120)
     assert code != 0, out
     assert (directory / "latest").read_text().strip() == "step-00000002"
-    assert list(directory.glob(".tmp-step-00000003"))  # the interrupted save, ignored
+    assert list(directory.glob(".tmp-step-00000003.*"))  # the interrupted save, ignored
     _all_ok(check_mpi("ckpt_train.py", 3, "check_saved", directory, 3, timeout=300), 3)
 
 
@@ -46,10 +46,12 @@ def test_a_failing_rank_ends_the_job(tmp_path, how):
     elapsed = time.monotonic() - start
     assert code != 0 and elapsed < 60, (code, elapsed, out)
     if how == "raise":  # the failing rank names itself and the step
-        assert "rank 1/3 on" in out and "failed during step 3; aborting" in out, out
-        news = "rank 1/3 on {host} failed during step 3: RuntimeError: injected failure"
+        assert "rank 1/3 on" in out and "failed during step 3 (last completed: 2); aborting" in out, out
+        news = ("rank 1/3 on {host} failed during step 3 (last completed: 2): RuntimeError: "
+                "injected failure")
     else:  # a SIGKILLed rank runs no code: its watchdog names it and its step
-        assert re.search(r"rank 1/3 on \S+ \(pid \d+\) died during step 3 without raising", out), out
+        assert re.search(r"rank 1/3 on \S+ \(pid \d+\) died during step 3 \(last completed: 2\) "
+                         r"without raising", out), out
         news = "rank 1/3 on {host} (pid"
     host = re.search(r"rank 1/3 on (\S+)", out).group(1)
     for survivor in (0, 2):  # every other rank says why it ends
@@ -60,7 +62,7 @@ def test_a_collective_that_never_completes_times_out(tmp_path):
     code, out, seconds = run_mpi("ckpt_train.py", 3, "stall", tmp_path, timeout=120,
                                  env={"RAF_DIST_COLLECTIVE_TIMEOUT_S": "3"})
     assert code != 0 and seconds < 60, (code, seconds, out)
-    assert "failed during step 2" in out and "did not complete within 3" in out, out
+    assert "failed during step 2 (last completed: 1)" in out and "did not complete within 3" in out, out
 
 
 def test_ranks_with_different_steps_refuse_to_start(tmp_path):
@@ -82,6 +84,21 @@ def test_damaged_shard_fails_every_rank_cleanly(tmp_path):
     assert code != 0 and time.monotonic() - start < 60, out
     assert "rank00001.safetensors is corrupted" in out, out
     assert shard.read_bytes() == before
+
+
+def test_each_rank_checksums_only_the_files_it_reads(tmp_path):
+    """At the same world size under ZeRO-3 rank r reads only file r: a damaged rank00001 is
+    found by rank 1 alone (rank 0 no longer hashes it), and every rank still refuses."""
+    directory = tmp_path / "ckpt"
+    check_mpi("ckpt_train.py", 2, "save", directory, 3, timeout=300)
+    shard = directory / "step-00000003" / "rank00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x55
+    shard.write_bytes(bytes(data))
+    code, out, _ = run_mpi("ckpt_train.py", 2, "load", directory, 3, timeout=120)
+    assert code != 0, out
+    assert "rank 1: " in out and "rank00001.safetensors is corrupted" in out, out
+    assert "rank 0: " not in out, out
 
 
 def test_dist_example_resumes_on_another_world_size_and_level(tmp_path):

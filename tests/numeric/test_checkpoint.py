@@ -170,3 +170,120 @@ def test_consolidate_refuses_a_damaged_checkpoint(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "truncated" in proc.stderr
     assert not (tmp_path / "out.safetensors").exists()
+
+
+# ---- reliability (issue #18) --------------------------------------------------------------
+def test_saving_a_step_again_killed_anywhere_leaves_latest_loadable(tmp_path, monkeypatch):
+    """A second save of the same step replaces the first without a moment in which ``latest``
+    names a missing or partial directory: the save is killed after each of its file-system
+    changes in turn (rename, replace, delete), and the checkpoint still loads."""
+    import os
+    import shutil
+
+    trainer, _, x, y = _trainer()
+    trainer.step(x, y)
+    trainer.save_checkpoint(tmp_path)
+    saved = trainer.state_dict()
+    real = {"rename": os.rename, "replace": os.replace, "rmtree": shutil.rmtree}
+    for kill_after in range(6):
+        calls = []
+
+        def counted(name):
+            def call(*args, **kwargs):
+                if str(tmp_path) in str(args[0]):
+                    if len(calls) == kill_after:
+                        raise SystemExit(f"killed before {name} {args[0]}")
+                    calls.append(name)
+                return real[name](*args, **kwargs)
+            return call
+
+        monkeypatch.setattr(os, "rename", counted("rename"))
+        monkeypatch.setattr(os, "replace", counted("replace"))
+        monkeypatch.setattr(shutil, "rmtree", counted("rmtree"))
+        try:
+            trainer.save_checkpoint(tmp_path)  # step 1 again
+        except SystemExit:
+            pass
+        monkeypatch.undo()
+        fresh, _, _, _ = _trainer(seed=3)
+        fresh.load_checkpoint(tmp_path)
+        for key, value in fresh.state_dict().items():
+            np.testing.assert_array_equal(value, saved[key])
+    trainer.save_checkpoint(tmp_path)  # a complete one: one copy of step 1 is left
+    assert [p.name for p in tmp_path.glob("step-*")] == [(tmp_path / "latest").read_text().strip()]
+
+
+def test_pruning_goes_by_step_number_and_spares_latest(tmp_path):
+    trainer, _, x, y = _trainer()
+    trainer.step(x, y)
+    for step in (99_999_999, 100_000_000, 100_000_001):  # 9 digits sort before 8 by name
+        trainer.step_count = step
+        trainer.save_checkpoint(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-100000000", "step-100000001"]
+    trainer.step_count = 5  # an older step saved last (a resumed run): latest, never pruned
+    trainer.save_checkpoint(tmp_path, keep=1)
+    assert (tmp_path / "latest").read_text().strip() == "step-00000005"
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000005", "step-100000001"]
+
+
+def test_the_sweep_spares_another_jobs_save_in_progress(tmp_path):
+    import os
+    import time
+
+    trainer, _, x, y = _trainer()
+    trainer.step(x, y)
+    trainer.save_checkpoint(tmp_path)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        host = ckpt._host_tag()
+        in_progress = tmp_path / f".tmp-step-00000009.{host}.{alive.pid}.ab12"
+        elsewhere = tmp_path / ".tmp-step-00000009.otherhost.1.ab12"
+        killed = tmp_path / f".tmp-step-00000009.{host}.{dead.pid}.ab12"
+        ancient = tmp_path / ".tmp-step-00000002"  # no owner in its name: only age tells
+        for d in (in_progress, elsewhere, killed, ancient):
+            d.mkdir()
+        old = time.time() - ckpt.STALE_TMP_SECONDS - 60
+        os.utime(ancient, (old, old))
+        trainer.step(x, y)
+        trainer.save_checkpoint(tmp_path)
+        assert in_progress.is_dir() and elsewhere.is_dir()
+        assert not killed.exists() and not ancient.exists()
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_load_opens_each_file_once(tmp_path, monkeypatch):
+    import safetensors
+
+    trainer, _, x, y = _trainer()
+    trainer.step(x, y)
+    trainer.save_checkpoint(tmp_path)
+    opened = []
+    real_open = safetensors.safe_open
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(Path(path).name)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", counting_open)
+    trainer.load_checkpoint(tmp_path)
+    assert opened == ["rank00000.safetensors"]
+
+
+def test_the_activity_names_the_running_step_and_the_last_completed(tmp_path):
+    trainer, _, x, y = _trainer()
+    seen = []
+    step_fn = trainer._step_fn
+
+    def watching(*args):
+        seen.append(trainer.comm.activity)
+        return step_fn(*args)
+
+    trainer._step_fn = watching
+    trainer.step(x, y)
+    trainer.step(x, y)
+    assert seen == ["step 1 (last completed: 0)", "step 2 (last completed: 1)"]
+    assert trainer.comm.activity == "work between steps (last completed: 2)"

@@ -17,6 +17,11 @@ def test_defaults(cfg):
         "zero_opt_level": 0,
         "bucket_size_mb": 25.0,
         "overlap_comm": True,
+        "sync_batch_norm": False,
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "num_microbatches": 1,
+        "pipeline_schedule": "1f1b",
     }
     assert dist.get_config() is cfg
 
@@ -48,7 +53,29 @@ def test_bad_bucket_size(cfg, value):
         cfg.bucket_size_mb = value
 
 
-@pytest.mark.parametrize("field", ["enable_data_parallel", "overlap_comm"])
+@pytest.mark.parametrize("field", ["tensor_parallel_size", "pipeline_parallel_size",
+                                   "num_microbatches"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
+def test_bad_mesh_sizes(cfg, field, value):
+    with pytest.raises(ValueError, match="int >= 1"):
+        setattr(cfg, field, value)
+
+
+def test_pipeline_schedule_names_the_schedules(cfg):
+    cfg.pipeline_schedule = "gpipe"
+    with pytest.raises(ValueError, match="interleaved_1f1b"):
+        cfg.pipeline_schedule = "1F1B"
+
+
+@pytest.mark.parametrize("field", ["tensor_parallel_size", "pipeline_parallel_size",
+                                   "num_microbatches"])
+def test_fields_not_built_yet_are_refused_by_name(cfg, field):
+    setattr(cfg, field, 2)
+    with pytest.raises(NotImplementedError, match=f"{field}=2 is not supported yet"):
+        cfg.check_supported()
+
+
+@pytest.mark.parametrize("field", ["enable_data_parallel", "overlap_comm", "sync_batch_norm"])
 def test_bool_fields_reject_ints(cfg, field):
     with pytest.raises(TypeError, match="True or False"):
         setattr(cfg, field, 1)

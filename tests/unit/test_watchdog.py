@@ -30,7 +30,7 @@ def _pair(tmp_path, grace=1.0):
     for r, (_, pipe, _) in enumerate(dogs):
         peer = 1 - r
         # two addresses, the first unreachable (TEST-NET-1): news must still arrive
-        os.write(pipe, f"P {peer} 192.0.2.1,127.0.0.1 {dogs[peer][2]}\nA step 7\n".encode())
+        os.write(pipe, f"P {peer} 192.0.2.1,127.0.0.1 {dogs[peer][2]}\nA step 7 (last completed: 6)\n".encode())
     return ranks, dogs, logs
 
 
@@ -66,9 +66,9 @@ def test_a_silent_death_is_named_and_the_other_rank_is_ended(tmp_path):
         _finish(ranks, dogs, logs)
     died = (tmp_path / "watchdog1.txt").read_text()
     ended = (tmp_path / "watchdog0.txt").read_text()
-    assert "rank 1/2 on testhost" in died and "died during step 7 without raising" in died, died
+    assert "rank 1/2 on testhost" in died and "died during step 7 (last completed: 6) without raising" in died, died
     assert "rank 0/2 on testhost: ending the job: rank 1/2 on testhost" in ended, ended
-    assert "during step 7" in ended, ended
+    assert "during step 7 (last completed: 6)" in ended, ended
     assert elapsed < 10, elapsed  # detection (<= 1 s poll) + 1 s grace + news time
 
 
@@ -91,12 +91,12 @@ def test_a_rank_that_leaves_on_purpose_is_not_reported(tmp_path):
 def test_a_reported_failure_reaches_the_other_rank(tmp_path):
     ranks, dogs, logs = _pair(tmp_path)
     try:
-        os.write(dogs[1][1], b"F rank 1/2 on testhost failed during step 7: ValueError: bad\n")
+        os.write(dogs[1][1], b"F rank 1/2 on testhost failed during step 7 (last completed: 6): ValueError: bad\n")
         assert ranks[0].wait(timeout=20) == -signal.SIGTERM
     finally:
         _finish(ranks, dogs, logs)
     assert (tmp_path / "watchdog1.txt").read_text() == ""  # the rank printed it itself
-    assert ("ending the job: rank 1/2 on testhost failed during step 7: ValueError: bad"
+    assert ("ending the job: rank 1/2 on testhost failed during step 7 (last completed: 6): ValueError: bad"
             in (tmp_path / "watchdog0.txt").read_text())
 
 

@@ -66,6 +66,28 @@ class DumpIR:
         path.write_text(mod.script(show_meta=False))
 
 
+def module_key_text(mod):
+    """The module as TVMScript plus a digest of every tensor constant's bytes. TVM 0.27's
+    ``script(show_meta=True)`` segfaults (in ToJSONGraph) on a module holding a non-scalar
+    constant, e.g. a causal-mask buffer imported from PyTorch."""
+    digest = hashlib.sha256()
+
+    def visit(expr):
+        if isinstance(expr, tvm.ir.expr.GenericConst):
+            value = expr.value
+            if not hasattr(value, "numpy"):  # a scalar the script already spells out
+                digest.update(str(value).encode())
+                return
+            data = value.numpy()
+            digest.update(f"{data.dtype}{data.shape}".encode())
+            digest.update(data.tobytes())
+
+    for _, func in sorted(mod.functions_items(), key=lambda item: item[0].name_hint):
+        if isinstance(func, tvm.relax.Function):
+            tvm.relax.analysis.post_order_visit(func, visit)
+    return mod.script(show_meta=False) + "\nconstants " + digest.hexdigest()
+
+
 def default_cache_dir():
     return Path(os.environ.get("RAF_DIST_CACHE_DIR",
                                Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -149,7 +171,7 @@ def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
             mod = p(mod)
     # strictness is part of the key: a step built leniently (kernels left unscheduled) must
     # not satisfy a strict build from the cache
-    key_text = "\n".join([mod.script(show_meta=True), str(target), tvm.__version__, __version__,
+    key_text = "\n".join([module_key_text(mod), str(target), tvm.__version__, __version__,
                           _compiler_fingerprint(), f"strict={env.strict_schedules()}"])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()

@@ -193,6 +193,8 @@ class ScheduleCPU:
                     func.attrs is not None and int(func.attrs.get(SCHEDULED, 0)) == 1):
                 continue
             scheduled = schedule_scatter_add_cpu(func)
+            if scheduled is None and _has_parallel_loop(func):
+                scheduled = func  # scheduled by construction (TVM's cumsum scan), see below
             if scheduled is None:
                 try:
                     scheduled = schedule_prim_func(func, gvar.name_hint, strict)
@@ -207,6 +209,16 @@ class ScheduleCPU:
         for gvar, func in updates.items():
             mod[gvar] = func
         return mod
+
+
+def _has_parallel_loop(func):
+    """True for a kernel TVM wrote already parallel: DispatchSortScan's CPU scan
+    (``cumsum_generic``: one opaque block, a parallel loop over the rows, each scanned in
+    order) has no block structure a schedule could work on, and needs none."""
+    found = []
+    tvm_ffi.structural_walk(func.body, [(tvm.tirx.For, lambda loop: found.append(
+        loop.kind == tvm.tirx.ForKind.PARALLEL))])
+    return any(found)
 
 
 def _gpu_rules():

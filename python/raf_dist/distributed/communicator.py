@@ -25,10 +25,11 @@ import time
 import traceback
 from pathlib import Path
 
-from .. import _native
+from .. import _native, env
 from . import rendezvous, watchdog
 
 logger = logging.getLogger("raf_dist")
+_BARRIER_TAG = 0x7AF1  # idle_barrier's arrival messages, apart from any other Python message
 
 
 class Communicator:
@@ -129,15 +130,40 @@ class Communicator:
         watchdog tells the others' watchdogs, which name this rank and the failure)."""
         self._tell_watchdog(f"F {failure}" if failure else "X")
 
-    def idle_barrier(self, poll_seconds=0.005):
+    def idle_barrier(self, what: str = "barrier", timeout_s: "float | None" = -1.0,
+                     poll_seconds: float = 0.005) -> None:
         """A barrier that sleeps while it waits. MPICH's blocking barrier busy-polls, so ranks
         waiting for another's long local work (compiling, checkpoint I/O) would steal the
-        cores that work needs when ranks share a host."""
-        import time
+        cores that work needs when ranks share a host.
 
+        It raises TimeoutError naming ``what`` after ``timeout_s`` seconds (default:
+        RAF_DIST_BARRIER_TIMEOUT_S; None: wait forever). Every rank also tells rank 0 that it
+        arrived (a small message), so rank 0's error names the ranks that never did."""
+        timeout = env.barrier_timeout_s() if timeout_s == -1.0 else timeout_s
+        if self.rank == 0:
+            arrivals = {r: self.mpi_comm.irecv(source=r, tag=_BARRIER_TAG)
+                        for r in range(1, self.size)}
+        else:
+            arrivals = {0: self.mpi_comm.isend(None, dest=0, tag=_BARRIER_TAG)}
         request = self.mpi_comm.Ibarrier()
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not request.Test():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(self._barrier_timeout_message(what, timeout, arrivals))
             time.sleep(poll_seconds)
+        for arrival in arrivals.values():
+            arrival.wait()
+
+    def _barrier_timeout_message(self, what, timeout, arrivals):
+        if self.rank == 0:
+            missing = [r for r, arrival in arrivals.items() if not arrival.test()[0]]
+            who = (f"rank(s) {', '.join(map(str, missing))} never arrived" if missing else
+                   "every rank arrived but the barrier did not complete")
+        else:
+            who = "rank 0's message names the ranks that never arrived"
+        return (f"rank {self.rank}/{self.size}: {what} did not complete within {timeout:g} s "
+                f"(RAF_DIST_BARRIER_TIMEOUT_S); {who}. A rank is stuck or dead in the work "
+                "before it (compiling, checkpoint I/O), or runs a different program")
 
     def __repr__(self):
         return (
@@ -189,6 +215,12 @@ def get_communicator():
     global _COMM
     with _LOCK:
         if _COMM is None:
+            timeout = env.collective_timeout_s()  # a bad value fails here, before any MPI call
+            # the native runtime reads the variable once, at its first wait: hand it the
+            # validated value (0 = none). With a timeout, blocking collectives also run on the
+            # communication thread (src/ccl/mpi_backend.cc: a wait can give up, an MPI call
+            # cannot)
+            os.environ["RAF_DIST_COLLECTIVE_TIMEOUT_S"] = repr(timeout) if timeout else "0"
             _native.load()
             from mpi4py import MPI
 

@@ -7,6 +7,9 @@ on the line that wrote it, long before any collective starts.
 import dataclasses
 
 _ZERO_LEVELS = (0, 1, 2, 3)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+#: (field, its default) that this version validates but cannot run otherwise
+NOT_BUILT = (("tensor_parallel_size", 1), ("pipeline_parallel_size", 1), ("num_microbatches", 1))
 
 
 @dataclasses.dataclass
@@ -19,12 +22,28 @@ class DistConfig:
             3 (+ shard parameters). Levels above 0 require data parallelism.
         bucket_size_mb: gradient bucket size for the collectives, in MB (> 0). Default 25.
         overlap_comm: start each bucket's collective as soon as it is ready. Default True.
+        sync_batch_norm: batch norm statistics of the global batch (summed across the
+            data-parallel ranks, as torch.nn.SyncBatchNorm) instead of each rank's own batch.
+            Default False (DDP's default: local statistics, rank 0's running statistics kept).
+        tensor_parallel_size, pipeline_parallel_size: the tp and pp axes of the pp x dp x tp
+            mesh (DESIGN.md section 1; ints >= 1, default 1).
+        num_microbatches: microbatches per step (pipelining / gradient accumulation; >= 1).
+        pipeline_schedule: "gpipe", "1f1b" (default), "interleaved_1f1b" or "zero_bubble".
+
+    The mesh fields are part of the public contract and validated here; the Trainer refuses
+    values it cannot run yet (tensor parallelism, pipelining and gradient accumulation are
+    not built) with an error naming the field, before anything starts.
     """
 
     enable_data_parallel: bool = False
     zero_opt_level: int = 0
     bucket_size_mb: float = 25.0
     overlap_comm: bool = True
+    sync_batch_norm: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    num_microbatches: int = 1
+    pipeline_schedule: str = "1f1b"
 
     def __setattr__(self, name, value):
         fields = {f.name for f in dataclasses.fields(self)}
@@ -50,6 +69,16 @@ class DistConfig:
                 "dist.get_config().enable_data_parallel = True or use zero_opt_level=0"
             )
 
+    def check_supported(self):
+        """Refuse the contract's fields this version cannot run yet (the Trainer calls it
+        before any collective): naming the field beats training something else silently."""
+        for name, default in NOT_BUILT:
+            if getattr(self, name) != default:
+                raise NotImplementedError(
+                    f"{name}={getattr(self, name)} is not supported yet: this version of "
+                    f"raf_dist trains with data parallelism and ZeRO only (tensor parallelism, "
+                    f"pipelining and gradient accumulation are not built); set {name}={default}")
+
     def reset(self):
         """Back to the defaults (tests use this between cases)."""
         for field in dataclasses.fields(self):
@@ -61,7 +90,7 @@ class DistConfig:
 
 
 def _validate(name, value):
-    if name in ("enable_data_parallel", "overlap_comm"):
+    if name in ("enable_data_parallel", "overlap_comm", "sync_batch_norm"):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
         return value
@@ -72,6 +101,15 @@ def _validate(name, value):
                 f"1 = optimizer state, 2 = + gradients, 3 = + parameters), got {value!r}"
             )
         return int(value)
+    if name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        return int(value)
+    if name == "pipeline_schedule":
+        if value not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got "
+                             f"{value!r}")
+        return value
     if name == "bucket_size_mb":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"bucket_size_mb must be a positive number of MB, got {value!r}")

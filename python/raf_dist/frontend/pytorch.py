@@ -10,6 +10,7 @@ import numpy as np
 from tvm import relax
 
 from ..model import Model
+from . import buffers, parameters, torch_ops
 from ..passes.dropout import dropout_marker, dropout_masks_as_inputs
 
 
@@ -18,51 +19,83 @@ def from_pytorch(module, example_inputs):
 
     The captured forward has fixed input shapes: ``Trainer.step`` checks every batch against
     them. The training graph is captured: each dropout becomes a multiply by a mask the
-    Trainer draws every step from a seeded generator (``passes/dropout.py``). Modules with
-    buffers (e.g. BatchNorm running statistics) are not supported yet.
+    Trainer draws every step from a seeded generator (``passes/dropout.py``). Buffers nothing
+    writes become IR constants; buffers the forward writes (BatchNorm running statistics) become
+    state the step carries and updates as PyTorch's train mode does (``frontend/buffers.py``),
+    and the evaluation-mode forward is captured too, for ``Trainer.predict``.
     """
     try:
         import torch
-        from tvm.relax.frontend.torch import from_exported_program
+        import tvm
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError("from_pytorch needs PyTorch: pip install -e .[torch]") from err
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
-    buffers = [name for name, _ in module.named_buffers()]
-    if buffers:
-        raise NotImplementedError(
-            f"{type(module).__name__} has buffers {buffers[:3]}...; raf_dist trains modules "
-            "whose state is all parameters (replace BatchNorm by LayerNorm/GroupNorm)")
+    torch_ops.install_unsupported_op_check()  # unknown operators name their module path
     was_training = module.training
     module.train()  # capture the training graph: dropout stays in it (as seeded masks)
     dropouts = []  # (rate, type) of each dropout with rate > 0, in execution order
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            exported = torch.export.export(module, example_inputs)
-            mod = from_exported_program(exported, keep_params_as_input=True,
-                                        unwrap_unit_return_tuple=True,
-                                        custom_convert_map=_dropout_converters(dropouts))
+            with buffers.cumulative_batch_norm(module) as cumulative:
+                exported = torch.export.export(module, example_inputs)
+            imported = buffers.import_program(
+                exported, module, {**torch_ops.converters(), **_dropout_converters(dropouts),
+                                   **_batch_norm_converters(exported, cumulative)})
+            evaluation = None
+            if imported.state_names:  # running statistics: predict() uses them (eval mode)
+                module.eval()
+                evaluation = buffers.import_program(
+                    torch.export.export(module, example_inputs), module,
+                    {**torch_ops.converters(), **_dropout_converters([])},
+                    state_names=imported.state_names)
+    except (NotImplementedError, torch_ops.UnsupportedOperatorError):
+        raise  # raf_dist's own, already naming the problem (and where) and the fix
     except Exception as err:
         raise ValueError(_describe_import_error(module, err)) from err
     finally:
         module.train(was_training)
-    names = list(exported.graph_signature.parameters)
     named = dict(module.named_parameters())
-    if sorted(names) != sorted(named):
-        raise ValueError(f"torch.export lifted parameters {names}, but the module has "
-                         f"{list(named)}; tied or unused parameters are not supported")
-    func = mod["main"].without_attr("params")
+    # one argument per parameter object: tied names share it (frontend/parameters.py)
+    func, names, tied = _tie(imported, len(example_inputs), module)
+    if evaluation is not None:
+        evaluation.func = _tie(evaluation, len(example_inputs), module)[0]
     if dropouts:
         func = dropout_masks_as_inputs(func, len(example_inputs), [ty for _, ty in dropouts])
-    mod = mod.__class__({mod.get_global_var("main"): func})
-    mod = _rename(mod, "main", "forward")
+    functions = {"forward": func}
+    if evaluation is not None:
+        functions["forward_eval"] = evaluation.func
+    mod = tvm.IRModule({tvm.ir.GlobalVar(name): f.with_attr("global_symbol", name)
+                        for name, f in functions.items()})
+    buffer_values = {n: b.detach().cpu().numpy().copy() for n, b in module.named_buffers()}
+    persistent = set(module.state_dict())
     init = {n: named[n].detach().cpu().numpy().copy() for n in names}
     specs = [(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in example_inputs]
     dropout_specs = [(tuple(int(d) for d in ty.shape), str(ty.dtype), rate) for rate, ty in dropouts]
     return Model(mod=mod, input_specs=specs, param_names=names, init_params=init,
-                 source=f"torch {type(module).__name__}", dropout_specs=dropout_specs)
+                 source=f"torch {type(module).__name__}", dropout_specs=dropout_specs,
+                 buffer_names=list(imported.state_names),
+                 init_buffers={n: buffer_values[n] for n in imported.state_names},
+                 constant_buffers={n: buffer_values[n] for n in imported.constant_names},
+                 buffer_order=list(buffer_values),
+                 non_persistent_buffers=[n for n in buffer_values if n not in persistent],
+                 tied_params=tied, frozen_params=parameters.frozen_parameters(module, names))
+
+
+def _tie(imported, num_inputs, module):
+    """(forward, parameter names, aliases) with tied parameters merged into one argument."""
+    param_args = imported.func.params[num_inputs:num_inputs + len(imported.param_names)]
+    lifted = [(v.name, target) for v, target in zip(param_args, imported.param_names)]
+    return parameters.tie_parameters(imported.func, lifted, module)
+
+
+def _batch_norm_converters(exported, cumulative):
+    """Training-mode batch norm with PyTorch's running-statistics update (frontend/buffers.py)."""
+    buffer_args = {s.target: s.arg.name for s in exported.graph_signature.input_specs}
+    return {"_native_batch_norm_legit_functional.default":
+            buffers.batch_norm_converter(cumulative, buffer_args)}
 
 
 def _dropout_converters(dropouts):

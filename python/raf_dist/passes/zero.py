@@ -110,8 +110,15 @@ class _Rewriter:
         bound = {b.var: b.value for b in self.bindings}
         self.output_var = body.body
         result = bound.get(self.output_var)
-        if not isinstance(result, relax.Tuple) or len(result.fields) != 1 + num_params * (1 + per_param):
-            raise ValueError("ShardZeRO: train_step must return (loss, *params, *states)")
+        n_core = 1 + num_params * (1 + per_param)
+        if not isinstance(result, relax.Tuple) or len(result.fields) < n_core:
+            raise ValueError("ShardZeRO: train_step must return (loss, *params, *states, "
+                             "*buffers)")
+        # buffers the forward updates (BatchNorm running statistics): replicated, passed through
+        self.buffer_outputs = list(result.fields[n_core:])
+        updated = [int(i) for i in attrs[UPDATED_ARGUMENTS]] if UPDATED_ARGUMENTS in attrs else []
+        self.buffer_arguments = updated[len(updated) - len(self.buffer_outputs):] if (
+            self.buffer_outputs) else []
         self.result = result
         self.loss = result.fields[0]
         self.forward_end = self.position.get(self.loss, -1)  # bindings <= this: forward + loss
@@ -357,6 +364,7 @@ class _Rewriter:
         else:
             fields += [full[k] for k in range(len(params))]
         fields += [shard_out[(b.index, j)] for b in grad_buckets for j in range(per_param)]
+        fields += self.buffer_outputs
         self.bind("allreduce_loss", collective("raf_dist.ccl.allreduce", self.loss,
                                                tvm.ir.StringImm("avg"), self.group, self.loss),
                   dataflow=False)
@@ -369,7 +377,11 @@ class _Rewriter:
         func = assemble(self.func, self.seg.segments, output, params=func_params,
                         ret_ty=output.ty)
         # outputs 1.. still replace the parameter and state arguments, in their new layout
-        return func.with_attr(UPDATED_ARGUMENTS, list(range(offset, offset + len(fields) - 1)))
+        n_core = len(fields) - 1 - len(self.buffer_outputs)
+        # the buffers stay the last arguments; the state arguments before them changed count
+        shift = len(func_params) - len(self.func.params)
+        return func.with_attr(UPDATED_ARGUMENTS, list(range(offset, offset + n_core))
+                              + [i + shift for i in self.buffer_arguments])
 
     # ---- the optimizer's update chains ------------------------------------------------------
     def _update_chains(self, marker_var):

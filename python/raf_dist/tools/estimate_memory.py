@@ -46,7 +46,7 @@ def estimate_memory(model, optimizer, world_size, zero_opt_level, bucket_size_mb
     ``planned_peak_bytes`` from TVM's memory planner and their sum ``peak_bytes``."""
     from ..compiler import plan_memory
     from ..optim import Optimizer
-    from ..trainer import step_passes
+    from ..trainer import nonfinite_guard, step_passes
     from ..training import build_train_step
 
     if zero_opt_level not in (0, 1, 2, 3):
@@ -55,7 +55,9 @@ def estimate_memory(model, optimizer, world_size, zero_opt_level, bucket_size_mb
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a raf_dist.optim optimizer, got {optimizer!r}")
-    mod, signature = build_train_step(model, loss, optimizer)
+    # the step the Trainer builds, with its default non-finite check
+    mod, signature = build_train_step(model, loss, optimizer, nonfinite_guard=nonfinite_guard(
+        zero_opt_level, int(world_size)))
     specs = signature.param_specs
     elem = np.dtype(specs[0][1]).itemsize if specs else 4
     numels = [int(np.prod(shape, dtype=np.int64)) for shape, _ in specs]

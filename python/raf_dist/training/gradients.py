@@ -39,6 +39,58 @@ for _name in ("relax.arange", "relax.logical_and", "relax.logical_or", "relax.lo
         register_gradient(_name, _no_grads, level=_LEVEL)
 
 
+def _is_float_type(ty) -> bool:
+    if isinstance(ty, relax.TupleType):
+        return any(_is_float_type(f) for f in ty.fields)
+    # tensors only: a PrimValue attribute-like argument (clip's bounds) carries no gradient
+    return isinstance(ty, relax.TensorType) and str(ty.dtype).startswith(("float", "bfloat"))
+
+
+def carries_no_gradient(call: relax.Call) -> bool:
+    """True when no gradient can flow through ``call``: its result is not floating point
+    (masks, indices, counts) or none of its arguments is (integer/bool computations such as
+    attention masks built from int64 positions). Such bindings are constants to training."""
+    return not _is_float_type(call.ty) or not any(_is_float_type(a.ty) for a in call.args
+                                                  if isinstance(a, relax.Expr))
+
+
+_INTEGER_ONLY = set()  # ops whose only registered gradient is _integer_only_grads below
+_FALLBACK_LEVEL = 1  # below TVM's (10) and ours (11): a real gradient registered later wins
+
+
+def _integer_only_grads(orig_var, orig_call, output_grad, ctx):
+    if not carries_no_gradient(orig_call):
+        raise NotImplementedError(f"{orig_call.op.name} has no gradient for floating-point "
+                                  "inputs; register one in raf_dist/training/gradients.py")
+    return [grad_ops.no_grad(arg) for arg in orig_call.args]
+
+
+def has_gradient(call: relax.Call) -> bool:
+    """True when TVM's Gradient pass can differentiate ``call``: its op has a gradient, or no
+    gradient flows through it (``carries_no_gradient``); in the second case an op without
+    one gets a gradient of no partials, valid only for such calls (it raises on others)."""
+    name = call.op.name
+    registered = call.op.get_attr("FPrimalGradient") is not None
+    if registered and name not in _INTEGER_ONLY:
+        return True
+    if not carries_no_gradient(call):
+        return False
+    if not registered:
+        register_gradient(name, _integer_only_grads, level=_FALLBACK_LEVEL)
+        _INTEGER_ONLY.add(name)
+    return True
+
+
+@_register("relax.astype")
+def _astype_grad(orig_var, orig_call, output_grad, ctx):
+    """TVM's, except that a cast from integer/bool (a mask or position turned into a float)
+    passes nothing back: the integer computation before it needs no gradient."""
+    x = orig_call.args[0]
+    if not _is_float_type(x.ty):
+        return [grad_ops.no_grad(x)]
+    return [op.astype(output_grad, x.ty.dtype)]
+
+
 @_register("relax.tril")
 def _tril_grad(orig_var, orig_call, output_grad, ctx):
     return [op.tril(output_grad, orig_call.args[1]), grad_ops.no_grad(orig_call.args[1])]
@@ -339,3 +391,6 @@ def _attention_grad(orig_var, orig_call, output_grad, ctx):
     if bias is not None:
         partials.append(op.collapse_sum_to(dscores, _shape_of(bias)))
     return partials
+
+
+from . import gradients_spatial  # noqa: E402,F401  (conv3d, 3-D / adaptive pooling, group_norm)

@@ -4,6 +4,7 @@
 ``torch.nn.functional.cross_entropy`` (predictions (B, C) or (B, ..., C) with targets (B, ...)).
 ``mse``: mean of squared differences, as ``torch.nn.functional.mse_loss``.
 """
+import numpy as np
 from tvm import relax
 
 LOSSES = ("cross_entropy", "mse")
@@ -47,3 +48,28 @@ def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=Non
             out = bb.emit_output(value)
         bb.emit_func_output(out)
     return bb.get()["loss"], (target_shape, target_dtype)
+
+
+def num_classes(forward: relax.Function, name: str):
+    """The class count cross-entropy targets index (the prediction's last dimension), or
+    None for a loss without class targets."""
+    if name != "cross_entropy":
+        return None
+    out = forward.ret_ty
+    if isinstance(out, relax.TupleType):  # (output, *new buffer values)
+        out = out.fields[0]
+    return int(out.shape[-1])
+
+
+def check_targets(target, classes: int) -> None:
+    """Cross-entropy targets must lie in [0, classes): out of range, TVM's ``take`` would read
+    outside the row (no bounds check in generated code) and the loss would be garbage."""
+    target = np.asarray(target)
+    if target.size == 0:
+        return
+    low, high = target.min(), target.max()
+    if low < 0 or high >= classes:
+        bad = low if low < 0 else high
+        raise ValueError(f"cross_entropy target {bad} is outside [0, {classes}): the model "
+                         f"predicts {classes} classes; targets must be class indices "
+                         f"0..{classes - 1}")

@@ -1,7 +1,8 @@
 """Build the training step as one Relax function:
 
-    train_step(*inputs, *dropout_masks, target, *params, *opt_states, *hypers)
-        -> (loss, *new_params, *new_opt_states)
+    train_step(*inputs, *dropout_masks, *frozen_params, target, *params, *opt_states, *hypers,
+               *buffers)
+        -> (loss, *new_params, *new_opt_states, *new_buffers)
 
 = forward + loss (AppendLoss) + TVM's Gradient pass + the optimizer's update, all in one
 dataflow block, so later passes (distribution, scheduling, memory planning) see the whole step.
@@ -10,6 +11,8 @@ backward produces it; the optimizer reads the marked value. A distribution pass 
 markers into collectives; without one, StripGradientMarkers removes them.
 ``opt_states`` are ordered parameter-major: for each parameter, each of the optimizer's
 ``state_names``. ``hypers`` are 0-d float tensors, one per ``optimizer.hyper_names``.
+``buffers`` are the model's buffers the forward writes (BatchNorm running statistics; no
+gradient flows into them); the step returns their new values.
 The function is written functionally (new values out); the ``raf_dist.updated_arguments``
 attribute says which argument each output replaces, and the compiler (UpdateInPlace) makes the
 compiled step write each new value into that argument's buffer, as torch.optim does, so the
@@ -23,7 +26,9 @@ from tvm import relax
 from ..passes.gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET,
                                         LAYOUT_STATES_PER_PARAM, UPDATED_ARGUMENTS,
                                         mark_gradient)
+from ..passes.batch_norm import DecomposeBatchNorm, has_training_batch_norm
 from . import gradients  # noqa: F401  (registers the gradients TVM 0.27 lacks)
+from . import nonfinite
 from .loss import build_loss
 
 
@@ -38,6 +43,12 @@ class TrainStepSignature:
     state_names: list  # per-parameter state names, e.g. ["exp_avg", "exp_avg_sq"]
     hyper_names: list
     dropout_specs: list = dataclasses.field(default_factory=list)  # [(shape, dtype, rate)]
+    buffer_names: list = dataclasses.field(default_factory=list)  # carried between steps
+    buffer_specs: list = dataclasses.field(default_factory=list)  # [(shape, dtype)]
+    # frozen parameters (requires_grad=False): arguments after the dropout masks, before the
+    # target; not differentiated, updated or communicated (their values never change)
+    frozen_names: list = dataclasses.field(default_factory=list)
+    frozen_specs: list = dataclasses.field(default_factory=list)  # [(shape, dtype)]
 
     @property
     def num_inputs(self):
@@ -49,12 +60,13 @@ class TrainStepSignature:
 
 
 def missing_gradients(func):
-    """Ops in ``func`` that have no registered gradient: [(op name, bound var name)]."""
+    """Ops in ``func`` that have no registered gradient: [(op name, bound var name)].
+    Integer/bool computations (masks, positions) need none (gradients.has_gradient)."""
     missing = []
 
     def visit(expr):
         if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-            if expr.op.get_attr("FPrimalGradient") is None:
+            if not gradients.has_gradient(expr):
                 missing.append(expr.op.name)
 
     for block in func.body.blocks:
@@ -65,10 +77,24 @@ def missing_gradients(func):
     return missing
 
 
-def build_train_step(model, loss, optimizer, target_spec=None):
-    """Return (IRModule with "train_step", TrainStepSignature)."""
+def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=None):
+    """Return (IRModule with "train_step", TrainStepSignature).
+
+    ``nonfinite_guard``: None, ``"gradients"`` or ``"gradients_and_loss"``: the update is
+    skipped (parameters and optimizer state kept) and the loss returned as NaN when a
+    gradient (or the loss) is not finite (training/nonfinite.py; not under ZeRO)."""
+    if nonfinite_guard not in (None, "gradients", "gradients_and_loss"):
+        raise ValueError(f"nonfinite_guard must be None, 'gradients' or 'gradients_and_loss', "
+                         f"got {nonfinite_guard!r}")
     forward = model.forward
+    if has_training_batch_norm(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward})):
+        # the Trainer decomposes it first when batch norm is synchronized across ranks
+        forward = DecomposeBatchNorm()(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward}))[
+            "forward"]
+    n_buffers = len(getattr(model, "buffer_names", ()))
     out_info = forward.ret_ty
+    if n_buffers:  # (output, *new buffer values): frontend/buffers.py
+        out_info = out_info.fields[0]
     if not isinstance(out_info, relax.TensorType) or out_info.shape is None:
         raise ValueError(f"{model.source}: forward must return one tensor of known shape to "
                          f"apply a loss, got {out_info}")
@@ -86,23 +112,31 @@ def build_train_step(model, loss, optimizer, target_spec=None):
     mod = relax.training.AppendLoss("main", loss_func, num_backbone_outputs=1)(mod)
     # the function's inputs: the data, then one mask per dropout (passes/dropout.py)
     n_in = len(model.input_specs) + len(model.dropout_specs)
-    n_params = len(model.param_names)
-    require = list(mod["main_loss"].params[n_in:n_in + n_params])
+    trainable, frozen = _split_frozen(model)
+    n_all = len(model.param_names)
+    n_params = len(trainable)
+    trains = [name not in frozen for name in model.param_names]
+    forward_params = mod["main_loss"].params[n_in:n_in + n_all]
+    require = [v for v, t in zip(forward_params, trains) if t]  # never the buffers
     mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
     adjoint = mod["main_loss_adjoint"]
-    param_vars = list(adjoint.params[n_in:n_in + n_params])  # the adjoint's own Var objects
+    adjoint_params = adjoint.params[n_in:n_in + n_all]  # the adjoint's own Var objects
+    param_vars = [v for v, t in zip(adjoint_params, trains) if t]
+    buffer_vars = list(adjoint.params[n_in + n_all:n_in + n_all + n_buffers])
 
-    inputs = list(adjoint.params[:n_in])
+    # frozen parameters are passed like data: after the dropout masks, before the target
+    inputs = list(adjoint.params[:n_in]) + [v for v, t in zip(adjoint_params, trains) if not t]
     target = adjoint.params[-1]
     state_vars = [relax.Var(f"{_ident(p)}__{s}", v.ty)
-                  for p, v in zip(model.param_names, param_vars) for s in optimizer.state_names]
-    hyper_dtype = model.param_specs()[0][1] if model.param_names else "float32"
+                  for p, v in zip(trainable, param_vars) for s in optimizer.state_names]
+    specs = dict(zip(model.param_names, model.param_specs()))
+    hyper_dtype = specs[trainable[0]][1]
     hyper_vars = {h: relax.Var(h, relax.TensorType((), hyper_dtype)) for h in optimizer.hyper_names}
     n_states = len(optimizer.state_names)
 
     bb = relax.BlockBuilder()
-    params = inputs + [target] + param_vars + state_vars + list(hyper_vars.values())
-    loss_value, grads = _loss_and_grads(adjoint)
+    params = inputs + [target] + param_vars + state_vars + list(hyper_vars.values()) + buffer_vars
+    loss_value, grads, new_buffers = _loss_and_grads(adjoint)
     # Gradient ends with `p_adjoint_out = p_adjoint` aliases in parameter order: follow them
     # to the binding backward really produces, so each marker sits where its gradient is made.
     aliases = {b.var: b.value for block in adjoint.body.blocks for b in block.bindings
@@ -127,13 +161,24 @@ def build_train_step(model, loss, optimizer, target_spec=None):
                 if marked[i] is None:  # not computed by a binding (e.g. a constant zero)
                     marked[i] = bb.emit(mark_gradient(grad, i))
             grads = marked
+            flag = None
+            if nonfinite_guard:
+                flag = nonfinite.finite_flag(
+                    bb, grads, loss_value if nonfinite_guard == "gradients_and_loss" else None)
             new_params, new_states = [], []
             for i, (param, grad) in enumerate(zip(param_vars, grads)):
                 states = state_vars[i * n_states:(i + 1) * n_states]
                 new_param, updated = optimizer.emit_update(bb, param, grad, states, hyper_vars)
+                if flag is not None:
+                    new_param = nonfinite.keep_unless(bb, flag, new_param, param)
+                    updated = [nonfinite.keep_unless(bb, flag, u, st)
+                               for u, st in zip(updated, states)]
                 new_params.append(new_param)
                 new_states.extend(updated)
-            out = bb.emit_output(relax.Tuple([loss_value, *new_params, *new_states]))
+            if flag is not None:
+                loss_value = nonfinite.flag_loss(bb, flag, loss_value)
+            out = bb.emit_output(relax.Tuple([loss_value, *new_params, *new_states,
+                                              *new_buffers]))
         bb.emit_func_output(out)
     step_mod = bb.get()
     # where the parameters and optimizer states sit among the arguments, for the passes that
@@ -142,18 +187,24 @@ def build_train_step(model, loss, optimizer, target_spec=None):
     step_mod["train_step"] = step_mod["train_step"].with_attrs({
         LAYOUT_PARAM_OFFSET: first, LAYOUT_NUM_PARAMS: n_params,
         LAYOUT_STATES_PER_PARAM: n_states,
-        UPDATED_ARGUMENTS: list(range(first, first + n_params * (1 + n_states)))})
+        UPDATED_ARGUMENTS: list(range(first, first + n_params * (1 + n_states)))
+        + list(range(len(params) - n_buffers, len(params)))})
     step_mod = relax.transform.DeadCodeElimination(["train_step"])(step_mod)
     signature = TrainStepSignature(
         input_specs=list(model.input_specs), target_spec=tuple(target_spec),
-        param_names=list(model.param_names), param_specs=model.param_specs(),
+        param_names=trainable, param_specs=[specs[n] for n in trainable],
         state_names=list(optimizer.state_names), hyper_names=list(optimizer.hyper_names),
-        dropout_specs=list(model.dropout_specs))
+        dropout_specs=list(model.dropout_specs),
+        frozen_names=[n for n in model.param_names if n in frozen],
+        frozen_specs=[specs[n] for n in model.param_names if n in frozen],
+        buffer_names=list(getattr(model, "buffer_names", ())),
+        buffer_specs=model.buffer_specs() if n_buffers else [])
     return step_mod, signature
 
 
 def _loss_and_grads(adjoint):
-    """The adjoint function returns (loss, (grad, ...)); find those expressions."""
+    """The adjoint function returns (loss, (grad, ...)), or ((loss, *new buffers), (grad,
+    ...)) for a forward that updates buffers; find those expressions."""
     result = adjoint.body.body
     bound = {b.var: b.value for block in adjoint.body.blocks for b in block.bindings}
     while isinstance(result, relax.Var) and result in bound:
@@ -161,7 +212,27 @@ def _loss_and_grads(adjoint):
     loss_value, grads = result.fields
     while isinstance(grads, relax.Var) and grads in bound:
         grads = bound[grads]
-    return loss_value, list(grads.fields)
+    new_buffers = []
+    if isinstance(loss_value.ty, relax.TupleType):
+        outputs = loss_value
+        while isinstance(outputs, relax.Var) and outputs in bound:
+            outputs = bound[outputs]
+        loss_value, *new_buffers = outputs.fields
+    return loss_value, list(grads.fields), new_buffers
+
+
+def _split_frozen(model):
+    """(trainable parameter names in order, set of frozen names) of ``model``."""
+    frozen = set(getattr(model, "frozen_params", ()))
+    unknown = sorted(frozen - set(model.param_names))
+    if unknown:
+        raise ValueError(f"{model.source}: frozen_params names {unknown}, which are not among "
+                         f"its parameters {list(model.param_names)}")
+    trainable = [n for n in model.param_names if n not in frozen]
+    if not trainable:
+        raise ValueError(f"{model.source}: every parameter is frozen (requires_grad=False); "
+                         "there is nothing to train. Unfreeze at least one parameter")
+    return trainable, frozen
 
 
 def _ident(name):

@@ -1,0 +1,177 @@
+"""Operators TVM 0.27's ExportedProgram importer lacks or types wrongly, as
+``custom_convert_map`` entries (``converters()``), and the importer's unsupported-operator
+check made to name the aten operator and where it occurs (``install_unsupported_op_check``).
+
+- ``_embedding_bag`` (nn.EmbeddingBag, modes sum and mean, offsets, per-sample weights,
+  padding_idx): rows gathered with ``take``, then summed per bag by a matmul with a 0/1
+  membership matrix built from the offsets, all ops with gradients and schedules.
+- ``cumsum``: the importer keeps the input dtype, so the cumsum of a bool tensor is typed bool
+  (PyTorch gives int64) and LLVM code generation crashes on the bool accumulator; integer and
+  bool inputs accumulate in int64 as in PyTorch.
+- ``div`` with a rounding mode: the importer types a Python scalar divisor int32 whatever the
+  tensor's dtype (an int64 position // 2 fails to import), and true division of integer
+  tensors stays integer where PyTorch gives float32.
+- ``clamp`` of an integer tensor with one bound: the importer emits clip(x, lo, inf), whose
+  infinite bound cannot be lowered for integers; maximum / minimum with the given bounds.
+"""
+from tvm import relax
+
+op = relax.op
+
+
+class UnsupportedOperatorError(ValueError):
+    """An aten operator the Relax importer cannot convert (raised by from_pytorch)."""
+
+
+def _arg(node, index, name, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _is_float(dtype) -> bool:
+    return str(dtype).startswith(("float", "bfloat"))
+
+
+def _cumsum(node, importer) -> relax.Var:
+    x = importer.env[node.args[0]]
+    dim = _arg(node, 1, "dim")
+    dtype = node.kwargs.get("dtype")
+    if dtype is not None:
+        dtype = importer._convert_data_type(str(dtype), importer.env)
+    elif not _is_float(x.ty.dtype):
+        dtype = "int64"  # torch.cumsum promotes bool and integer inputs to int64
+    return importer.block_builder.emit(op.cumsum(x, dim, dtype))
+
+
+def _div(node, importer) -> relax.Var:
+    bb = importer.block_builder
+    lhs, rhs = (importer.env[a] if hasattr(a, "op") else a for a in node.args[:2])
+    mode = _arg(node, 2, "rounding_mode")
+    if not isinstance(lhs, relax.Expr):  # scalar / tensor
+        lhs = relax.const(lhs, str(rhs.ty.dtype))
+    if not isinstance(rhs, relax.Expr):
+        rhs = relax.const(rhs, str(lhs.ty.dtype) if _is_float(lhs.ty.dtype) or isinstance(
+            rhs, int) else "float32")
+    if mode is None and not _is_float(lhs.ty.dtype) and not _is_float(rhs.ty.dtype):
+        lhs, rhs = bb.emit(op.astype(lhs, "float32")), bb.emit(op.astype(rhs, "float32"))
+    if str(lhs.ty.dtype) != str(rhs.ty.dtype):  # int tensor / float scalar: float32 as torch
+        lhs, rhs = bb.emit(op.astype(lhs, "float32")), bb.emit(op.astype(rhs, "float32"))
+    if mode is None:
+        return bb.emit(op.divide(lhs, rhs))
+    if mode == "floor":
+        return bb.emit(op.floor_divide(lhs, rhs))
+    if mode == "trunc":
+        return bb.emit(op.trunc(op.divide(lhs, rhs)))
+    raise ValueError(f"unsupported rounding_mode {mode!r} of torch.div")
+
+
+def _clamp(node, importer) -> relax.Var:
+    x = importer.env[node.args[0]]
+    low, high = _arg(node, 1, "min"), _arg(node, 2, "max")
+    if _is_float(x.ty.dtype) or not all(b is None or isinstance(b, (int, float))
+                                        for b in (low, high)):
+        return importer._clamp(node)  # TVM's own is right for floating point
+    dtype = str(x.ty.dtype)
+    if low is not None:
+        x = importer.block_builder.emit(op.maximum(x, relax.const(int(low), dtype)))
+    if high is not None:
+        x = importer.block_builder.emit(op.minimum(x, relax.const(int(high), dtype)))
+    return x
+
+
+def _embedding_bag(node, importer) -> relax.Var:
+    """aten._embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode, sparse,
+    per_sample_weights, include_last_offset, padding_idx) -> (output, offset2bag, bag_size,
+    max_indices), for 1-D indices with offsets (what nn.EmbeddingBag passes)."""
+    bb = importer.block_builder
+    env = importer.env
+    weight, indices, offsets = (env[node.args[i]] for i in range(3))
+    mode = int(_arg(node, 4, "mode", 0))
+    per_sample = _arg(node, 6, "per_sample_weights")
+    include_last = bool(_arg(node, 7, "include_last_offset", False))
+    padding_idx = _arg(node, 8, "padding_idx", -1)
+    if mode not in (0, 1):
+        raise NotImplementedError("nn.EmbeddingBag(mode='max') is not supported; use 'sum' "
+                                  "or 'mean'")
+    if _arg(node, 3, "scale_grad_by_freq", False):
+        raise NotImplementedError("nn.EmbeddingBag(scale_grad_by_freq=True) is not supported")
+    dtype = str(weight.ty.dtype)
+    length = int(indices.ty.shape[0])
+    bags = int(offsets.ty.shape[0]) - (1 if include_last else 0)
+    if include_last:
+        offsets = bb.emit(op.strided_slice(offsets, [0], [0], [bags]))
+    index_dtype = str(offsets.ty.dtype)
+    # bag of position l: how many bag starts are <= l, minus one
+    positions = bb.emit(op.arange(0, length, 1, index_dtype))
+    started = bb.emit(op.less_equal(op.expand_dims(offsets, 0), op.expand_dims(positions, 1)))
+    bag_of = bb.emit(op.subtract(op.sum(op.astype(started, index_dtype), [1]),
+                                 relax.const(1, index_dtype)))
+    member = op.equal(op.expand_dims(bag_of, 1),
+                      op.expand_dims(op.arange(0, bags, 1, index_dtype), 0))  # (L, bags)
+    if padding_idx is not None and int(padding_idx) >= 0:  # padding rows are left out
+        keep = op.not_equal(indices, relax.const(int(padding_idx), str(indices.ty.dtype)))
+        member = op.logical_and(member, op.expand_dims(keep, 1))
+    member = bb.emit(op.astype(member, dtype))
+    rows = bb.emit(op.take(weight, indices, axis=0))  # (L, D)
+    if per_sample is not None:
+        rows = bb.emit(op.multiply(rows, op.expand_dims(env[per_sample], 1)))
+    out = bb.emit(op.matmul(op.permute_dims(member, [1, 0]), rows))  # (bags, D)
+    counts = bb.emit(op.sum(member, [0]))
+    if mode == 1:  # mean; an empty bag gives zeros, as PyTorch
+        out = bb.emit(op.divide(out, op.expand_dims(
+            op.maximum(counts, relax.const(1.0, dtype)), 1)))
+    bag_size = bb.emit(op.astype(counts, index_dtype))
+    return bb.emit(relax.Tuple([out, bag_of, bag_size, bag_size]))
+
+
+def converters() -> dict:
+    """The ``custom_convert_map`` entries of this module."""
+    return {"_embedding_bag.default": _embedding_bag,
+            "_embedding_bag_forward_only.default": _embedding_bag,
+            "cumsum.default": _cumsum, "clamp.default": _clamp,
+            "div.Tensor_mode": _div, "div.Scalar_mode": _div,
+            "floor_divide.default": lambda node, importer: _div(_FloorNode(node), importer)}
+
+
+class _FloorNode:
+    """``floor_divide(a, b)`` seen as ``div(a, b, rounding_mode="floor")``."""
+
+    def __init__(self, node):
+        self.args = tuple(node.args[:2]) + ("floor",)
+        self.kwargs = {}
+
+
+def _module_path(node) -> str:
+    """The dotted path of the innermost module ``node`` was traced in ("" for the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, module_type = list(stack.values())[-1]
+    type_name = getattr(module_type, "__name__", str(module_type).rsplit(".", 1)[-1])
+    return f"{path} ({type_name.strip(chr(39))})" if path else ""
+
+
+def _check_unsupported_func_type(self, nodes):
+    """Replaces BaseFXGraphImporter._check_unsupported_func_type, whose AssertionError names
+    the operators but not where they are: raise UnsupportedOperatorError naming each
+    unsupported aten operator and the module paths it occurs at."""
+    where = {}
+    for node in nodes:
+        if node.op == "call_function" and node.target.__name__ not in self.convert_map:
+            paths = where.setdefault(node.target.__name__, [])
+            path = _module_path(node) or "the top-level module's forward"
+            if path not in paths:
+                paths.append(path)
+    if where:
+        found = "; ".join(f"aten.{name} at {', '.join(paths)}" for name, paths in where.items())
+        raise UnsupportedOperatorError(
+            f"the Relax importer does not support {found}. Replace the operator in that module, "
+            "or register a converter for it in raf_dist/frontend/torch_ops.py")
+
+
+def install_unsupported_op_check() -> None:
+    """Patch TVM's importer (once) so an unknown operator raises UnsupportedOperatorError."""
+    from tvm.relax.frontend.torch.base_fx_graph_translator import BaseFXGraphImporter
+
+    BaseFXGraphImporter._check_unsupported_func_type = _check_unsupported_func_type

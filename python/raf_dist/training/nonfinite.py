@@ -1,0 +1,67 @@
+"""Skip the optimizer update of a step whose gradients (or loss) are not finite, inside the step.
+
+``finite_flag`` reduces each gradient to its sum (NaN and ±inf survive a sum) and ands the
+sums' ``isfinite`` into one 0-d bool. (Not ``isfinite(sum_k 0 * sum(g_k))``: TVM's arithmetic
+simplifier folds ``x * 0`` to 0, and the flag was always set.) A sum of finite gradients
+overflows float32 only for gradients near 1e38 / numel, which is a divergence anyway. One
+extra read of each gradient, inside the compiled step.
+
+``keep_unless`` selects the updated value when the flag is set and the old one otherwise;
+it is elementwise with a scalar condition, so it fuses into the update's kernel and the
+update stays in place (compiler/inplace_update.py). ``flag_loss`` turns the returned loss
+into NaN when the update was skipped, so the host learns of a non-finite gradient without a
+second output.
+
+Contract with the distribution passes: the flag must be the same on every rank. Under plain
+data parallelism (AllReduceGradients) the optimizer reads the all-reduced gradients, which
+every rank holds identically, so the flag agrees; the (local) loss is left out there. ZeRO
+updates each bucket's shard as soon as it is reduced, before the other gradients exist, so
+the Trainer does not build the guard under ZeRO (it checks the returned loss instead).
+"""
+from tvm import relax
+
+
+#: a reduction this long is split so that it runs on every core (compiler/schedule.py treats
+#: a reduction of >= 16384 elements with no data-parallel outer loop as a serial fallback)
+_SERIAL_LIMIT = 16384
+_CHUNK = 256
+
+
+def _sum_all(bb: relax.BlockBuilder, g: relax.Expr) -> relax.Var:
+    """sum(g) as sums of rows of _CHUNK elements (a data-parallel outer loop), repeated until
+    what is left is short, then one final sum. Zero padding keeps NaN and inf."""
+    op = relax.op
+    numel = 1
+    for dim in g.ty.shape:
+        numel *= int(dim)
+    flat = bb.emit(op.reshape(g, (numel,)))
+    while numel >= _SERIAL_LIMIT:
+        rows = -(-numel // _CHUNK)
+        if rows * _CHUNK != numel:
+            flat = bb.emit(op.nn.pad(flat, [0, rows * _CHUNK - numel]))
+        flat = bb.emit(op.sum(op.reshape(flat, (rows, _CHUNK)), axis=[1]))
+        numel = rows
+    return bb.emit(op.sum(flat))
+
+
+def finite_flag(bb: relax.BlockBuilder, grads: list, loss: relax.Expr = None) -> relax.Var:
+    """A 0-d bool: every gradient (and ``loss`` when given) is finite."""
+    op = relax.op
+    terms = [_sum_all(bb, g) for g in grads] + ([loss] if loss is not None else [])
+    flag = None
+    for term in terms:
+        finite = bb.emit(op.isfinite(term))
+        flag = finite if flag is None else bb.emit(op.logical_and(flag, finite))
+    return flag
+
+
+def keep_unless(bb: relax.BlockBuilder, flag: relax.Var, new: relax.Expr,
+                old: relax.Expr) -> relax.Var:
+    """``new`` where ``flag`` is set, else ``old`` (the update skipped)."""
+    return bb.emit(relax.op.where(flag, new, old))
+
+
+def flag_loss(bb: relax.BlockBuilder, flag: relax.Var, loss: relax.Expr) -> relax.Var:
+    """The loss, or NaN when the update was skipped."""
+    nan = relax.const(float("nan"), loss.ty.dtype)
+    return bb.emit(relax.op.where(flag, loss, nan))

@@ -1,0 +1,12 @@
+"""Batch norm running statistics under data parallelism on 2 real ranks (MPI): synchronized
+batch norm equals one process on the global batch; the default keeps rank 0's statistics as
+DDP's broadcast_buffers does. The worker (workers/bn_train.py) compares against PyTorch."""
+import pytest
+
+from mpi_launch import check_mpi
+
+
+@pytest.mark.parametrize("model", ["bn_mlp", "bn_cnn"])
+def test_batch_norm_on_two_ranks(model):
+    out = check_mpi("bn_train.py", 2, model, 3, timeout=300)
+    assert out.count("ALL OK") == 2, out
