@@ -59,7 +59,10 @@ setup(
     ],
     extras_require={
         "torch": ["torch==2.13.0"],
-        "test": ["pytest>=8", "pytest-timeout", "scikit-learn", "safetensors", "tqdm", "matplotlib"],
+        # transformers / torchvision: third-party models for the tests only (raf_dist never
+        # imports them); torchvision 0.28.0 is the release built against torch 2.13.0
+        "test": ["pytest>=8", "pytest-timeout", "scikit-learn", "safetensors", "tqdm", "matplotlib",
+                 "transformers==5.23.0", "torchvision==0.28.0"],
         "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12>=2.18", "nvidia-ml-py"],
         "cuda13": ["cupy-cuda13x>=13", "nvidia-nccl-cu13>=2.18", "nvidia-ml-py"],
     },

@@ -27,6 +27,7 @@ from .passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, MaxP
                      ShardZeRO, StripGradientMarkers, gradient_buckets, shard_size)
 from .passes.propagate_nan import PropagateNaN
 from .training import LOSSES, build_train_step
+from .training import batch_size as batching
 from .training.loss import check_targets, num_classes
 
 NONFINITE_MODES = ("raise", "skip")
@@ -85,8 +86,11 @@ class Trainer:
         if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
             step_model = decompose_forward(model, self.sync_batch_norm_world)
         self.nonfinite = nonfinite
+        # ranks may hold different numbers of rows: each weights its loss (training/batch_size.py)
+        self._weighted_loss = self.data_parallel and self.world > 1
         self.ir, self.signature = build_train_step(step_model, loss, optimizer,
-                                                   nonfinite_guard=self._nonfinite_guard())
+                                                   nonfinite_guard=self._nonfinite_guard(),
+                                                   loss_weight=self._weighted_loss)
         self._classes = num_classes(model.forward, loss)  # for the target check
         self.skipped_steps = 0  # steps whose update nonfinite="skip" left out
         if self.data_parallel and self.world > 1:
@@ -94,9 +98,15 @@ class Trainer:
         self.bucket_bytes = max(1, int(config.bucket_size_mb * 2**20))
         # gradient buckets (parameter indices, in backward order) the distribution pass uses
         self.grad_buckets = gradient_buckets(self.ir, self.bucket_bytes) if self.data_parallel else []
+        self._step_passes = self._passes(config)  # again for each new batch size
         self.compiled = self._compile(config, cache_dir)
         self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
         self._step_fn = self._vm["train_step"]
+        # one compiled step per batch size (rows on this rank) seen, the captured one first
+        self.batch_size = model.batch_size
+        self._variants = {self.batch_size: batching.StepVariant(
+            self.batch_size, model, self.signature, self.compiled, self._step_fn)}
+        self._models = {self.batch_size: model}  # the model captured at each size
         init = {n: np.ascontiguousarray(model.init_params[n]) for n in self.signature.param_names}
         if self.data_parallel and self.world > 1:  # identical start whatever each rank's seed
             for name in self.signature.param_names:
@@ -111,7 +121,7 @@ class Trainer:
         self._buffers = self._init_buffers(model)
         self.step_count = 0
         self._comm_last_step = {}
-        self._forward = None
+        self._forwards = {}  # rows -> (compiled forward, model at that size) for predict
         self._cache_dir = cache_dir
         self.seed = int(seed)
         self._hyper_dtype = self.signature.param_specs[0][1] if self._params else "float32"
@@ -207,14 +217,28 @@ class Trainer:
         if len(inputs) != self.signature.num_inputs:
             raise ValueError(f"step() got {len(inputs)} inputs; the model was captured with "
                              f"{self.signature.num_inputs}")
-        args = [self._to_device(a, spec, f"input {i}")
-                for i, (a, spec) in enumerate(zip(inputs, self.signature.input_specs))]
-        args += [tvm.runtime.tensor(m, self._device) for m in self.dropout_masks(self.step_count + 1)]
-        args += self._frozen
-        target = self._to_device(y, self.signature.target_spec, "target")
+        # any leading (batch) dimension: the captured shapes with this batch's rows, checked
+        # before any work (training/batch_size.py)
+        rows = batching.leading_rows(inputs, self.signature.input_specs, self.batch_size)
+        for i, (a, spec) in enumerate(zip(inputs, self.signature.input_specs)):
+            _check_array(a, batching.batched_spec(spec, rows, self.batch_size), f"input {i}")
+        _check_array(y, batching.batched_spec(self.signature.target_spec, rows, self.batch_size),
+                     "target")
         if self._classes is not None:  # before any collective: the message names the value
             check_targets(y, self._classes)
-        args.append(target)
+        variant = self._step_variant(rows) if rows else None  # local work, before collectives
+        rows_per_rank = self._rows_per_rank(rows)  # a small collective under data parallelism
+        signature = variant.signature
+        args = [self._to_device(a, spec, f"input {i}")
+                for i, (a, spec) in enumerate(zip(inputs, signature.input_specs))]
+        args += [tvm.runtime.tensor(m, self._device)
+                 for m in self.dropout_masks(self.step_count + 1, rows)]
+        args += self._frozen
+        args.append(self._to_device(y, signature.target_spec, "target"))
+        if signature.loss_weight_dtype is not None:  # this rank's share of the global batch
+            weight = batching.loss_weight(rows, rows_per_rank)
+            args.append(tvm.runtime.tensor(np.array(weight, dtype=signature.loss_weight_dtype),
+                                           self._device))
         # the optimizer's own step count (Adam's bias correction): skipped steps do not count
         hypers = self.optimizer.hyper_values(self.step_count + 1 - self.skipped_steps)
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype), self._device)
@@ -223,7 +247,7 @@ class Trainer:
         # (checkpoints are named by the last completed step)
         self.comm.activity = f"step {self.step_count + 1} (last completed: {self.step_count})"
         before = collectives.comm_counters() if self.data_parallel else None
-        out = self._step_fn(*args, *self._params, *self._states, *hyper_args, *self._buffers)
+        out = variant.step_fn(*args, *self._params, *self._states, *hyper_args, *self._buffers)
         if before is not None:
             after = collectives.comm_counters()
             self._comm_last_step = {k: after[k]["bus_bytes"] - before[k]["bus_bytes"]
@@ -292,41 +316,37 @@ class Trainer:
         values.update(zip(self.signature.frozen_names, self._frozen))
         return {name: values[name] for name in self.model.param_names}
 
-    def dropout_masks(self, step):
+    def dropout_masks(self, step, rows=None):
         """The dropout masks of 1-based ``step`` on this rank, in execution order: 0 or
         1/(1-p) per element, drawn from a generator seeded by (seed, rank, step), so a run is
-        reproducible and every rank drops different elements of its own rows."""
+        reproducible and every rank drops different elements of its own rows. ``rows``: the
+        step's batch size on this rank (default: the captured one); the masks have the shapes
+        of the model at that size."""
         rng = np.random.default_rng([self.seed, self.comm.rank, int(step)])
         masks = []
-        for shape, dtype, rate in self.signature.dropout_specs:
+        specs = (self.signature.dropout_specs if rows is None
+                 else self._model_at(rows).dropout_specs)
+        for shape, dtype, rate in specs:
             keep = rng.random(shape) >= rate
             masks.append((keep / (1.0 - rate)).astype(dtype))
         return masks
 
     def predict(self, x):
         """Forward pass with the current parameters on any number of rows: the batch is cut
-        into pieces of the captured batch size (the last one padded) and run through the
-        compiled forward function; returns the outputs as one numpy array. Under ZeRO-3 the
-        parameters are gathered first, so every rank must call it."""
-        evaluation = self.model.forward_eval  # running statistics (BatchNorm eval mode)
-        if self._forward is None:
-            forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): (
-                evaluation if evaluation is not None else self.model.forward).with_attr(
-                    "global_symbol", "forward")})
-            compiled = compile_step(forward_mod, passes=[PropagateNaN(), DispatchToBLAS()],
-                                    target=self._target,
-                                    cache_dir=self._cache_dir)
-            self._forward = relax.VirtualMachine(compiled.executable, self._device)["forward"]
+        into pieces of the captured batch size, the last one run at its own size (one compiled
+        forward per piece size, cached; a model that cannot be captured again at another size
+        has the last piece padded instead); returns the outputs as one numpy array. Under
+        ZeRO-3 the parameters are gathered first, so every rank must call it."""
         if self.signature.num_inputs != 1:
             raise ValueError("predict() supports single-input models")
         shape, dtype = self.signature.input_specs[0]
         x = np.asarray(x, dtype=dtype)
-        if tuple(x.shape[1:]) != tuple(shape[1:]):
+        if x.ndim != len(shape) or tuple(x.shape[1:]) != tuple(shape[1:]):
             raise ValueError(f"predict(): rows must have shape {tuple(shape[1:])}, got "
                              f"{tuple(x.shape[1:])}")
+        if not len(x):
+            raise ValueError("predict() needs at least one row, got an empty array")
         batch, outputs = shape[0], []
-        no_dropout = [tvm.runtime.tensor(np.ones(s, d), self._device)
-                      for s, d, _ in self.signature.dropout_specs] if evaluation is None else []
         params = list(self._in_model_order(zip(self.signature.param_names,
                                                 self._params)).values())
         if self.zero_level == 3:  # sharded between steps: gather the full parameters
@@ -334,14 +354,95 @@ class Trainer:
             params = [tvm.runtime.tensor(full[n], self._device) for n in self.model.param_names]
         for start in range(0, len(x), batch):
             piece = x[start:start + batch]
-            padded = np.zeros(shape, dtype=dtype)
-            padded[:len(piece)] = piece
-            out = self._forward(tvm.runtime.tensor(padded, self._device), *no_dropout, *params,
-                                *(self._buffers if evaluation is not None else ()))
-            if evaluation is None and self._buffers:  # training forward: (output, *buffers)
+            rows = len(piece) if self.model.respecialize is not None else batch
+            forward, model = self._forward_at(rows)
+            evaluation = model.forward_eval is not None  # running statistics (BatchNorm eval)
+            if rows != len(piece):
+                padded = np.zeros((rows,) + tuple(shape[1:]), dtype=dtype)
+                padded[:len(piece)] = piece
+                piece = padded
+            no_dropout = [] if evaluation else [tvm.runtime.tensor(np.ones(s, d), self._device)
+                                                for s, d, _ in model.dropout_specs]
+            out = forward(tvm.runtime.tensor(np.ascontiguousarray(piece), self._device),
+                          *no_dropout, *params, *(self._buffers if evaluation else ()))
+            if not evaluation and self._buffers:  # training forward: (output, *buffers)
                 out = out[0]
-            outputs.append(out.numpy()[:len(piece)])
+            outputs.append(out.numpy()[:min(batch, len(x) - start)])
         return np.concatenate(outputs)
+
+    def _forward_at(self, rows):
+        """(compiled forward, model) for a batch of ``rows`` rows: the evaluation-mode forward
+        when the model has one, else the training forward (run with all-ones dropout masks)."""
+        if rows not in self._forwards:
+            model = self._model_at(rows)
+            evaluation = model.forward_eval
+            forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): (
+                evaluation if evaluation is not None else model.forward).with_attr(
+                    "global_symbol", "forward")})
+            compiled = compile_step(forward_mod, passes=[PropagateNaN(), DispatchToBLAS()],
+                                    target=self._target, cache_dir=self._cache_dir)
+            self._forwards[rows] = (
+                relax.VirtualMachine(compiled.executable, self._device)["forward"], model)
+        return self._forwards[rows]
+
+    # ---- any batch size (training/batch_size.py) --------------------------------------------
+    @property
+    def compiled_batch_sizes(self) -> list:
+        """The batch sizes (rows on this rank) a training step has been compiled for."""
+        return sorted(self._variants)
+
+    def _model_at(self, rows):
+        """The model captured with ``rows`` rows (cached)."""
+        rows = int(rows)
+        if rows not in self._models:
+            self._models[rows] = self.model.at_batch(rows)
+        return self._models[rows]
+
+    def _step_variant(self, rows):
+        """The compiled step for ``rows`` rows on this rank: built the first time a batch of
+        that size comes (captured again, differentiated, compiled with the same passes); it
+        takes the same parameter, state and buffer tensors as every other size. Local work:
+        under data parallelism the ranks may be at different sizes, so there is no barrier."""
+        variant = self._variants.get(rows)
+        if variant is not None:
+            return variant
+        _LOG.info("batch size %d on rank %d (the step was captured with %d): compiling a step "
+                  "for this size; one compiled step per batch size, all sharing the "
+                  "parameters and optimizer state", rows, self.comm.rank, self.batch_size)
+        model = self._model_at(rows)
+        step_model = model
+        if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
+            step_model = decompose_forward(model, self.sync_batch_norm_world)
+        ir, signature = build_train_step(step_model, self.loss, self.optimizer,
+                                         nonfinite_guard=self._nonfinite_guard(),
+                                         loss_weight=self._weighted_loss)
+        batching.check_same_state(self.signature, signature, rows)
+        if self.data_parallel and gradient_buckets(ir, self.bucket_bytes) != self.grad_buckets:
+            raise ValueError(f"the step for batch size {rows} groups the gradients into other "
+                             "buckets than the captured step; its collectives would not match "
+                             "the other ranks'. Use the captured batch size")
+        compiled = compile_step(ir, passes=self._step_passes, target=self._target,
+                                cache_dir=self._cache_dir)
+        step_fn = relax.VirtualMachine(compiled.executable, self._device)["train_step"]
+        variant = batching.StepVariant(rows, model, signature, compiled, step_fn)
+        self._variants[rows] = variant
+        return variant
+
+    def _rows_per_rank(self, rows):
+        """Every rank's rows in this step (one small allgather under data parallelism). Raises
+        on every rank together when a rank has none, or when synchronized batch norm would
+        see different row counts (its statistics assume equal ones)."""
+        if self.data_parallel and self.world > 1:
+            rows_per_rank = batching.allgather_rows(self.comm.mpi_comm, rows)
+        else:
+            rows_per_rank = [int(rows)]
+        batching.check_rows_per_rank(rows_per_rank, self.comm.rank)
+        if self.sync_batch_norm_world > 1 and len(set(rows_per_rank)) > 1:
+            raise NotImplementedError(
+                f"sync_batch_norm with different rows per rank ({rows_per_rank}) is not "
+                "supported: the synchronized statistics assume every rank holds as many rows. "
+                "Use raf_dist.data.shard(..., drop_last=True) or turn sync_batch_norm off")
+        return rows_per_rank
 
     def _to_device(self, array, spec, what):
         shape, dtype = spec
@@ -528,6 +629,16 @@ def step_passes(zero_level, world_size, bucket_bytes, overlap=True, group=0):
         distribute = StripGradientMarkers()
     return [distribute, PropagateNaN(), DispatchToBLAS(), FastGelu(), FastExp(),
             MaxPoolGradient()]
+
+
+def _check_array(array, spec, what):
+    """``array`` must have ``spec``'s shape and dtype (raised before any work or collective)."""
+    shape, dtype = spec
+    array_shape, array_dtype = np.shape(array), np.asarray(array).dtype
+    if tuple(array_shape) != tuple(shape) or str(array_dtype) != dtype:
+        raise ValueError(f"{what}: expected shape {tuple(shape)} and dtype {dtype} (as "
+                         f"captured, with this batch's rows), got shape {tuple(array_shape)} "
+                         f"and dtype {array_dtype}")
 
 
 def _nbytes(tensor):

@@ -8,6 +8,7 @@
 #include <climits>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "half.h"
 
@@ -174,9 +175,7 @@ void MpiBackend::RunBlocking(CollectiveCall call) {
     if (stopping_) {
       TVM_FFI_THROW(RuntimeError) << "collective started after raf_dist.ccl.shutdown()";
     }
-    // With a timeout configured, blocking calls also go through the communication thread:
-    // an MPI call stuck on a dead peer cannot be interrupted, but a wait on it can give up.
-    if (busy_ || !queue_.empty() || WaitTimeoutSeconds() > 0) {
+    if (busy_ || !queue_.empty()) {
       lock.unlock();
       Start(std::move(call))->Wait();
       return;
@@ -194,8 +193,32 @@ void MpiBackend::RunBlocking(CollectiveCall call) {
     }
   } release{this};
   MPI_Request request = Run(call);
-  if (request != MPI_REQUEST_NULL) {
+  if (request == MPI_REQUEST_NULL) return;
+  double timeout = WaitTimeoutSeconds();
+  if (timeout <= 0) {
     CheckMpi(MPI_Wait(&request, MPI_STATUS_IGNORE), KindName(call.kind));
+    return;
+  }
+  // With a timeout (the default), poll the request on the calling thread: an MPI_Wait on a
+  // dead peer cannot be interrupted, a poll can give up. (Before, such calls went through the
+  // communication thread: two thread hand-offs per call.) Spin first — a collective usually
+  // completes within microseconds — then poll every 50 us so a long wait leaves the core.
+  auto start = std::chrono::steady_clock::now();
+  auto deadline = start + std::chrono::duration<double>(timeout);
+  auto spin_until = start + std::chrono::milliseconds(2);
+  int done = 0;
+  while (true) {
+    CheckMpi(MPI_Test(&request, &done, MPI_STATUS_IGNORE), KindName(call.kind));
+    if (done) return;
+    auto now = std::chrono::steady_clock::now();
+    if (now > deadline) {
+      TVM_FFI_THROW(TimeoutError)
+          << KindName(call.kind) << " of " << call.send_count << "/" << call.recv_count << " "
+          << ElemTypeName(call.elem) << " elements did not complete within " << timeout
+          << " s (RAF_DIST_COLLECTIVE_TIMEOUT_S); a peer rank has probably died or is running "
+             "a different program";
+    }
+    if (now > spin_until) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }
 
