@@ -3,17 +3,24 @@
 ``shard(loader)`` (DESIGN.md section 1) takes any iterable of global batches — tuples of
 arrays or tensors with the batch on dim 0, e.g. a torch DataLoader — and yields this rank's
 rows of each as numpy arrays: rank r gets rows [r*b, (r+1)*b), b = batch / N. A batch whose
-size differs from the first one (a DataLoader's short last batch) is skipped, because the
-compiled step has fixed shapes; use drop_last=True on the loader to avoid it.
+size differs from the first one (a DataLoader's short last batch) is skipped by default
+(``drop_last=True``); with ``drop_last=False`` it is split as evenly as it goes, the first
+ranks taking one row more (7 rows on 2 ranks: 4 + 3), and ``Trainer.step`` weights the ranks'
+losses so the step is that of one process on the whole batch.
 
 ``shard(arrays, global_batch)`` yields, for each global batch (consecutive rows of every array),
 this rank's rows: rank r gets rows [r*b, (r+1)*b) of the batch, b = global_batch / N. All ranks
-see the same number of steps with the same per-rank shape (the compiled step has fixed shapes).
+see the same number of steps.
 
 The uneven tail (fewer than ``global_batch`` rows left at the end of an epoch) is dropped by
-default (``drop_last=True``), as torch's DataLoader(drop_last=True) does; with
-``drop_last=False`` the tail is filled with rows from the start of the data, as
-``torch.utils.data.DistributedSampler`` pads, so every sample is seen at least once.
+default (``drop_last=True``), as torch's DataLoader(drop_last=True) does. With
+``drop_last=False`` it is one last, smaller global batch, split as evenly as it goes (the
+first ranks take one row more; no row is repeated): ``Trainer.step`` accepts any batch size
+and weights each rank's loss by its rows, so the loss and update are those of one process on
+that batch. A tail with fewer rows than ranks cannot give every rank a row and raises. With
+``drop_last=False, pad_last=True`` the tail is instead filled with rows from the start of the
+data, as ``torch.utils.data.DistributedSampler`` pads (every step the same shape; the padded
+rows count twice).
 Shuffle with ``seed``: every rank draws the same permutation, so the slices never overlap.
 """
 import numpy as np
@@ -22,23 +29,39 @@ from .distributed import get_communicator
 
 
 def shard(arrays, global_batch=None, shuffle=False, seed=0, epoch=0, drop_last=True, rank=None,
-          world_size=None):
+          world_size=None, pad_last=False):
     """Yield this rank's slice of each global batch: a tuple with one array per input array
     (or a single array if ``arrays`` is one array). Without ``global_batch``, ``arrays`` is a
-    loader of global batches (see the module docstring)."""
+    loader of global batches (see the module docstring). ``drop_last=False``: the short last
+    batch is split unevenly over the ranks, or, with ``pad_last=True`` (arrays only), padded
+    from the start of the data."""
     if rank is None or world_size is None:
         comm = get_communicator()
         rank, world_size = comm.rank, comm.size
     if global_batch is None:
-        return _shard_loader(arrays, rank, world_size)
-    return _shard_arrays(arrays, global_batch, shuffle, seed, epoch, drop_last, rank, world_size)
+        return _shard_loader(arrays, rank, world_size, drop_last)
+    return _shard_arrays(arrays, global_batch, shuffle, seed, epoch, drop_last, rank, world_size,
+                         pad_last)
+
+
+def uneven_rows(num_rows, world_size, rank):
+    """[begin, end) of ``rank``'s rows when ``num_rows`` rows are split over ``world_size``
+    ranks as evenly as they go, the first ranks taking one more (np.array_split's rule)."""
+    if num_rows < world_size:
+        raise ValueError(f"the last global batch has {num_rows} rows, fewer than the "
+                         f"{world_size} ranks: some rank would get no row. Use drop_last=True "
+                         "(drop it), pad_last=True (pad it from the start of the data), or a "
+                         "dataset whose tail has at least one row per rank")
+    base, extra = divmod(num_rows, world_size)
+    begin = rank * base + min(rank, extra)
+    return begin, begin + base + (1 if rank < extra else 0)
 
 
 def _numpy(value):
     return value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
 
 
-def _shard_loader(loader, rank, world_size):
+def _shard_loader(loader, rank, world_size, drop_last=True):
     first_size = None
     for batch in loader:
         single = not isinstance(batch, (tuple, list))
@@ -49,14 +72,20 @@ def _shard_loader(loader, rank, world_size):
                 raise ValueError(f"global batch of {size} rows does not divide by {world_size} "
                                  f"ranks; use a batch size that is a multiple of {world_size}")
             first_size = size
-        if size != first_size:  # a short last batch: the compiled step has fixed shapes
+        if size != first_size:  # a short last batch: dropped, or split unevenly
+            if drop_last:
+                continue
+            begin, end = uneven_rows(size, world_size, rank)
+            out = tuple(p[begin:end] for p in parts)
+            yield out[0] if single else out
             continue
         local = size // world_size
         out = tuple(p[rank * local:(rank + 1) * local] for p in parts)
         yield out[0] if single else out
 
 
-def _shard_arrays(arrays, global_batch, shuffle, seed, epoch, drop_last, rank, world_size):
+def _shard_arrays(arrays, global_batch, shuffle, seed, epoch, drop_last, rank, world_size,
+                  pad_last=False):
     single = isinstance(arrays, np.ndarray)
     arrays = (arrays,) if single else tuple(np.asarray(a) for a in arrays)
     num = len(arrays[0])
@@ -71,12 +100,21 @@ def _shard_arrays(arrays, global_batch, shuffle, seed, epoch, drop_last, rank, w
     if shuffle:
         order = np.random.default_rng([seed, epoch]).permutation(num)  # (1, 0) != (0, 1)
     steps = num // global_batch
-    if not drop_last and num % global_batch:
+    tail = 0 if drop_last else num % global_batch
+    if tail and pad_last:  # DistributedSampler's padding: every step the same shape
         steps += 1
         order = np.concatenate([order, order[: steps * global_batch - num]])
+        tail = 0
+    elif tail:
+        uneven_rows(tail, world_size, rank)  # no rank without rows: raised before any step
     local = global_batch // world_size
     for step in range(steps):
         rows = order[step * global_batch + rank * local: step * global_batch + (rank + 1) * local]
+        batch = tuple(a[rows] for a in arrays)
+        yield batch[0] if single else batch
+    if tail:  # the short last global batch, split unevenly (no row repeated)
+        begin, end = uneven_rows(tail, world_size, rank)
+        rows = order[steps * global_batch + begin: steps * global_batch + end]
         batch = tuple(a[rows] for a in arrays)
         yield batch[0] if single else batch
 

@@ -35,6 +35,29 @@ class Model:
     tied_params: dict = dataclasses.field(default_factory=dict)
     # parameters not trained (requires_grad=False): step constants, no gradient or state
     frozen_params: list = dataclasses.field(default_factory=list)
+    # rows -> this model captured again with that leading (batch) dimension (the frontends set
+    # it; training/batch_size.py); None: the captured shapes only
+    respecialize: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def batch_size(self):
+        """The captured leading (batch) dimension: the first input's dim 0."""
+        shape = self.input_specs[0][0] if self.input_specs else ()
+        return int(shape[0]) if len(shape) else None
+
+    def at_batch(self, rows: int) -> "Model":
+        """This model with every batched input's leading dimension ``rows``: itself at the
+        captured batch size, else captured again by the frontend (shapes change, the parameter
+        names, shapes and order do not)."""
+        rows = int(rows)
+        if rows == self.batch_size:
+            return self
+        if self.respecialize is None:
+            raise ValueError(f"{self.source} was captured with batch size {self.batch_size} "
+                             f"and cannot be captured again at {rows} rows (no frontend hook); "
+                             f"pass batches of {self.batch_size} rows or capture it through "
+                             "raf_dist.frontend.from_pytorch / from_relax_nn")
+        return self.respecialize(rows)
 
     @property
     def forward(self):

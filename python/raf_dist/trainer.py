@@ -101,11 +101,10 @@ class Trainer:
         self._step_passes = self._passes(config)  # again for each new batch size
         self.compiled = self._compile(config, cache_dir)
         self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
-        self._step_fn = self._vm["train_step"]
         # one compiled step per batch size (rows on this rank) seen, the captured one first
         self.batch_size = model.batch_size
         self._variants = {self.batch_size: batching.StepVariant(
-            self.batch_size, model, self.signature, self.compiled, self._step_fn)}
+            self.batch_size, model, self.signature, self.compiled, self._vm["train_step"])}
         self._models = {self.batch_size: model}  # the model captured at each size
         init = {n: np.ascontiguousarray(model.init_params[n]) for n in self.signature.param_names}
         if self.data_parallel and self.world > 1:  # identical start whatever each rank's seed
@@ -451,6 +450,16 @@ class Trainer:
             raise ValueError(f"{what}: expected shape {tuple(shape)} and dtype {dtype} (as "
                              f"captured), got shape {tuple(array.shape)} and dtype {array.dtype}")
         return tvm.runtime.tensor(np.ascontiguousarray(array), self._device)
+
+    @property
+    def _step_fn(self):
+        """The VM function of the step at the captured batch size (tests wrap it to inject
+        failures inside a step)."""
+        return self._variants[self.batch_size].step_fn
+
+    @_step_fn.setter
+    def _step_fn(self, function):
+        self._variants[self.batch_size].step_fn = function
 
     @property
     def num_grad_buckets(self):

@@ -15,11 +15,38 @@ def test_array_slices_cover_each_global_batch_once():
         np.testing.assert_array_equal(rows, np.arange(step * 4, step * 4 + 4))
 
 
-def test_tail_padded_from_the_start_without_drop_last():
+def test_tail_padded_from_the_start_with_pad_last():
     y = np.arange(10)
-    batches = [b for r in range(2) for b in data.shard(y, 4, drop_last=False, rank=r, world_size=2)]
+    batches = [b for r in range(2) for b in data.shard(y, 4, drop_last=False, pad_last=True,
+                                                       rank=r, world_size=2)]
     seen = np.concatenate(batches)
     assert set(seen) == set(range(10)) and len(seen) == 12
+
+
+def test_uneven_tail_without_drop_last_repeats_no_row():
+    x, y = np.arange(30).reshape(15, 2), np.arange(15)  # a global batch of 8 rows + 7 rows
+    per_rank = [list(data.shard((x, y), 8, drop_last=False, rank=r, world_size=2))
+                for r in range(2)]
+    assert [len(p) for p in per_rank] == [2, 2] and data.num_steps(15, 8, drop_last=False) == 2
+    assert [len(per_rank[r][1][1]) for r in range(2)] == [4, 3]  # the first rank takes more
+    seen = np.concatenate([per_rank[r][s][1] for s in range(2) for r in range(2)])
+    np.testing.assert_array_equal(seen, np.arange(15))  # every row once, in order
+    np.testing.assert_array_equal(per_rank[1][1][0], x[12:15])
+
+
+def test_tail_with_fewer_rows_than_ranks_is_refused():
+    with pytest.raises(ValueError, match="the last global batch has 1 rows, fewer than the 2"):
+        next(data.shard(np.arange(9), 4, drop_last=False, rank=0, world_size=2))
+
+
+def test_loader_short_last_batch_split_unevenly():
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.arange(22.0).reshape(11, 2), torch.arange(11)),
+        batch_size=4)
+    got = [list(data.shard(loader, rank=r, world_size=2, drop_last=False)) for r in range(2)]
+    assert len(got[0]) == len(got[1]) == 3
+    np.testing.assert_array_equal(got[0][2][1], [8, 9])
+    np.testing.assert_array_equal(got[1][2][1], [10])
 
 
 def test_shuffle_is_the_same_permutation_on_every_rank():

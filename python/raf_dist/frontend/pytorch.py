@@ -3,6 +3,7 @@
 Parameter names and shapes are exactly ``module.named_parameters()``; initial values are the
 module's. PyTorch is an optional dependency (``pip install -e .[torch]``).
 """
+import functools
 import warnings
 
 import numpy as np
@@ -10,15 +11,20 @@ import numpy as np
 from tvm import relax
 
 from ..model import Model
-from . import buffers, parameters, torch_ops
+from . import buffers, decompositions, parameters, torch_ops
 from ..passes.dropout import dropout_marker, dropout_masks_as_inputs
 
 
 def from_pytorch(module, example_inputs):
     """Capture ``module`` called on ``example_inputs`` (a tensor or tuple of tensors).
 
-    The captured forward has fixed input shapes: ``Trainer.step`` checks every batch against
-    them. The training graph is captured: each dropout becomes a multiply by a mask the
+    The captured forward has the example's shapes. ``Trainer.step`` accepts any leading (batch)
+    dimension: a batch of another size has its trailing dimensions and dtypes checked against
+    the example's, and the module is captured again at that size (each input whose dim 0 is
+    the example batch is resized; one compiled step per batch size seen, sharing the same
+    parameters and optimizer state; ``Model.at_batch``). Under data parallelism the ranks
+    may hold different numbers of rows (an uneven last batch): the loss is weighted so the
+    result is the mean over the global batch's rows. The training graph is captured: each dropout becomes a multiply by a mask the
     Trainer draws every step from a seeded generator (``passes/dropout.py``). Buffers nothing
     writes become IR constants; buffers the forward writes (BatchNorm running statistics) become
     state the step carries and updates as PyTorch's train mode does (``frontend/buffers.py``),
@@ -51,8 +57,9 @@ def from_pytorch(module, example_inputs):
                     torch.export.export(module, example_inputs), module,
                     {**torch_ops.converters(), **_dropout_converters([])},
                     state_names=imported.state_names)
-    except (NotImplementedError, torch_ops.UnsupportedOperatorError):
-        raise  # raf_dist's own, already naming the problem (and where) and the fix
+    except (NotImplementedError, torch_ops.UnsupportedOperatorError,
+            torch_ops.ConversionError, decompositions.DecompositionError):
+        raise  # raf_dist's own, already naming the problem (and where, and whose) and the fix
     except Exception as err:
         raise ValueError(_describe_import_error(module, err)) from err
     finally:
@@ -81,7 +88,22 @@ def from_pytorch(module, example_inputs):
                  constant_buffers={n: buffer_values[n] for n in imported.constant_names},
                  buffer_order=list(buffer_values),
                  non_persistent_buffers=[n for n in buffer_values if n not in persistent],
-                 tied_params=tied, frozen_params=parameters.frozen_parameters(module, names))
+                 tied_params=tied, frozen_params=parameters.frozen_parameters(module, names),
+                 respecialize=functools.partial(_at_batch, module, example_inputs))
+
+
+def _at_batch(module, example_inputs, rows):
+    """``module`` captured again with ``rows`` rows: each example input whose dim 0 is the
+    example batch is repeated and cut to ``rows`` (real rows, so index inputs stay in range)."""
+    batch = example_inputs[0].shape[0]
+
+    def resize(tensor):
+        if tensor.dim() == 0 or tensor.shape[0] != batch:
+            return tensor
+        repeats = -(-rows // batch)
+        return tensor.repeat(repeats, *([1] * (tensor.dim() - 1)))[:rows].contiguous()
+
+    return from_pytorch(module, tuple(resize(t) for t in example_inputs))
 
 
 def _tie(imported, num_inputs, module):

@@ -42,5 +42,13 @@ def from_relax_nn(module, input_specs, init_params=None, seed=0):
 
     func = mod["forward"]
     mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): func})
+    batch = int(input_specs[0][0][0]) if len(input_specs[0][0]) else None
+
+    def at_batch(rows):  # every input whose dim 0 is the batch gets ``rows`` rows
+        specs = [((rows, *shape[1:]) if len(shape) and int(shape[0]) == batch else shape, dtype)
+                 for shape, dtype in input_specs]
+        return from_relax_nn(module, specs, init_params=init, seed=seed)
+
     return Model(mod=mod, input_specs=[(tuple(s), d) for s, d in input_specs],
-                 param_names=names, init_params=init, source=f"raf_dist.nn {type(module).__name__}")
+                 param_names=names, init_params=init, source=f"raf_dist.nn {type(module).__name__}",
+                 respecialize=at_batch)

@@ -55,9 +55,10 @@ def estimate_memory(model, optimizer, world_size, zero_opt_level, bucket_size_mb
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a raf_dist.optim optimizer, got {optimizer!r}")
-    # the step the Trainer builds, with its default non-finite check
+    # the step the Trainer builds, with its default non-finite check (and, on several ranks,
+    # the loss weight of uneven batches: training/batch_size.py)
     mod, signature = build_train_step(model, loss, optimizer, nonfinite_guard=nonfinite_guard(
-        zero_opt_level, int(world_size)))
+        zero_opt_level, int(world_size)), loss_weight=int(world_size) > 1)
     specs = signature.param_specs
     elem = np.dtype(specs[0][1]).itemsize if specs else 4
     numels = [int(np.prod(shape, dtype=np.int64)) for shape, _ in specs]

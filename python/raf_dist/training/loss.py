@@ -10,8 +10,11 @@ from tvm import relax
 LOSSES = ("cross_entropy", "mse")
 
 
-def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=None):
-    """The loss as a Relax function, with the target's expected shape and dtype."""
+def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=None,
+               weighted=False):
+    """The loss as a Relax function, with the target's expected shape and dtype.
+    ``weighted``: the function takes a third argument, a 0-d ``loss_weight``, and returns
+    the mean times it (data parallelism with uneven batches: training/batch_size.py)."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; expected one of {LOSSES}")
     pred_shape = tuple(int(d) for d in pred_shape)
@@ -26,8 +29,11 @@ def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=Non
         target_dtype = target_dtype or pred_dtype
     pred = relax.Var("prediction", relax.TensorType(pred_shape, pred_dtype))
     target = relax.Var("target", relax.TensorType(target_shape, target_dtype))
+    arguments = [pred, target]
+    if weighted:
+        arguments.append(relax.Var("loss_weight", relax.TensorType((), pred_dtype)))
     bb = relax.BlockBuilder()
-    with bb.function("loss", [pred, target]):
+    with bb.function("loss", arguments):
         with bb.dataflow():
             if name == "cross_entropy":
                 logits = pred
@@ -45,6 +51,8 @@ def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=Non
                 diff = bb.emit(relax.op.subtract(pred, target))
                 squared = bb.emit(relax.op.multiply(diff, diff))
                 value = bb.emit(relax.op.mean(squared))
+            if weighted:
+                value = bb.emit(relax.op.multiply(value, arguments[2]))
             out = bb.emit_output(value)
         bb.emit_func_output(out)
     return bb.get()["loss"], (target_shape, target_dtype)

@@ -1,7 +1,7 @@
 """Build the training step as one Relax function:
 
-    train_step(*inputs, *dropout_masks, *frozen_params, target, *params, *opt_states, *hypers,
-               *buffers)
+    train_step(*inputs, *dropout_masks, *frozen_params, target, [loss_weight], *params,
+               *opt_states, *hypers, *buffers)
         -> (loss, *new_params, *new_opt_states, *new_buffers)
 
 = forward + loss (AppendLoss) + TVM's Gradient pass + the optimizer's update, all in one
@@ -11,6 +11,9 @@ backward produces it; the optimizer reads the marked value. A distribution pass 
 markers into collectives; without one, StripGradientMarkers removes them.
 ``opt_states`` are ordered parameter-major: for each parameter, each of the optimizer's
 ``state_names``. ``hypers`` are 0-d float tensors, one per ``optimizer.hyper_names``.
+``loss_weight`` (0-d, only with ``build_train_step(loss_weight=True)``) multiplies the loss
+before autodiff: under data parallelism with uneven batches it is local_rows * N / global_rows,
+so the averaged loss and gradients are those of the global batch (training/batch_size.py).
 ``buffers`` are the model's buffers the forward writes (BatchNorm running statistics; no
 gradient flows into them); the step returns their new values.
 The function is written functionally (new values out); the ``raf_dist.updated_arguments``
@@ -49,6 +52,8 @@ class TrainStepSignature:
     # target; not differentiated, updated or communicated (their values never change)
     frozen_names: list = dataclasses.field(default_factory=list)
     frozen_specs: list = dataclasses.field(default_factory=list)  # [(shape, dtype)]
+    # dtype of the 0-d loss_weight argument after the target; None: the step takes none
+    loss_weight_dtype: str = None
 
     @property
     def num_inputs(self):
@@ -77,8 +82,12 @@ def missing_gradients(func):
     return missing
 
 
-def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=None):
+def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=None,
+                     loss_weight=False):
     """Return (IRModule with "train_step", TrainStepSignature).
+
+    ``loss_weight``: the step takes a 0-d ``loss_weight`` argument right after the target that
+    multiplies the loss (and so every gradient) before autodiff.
 
     ``nonfinite_guard``: None, ``"gradients"`` or ``"gradients_and_loss"``: the update is
     skipped (parameters and optimizer state kept) and the loss returned as NaN when a
@@ -101,7 +110,7 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     pred_shape = [int(d) for d in out_info.shape]
     target_shape, target_dtype = (None, None) if target_spec is None else target_spec
     loss_func, target_spec = build_loss(loss, pred_shape, out_info.dtype, target_shape,
-                                        target_dtype)
+                                        target_dtype, weighted=loss_weight)
     missing = missing_gradients(forward)
     if missing:
         ops = ", ".join(f"{op} (computing {var})" for op, var in missing)
@@ -126,7 +135,8 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
 
     # frozen parameters are passed like data: after the dropout masks, before the target
     inputs = list(adjoint.params[:n_in]) + [v for v, t in zip(adjoint_params, trains) if not t]
-    target = adjoint.params[-1]
+    # AppendLoss puts the loss function's own arguments (target[, loss_weight]) last
+    targets = list(adjoint.params[-2:] if loss_weight else adjoint.params[-1:])
     state_vars = [relax.Var(f"{_ident(p)}__{s}", v.ty)
                   for p, v in zip(trainable, param_vars) for s in optimizer.state_names]
     specs = dict(zip(model.param_names, model.param_specs()))
@@ -135,7 +145,7 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     n_states = len(optimizer.state_names)
 
     bb = relax.BlockBuilder()
-    params = inputs + [target] + param_vars + state_vars + list(hyper_vars.values()) + buffer_vars
+    params = inputs + targets + param_vars + state_vars + list(hyper_vars.values()) + buffer_vars
     loss_value, grads, new_buffers = _loss_and_grads(adjoint)
     # Gradient ends with `p_adjoint_out = p_adjoint` aliases in parameter order: follow them
     # to the binding backward really produces, so each marker sits where its gradient is made.
@@ -183,7 +193,7 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     step_mod = bb.get()
     # where the parameters and optimizer states sit among the arguments, for the passes that
     # change how they are held (ZeRO shards them), and which argument each output updates
-    first = len(inputs) + 1
+    first = len(inputs) + len(targets)
     step_mod["train_step"] = step_mod["train_step"].with_attrs({
         LAYOUT_PARAM_OFFSET: first, LAYOUT_NUM_PARAMS: n_params,
         LAYOUT_STATES_PER_PARAM: n_states,
@@ -198,7 +208,8 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
         frozen_names=[n for n in model.param_names if n in frozen],
         frozen_specs=[specs[n] for n in model.param_names if n in frozen],
         buffer_names=list(getattr(model, "buffer_names", ())),
-        buffer_specs=model.buffer_specs() if n_buffers else [])
+        buffer_specs=model.buffer_specs() if n_buffers else [],
+        loss_weight_dtype=str(out_info.dtype) if loss_weight else None)
     return step_mod, signature
 
 
