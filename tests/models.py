@@ -305,3 +305,52 @@ def train_zero(name, batch, level, steps, device="cpu"):
         return [trainer.step(x.numpy(), y.numpy()) for _ in range(steps)], trainer, x
     finally:
         config.update({"enable_data_parallel": False, "zero_opt_level": 0, "bucket_size_mb": 25})
+
+
+class DLRM(nn.Module):
+    """A DLRM-style recommender (Naumov et al. 2019, facebookresearch/dlrm) in miniature: a
+    bottom MLP on the dense features; one ``nn.EmbeddingBag`` per sparse feature, looked up
+    with offsets (bags of varying length, some empty), summed or averaged; the pairwise dot
+    products of the resulting vectors (the strictly lower triangle of Z Z^T, picked with
+    index tensors as the reference implementation does); a top MLP on the dense vector and
+    those interactions. ``forward(dense, indices, offsets)``: indices (tables, L) and offsets
+    (tables, batch), one row per table (int64)."""
+
+    def __init__(self, dense=8, dim=8, tables=((20, "sum"), (30, "mean"), (12, "sum")),
+                 classes=2, hidden=16):
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(dense, hidden), nn.ReLU(), nn.Linear(hidden, dim),
+                                    nn.ReLU())
+        self.tables = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode=mode) for rows, mode in tables)
+        features = len(tables) + 1
+        pairs = features * (features - 1) // 2
+        self.top = nn.Sequential(nn.Linear(dim + pairs, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, classes))
+        rows, cols = torch.tril_indices(features, features, offset=-1)
+        self.register_buffer("pair_rows", rows, persistent=False)  # constants: IR constants
+        self.register_buffer("pair_cols", cols, persistent=False)
+
+    def forward(self, dense, indices, offsets):
+        x = self.bottom(dense)
+        bags = [table(indices[t], offsets[t]) for t, table in enumerate(self.tables)]
+        vectors = torch.stack([x] + bags, dim=1)  # (batch, features, dim)
+        z = torch.bmm(vectors, vectors.transpose(1, 2))
+        interactions = z[:, self.pair_rows, self.pair_cols]
+        return self.top(torch.cat([x, interactions], dim=1))
+
+
+def make_dlrm(batch, seed=0, bag_items=3, **sizes):
+    """(module, (dense, indices, offsets), target): ``DLRM(**sizes)`` with random initial
+    values and a batch whose bags hold ``bag_items`` items on average (lengths vary, empty bags
+    included)."""
+    torch.manual_seed(seed)
+    module = DLRM(**sizes)
+    gen = torch.Generator().manual_seed(seed + 1)
+    length = batch * bag_items
+    indices = torch.stack([torch.randint(0, table.num_embeddings, (length,), generator=gen)
+                           for table in module.tables])
+    cuts = [torch.sort(torch.randint(0, length + 1, (batch - 1,), generator=gen)).values
+            for _ in module.tables]
+    offsets = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), c]) for c in cuts])
+    dense = torch.randn(batch, module.bottom[0].in_features, generator=gen)
+    return module, (dense, indices, offsets), torch.randint(0, 2, (batch,), generator=gen)

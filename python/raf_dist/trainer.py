@@ -226,6 +226,10 @@ class Trainer:
         if self._classes is not None:  # before any collective: the message names the value
             check_targets(y, self._classes)
         variant = self._step_variant(rows) if rows else None  # local work, before collectives
+        # the step running and the last one completed: a failure message is unambiguous
+        # (checkpoints are named by the last completed step); set before the step's first
+        # collective
+        self.comm.activity = f"step {self.step_count + 1} (last completed: {self.step_count})"
         rows_per_rank = self._rows_per_rank(rows)  # a small collective under data parallelism
         signature = variant.signature
         args = [self._to_device(a, spec, f"input {i}")
@@ -242,9 +246,6 @@ class Trainer:
         hypers = self.optimizer.hyper_values(self.step_count + 1 - self.skipped_steps)
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype), self._device)
                       for h in self.signature.hyper_names]
-        # the step running and the last one completed: a failure message is unambiguous
-        # (checkpoints are named by the last completed step)
-        self.comm.activity = f"step {self.step_count + 1} (last completed: {self.step_count})"
         before = collectives.comm_counters() if self.data_parallel else None
         out = variant.step_fn(*args, *self._params, *self._states, *hyper_args, *self._buffers)
         if before is not None:

@@ -164,6 +164,25 @@ class AddmmModel(nn.Module):
         return y.flatten(1)
 
 
+class CoordinateIndexModel(nn.Module):
+    """Advanced indexing with coordinate lists (frontend/indexing.py): ``h[:, rows, cols]``
+    (DLRM's pick of pairwise products: one element per (row, col) pair, in place of the
+    indexed axes) and ``h[rows, :, cols]`` (a slice between them: the picked dimension
+    first), negative indices included."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("rows", torch.tensor([1, 2, -1, 0]), persistent=False)
+        self.register_buffer("cols", torch.tensor([0, 3, 1, -2]), persistent=False)
+
+    def forward(self, x):  # (3, 4, 4)
+        h = torch.tanh(self.proj(x))
+        adjacent = h[:, self.rows, self.cols]  # (3, 4)
+        separated = h[self.rows[:3] - 1, :, self.cols[:3]]  # rows 0, 1, -2: (3, 4)
+        return torch.cat([adjacent, separated * 2.0], dim=1)
+
+
 class IntegerMaskModel(nn.Module):
     """Attention whose mask and scales come from integer/bool tensors (a padding mask): the
     cumsum of a bool tensor, int64 floor division and remainder, advanced indexing of an int
@@ -231,6 +250,7 @@ def _cases():
         "vit_class_token": (ViTStem, lambda: (randn(2, 1, 4, 4),)),
         "masked_fill": (MaskedFillModel, lambda: (randn(3, 6),)),
         "addmm_baddbmm": (AddmmModel, lambda: (randn(3, 6),)),
+        "coordinate_index": (CoordinateIndexModel, lambda: (randn(3, 4, 4),)),
         "integer_mask": (IntegerMaskModel,
                          lambda: (randn(2, 4, 4), torch.tensor([[False] * 4,
                                                                  [False, False, True, True]]))),

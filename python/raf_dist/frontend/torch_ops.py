@@ -13,8 +13,18 @@ check made to name the aten operator and where it occurs (``install_unsupported_
   tensors stays integer where PyTorch gives float32.
 - ``clamp`` of an integer tensor with one bound: the importer emits clip(x, lo, inf), whose
   infinite bound cannot be lowered for integers; maximum / minimum with the given bounds.
+- ``cat``: PyTorch skips empty 1-D inputs (Hugging Face's DynamicCache starts from one);
+  Relax's concat rejects the rank mismatch.
+- ``index.Tensor`` with several index tensors and a sliced dimension (``z[:, rows, cols]``):
+  the importer takes an outer product where PyTorch picks one element per position
+  (``frontend/indexing.py``).
+
+A converter that fails (TVM's or one of these) raises ``ConversionError`` naming the aten
+operator, its graph node and module path (``install_unsupported_op_check``).
 """
 from tvm import relax
+
+from . import indexing
 
 op = relax.op
 
@@ -125,13 +135,37 @@ def _embedding_bag(node, importer) -> relax.Var:
     return bb.emit(relax.Tuple([out, bag_of, bag_size, bag_size]))
 
 
+def _is_empty_vector(tensor) -> bool:
+    shape = getattr(tensor.ty, "shape", None)
+    return (shape is not None and len(shape) == 1 and hasattr(shape[0], "value")
+            and int(shape[0].value) == 0)
+
+
+def _cat(node, importer) -> relax.Var:
+    """torch.cat skips 1-D tensors with no elements whatever the other inputs' rank (a legacy
+    rule Hugging Face's DynamicCache relies on: its empty cache is ``torch.tensor([])``, and
+    every layer's keys are ``cat([cache, keys], dim=-2)``); Relax's concat requires equal
+    ranks. Leave those out as PyTorch does."""
+    tensors = [importer.env[t] for t in node.args[0]]
+    dim = _arg(node, 1, "dim", 0)
+    kept = [t for t in tensors if not _is_empty_vector(t)]
+    if not kept:  # nothing but empty tensors: the result is one of them
+        return tensors[0]
+    if len(kept) == 1:
+        return kept[0]
+    return importer.block_builder.emit(op.concat(kept, axis=dim))
+
+
 def converters() -> dict:
     """The ``custom_convert_map`` entries of this module."""
     return {"_embedding_bag.default": _embedding_bag,
             "_embedding_bag_forward_only.default": _embedding_bag,
+            "cat.default": _cat, "concat.default": _cat,
             "cumsum.default": _cumsum, "clamp.default": _clamp,
             "div.Tensor_mode": _div, "div.Scalar_mode": _div,
-            "floor_divide.default": lambda node, importer: _div(_FloorNode(node), importer)}
+            "floor_divide.default": lambda node, importer: _div(_FloorNode(node), importer),
+            # x[:, rows, cols]: TVM's converter takes an outer product (frontend/indexing.py)
+            "index.Tensor": indexing.index_tensor}
 
 
 class _FloorNode:
@@ -155,7 +189,8 @@ def _module_path(node) -> str:
 def _check_unsupported_func_type(self, nodes):
     """Replaces BaseFXGraphImporter._check_unsupported_func_type, whose AssertionError names
     the operators but not where they are: raise UnsupportedOperatorError naming each
-    unsupported aten operator and the module paths it occurs at."""
+    unsupported aten operator and the module paths it occurs at. It runs before any node is
+    converted: it also makes every converter's failure a ConversionError naming the operator."""
     where = {}
     for node in nodes:
         if node.op == "call_function" and node.target.__name__ not in self.convert_map:
@@ -168,6 +203,37 @@ def _check_unsupported_func_type(self, nodes):
         raise UnsupportedOperatorError(
             f"the Relax importer does not support {found}. Replace the operator in that module, "
             "or register a converter for it in raf_dist/frontend/torch_ops.py")
+    self.convert_map = {name: _naming_failures(name, convert)
+                        for name, convert in self.convert_map.items()}
+
+
+class ConversionError(ValueError):
+    """A converter of the Relax importer (TVM's, or one of this module's) failed on an aten
+    operator it supports: raised by from_pytorch naming the operator and where it occurs."""
+
+
+def _naming_failures(name, convert):
+    """``convert`` (a convert_map entry) raising ConversionError naming the aten operator, its
+    graph node and module path, so a failure is not mistaken for torch.export's."""
+    if getattr(convert, "names_failures", False):
+        return convert
+
+    def run(node, *importer):
+        try:
+            return convert(node, *importer)
+        except (NotImplementedError, ConversionError):
+            raise  # raf_dist's own, already naming the problem
+        except Exception as err:
+            path = _module_path(node) or "the top-level module's forward"
+            raise ConversionError(
+                f"the Relax importer failed to convert aten.{name} (graph node {node.name}) at "
+                f"{path}: {str(err).strip() or type(err).__name__}. torch.export and its "
+                "decomposition succeeded; the converter is TVM's (tvm.relax.frontend.torch) "
+                "unless raf_dist/frontend/torch_ops.py registers one for this operator: "
+                "correct or register it there") from err
+
+    run.names_failures = True
+    return run
 
 
 def install_unsupported_op_check() -> None:

@@ -65,13 +65,22 @@ def allgather_rows(mpi_comm, rows: int) -> list:
     """Every rank's row count (an mpi4py communicator's Iallgather). It polls, sleeping
     after the first hundred tests: a rank still compiling the step for a new size must not
     have its core taken by the others' busy-waiting (MPICH's blocking calls spin)."""
+    from .. import env
+
     send, received = np.array([rows], np.int64), np.zeros(mpi_comm.Get_size(), np.int64)
     request = mpi_comm.Iallgather(send, received)
+    timeout = env.collective_timeout_s()  # a rank that never comes must not hang the others
+    deadline = None if timeout is None else time.monotonic() + timeout
     polls = 0
     while not request.Test():
         polls += 1
         if polls > 100:
             time.sleep(0.0005)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the exchange of every rank's batch rows before the step did not complete "
+                    f"within {timeout:g} s (RAF_DIST_COLLECTIVE_TIMEOUT_S); a peer rank has "
+                    "probably died, stalled or is running a different program")
     return [int(r) for r in received]
 
 

@@ -1,0 +1,20 @@
+"""Distributed tier for a real vision model: torchvision's ResNet (BatchNorm) with synchronized
+batch norm on 2 ranks, under plain data parallelism and ZeRO-3, equals one PyTorch process on
+the global batch (parameters and running statistics); its ZeRO-3 checkpoint, written by 2
+ranks, resumes on 3 ranks (ZeRO-2) as if training had never stopped
+(workers/vision_train.py)."""
+import re
+
+from mpi_launch import check_mpi
+
+
+def _all_ok(out, nprocs):
+    print("\n".join(line for line in out.splitlines() if " apart" in line))  # measured errors
+    oks = re.findall(r"rank (\d+): ALL OK", out)
+    assert sorted(int(r) for r in oks) == list(range(nprocs)), out
+
+
+def test_resnet_sync_batch_norm_zero3_and_checkpoint_on_2_then_3_ranks(tmp_path):
+    directory = tmp_path / "ckpt"
+    _all_ok(check_mpi("vision_train.py", 2, "train", directory, timeout=600), 2)
+    _all_ok(check_mpi("vision_train.py", 3, "load", directory, timeout=600), 3)
