@@ -212,7 +212,8 @@ def test_mpiexec_hostfile_a_killed_rank_is_named_across_the_veth(hosts, tmp_path
     assert code != 0 and time.monotonic() - start < 60, (code, out)
     b = hosts.names[1]
     # rank 1's watchdog names it; rank 0 on the other host hears it over UDP across the veth
-    assert re.search(rf"rank 1/2 on {b} \(pid \d+\) died during step 3 without raising", out), out
+    assert re.search(rf"rank 1/2 on {b} \(pid \d+\) died during step 3 \(last completed: 2\) "
+                     r"without raising", out), out
     assert f"rank 0/2 on {hosts.names[0]}: ending the job: rank 1/2 on {b} (pid" in out, out
 
 
