@@ -114,3 +114,27 @@ def test_fast_softmax_matches_float64():
     ref_log = shifted - np.log(np.exp(shifted).sum(0, keepdims=True))
     np.testing.assert_allclose(log_softmax[:, finite], ref_log, rtol=1e-5, atol=1e-5)
     assert np.isnan(_run_fast_exp(np.full((16, 4096), np.nan, "float32"))[1]).all()
+
+
+@I.ir_module
+class Tanh:
+    @R.function
+    def main(x: R.Tensor((64, 128), "float32")):
+        with R.dataflow():
+            y = R.tanh(x)
+            R.output(y)
+        return y
+
+
+def test_tanh_is_rewritten_and_accurate():
+    out = FastGelu()(Tanh)
+    assert "relax.tanh" not in _ops(out["main"])
+    prims = [gv.name_hint for gv, f in out.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert prims and all("fast_tanh" in name for name in prims)
+    x = np.linspace(-12, 12, 64 * 128, dtype="float32").reshape(64, 128)
+    x[0, :4] = [0.0, 1e-6, -1e-6, 1e-3]  # tiny arguments keep their relative accuracy
+    vm = relax.VirtualMachine(tvm.compile(out, target="llvm"), tvm.cpu())
+    y = vm["main"](tvm.runtime.tensor(x)).numpy()
+    # a few float32 ulps of |tanh| <= 1 against float64 (TVM's fast_tanh: clamped rational
+    # approximation, Eigen's)
+    np.testing.assert_allclose(y, np.tanh(x.astype(np.float64)), rtol=2e-6, atol=1e-7)

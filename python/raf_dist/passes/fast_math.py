@@ -5,7 +5,8 @@ float32 accuracy (tests/passes/test_fast_math.py).
 
 FastGelu. Input: a module before LegalizeOps. Output: every ``R.nn.gelu(x)`` becomes
 ``x * (0.5 + 0.5 * erf(x / sqrt(2)))`` and every ``R.erf`` (the gelu gradient's too) TVM's
-``fast_erf``, which agrees with erf to float32 rounding.
+``fast_erf``, which agrees with erf to float32 rounding; every ``R.tanh`` (gelu's tanh form
+and its gradient) TVM's ``fast_tanh`` (a clamped rational approximation, float32 accuracy).
 
 FastExp. Input: a module before LegalizeOps. Output: every ``R.exp`` (the gelu gradient's,
 cross-entropy's backward) becomes ``exp_float32`` below, and ``R.nn.softmax`` /
@@ -23,6 +24,7 @@ from .mutate import mutate_functions
 
 _GELU = tvm.ir.Op.get("relax.nn.gelu")
 _ERF = tvm.ir.Op.get("relax.erf")
+_TANH = tvm.ir.Op.get("relax.tanh")
 _EXP = tvm.ir.Op.get("relax.exp")
 _SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
 _LOG_SOFTMAX = tvm.ir.Op.get("relax.nn.log_softmax")
@@ -41,6 +43,10 @@ class _Rewrite(PyExprMutator):
             return relax.op.multiply(x, cdf)
         if call.op == _ERF and call.args[0].ty.dtype == "float32":
             return self.builder_.call_te(topi.fast_erf, call.args[0])
+        if call.op == _TANH and call.args[0].ty.dtype == "float32":
+            # gelu(approximate="tanh") (GPT-2) and its gradient: libm tanh one element at a
+            # time was GPT-2's slowest kernel (5 ms a call, bench/models.py)
+            return self.builder_.call_te(topi.fast_tanh, call.args[0])
         return call
 
 
