@@ -243,17 +243,20 @@ def torch_loss(out, target):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
+def torch_step(module, opt, x, y):
+    """One PyTorch training step with ``torch_loss``; returns the loss as a float."""
+    opt.zero_grad()
+    loss = torch_loss(module(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
 def torch_reference(name, opt_name, batch, steps, seed=0):
     """Losses and final parameters of ``steps`` PyTorch steps on the same data."""
     module, x, y = make(name, batch, seed)
     opt = torch_optimizer(opt_name, module.parameters())
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = torch_loss(module(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = [torch_step(module, opt, x, y) for _ in range(steps)]
     return losses, {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import raf_dist
-from models import make, raf_optimizer, rel_err, torch_loss, torch_optimizer
+from models import (make, raf_optimizer, rel_err, torch_loss, torch_optimizer,
+                    torch_step)
 
 STEPS = 3
 TOL = 2e-5
@@ -32,11 +33,7 @@ def train_both(name, opt_name, batch=8, steps=STEPS):
     losses, ref_losses = [], []
     for _ in range(steps):
         losses.append(trainer.step(x.numpy(), y.numpy()))
-        opt.zero_grad()
-        loss = torch_loss(reference(x), y)
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+        ref_losses.append(torch_step(reference, opt, x, y))
     return trainer, reference, x, losses, ref_losses
 
 

@@ -21,7 +21,7 @@ from torch import nn
 import raf_dist
 from raf_dist.frontend import decompositions
 from hf import make_hf, raf_adamw, torch_adamw
-from models import rel_err, torch_loss
+from models import rel_err, torch_step
 
 STEPS = 3
 BATCH = 2
@@ -47,11 +47,7 @@ def train_both(name, batch=BATCH, steps=STEPS):
     losses, ref_losses = [], []
     for _ in range(steps):
         losses.append(trainer.step(x.numpy(), y.numpy()))
-        opt.zero_grad()
-        loss = torch_loss(reference(x), y)
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
+        ref_losses.append(torch_step(reference, opt, x, y))
     return trainer, reference, losses, ref_losses
 
 

@@ -11,7 +11,7 @@ import torch
 
 import raf_dist
 from raf_dist import distributed as dist
-from models import make, rel_err, torch_loss
+from models import make, rel_err, torch_loss, torch_step
 
 STEPS = 3
 # float32, 3 AdamW steps: raf_dist and PyTorch sum the tied weight's two gradient
@@ -30,14 +30,7 @@ def _trainer(module, x, optimizer=None, **kwargs):
 
 def _torch_steps(module, x, y, steps):
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = torch_loss(module(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return [torch_step(module, opt, x, y) for _ in range(steps)]
 
 
 @pytest.fixture(scope="module")

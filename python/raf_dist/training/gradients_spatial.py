@@ -11,16 +11,10 @@ from tvm import relax
 from tvm.relax.op import grad as grad_ops
 from tvm.relax.op.base import register_gradient
 
-_LEVEL = 11
+# one registration level for every gradient raf_dist adds
+from .gradients import _LEVEL, _register
+
 op = relax.op
-
-
-def _register(name):
-    def wrap(fn):
-        register_gradient(name, fn, level=_LEVEL)
-        return fn
-
-    return wrap
 
 
 def _shape_of(expr):

@@ -19,7 +19,7 @@ import torch
 import raf_dist
 from raf_dist import distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from models import raf_optimizer, rel_err, torch_loss, torch_optimizer  # noqa: E402
+from models import raf_optimizer, rel_err, torch_optimizer, torch_step  # noqa: E402
 from vision import make_vision  # noqa: E402
 
 GLOBAL_BATCH = 12  # divides by 2 and 3 ranks
@@ -33,14 +33,7 @@ def reference(steps):
     module, x, y = make_vision("resnet", GLOBAL_BATCH)
     module.train()
     opt = torch_optimizer(OPT, module.parameters())
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = torch_loss(module(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, module
+    return [torch_step(module, opt, x, y) for _ in range(steps)], module
 
 
 def trainer(level):
