@@ -191,6 +191,9 @@ def make(name, batch, seed=0):
     if name == "transformer":
         return (TransformerBlock(), torch.randint(0, 24, (batch, 8), generator=gen),
                 torch.randint(0, 24, (batch, 8), generator=gen))
+    if name == "transformer4":  # 4 heads: splits over 2 and 4 tensor-parallel ranks
+        return (TransformerBlock(heads=4), torch.randint(0, 24, (batch, 8), generator=gen),
+                torch.randint(0, 24, (batch, 8), generator=gen))
     if name == "tied":
         return (TiedLM(), torch.randint(0, 16, (batch, 5), generator=gen),
                 torch.randint(0, 16, (batch, 5), generator=gen))
@@ -279,8 +282,10 @@ def single_process_reference(name, opt_name, global_batch, steps):
     reference = None
     if comm.rank == 0:
         config = dist.get_config()
-        saved = {k: getattr(config, k) for k in ("enable_data_parallel", "zero_opt_level")}
-        config.update({"enable_data_parallel": False, "zero_opt_level": 0})
+        saved = {k: getattr(config, k) for k in ("enable_data_parallel", "zero_opt_level",
+                                                 "tensor_parallel_size")}
+        config.update({"enable_data_parallel": False, "zero_opt_level": 0,
+                       "tensor_parallel_size": 1})
         module, x, y = make(name, global_batch, seed=0)
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                    optimizer=raf_optimizer(opt_name))

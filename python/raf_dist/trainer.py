@@ -20,15 +20,18 @@ from . import env, profiler
 from .compiler import compile_step
 from .runtime import available_cores, set_num_threads  # importing it registers raf_dist.blas.*
 from .distributed import collectives, get_communicator, get_config
+from .distributed.mesh import check_mesh, get_mesh
 from .optim import Optimizer
 from .passes.batch_norm import decompose_forward, has_training_batch_norm
 from .passes.lower_allreduce import LowerAllReduce
 from .passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, MaxPoolGradient,
                      ShardZeRO, StripGradientMarkers, gradient_buckets, shard_size)
 from .passes.propagate_nan import PropagateNaN
+from .passes.tp_ops import LowerTensorParallel
 from .training import LOSSES, build_train_step
 from .training import batch_size as batching
 from .training.loss import check_targets, num_classes
+from .training import tensor_parallel as tp_lib
 
 NONFINITE_MODES = ("raise", "skip")
 _LOG = logging.getLogger("raf_dist")
@@ -42,14 +45,18 @@ class Trainer:
     """
 
     def __init__(self, model, loss="cross_entropy", optimizer=None, device="cpu", cache_dir=None,
-                 seed=0, nonfinite="raise"):
+                 seed=0, nonfinite="raise", tensor_parallel_plan=None):
         """``nonfinite``: what ``step`` does when the loss or a gradient is NaN or infinite:
         ``"raise"`` (default) raises FloatingPointError naming the step, ``"skip"`` returns the
         NaN loss and logs a warning on the ``raf_dist`` logger; either way the update is not
         applied, on every rank together (parameters and optimizer state stay as they were;
         training/nonfinite.py). Under ZeRO the update of a bucket runs as soon as its
         gradients are reduced, before the others exist, so only ``"raise"`` is available
-        there and it is raised after the update."""
+        there and it is raised after the update.
+
+        ``tensor_parallel_plan`` (with ``tensor_parallel_size`` > 1): {parameter or module
+        name pattern: "colwise" | "rowwise" | "replicate"} instead of the plan the
+        tensor-parallel pass finds itself (``raf_dist.explain_parallel_plan`` prints either)."""
         if loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
         if nonfinite not in NONFINITE_MODES:
@@ -63,22 +70,38 @@ class Trainer:
         config.check_supported()
         self.config = config.as_dict()
         self.comm = get_communicator()
+        # the mesh pp x dp x tp (DESIGN.md 1): sizes checked on every rank before any collective
+        self.tp = int(config.tensor_parallel_size)
+        dp_size = (check_mesh(self.comm.size, self.tp, config.pipeline_parallel_size,
+                              config.enable_data_parallel) if self.tp > 1 else self.comm.size)
+        self.mesh = get_mesh(config) if self.tp > 1 else None
         # ZeRO runs at every world size (one rank: each shard is the whole tensor), plain data
-        # parallelism only from two ranks on
+        # parallelism only from two ranks on; both over the mesh's dp axis
         self.zero_level = int(config.zero_opt_level)
-        self.data_parallel = config.enable_data_parallel and (self.comm.size > 1
-                                                              or self.zero_level > 0)
-        self.world = self.comm.size if self.data_parallel else 1
+        self.data_parallel = config.enable_data_parallel and (dp_size > 1 or self.zero_level > 0)
+        self.world = dp_size if self.data_parallel else 1
+        mesh = self.mesh
+        self.dp_group = mesh.dp_group if mesh else self.comm.group
+        self.dp_comm = mesh.dp_comm if mesh else self.comm.mpi_comm
+        self.dp_rank = (mesh.dp_rank if mesh else self.comm.rank) if self.world > 1 else 0
+        # every rank builds this Trainer and compiles the same step (SPMD): data or tensor
+        # parallel over several ranks. Otherwise a Trainer is a local object
+        self.spmd = self.comm.size > 1 and (self.data_parallel or self.tp > 1)
         self.model = model
         self.loss = loss
         self.optimizer = optimizer
         self.device = device
         # collective only when every rank builds this Trainer (data parallel, several ranks)
-        self._device = device_lib.select(device, self.comm,
-                                         collective=self.data_parallel and self.world > 1)
+        self._device = device_lib.select(device, self.comm, collective=self.spmd)
         self._target = device_lib.target_for(self._device)
         set_num_threads(max(1, available_cores() // max(1, self.comm.local_size)))
 
+        self.tp_plan = None
+        if self.tp > 1:  # split the forward (training/tensor_parallel.py)
+            model = self._split_model(model, tensor_parallel_plan)
+        elif tensor_parallel_plan is not None:
+            raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1; set "
+                             "dist.get_config().tensor_parallel_size first")
         # synchronized batch norm: statistics of the global batch (passes/batch_norm.py)
         self.sync_batch_norm_world = (self.world if config.sync_batch_norm and self.data_parallel
                                       else 1)
@@ -90,10 +113,11 @@ class Trainer:
         self._weighted_loss = self.data_parallel and self.world > 1
         self.ir, self.signature = build_train_step(step_model, loss, optimizer,
                                                    nonfinite_guard=self._nonfinite_guard(),
-                                                   loss_weight=self._weighted_loss)
+                                                   loss_weight=self._weighted_loss,
+                                                   tensor_parallel=self.tp > 1)
         self._classes = num_classes(model.forward, loss)  # for the target check
         self.skipped_steps = 0  # steps whose update nonfinite="skip" left out
-        if self.data_parallel and self.world > 1:
+        if self.spmd:
             self._check_fingerprints()
         self.bucket_bytes = max(1, int(config.bucket_size_mb * 2**20))
         # gradient buckets (parameter indices, in backward order) the distribution pass uses
@@ -109,7 +133,7 @@ class Trainer:
         init = {n: np.ascontiguousarray(model.init_params[n]) for n in self.signature.param_names}
         if self.data_parallel and self.world > 1:  # identical start whatever each rank's seed
             for name in self.signature.param_names:
-                init[name] = collectives.broadcast(init[name].copy(), root=0)
+                init[name] = collectives.broadcast(init[name].copy(), root=0, group=self.dp_group)
         if self.zero_level == 3:  # parameters held as this rank's flat padded shard
             init = {n: self._local_shard(a) for n, a in init.items()}
         self._params = [tvm.runtime.tensor(init[n], self._device) for n in self.signature.param_names]
@@ -140,7 +164,8 @@ class Trainer:
             "loss": self.loss, "optimizer": type(self.optimizer).__name__,
             "device": device_lib.parse(self.device)[0],
             "optimizer_config": self.optimizer.config(), "config": self.config,
-            "world_size": self.world, "versions": [__version__, tvm.__version__]}
+            "world_size": self.world, "tensor_parallel_size": self.tp,
+            "versions": [__version__, tvm.__version__]}
         text = json.dumps(description, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16], description
 
@@ -170,10 +195,23 @@ class Trainer:
         """The config, read once, as explicit pass arguments."""
         passes = step_passes(self.zero_level if self.data_parallel else 0,
                              self.world if self.data_parallel else 1, self.bucket_bytes,
-                             overlap=config.overlap_comm, group=self.comm.group)
+                             overlap=config.overlap_comm, group=self.dp_group)
         if self.sync_batch_norm_world > 1:  # the statistics' allreduce ops, after autodiff
-            passes.insert(1, LowerAllReduce(self.comm.group))
+            passes.insert(1, LowerAllReduce(self.dp_group))
+        if self.tp > 1:  # f and g (passes/tp_ops.py), after autodiff
+            passes.insert(1, LowerTensorParallel(self.mesh.tp_group))
         return passes
+
+    def _split_model(self, model, plan):
+        """``model`` split across the tp ranks: the plan (found, or ``plan`` checked), the
+        full initial parameters of world rank 0 on every rank, this rank's pieces of them."""
+        self.tp_plan = tp_lib.make_plan(model, self.tp, plan)
+        full = {}
+        for name in model.param_names:
+            value = np.ascontiguousarray(model.init_params[name]).copy()
+            full[name] = collectives.broadcast(value, root=0) if self.comm.size > 1 else value
+        self.full_model = model
+        return tp_lib.shard_model(model, self.tp_plan, self.mesh.tp_rank, full)
 
     def _compile(self, config, cache_dir):
         """Under data parallelism every rank builds the same Trainer and compiles the same IR
@@ -182,7 +220,7 @@ class Trainer:
         is a local object (it may exist on some ranks only) and compiles on its own."""
         passes = self._passes(config)
         target = self._target
-        if not self.data_parallel:
+        if not self.spmd:
             return compile_step(self.ir, passes=passes, target=target, cache_dir=cache_dir)
         if self.comm.local_rank == 0:
             compiled = compile_step(self.ir, passes=passes, target=target, cache_dir=cache_dir)
@@ -246,7 +284,7 @@ class Trainer:
         hypers = self.optimizer.hyper_values(self.step_count + 1 - self.skipped_steps)
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype), self._device)
                       for h in self.signature.hyper_names]
-        before = collectives.comm_counters() if self.data_parallel else None
+        before = collectives.comm_counters() if self.spmd else None
         out = variant.step_fn(*args, *self._params, *self._states, *hyper_args, *self._buffers)
         if before is not None:
             after = collectives.comm_counters()
@@ -305,7 +343,7 @@ class Trainer:
         for name in self.signature.frozen_names:
             value = np.ascontiguousarray(model.init_params[name]).copy()
             if self.data_parallel and self.world > 1:
-                value = collectives.broadcast(value, root=0)
+                value = collectives.broadcast(value, root=0, group=self.dp_group)
             frozen.append(tvm.runtime.tensor(value, self._device))
         return frozen
 
@@ -322,7 +360,9 @@ class Trainer:
         reproducible and every rank drops different elements of its own rows. ``rows``: the
         step's batch size on this rank (default: the captured one); the masks have the shapes
         of the model at that size."""
-        rng = np.random.default_rng([self.seed, self.comm.rank, int(step)])
+        # tp ranks of one dp index compute the same replicated activations: the same masks
+        rank = self.mesh.dp_rank if self.mesh else self.comm.rank
+        rng = np.random.default_rng([self.seed, rank, int(step)])
         masks = []
         specs = (self.signature.dropout_specs if rows is None
                  else self._model_at(rows).dropout_specs)
@@ -349,9 +389,9 @@ class Trainer:
         batch, outputs = shape[0], []
         params = list(self._in_model_order(zip(self.signature.param_names,
                                                 self._params)).values())
-        if self.zero_level == 3:  # sharded between steps: gather the full parameters
-            full = self.state_dict()
-            params = [tvm.runtime.tensor(full[n], self._device) for n in self.model.param_names]
+        if self.zero_level == 3:  # sharded between steps: gather this rank's parameters
+            local = self._in_model_order(self._local_params())
+            params = [tvm.runtime.tensor(local[n], self._device) for n in self.model.param_names]
         for start in range(0, len(x), batch):
             piece = x[start:start + batch]
             rows = len(piece) if self.model.respecialize is not None else batch
@@ -379,8 +419,11 @@ class Trainer:
             forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): (
                 evaluation if evaluation is not None else model.forward).with_attr(
                     "global_symbol", "forward")})
-            compiled = compile_step(forward_mod, passes=[PropagateNaN(), DispatchToBLAS()],
-                                    target=self._target, cache_dir=self._cache_dir)
+            passes = [PropagateNaN(), DispatchToBLAS()]
+            if self.tp > 1:
+                passes.insert(0, LowerTensorParallel(self.mesh.tp_group))
+            compiled = compile_step(forward_mod, passes=passes, target=self._target,
+                                    cache_dir=self._cache_dir)
             self._forwards[rows] = (
                 relax.VirtualMachine(compiled.executable, self._device)["forward"], model)
         return self._forwards[rows]
@@ -415,7 +458,8 @@ class Trainer:
             step_model = decompose_forward(model, self.sync_batch_norm_world)
         ir, signature = build_train_step(step_model, self.loss, self.optimizer,
                                          nonfinite_guard=self._nonfinite_guard(),
-                                         loss_weight=self._weighted_loss)
+                                         loss_weight=self._weighted_loss,
+                                         tensor_parallel=self.tp > 1)
         batching.check_same_state(self.signature, signature, rows)
         if self.data_parallel and gradient_buckets(ir, self.bucket_bytes) != self.grad_buckets:
             raise ValueError(f"the step for batch size {rows} groups the gradients into other "
@@ -433,10 +477,10 @@ class Trainer:
         on every rank together when a rank has none, or when synchronized batch norm would
         see different row counts (its statistics assume equal ones)."""
         if self.data_parallel and self.world > 1:
-            rows_per_rank = batching.allgather_rows(self.comm.mpi_comm, rows)
+            rows_per_rank = batching.allgather_rows(self.dp_comm, rows)
         else:
             rows_per_rank = [int(rows)]
-        batching.check_rows_per_rank(rows_per_rank, self.comm.rank)
+        batching.check_rows_per_rank(rows_per_rank, self.dp_rank)
         if self.sync_batch_norm_world > 1 and len(set(rows_per_rank)) > 1:
             raise NotImplementedError(
                 f"sync_batch_norm with different rows per rank ({rows_per_rank}) is not "
@@ -471,8 +515,7 @@ class Trainer:
     def _local_shard(self, array):
         """This rank's flat padded dim-0 shard of ``array`` (DESIGN.md section 3)."""
         flat = np.ascontiguousarray(array).reshape(-1)
-        rank = self.comm.rank if self.world > 1 else 0
-        begin, end = ckpt.slice_range(flat.size, self.world, rank)
+        begin, end = ckpt.slice_range(flat.size, self.world, self.dp_rank)
         out = np.zeros(shard_size(flat.size, self.world), dtype=flat.dtype)
         out[:end - begin] = flat[begin:end]
         return out
@@ -483,19 +526,26 @@ class Trainer:
         shard = np.ascontiguousarray(ckpt.host_array(tensor))
         if self.world == 1:
             return shard[:numel].reshape(shape)
-        return collectives.allgather(shard, numel=numel, group=self.comm.group).reshape(shape)
+        return collectives.allgather(shard, numel=numel, group=self.dp_group).reshape(shape)
 
     # ---- state ----------------------------------------------------------------------------
     def state_dict(self):
-        """Full parameters by name (numpy arrays, true shapes). Under ZeRO-3 parameters are
-        sharded, so this gathers them: every rank must call it."""
+        """Full parameters by name (numpy arrays, true shapes). Under ZeRO-3 or tensor
+        parallelism parameters are sharded, so this gathers them: every rank must call it."""
+        local = {n: ckpt.host_array(v) for n, v in self._in_model_order(
+            self._local_params()).items()}  # frozen ones too, in named_parameters() order
+        if self.tp == 1:
+            return local
+        return {n: tp_lib.full_parameter(self.tp_plan, n, v, self.mesh.tp_group, self.tp)
+                for n, v in local.items()}
+
+    def _local_params(self):
+        """{name: array} of the trained parameters this rank computes with: whole (gathered
+        over the dp ranks under ZeRO-3), this tp rank's pieces under tensor parallelism."""
         if self.zero_level == 3:
-            trained = {name: self._full(p, shape) for name, p, (shape, _) in
-                       zip(self.signature.param_names, self._params, self.signature.param_specs)}
-        else:
-            trained = {name: p.numpy() for name, p in zip(self.signature.param_names, self._params)}
-        # frozen parameters too (never updated), in named_parameters() order
-        return {n: ckpt.host_array(v) for n, v in self._in_model_order(trained).items()}
+            return {name: self._full(p, shape) for name, p, (shape, _) in
+                    zip(self.signature.param_names, self._params, self.signature.param_specs)}
+        return {name: p.numpy() for name, p in zip(self.signature.param_names, self._params)}
 
     def buffers_dict(self) -> dict:
         """Every buffer of the model by name, as ``module.named_buffers()`` lists them (numpy
@@ -534,6 +584,9 @@ class Trainer:
         out = {}
         for (param, state), value in self._unpack_states().items():
             full = self._full(value, shapes[param][0]) if self.zero_level else value
+            if self.tp > 1:
+                full = tp_lib.full_parameter(self.tp_plan, param, full, self.mesh.tp_group,
+                                             self.tp)
             out.setdefault(param, {})[state] = full
         return out
 
@@ -573,6 +626,13 @@ class Trainer:
         position) comes back from load_checkpoint. Atomic: ``path/latest`` moves to the new
         checkpoint only once every rank's file is on disk. Keeps the newest ``keep``
         checkpoints. Returns the checkpoint's directory. Every rank must call it."""
+        if self.tp > 1:  # the full tensors, as any layout writes them (CheckpointView)
+            full = self.state_dict()
+            states = {(p, s): v for p, d in self.optimizer_state_dict().items()
+                      for s, v in d.items()}
+            return ckpt.save(tp_lib.CheckpointView(self, full), path,
+                             [full[n] for n in self.signature.param_names], states, extra, keep,
+                             buffers=self.buffers_dict())
         return ckpt.save(self, path, self._params, self._unpack_states(), extra, keep,
                          buffers=self.buffers_dict())
 
@@ -583,7 +643,12 @@ class Trainer:
         sha256 of each file a rank reads, and the model's names, shapes and dtypes are checked first, on every rank,
         and any problem raises the same CheckpointError everywhere before any data moves;
         nothing on disk is modified. Every rank must call it."""
-        params, states, buffers, frozen, meta = ckpt.load(self, path)
+        if self.tp > 1:  # full tensors in (CheckpointView), this rank's pieces kept
+            params, states, buffers, frozen, meta = ckpt.load(
+                tp_lib.CheckpointView(self, {}), path)
+            params, states, frozen = self._pieces(params, states, frozen)
+        else:
+            params, states, buffers, frozen, meta = ckpt.load(self, path)
         self._frozen = [tvm.runtime.tensor(frozen[n], self._device) if n in frozen else t
                         for n, t in zip(self.signature.frozen_names, self._frozen)]
         self._params = [tvm.runtime.tensor(p, self._device) for p in params]
@@ -592,6 +657,21 @@ class Trainer:
         self._states = self._pack_states(states)
         self.step_count, self.seed = int(meta["step"]), int(meta["seed"])
         return meta.get("extra")
+
+    def _pieces(self, params, states, frozen):
+        """This rank's pieces of full parameters (signature order), optimizer states and
+        frozen parameters: its tp piece, then its dp shard where ZeRO shards them."""
+        def piece(name, array):
+            return self.tp_plan.local_shard(name, np.asarray(array), self.mesh.tp_rank)
+
+        names = self.signature.param_names
+        params = [piece(n, p) for n, p in zip(names, params)]
+        if self.zero_level == 3:
+            params = [self._local_shard(p) for p in params]
+        states = {k: piece(k[0], v) for k, v in states.items()}
+        if self.zero_level:
+            states = {k: self._local_shard(v) for k, v in states.items()}
+        return params, states, {n: piece(n, v) for n, v in frozen.items()}
 
     def stats(self):
         """What this rank holds between steps (parameters, optimizer state), the gradient

@@ -18,7 +18,8 @@
 namespace raf_dist {
 namespace ccl {
 
-/*! \brief Per-kind traffic, counted as nccl-tests counts bus bytes. Process-wide. */
+/*! \brief Per-kind traffic, counted as nccl-tests counts bus bytes. One process-wide instance
+ *         (GlobalCounters) sums every group; each Group also keeps its own. */
 struct Counters {
   std::array<std::atomic<int64_t>, static_cast<int>(CollectiveKind::kNumKinds)> calls{};
   std::array<std::atomic<double>, static_cast<int>(CollectiveKind::kNumKinds)> bus_bytes{};
@@ -42,6 +43,8 @@ class Group {
   void Shutdown();
   int rank() const { return rank_; }
   int size() const { return size_; }
+  /*! \brief This group's traffic only (GlobalCounters() has every group's). */
+  Counters& counters() { return counters_; }
 
  private:
   void Validate(CollectiveCall* call) const;
@@ -61,6 +64,7 @@ class Group {
   MPI_Comm nccl_bootstrap_comm_ = MPI_COMM_NULL;
   std::unique_ptr<Backend> nccl_;
   int nccl_device_ = -1;
+  Counters counters_;
 };
 
 }  // namespace ccl

@@ -116,6 +116,16 @@ ffi::Tensor Reinterpret(ffi::Tensor tensor, ffi::String dtype) {
       static_cast<TVMFFIObject*>(out)));
 }
 
+/*! \brief {kind: [calls, bus bytes]}, the shape of `raf_dist.ccl.counters`. */
+ffi::Map<ffi::String, ffi::Array<double>> CountersToMap(const Counters& c) {
+  ffi::Map<ffi::String, ffi::Array<double>> out;
+  for (int k = 0; k < static_cast<int>(CollectiveKind::kNumKinds); ++k) {
+    out.Set(KindName(static_cast<CollectiveKind>(k)),
+            ffi::Array<double>{static_cast<double>(c.calls[k].load()), c.bus_bytes[k].load()});
+  }
+  return out;
+}
+
 }  // namespace
 
 int64_t GroupRank(int64_t group) { return GetGroup(group)->rank(); }
@@ -220,18 +230,22 @@ TVM_FFI_STATIC_INIT_BLOCK() {
              return static_cast<int64_t>(s.pending.size());
            })
       // ---- accounting ----
-      .def("raf_dist.ccl.counters",
+      // counters: every group's traffic; group_counters(g): group g's only.
+      // reset_counters resets both; reset_group_counters(g) group g's only.
+      .def("raf_dist.ccl.counters", []() { return CountersToMap(GlobalCounters()); })
+      .def("raf_dist.ccl.group_counters",
+           [](int64_t g) { return CountersToMap(GetGroup(g)->counters()); })
+      .def("raf_dist.ccl.reset_counters",
            []() {
-             ffi::Map<ffi::String, ffi::Array<double>> out;
-             Counters& c = GlobalCounters();
-             for (int k = 0; k < static_cast<int>(CollectiveKind::kNumKinds); ++k) {
-               out.Set(KindName(static_cast<CollectiveKind>(k)),
-                       ffi::Array<double>{static_cast<double>(c.calls[k].load()),
-                                          c.bus_bytes[k].load()});
+             GlobalCounters().Reset();
+             State& s = GetState();
+             std::lock_guard<std::mutex> lock(s.mu);
+             for (auto& g : s.groups) {
+               if (g) g->counters().Reset();
              }
-             return out;
            })
-      .def("raf_dist.ccl.reset_counters", []() { GlobalCounters().Reset(); })
+      .def("raf_dist.ccl.reset_group_counters",
+           [](int64_t g) { GetGroup(g)->counters().Reset(); })
       .def("raf_dist.ccl.reinterpret", Reinterpret)
       .def("raf_dist.ccl.nccl_enabled", []() {
 #ifdef RAF_DIST_USE_NCCL

@@ -2,10 +2,12 @@
 
 ``get_communicator()`` starts MPI (through mpi4py) on first use and hands the communicator to
 the native collective runtime; ``get_config()`` holds the switches the Trainer reads once to
-build its pass list.
+build its pass list; ``get_mesh()`` places this rank in the pp x dp x tp mesh and gives each
+axis its process group.
 """
 from .config import DistConfig, get_config
 from .communicator import Communicator, get_communicator
+from .mesh import Mesh, get_mesh
 from .collectives import (
     Handle,
     allgather,
@@ -23,6 +25,7 @@ __all__ = [
     "Communicator",
     "DistConfig",
     "Handle",
+    "Mesh",
     "allgather",
     "allreduce",
     "barrier",
@@ -30,6 +33,7 @@ __all__ = [
     "comm_counters",
     "get_communicator",
     "get_config",
+    "get_mesh",
     "recv",
     "reduce_scatter",
     "reset_comm_counters",

@@ -129,17 +129,26 @@ def barrier(group=None):
     _native.func("barrier")(_group(group))
 
 
-def comm_counters():
+def comm_counters(group=None):
     """Traffic so far by collective kind: ``{kind: {"calls": int, "bus_bytes": float}}``.
 
+    Without ``group``, this rank's traffic on every process group; with a native group id
+    (e.g. ``dist.get_mesh().tp_group``), that group's traffic only.
+
     Bus bytes follow nccl-tests: allreduce 2(N-1)/N*S, reduce_scatter and allgather
-    (N-1)/N*S (S = the full, unsharded buffer), broadcast/send/recv S.
+    (N-1)/N*S (S = the full, unsharded buffer), broadcast/send/recv S, where N is the size of
+    the group the collective ran on.
     """
     get_communicator()
-    raw = _native.func("counters")()
+    raw = _native.func("counters")() if group is None else _native.func("group_counters")(group)
     return {str(k): {"calls": int(v[0]), "bus_bytes": float(v[1])} for k, v in raw.items()}
 
 
-def reset_comm_counters():
+def reset_comm_counters(group=None):
+    """Zero the counters: all of them (the total and every group's), or with ``group`` that
+    group's only (the total then still includes what the group sent before)."""
     get_communicator()
-    _native.func("reset_counters")()
+    if group is None:
+        _native.func("reset_counters")()
+    else:
+        _native.func("reset_group_counters")(group)

@@ -18,7 +18,9 @@ from .bucketing import Segments, assemble, collective
 _ALLREDUCE = tvm.ir.Op.get("relax.ccl.allreduce")
 
 
-def _lower(func, group):
+def lower_allreduce_op(func, group, op=_ALLREDUCE):
+    """``func`` with every ``op`` call (one tensor in, its allreduce out; ``op_type`` from
+    the call's attributes, else a sum) lowered as the module docstring says."""
     seg = Segments()
     found = False
     for block in func.body.blocks:
@@ -26,7 +28,7 @@ def _lower(func, group):
         for binding in block.bindings:
             value = binding.value
             if not (isinstance(binding, relax.VarBinding) and isinstance(value, relax.Call)
-                    and value.op == _ALLREDUCE):
+                    and value.op == op):
                 seg.add(binding, dataflow)
                 continue
             found = True
@@ -34,7 +36,8 @@ def _lower(func, group):
             seg.add(relax.VarBinding(binding.var, relax.op.builtin.alloc_tensor(
                 relax.ShapeExpr([int(d) for d in x.ty.shape]), str(x.ty.dtype), relax.prim_value(0))), dataflow)
             seg.bind(f"{binding.var.name}_allreduce", collective(
-                "raf_dist.ccl.allreduce", x, tvm.ir.StringImm(str(value.attrs.op_type)),
+                "raf_dist.ccl.allreduce", x, tvm.ir.StringImm(
+                    str(value.attrs.op_type) if value.attrs is not None else "sum"),
                 relax.prim_value(group), binding.var), dataflow=False)
     if not found:
         return func
@@ -49,7 +52,7 @@ class LowerAllReduce:
         self.group = int(group)
 
     def transform_module(self, mod, ctx):
-        updates = {gvar: _lower(func, self.group) for gvar, func in mod.functions_items()
+        updates = {gvar: lower_allreduce_op(func, self.group) for gvar, func in mod.functions_items()
                    if isinstance(func, relax.Function)}
         mod = mod.__class__(dict(mod.functions_items()))
         for gvar, func in updates.items():

@@ -17,6 +17,8 @@ data parallelism (AllReduceGradients) the optimizer reads the all-reduced gradie
 every rank holds identically, so the flag agrees; the (local) loss is left out there. ZeRO
 updates each bucket's shard as soon as it is reduced, before the other gradients exist, so
 the Trainer does not build the guard under ZeRO (it checks the returned loss instead).
+Under tensor parallelism the ranks of a tp group hold different pieces of the split
+parameters' gradients, so their verdicts are summed across the group (``across_tp``).
 """
 from tvm import relax
 
@@ -44,14 +46,22 @@ def _sum_all(bb: relax.BlockBuilder, g: relax.Expr) -> relax.Var:
     return bb.emit(op.sum(flat))
 
 
-def finite_flag(bb: relax.BlockBuilder, grads: list, loss: relax.Expr = None) -> relax.Var:
-    """A 0-d bool: every gradient (and ``loss`` when given) is finite."""
+def finite_flag(bb: relax.BlockBuilder, grads: list, loss: relax.Expr = None,
+                across_tp: bool = False) -> relax.Var:
+    """A 0-d bool: every gradient (and ``loss`` when given) is finite. ``across_tp``: the
+    gradients are split across tensor-parallel ranks, so each rank's verdict is summed over
+    the tp group (g, passes/tp_ops.py) and the update runs only where every rank's is set."""
     op = relax.op
     terms = [_sum_all(bb, g) for g in grads] + ([loss] if loss is not None else [])
     flag = None
     for term in terms:
         finite = bb.emit(op.isfinite(term))
         flag = finite if flag is None else bb.emit(op.logical_and(flag, finite))
+    if across_tp and flag is not None:
+        from ..passes.tp_ops import tp_reduce
+
+        bad = bb.emit(op.where(flag, relax.const(0.0, "float32"), relax.const(1.0, "float32")))
+        flag = bb.emit(op.less(bb.emit(tp_reduce(bad)), relax.const(0.5, "float32")))
     return flag
 
 

@@ -83,7 +83,7 @@ def missing_gradients(func):
 
 
 def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=None,
-                     loss_weight=False):
+                     loss_weight=False, tensor_parallel=False):
     """Return (IRModule with "train_step", TrainStepSignature).
 
     ``loss_weight``: the step takes a 0-d ``loss_weight`` argument right after the target that
@@ -91,7 +91,9 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
 
     ``nonfinite_guard``: None, ``"gradients"`` or ``"gradients_and_loss"``: the update is
     skipped (parameters and optimizer state kept) and the loss returned as NaN when a
-    gradient (or the loss) is not finite (training/nonfinite.py; not under ZeRO)."""
+    gradient (or the loss) is not finite (training/nonfinite.py; not under ZeRO).
+    ``tensor_parallel``: the model's forward is split across tp ranks (each holds other pieces
+    of some gradients), so the guard's verdict is agreed across them."""
     if nonfinite_guard not in (None, "gradients", "gradients_and_loss"):
         raise ValueError(f"nonfinite_guard must be None, 'gradients' or 'gradients_and_loss', "
                          f"got {nonfinite_guard!r}")
@@ -174,7 +176,8 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
             flag = None
             if nonfinite_guard:
                 flag = nonfinite.finite_flag(
-                    bb, grads, loss_value if nonfinite_guard == "gradients_and_loss" else None)
+                    bb, grads, loss_value if nonfinite_guard == "gradients_and_loss" else None,
+                    across_tp=tensor_parallel)
             new_params, new_states = [], []
             for i, (param, grad) in enumerate(zip(param_vars, grads)):
                 states = state_vars[i * n_states:(i + 1) * n_states]

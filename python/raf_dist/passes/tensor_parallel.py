@@ -1,0 +1,424 @@
+"""Tensor parallelism as a rewrite of the forward graph, before autodiff (DESIGN.md 3b).
+
+``plan_tensor_parallel(func, tp, trained, plan=None)`` finds which parameters to split:
+every matmul whose weight is a parameter is a column candidate (its output features split);
+candidates reading the same activation (q/k/v, gate/up) are tried together, each alone
+otherwise. From the split weights, ``tp_layout.propagate`` follows the split through the
+graph: elementwise ops, reshapes and transposes (attention heads), the column layer's bias
+(split on request), until a matmul contracts the split dimension; its weight is split along
+its input features on request (row parallel) and its partial result is summed by g. Whatever
+the propagation cannot keep split (a norm over the split dimension, a split value leaving the
+region, dimensions that do not divide by T, ...) makes the candidate fail and stay
+replicated, with the reason kept for ``explain``. An explicit plan (torchtitan style,
+``{"blocks.*.qkv": "colwise", "blocks.*.proj": "rowwise", "head": "replicate"}``, patterns
+over module or parameter names) replaces the search and must come out exactly as written.
+
+``shard_forward(func, tp, placements)`` rewrites the function: split parameters take their
+local shapes, shapes in reshape / broadcast_to / split become the local ones, f (tp_copy)
+wraps each replicated value a split region reads when a gradient flows through it, g
+(tp_reduce) follows each row-parallel matmul. Only tensor shapes change; the function stays
+SPMD (which slice a rank holds is decided when the Trainer loads parameters).
+"""
+import dataclasses
+import fnmatch
+
+import numpy as np
+from tvm import relax
+
+from .tp_layout import (PARTIAL, Request, Resegment, Unsplittable, dim_of, local_shape,
+                        propagate, static_shape)
+from .tp_ops import tp_copy, tp_reduce
+
+PLAN_VALUES = ("colwise", "rowwise", "replicate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Parameter split along ``dim`` into ``T`` parts within each of ``segments`` segments."""
+
+    dim: int
+    segments: int
+    role: str  # "colwise" (output features), "rowwise" (input features), "bias", "split"
+
+
+@dataclasses.dataclass
+class TensorParallelPlan:
+    tp: int
+    placements: dict  # param name -> Placement
+    replicated: dict  # param name -> why it stays whole
+    shapes: dict  # param name -> full shape
+    forward_reduces: list  # numel of each g in the forward
+    backward_reduces: list  # numel of each f whose input needs a gradient
+
+    def local_shard(self, name, array, rank):
+        """This tp rank's piece of parameter ``name`` (the whole array when replicated)."""
+        p = self.placements.get(name)
+        if p is None:
+            return array
+        shape = array.shape
+        seg = array.reshape(shape[:p.dim] + (p.segments, self.tp,
+                                              shape[p.dim] // p.segments // self.tp)
+                            + shape[p.dim + 1:])
+        piece = seg.take(rank, axis=p.dim + 1)
+        return piece.reshape(shape[:p.dim] + (shape[p.dim] // self.tp,) + shape[p.dim + 1:])
+
+    def assemble(self, name, pieces):
+        """The full parameter from every tp rank's piece, in tp-rank order."""
+        p = self.placements.get(name)
+        if p is None:
+            return pieces[0]
+        shape = pieces[0].shape
+        split = [q.reshape(shape[:p.dim] + (p.segments, 1, shape[p.dim] // p.segments)
+                           + shape[p.dim + 1:]) for q in pieces]
+        full = np.concatenate(split, axis=p.dim + 1)
+        return full.reshape(self.shapes[name])
+
+    def explain(self, itemsize=4):
+        """The plan as text: each parameter's placement (or why it is replicated) and the
+        collectives per step with their bytes."""
+        lines = [f"tensor parallel plan, T = {self.tp}"]
+        width = max((len(n) for n in self.shapes), default=10)
+        for name, shape in self.shapes.items():
+            p = self.placements.get(name)
+            what = (f"{p.role:8s} split dim {p.dim}" + (f" ({p.segments} segments)"
+                                                        if p.segments > 1 else "")
+                    if p else f"replicated: {self.replicated.get(name, '')}")
+            lines.append(f"  {name:{width}s} {str(list(shape)):16s} {what}")
+        bus = 2 * (self.tp - 1) / self.tp * itemsize
+        for kind, sizes in (("forward", self.forward_reduces),
+                            ("backward", self.backward_reduces)):
+            lines.append(f"  {kind}: {len(sizes)} allreduce(s) over tp, "
+                         f"{sum(sizes) * itemsize} bytes, {sum(sizes) * bus:.0f} bus bytes")
+        return "\n".join(lines)
+
+
+def plan_tensor_parallel(func, tp, param_names, trained, plan=None):
+    """Find the placements (see the module docstring). ``param_names``: names of ``func``'s
+    parameter arguments (the last ``len(param_names)`` arguments before any buffers, in
+    order: ``vars_by_name`` below); ``trained``: names of those that get gradients."""
+    by_name = vars_by_name(func, param_names)
+    names = {v: n for n, v in by_name.items()}
+    needs_grad = _needs_grad(func, [by_name[n] for n in trained if n in by_name])
+    candidates = _column_candidates(func, set(by_name.values()))
+    accepted, reasons = {}, {}
+    if plan is not None:
+        groups, forced = _explicit_groups(plan, candidates, names, param_names)
+    else:
+        groups, forced = _candidate_groups(candidates), {}
+    for group in groups:
+        attempts = [group] + ([[c] for c in group] if len(group) > 1 and plan is None else [])
+        for attempt in attempts:
+            placements, why = _try(func, tp, accepted, attempt, by_name, needs_grad, forced)
+            if placements is not None:
+                accepted = placements
+                break
+        else:
+            for param, _ in group:
+                reasons[names[param]] = why
+            if plan is not None:
+                raise ValueError(f"tensor parallel plan: cannot split "
+                                 f"{', '.join(names[p] for p, _ in group)} as planned: {why}")
+    result = propagate(func, tp, accepted, set(by_name.values()), needs_grad)
+    roles = _roles(func, accepted, result)
+    numel = lambda v: int(np.prod(static_shape(v), dtype=np.int64))  # noqa: E731
+    out = TensorParallelPlan(
+        tp, {names[p]: Placement(d, static_shape(p)[d] // s, roles.get(p, "split"))
+             for p, (d, s) in accepted.items()}, {}, {},
+        [numel(v) for v in result.partials], [numel(v) for v in result.copies])
+    for name in param_names:
+        var = by_name[name]
+        out.shapes[name] = static_shape(var)
+        if var not in accepted:
+            out.replicated[name] = reasons.get(name, forced.get(var) or _default_reason(var,
+                                                                                    candidates))
+    if plan is not None:
+        _check_explicit(plan, out, param_names)
+    return out
+
+
+def vars_by_name(func, param_names):
+    params = [p for p in func.params]
+    start = next((i for i, p in enumerate(params) if p.name == _arg_name(param_names[0])),
+                 None) if param_names else 0
+    if start is None:
+        raise ValueError("the forward's arguments do not include the model's parameters "
+                         f"(looked for {param_names[0]!r})")
+    return dict(zip(param_names, params[start:start + len(param_names)]))
+
+
+def _arg_name(name):
+    return "p_" + name.replace(".", "_")
+
+
+def _default_reason(var, candidates):
+    if any(p.same_as(var) for p, _, _ in candidates):
+        return "its matmul's output cannot stay split"
+    return "not a matmul weight next to a split layer"
+
+
+def _try(func, tp, accepted, group, by_name, needs_grad, forced):
+    """Placements with ``group`` split as columns, growing with the propagation's requests;
+    (None, why) when the graph cannot stay split."""
+    placements = dict(accepted)
+    for param, dim in group:
+        if param in placements:
+            return None, "already split"
+        placements[param] = (dim, static_shape(param)[dim])
+    for _ in range(64):
+        try:
+            propagate(func, tp, placements, set(by_name.values()), needs_grad)
+            return placements, None
+        except Request as request:
+            if request.param in placements or request.param in forced:
+                return None, (f"{request.param.name} would need a second split"
+                              if request.param in placements else
+                              f"{request.param.name} is to stay replicated")
+            placements[request.param] = (request.dim, request.size)
+        except Resegment as change:
+            for param, dim in group:
+                full = static_shape(param)[dim]
+                if placements[param] != (dim, full) or full % change.segments:
+                    return None, "cannot cut the split dimension into segments"
+                placements[param] = (dim, full // change.segments)
+        except Unsplittable as stop:
+            return None, str(stop)
+    return None, "the plan did not settle"
+
+
+def _needs_grad(func, trained_vars):
+    need = set(trained_vars)
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            ty = binding.var.ty
+            floating = not isinstance(ty, relax.TensorType) or "float" in str(ty.dtype)
+            if floating and any(v in need for v in relax.analysis.free_vars(binding.value)):
+                need.add(binding.var)
+    return need
+
+
+def _column_candidates(func, params):
+    """[(param var, dim of its output features, root var of the activation it multiplies)]
+    for each matmul whose right operand is a 2-D parameter, possibly transposed."""
+    bound, out = {}, []
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            bound[binding.var] = binding.value
+            value = binding.value
+            if not (isinstance(value, relax.Call) and getattr(value.op, "name", "") ==
+                    "relax.matmul"):
+                continue
+            a, b = value.args
+            if b in params and len(static_shape(b)) == 2:
+                param, dim = b, 1
+            else:
+                v = bound.get(b)
+                if not (isinstance(v, relax.Call) and getattr(v.op, "name", "") ==
+                        "relax.permute_dims" and v.args[0] in params
+                        and len(static_shape(v.args[0])) == 2):
+                    continue
+                param, dim = v.args[0], 0
+            out.append((param, dim, _root(a, bound)))
+    return out
+
+
+def _root(var, bound):
+    while True:
+        v = bound.get(var)
+        if isinstance(v, relax.Call) and getattr(v.op, "name", "") in ("relax.reshape",
+                                                                       "relax.astype"):
+            var = v.args[0]
+        elif isinstance(v, relax.Var):
+            var = v
+        else:
+            return var
+
+
+def _candidate_groups(candidates):
+    groups, seen = {}, set()
+    for param, dim, root in candidates:
+        if param in seen:
+            continue
+        seen.add(param)
+        groups.setdefault(root, []).append((param, dim))
+    return list(groups.values())
+
+
+def _matches(pattern, name):
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
+
+
+def _explicit_groups(plan, candidates, names, param_names):
+    for key, value in plan.items():
+        if value not in PLAN_VALUES:
+            raise ValueError(f"tensor parallel plan: {key!r}: {value!r} is not one of "
+                             f"{PLAN_VALUES}")
+        if not any(_matches(key, n) for n in param_names):
+            raise ValueError(f"tensor parallel plan: {key!r} matches no parameter (they are: "
+                             f"{', '.join(param_names[:8])}{', ...' if len(param_names) > 8 else ''})")
+    groups, forced = [], {}
+    for param, dim, _ in candidates:
+        value = _plan_value(plan, names[param])
+        if value == "colwise" and all(not p.same_as(param) for g in groups for p, _ in g):
+            groups.append([(param, dim)])
+    for var, name in names.items():
+        if _plan_value(plan, name) == "replicate":
+            forced[var] = "replicated by the plan"
+    return groups, forced
+
+
+def _plan_value(plan, name):
+    hits = [v for k, v in plan.items() if _matches(k, name)]
+    return hits[-1] if hits else None
+
+
+def _check_explicit(plan, result, param_names):
+    for name in param_names:
+        value = _plan_value(plan, name)
+        p = result.placements.get(name)
+        if value == "rowwise" and (p is None or p.role != "rowwise"):
+            raise ValueError(f"tensor parallel plan: {name} is planned rowwise but no "
+                             f"column-parallel layer feeds it ({result.replicated.get(name)})")
+        if value == "colwise" and name.endswith("weight") and (p is None or p.role not in (
+                "colwise",)):
+            raise ValueError(f"tensor parallel plan: {name} is planned colwise but stays "
+                             f"{p.role if p else 'replicated'}")
+
+
+def _roles(func, placements, result):
+    """colwise / rowwise / bias for the report, from how each split parameter is used."""
+    roles = {}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if not (isinstance(value, relax.Call) and getattr(value.op, "name", "") ==
+                    "relax.matmul"):
+                continue
+            for param in placements:
+                if _reads(value.args[1], param, func):
+                    roles[param] = ("rowwise" if binding.var in result.partials
+                                    else "colwise")
+    for param in placements:
+        roles.setdefault(param, "bias" if len(static_shape(param)) == 1 else "split")
+    return roles
+
+
+def _reads(expr, param, func):
+    if expr.same_as(param):
+        return True
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            if binding.var.same_as(expr):
+                v = binding.value
+                return (isinstance(v, relax.Call) and getattr(v.op, "name", "") ==
+                        "relax.permute_dims" and v.args[0].same_as(param))
+    return False
+
+
+# ---- the rewrite ------------------------------------------------------------------------
+def shard_forward(func, tp, param_names, trained, plan):
+    """``func`` with the placements of ``plan`` (a TensorParallelPlan) applied."""
+    by_name = vars_by_name(func, param_names)
+    placements = {}
+    for name, p in plan.placements.items():
+        var = by_name[name]
+        placements[var] = (p.dim, static_shape(var)[p.dim] // p.segments)
+    needs_grad = _needs_grad(func, [by_name[n] for n in trained if n in by_name])
+    result = propagate(func, tp, placements, set(by_name.values()), needs_grad)
+    layouts = dict(result.layouts)
+    layouts.update({v: PARTIAL for v in result.partials})
+    var_map = {}
+    new_params = []
+    for p in func.params:
+        if p in layouts:
+            shape = local_shape(static_shape(p), layouts[p], tp)
+            var_map[p] = relax.Var(p.name, relax.TensorType(shape, p.ty.dtype))
+        else:
+            var_map[p] = p
+        new_params.append(var_map[p])
+    bb = relax.BlockBuilder()
+    attrs = dict(func.attrs) if func.attrs is not None else {}
+    name = str(attrs.pop("global_symbol", "forward"))
+    with bb.function(name, new_params, attrs=attrs, pure=True):
+        for block in func.body.blocks:
+            if isinstance(block, relax.DataflowBlock):
+                with bb.dataflow():
+                    copies = {}
+                    for b in block.bindings:
+                        _rewrite(bb, b, tp, layouts, result.copies, var_map, copies,
+                                 output=not isinstance(b.var, relax.DataflowVar))
+            else:
+                copies = {}
+                for b in block.bindings:
+                    _rewrite(bb, b, tp, layouts, result.copies, var_map, copies)
+        bb.emit_func_output(_substitute(func.body.body, var_map))
+    return bb.get()[name]
+
+
+def _substitute(expr, var_map):
+    from .gradient_markers import SubstituteVars
+
+    return SubstituteVars(var_map).visit_expr(expr)
+
+
+def _rewrite(bb, binding, tp, layouts, copies_needed, var_map, copies, output=False):
+    var, value = binding.var, binding.value
+    hi = layouts.get(var)
+    if isinstance(value, relax.Call) and hasattr(value.op, "name"):
+        args = []
+        split_op = hi is not None or any(layouts.get(a, PARTIAL) != PARTIAL
+                                         for a in value.args if isinstance(a, relax.Var))
+        for a in value.args:
+            if (split_op and isinstance(a, relax.Var) and a in copies_needed
+                    and layouts.get(a, PARTIAL) == PARTIAL):
+                if a not in copies:
+                    copies[a] = bb.emit(tp_copy(var_map.get(a, a)), name_hint=f"{a.name}_tp")
+                args.append(copies[a])
+            else:
+                args.append(_substitute(a, var_map))
+        new = _local_call(value, args, var, hi, tp)
+    else:
+        new = _substitute(value, var_map)
+    if hi == PARTIAL:  # this rank's partial sum, then g
+        new = tp_reduce(bb.emit(new, name_hint=var.name + "_partial"))
+    emitted = bb.emit_output(new, name_hint=var.name) if output else bb.emit(
+        new, name_hint=var.name)
+    _check_local(var, emitted, layouts, tp)
+    var_map[var] = emitted
+    return emitted
+
+
+def _local_call(call, args, var, hi, tp):
+    name = call.op.name
+    if hi is None or hi == PARTIAL:
+        return relax.Call(call.op, args, call.attrs, call.ty_args)
+    shape = local_shape(static_shape(var), hi, tp) if not isinstance(hi, tuple) else None
+    if name in ("relax.reshape", "relax.broadcast_to"):
+        return relax.Call(call.op, [args[0], relax.ShapeExpr(list(shape))], call.attrs,
+                          call.ty_args)
+    if name == "relax.split":
+        pieces = [local_shape(static_shape(f), h, tp) if h is not None else static_shape(f)
+                  for f, h in zip(_fields(var), hi)]
+        axis = int(call.attrs.axis) % len(pieces[0])
+        bounds, acc = [], 0
+        for piece in pieces[:-1]:
+            acc += piece[axis]
+            bounds.append(acc)
+        return relax.op.split(args[0], bounds, axis=int(call.attrs.axis))
+    return relax.Call(call.op, args, call.attrs, call.ty_args)
+
+
+def _fields(var):
+    return [relax.Var(f"_{i}", ty) for i, ty in enumerate(var.ty.fields)]
+
+
+def _check_local(var, new, layouts, tp):
+    """The rewritten binding has the shape the layout promises (the rules and the op's own
+    shape inference must agree; a disagreement is a bug here, not in the user's model)."""
+    hi = layouts.get(var)
+    if isinstance(hi, tuple) or not isinstance(var.ty, relax.TensorType):
+        return
+    expected = local_shape(static_shape(var), None if hi == PARTIAL else hi, tp)
+    got = static_shape(new)
+    if got is not None and tuple(got) != tuple(expected):
+        raise AssertionError(f"tensor parallel rewrite of {var.name}: local shape {got}, "
+                             f"expected {expected}")

@@ -1,0 +1,87 @@
+"""A captured model, split for tensor parallelism (DESIGN.md 3b), and what the Trainer needs
+around it: the plan, this tp rank's pieces of the parameters, and the full parameters back.
+
+The forward is rewritten once per batch size with the same plan (passes/tensor_parallel.py);
+parameter names and order do not change, their shapes become the local pieces. Which piece a
+rank holds is decided here, when parameters are loaded, not in the IR: one compiled step
+serves every rank (SPMD).
+"""
+import dataclasses
+
+import numpy as np
+import tvm
+
+from ..passes.tensor_parallel import TensorParallelPlan, plan_tensor_parallel, shard_forward
+
+
+def trained_names(model):
+    frozen = set(model.frozen_params)
+    return [n for n in model.param_names if n not in frozen]
+
+
+def make_plan(model, tp: int, plan=None) -> TensorParallelPlan:
+    """The plan for ``model`` at ``tp`` ranks: found on the captured graph, or ``plan``
+    ({pattern: "colwise" | "rowwise" | "replicate"}) checked against it."""
+    return plan_tensor_parallel(model.forward, tp, list(model.param_names), trained_names(model),
+                                plan=plan)
+
+
+def shard_model(model, plan: TensorParallelPlan, tp_rank: int, full_params: dict):
+    """``model`` with its forward (and evaluation forward) split by ``plan``, its parameters
+    this tp rank's pieces of ``full_params`` and a ``respecialize`` that splits the model
+    captured at another batch size the same way."""
+    trained = trained_names(model)
+    functions = {}
+    for gvar, func in model.mod.functions_items():
+        if gvar.name_hint in ("forward", "forward_eval"):
+            func = shard_forward(func, plan.tp, list(model.param_names), trained, plan)
+        functions[gvar] = func
+    mod = tvm.IRModule(functions)
+    init = {n: np.ascontiguousarray(plan.local_shard(n, np.asarray(full_params[n]), tp_rank))
+            for n in model.param_names}
+
+    def respecialize(rows):
+        other = model.at_batch(rows)
+        return shard_model(other, plan, tp_rank, full_params)
+
+    return dataclasses.replace(model, mod=mod, init_params=init,
+                               respecialize=respecialize if model.respecialize else None)
+
+
+def full_parameter(plan, name, local, tp_group, tp_size):
+    """The whole parameter ``name`` from every tp rank's piece (an allgather over the tp
+    group; every tp rank must call it)."""
+    from ..distributed import collectives
+
+    if name not in plan.placements:
+        return local
+    local = np.ascontiguousarray(local)
+    flat = collectives.allgather(local.reshape(-1), group=tp_group)
+    pieces = [flat[i * local.size:(i + 1) * local.size].reshape(local.shape)
+              for i in range(tp_size)]
+    return plan.assemble(name, pieces)
+
+
+class CheckpointView:
+    """What ``raf_dist.checkpoint`` reads of a Trainer, for a tensor-parallel one: the full
+    model (true shapes), held as by a data-parallel world of every rank without ZeRO. The
+    files are then those of any other layout (ranges of the full flat tensors, one file per
+    rank), so a checkpoint saved at tp x dp reloads at any tp x dp x ZeRO layout and the other
+    way round. Saving gathers each full tensor on every rank (an allgather over tp, and over
+    dp under ZeRO) and writes this rank's range of it; loading reads the full tensors and
+    keeps this rank's pieces."""
+
+    def __init__(self, trainer, frozen_full):
+        sig = trainer.signature
+        shapes = trainer.tp_plan.shapes
+        self.comm = trainer.comm
+        self.data_parallel, self.world, self.zero_level = True, trainer.comm.size, 0
+        self.step_count, self.seed = trainer.step_count, trainer.seed
+        self.config, self.loss, self.optimizer = trainer.config, trainer.loss, trainer.optimizer
+        self.model = trainer.full_model
+        self.signature = dataclasses.replace(
+            sig, param_specs=[(shapes[n], d) for n, (_, d) in zip(sig.param_names,
+                                                                  sig.param_specs)],
+            frozen_specs=[(shapes[n], d) for n, (_, d) in zip(sig.frozen_names,
+                                                              sig.frozen_specs)])
+        self._frozen = [frozen_full[n] for n in sig.frozen_names]
