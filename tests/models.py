@@ -177,7 +177,12 @@ class CausalMaskNet(nn.Module):
 
 
 def make(name, batch, seed=0):
-    """(module, example input, target) with deterministic data for a global batch."""
+    """(module, example input, target) with deterministic data for a global batch;
+    ``hf_gpt2`` / ``hf_llama``: the Hugging Face models of tests/hf.py."""
+    if name.startswith("hf_"):
+        from hf import make_hf
+
+        return make_hf(name[3:], batch, seed)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     if name == "mlp":
@@ -239,6 +244,10 @@ def raf_optimizer(name):
         return raf_dist.optim.Adam(lr=1e-2, weight_decay=1e-3)
     if name == "adamw":
         return raf_dist.optim.AdamW(lr=1e-2)
+    if name == "hf_adamw":  # what tests/hf.py trains the Hugging Face models with
+        from hf import raf_adamw
+
+        return raf_adamw()
     raise ValueError(name)
 
 

