@@ -78,6 +78,11 @@ def make(name):
     return GPT(), torch.randint(0, 512, (16, 64)), torch.randint(0, 512, (16, 64))
 
 
+def gpt():
+    """(module, input, target) of the GPT (a MODEL_SPEC for raf_dist.tools.explain_plan)."""
+    return make("gpt")
+
+
 def torch_step(module, opt, x, y):
     """One PyTorch training step (cross-entropy over every position), as raf_dist's."""
     opt.zero_grad(set_to_none=True)

@@ -221,6 +221,11 @@ def make(name, batch, seed=0):
     raise ValueError(name)
 
 
+def transformer4():
+    """make("transformer4") at 4 rows: a factory for raf_dist.tools.explain_plan."""
+    return make("transformer4", 4)
+
+
 def torch_optimizer(name, params):
     if name == "sgd_momentum":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)

@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 from . import distributed  # noqa: F401,E402
 
 _LAZY = {"Trainer": ("trainer", "Trainer"), "Model": ("model", "Model"),
-         "estimate_memory": ("tools.estimate_memory", "estimate_memory")}
+         "estimate_memory": ("tools.estimate_memory", "estimate_memory"),
+         "explain_parallel_plan": ("tools.explain_plan", "explain_parallel_plan")}
 _LAZY_MODULES = ("frontend", "optim", "nn", "passes", "compiler", "training", "runtime", "data",
                  "tools")
 

@@ -1,4 +1,6 @@
 """Feeding data-parallel ranks: each rank takes its slice of every global batch.
+(Under tensor parallelism "rank" and "N" below are the rank's data-parallel index and the
+data-parallel size of the mesh: ranks that differ only in tp get the same rows.)
 
 ``shard(loader)`` (DESIGN.md section 1) takes any iterable of global batches — tuples of
 arrays or tensors with the batch on dim 0, e.g. a torch DataLoader — and yields this rank's
@@ -36,12 +38,26 @@ def shard(arrays, global_batch=None, shuffle=False, seed=0, epoch=0, drop_last=T
     batch is split unevenly over the ranks, or, with ``pad_last=True`` (arrays only), padded
     from the start of the data."""
     if rank is None or world_size is None:
-        comm = get_communicator()
-        rank, world_size = comm.rank, comm.size
+        rank, world_size = _data_parallel_position()
     if global_batch is None:
         return _shard_loader(arrays, rank, world_size, drop_last)
     return _shard_arrays(arrays, global_batch, shuffle, seed, epoch, drop_last, rank, world_size,
                          pad_last)
+
+
+def _data_parallel_position():
+    """(index, size) of this rank on the data-parallel axis: the world without a mesh; with
+    tensor (or pipeline) parallelism the mesh's dp axis, so that ranks differing only in tp
+    get the same rows (DESIGN.md section 1; dist.get_mesh(), collective on first use)."""
+    from .distributed import get_config
+    from .distributed.mesh import get_mesh
+
+    config = get_config()
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        mesh = get_mesh(config)
+        return mesh.dp_rank, mesh.dp_size
+    comm = get_communicator()
+    return comm.rank, comm.size
 
 
 def uneven_rows(num_rows, world_size, rank):

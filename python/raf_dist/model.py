@@ -35,6 +35,9 @@ class Model:
     tied_params: dict = dataclasses.field(default_factory=dict)
     # parameters not trained (requires_grad=False): step constants, no gradient or state
     frozen_params: list = dataclasses.field(default_factory=list)
+    # tensor parallelism (training/tensor_parallel.py): the forward's output is split along its
+    # last (class) dimension over this many ranks (0: whole); the loss is vocabulary parallel
+    output_split_classes: int = 0
     # rows -> this model captured again with that leading (batch) dimension (the frontends set
     # it; training/batch_size.py); None: the captured shapes only
     respecialize: object = dataclasses.field(default=None, repr=False, compare=False)

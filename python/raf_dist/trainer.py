@@ -98,7 +98,7 @@ class Trainer:
 
         self.tp_plan = None
         if self.tp > 1:  # split the forward (training/tensor_parallel.py)
-            model = self._split_model(model, tensor_parallel_plan)
+            model = self.model = self._split_model(model, tensor_parallel_plan)
         elif tensor_parallel_plan is not None:
             raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1; set "
                              "dist.get_config().tensor_parallel_size first")
@@ -115,7 +115,8 @@ class Trainer:
                                                    nonfinite_guard=self._nonfinite_guard(),
                                                    loss_weight=self._weighted_loss,
                                                    tensor_parallel=self.tp > 1)
-        self._classes = num_classes(model.forward, loss)  # for the target check
+        # for the target check: the model's classes (all of them under tensor parallelism)
+        self._classes = num_classes((self.full_model if self.tp > 1 else model).forward, loss)
         self.skipped_steps = 0  # steps whose update nonfinite="skip" left out
         if self.spmd:
             self._check_fingerprints()
@@ -205,7 +206,7 @@ class Trainer:
     def _split_model(self, model, plan):
         """``model`` split across the tp ranks: the plan (found, or ``plan`` checked), the
         full initial parameters of world rank 0 on every rank, this rank's pieces of them."""
-        self.tp_plan = tp_lib.make_plan(model, self.tp, plan)
+        self.tp_plan = tp_lib.make_plan(model, self.tp, plan, self.loss)
         full = {}
         for name in model.param_names:
             value = np.ascontiguousarray(model.init_params[name]).copy()
@@ -407,8 +408,18 @@ class Trainer:
                           *no_dropout, *params, *(self._buffers if evaluation else ()))
             if not evaluation and self._buffers:  # training forward: (output, *buffers)
                 out = out[0]
-            outputs.append(out.numpy()[:min(batch, len(x) - start)])
+            out = out.numpy()[:min(batch, len(x) - start)]
+            if self.tp_plan is not None and self.tp_plan.output_split:  # classes split over tp
+                out = self._gather_classes(out)
+            outputs.append(out)
         return np.concatenate(outputs)
+
+    def _gather_classes(self, piece):
+        """The whole output from every tp rank's slice of its last (class) dimension."""
+        piece = np.ascontiguousarray(piece)
+        flat = collectives.allgather(piece.reshape(-1), group=self.mesh.tp_group)
+        return np.concatenate(np.split(flat.reshape((self.tp,) + piece.shape), self.tp),
+                              axis=-1).reshape(piece.shape[:-1] + (piece.shape[-1] * self.tp,))
 
     def _forward_at(self, rows):
         """(compiled forward, model) for a batch of ``rows`` rows: the evaluation-mode forward

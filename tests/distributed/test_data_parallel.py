@@ -33,3 +33,16 @@ def test_dist_example_trains_on_two_ranks():
                     timeout=300)
     accuracy = float(re.findall(r"held-out accuracy ([0-9.]+)", out)[-1])
     assert accuracy >= 0.8, out  # a small CNN reaches ~0.9 on digits in two epochs
+
+
+def test_dist_example_trains_with_tensor_parallelism_on_two_ranks():
+    """--tp 2 on 2 ranks (dp 1 x tp 2): rank 0 prints the plan, both ranks feed the same rows
+    (their dp index), and the CNN still learns digits."""
+    out = check_mpi(ROOT / "scripts" / "distributed" / "dist_example.py", 2, "--epochs", "2",
+                    "--tp", "2", timeout=300)
+    assert "tensor parallel plan, T = 2" in out and "dp 0/1, tp 0/2" in out, out
+    assert re.search(r"conv1\.weight .*replicated", out), out
+    losses = [float(v) for v in re.findall(r"mean loss ([0-9.]+)", out)]
+    assert len(losses) == 2 and losses[1] < losses[0], out
+    accuracy = float(re.findall(r"held-out accuracy ([0-9.]+)", out)[-1])
+    assert accuracy >= 0.8, out

@@ -18,9 +18,9 @@ from .bucketing import Segments, assemble, collective
 _ALLREDUCE = tvm.ir.Op.get("relax.ccl.allreduce")
 
 
-def lower_allreduce_op(func, group, op=_ALLREDUCE):
-    """``func`` with every ``op`` call (one tensor in, its allreduce out; ``op_type`` from
-    the call's attributes, else a sum) lowered as the module docstring says."""
+def lower_allreduce_op(func, group, op=_ALLREDUCE, op_type=None):
+    """``func`` with every ``op`` call (one tensor in, its allreduce out; ``op_type``, else
+    the call's attribute, else a sum) lowered as the module docstring says."""
     seg = Segments()
     found = False
     for block in func.body.blocks:
@@ -37,7 +37,7 @@ def lower_allreduce_op(func, group, op=_ALLREDUCE):
                 relax.ShapeExpr([int(d) for d in x.ty.shape]), str(x.ty.dtype), relax.prim_value(0))), dataflow)
             seg.bind(f"{binding.var.name}_allreduce", collective(
                 "raf_dist.ccl.allreduce", x, tvm.ir.StringImm(
-                    str(value.attrs.op_type) if value.attrs is not None else "sum"),
+                    op_type or (str(value.attrs.op_type) if value.attrs is not None else "sum")),
                 relax.prim_value(group), binding.var), dataflow=False)
     if not found:
         return func

@@ -27,7 +27,7 @@ from tvm import relax
 
 from .tp_layout import (PARTIAL, Request, Resegment, Unsplittable, dim_of, local_shape,
                         propagate, static_shape)
-from .tp_ops import tp_copy, tp_reduce
+from .tp_ops import tp_copy, tp_rank, tp_reduce
 
 PLAN_VALUES = ("colwise", "rowwise", "replicate")
 
@@ -49,6 +49,10 @@ class TensorParallelPlan:
     shapes: dict  # param name -> full shape
     forward_reduces: list  # numel of each g in the forward
     backward_reduces: list  # numel of each f whose input needs a gradient
+    # the output (logits) stays split along its classes: vocabulary-parallel cross-entropy,
+    # whose allreduces (max, sum of exponentials, target logit: one value per row) these are
+    output_split: bool = False
+    loss_reduces: list = dataclasses.field(default_factory=list)
 
     def local_shard(self, name, array, rank):
         """This tp rank's piece of parameter ``name`` (the whole array when replicated)."""
@@ -85,21 +89,27 @@ class TensorParallelPlan:
                     if p else f"replicated: {self.replicated.get(name, '')}")
             lines.append(f"  {name:{width}s} {str(list(shape)):16s} {what}")
         bus = 2 * (self.tp - 1) / self.tp * itemsize
+        if self.output_split:
+            lines.append("  the output stays split along its classes: vocabulary-parallel "
+                         "cross-entropy")
         for kind, sizes in (("forward", self.forward_reduces),
-                            ("backward", self.backward_reduces)):
+                            ("backward", self.backward_reduces), ("loss", self.loss_reduces)):
+            if kind == "loss" and not sizes:
+                continue
             lines.append(f"  {kind}: {len(sizes)} allreduce(s) over tp, "
                          f"{sum(sizes) * itemsize} bytes, {sum(sizes) * bus:.0f} bus bytes")
         return "\n".join(lines)
 
 
-def plan_tensor_parallel(func, tp, param_names, trained, plan=None):
+def plan_tensor_parallel(func, tp, param_names, trained, plan=None, split_output=False):
     """Find the placements (see the module docstring). ``param_names``: names of ``func``'s
     parameter arguments (the last ``len(param_names)`` arguments before any buffers, in
-    order: ``vars_by_name`` below); ``trained``: names of those that get gradients."""
+    order: ``vars_by_name`` below); ``trained``: names of those that get gradients;
+    ``split_output``: the loss takes logits split along their classes (cross-entropy)."""
     by_name = vars_by_name(func, param_names)
     names = {v: n for n, v in by_name.items()}
     needs_grad = _needs_grad(func, [by_name[n] for n in trained if n in by_name])
-    candidates = _column_candidates(func, set(by_name.values()))
+    candidates, notes = _column_candidates(func, set(by_name.values()))
     accepted, reasons = {}, {}
     if plan is not None:
         groups, forced = _explicit_groups(plan, candidates, names, param_names)
@@ -108,7 +118,8 @@ def plan_tensor_parallel(func, tp, param_names, trained, plan=None):
     for group in groups:
         attempts = [group] + ([[c] for c in group] if len(group) > 1 and plan is None else [])
         for attempt in attempts:
-            placements, why = _try(func, tp, accepted, attempt, by_name, needs_grad, forced)
+            placements, why = _try(func, tp, accepted, attempt, by_name, needs_grad, forced,
+                                   split_output)
             if placements is not None:
                 accepted = placements
                 break
@@ -118,19 +129,24 @@ def plan_tensor_parallel(func, tp, param_names, trained, plan=None):
             if plan is not None:
                 raise ValueError(f"tensor parallel plan: cannot split "
                                  f"{', '.join(names[p] for p, _ in group)} as planned: {why}")
-    result = propagate(func, tp, accepted, set(by_name.values()), needs_grad)
+    result = propagate(func, tp, accepted, set(by_name.values()), needs_grad, split_output)
     roles = _roles(func, accepted, result)
     numel = lambda v: int(np.prod(static_shape(v), dtype=np.int64))  # noqa: E731
     out = TensorParallelPlan(
         tp, {names[p]: Placement(d, static_shape(p)[d] // s, roles.get(p, "split"))
              for p, (d, s) in accepted.items()}, {}, {},
-        [numel(v) for v in result.partials], [numel(v) for v in set(result.copies.values())])
+        [numel(v) for v in result.partials], [numel(v) for v in set(result.copies.values())],
+        result.output_split)
+    if result.output_split:  # per row: the max, the sum of exponentials, the target logit
+        out_shape = static_shape(func.body.body.fields[0] if isinstance(
+            func.body.body, relax.Tuple) else func.body.body)
+        out.loss_reduces = [int(np.prod(out_shape[:-1], dtype=np.int64))] * 3
     for name in param_names:
         var = by_name[name]
         out.shapes[name] = static_shape(var)
         if var not in accepted:
-            out.replicated[name] = reasons.get(name, forced.get(var) or _default_reason(var,
-                                                                                    candidates))
+            out.replicated[name] = reasons.get(name, forced.get(var) or notes.get(var) or (
+                "not in the plan" if plan is not None else _default_reason(var, candidates)))
     if plan is not None:
         _check_explicit(plan, out, param_names)
     return out
@@ -156,7 +172,7 @@ def _default_reason(var, candidates):
     return "not a matmul weight next to a split layer"
 
 
-def _try(func, tp, accepted, group, by_name, needs_grad, forced):
+def _try(func, tp, accepted, group, by_name, needs_grad, forced, split_output):
     """Placements with ``group`` split as columns, growing with the propagation's requests;
     (None, why) when the graph cannot stay split."""
     seeds, requests = {}, {}
@@ -167,13 +183,13 @@ def _try(func, tp, accepted, group, by_name, needs_grad, forced):
     for _ in range(64):
         placements = {**accepted, **seeds, **requests}
         try:
-            propagate(func, tp, placements, set(by_name.values()), needs_grad)
+            propagate(func, tp, placements, set(by_name.values()), needs_grad, split_output)
             return placements, None
         except Request as request:
+            name = next(n for n, v in by_name.items() if v.same_as(request.param))
             if request.param in placements or request.param in forced:
-                return None, (f"{request.param.name} would need a second split"
-                              if request.param in placements else
-                              f"{request.param.name} is to stay replicated")
+                return None, (f"{name} would need a second split" if request.param in placements
+                              else f"{name} is to stay replicated by the plan")
             requests[request.param] = (request.dim, request.size)
         except Resegment as change:  # start again with each seed cut in segments
             for param, (dim, size) in seeds.items():
@@ -200,14 +216,21 @@ def _needs_grad(func, trained_vars):
 
 def _column_candidates(func, params):
     """[(param var, dim of its output features, root var of the activation it multiplies)]
-    for each matmul whose right operand is a 2-D parameter, possibly transposed."""
-    bound, out = {}, []
+    for each matmul whose right operand is a 2-D parameter, possibly transposed, and
+    (param var, 0, itself) for each embedding table (split along the vocabulary)."""
+    bound, out, embeddings = {}, [], []
     for block in func.body.blocks:
         for binding in block.bindings:
             bound[binding.var] = binding.value
             value = binding.value
-            if not (isinstance(value, relax.Call) and getattr(value.op, "name", "") ==
-                    "relax.matmul"):
+            name = getattr(value.op, "name", "") if isinstance(value, relax.Call) else ""
+            if (name == "relax.take" and value.args[0] in params
+                    and len(static_shape(value.args[0])) == 2 and value.attrs.axis is not None
+                    and int(value.attrs.axis) == 0):  # an embedding: vocabulary parallel
+                embeddings.append((value.args[0], static_shape(value.args[0])[0],
+                                   int(np.prod(static_shape(value.args[1]), dtype=np.int64))))
+                continue
+            if name != "relax.matmul":
                 continue
             a, b = value.args
             if b in params and len(static_shape(b)) == 2:
@@ -220,7 +243,17 @@ def _column_candidates(func, params):
                     continue
                 param, dim = v.args[0], 0
             out.append((param, dim, _root(a, bound)))
-    return out
+    # a table is split when it is also an output head (tied) or larger than the ids it looks
+    # up per step: splitting costs an allreduce of the looked-up rows and saves (V - V/T)
+    # rows of parameter, gradient and optimizer state (Megatron splits the word embedding,
+    # not the position table)
+    heads = {p for p, _, _ in out}
+    split = [(p, 0, p) for p, rows, ids in embeddings if p in heads or rows > ids]
+    notes = {p: (f"an embedding of {rows} rows looking up {ids} ids per step: splitting it "
+                 "would cost an allreduce of the rows looked up for little memory")
+             for p, rows, ids in embeddings if not (p in heads or rows > ids)}
+    # a tied table is tried as an embedding first (_candidate_groups)
+    return split + out, notes
 
 
 def _root(var, bound):
@@ -258,9 +291,11 @@ def _explicit_groups(plan, candidates, names, param_names):
             raise ValueError(f"tensor parallel plan: {key!r} matches no parameter (they are: "
                              f"{', '.join(param_names[:8])}{', ...' if len(param_names) > 8 else ''})")
     groups, forced = [], {}
-    for param, dim, _ in candidates:
+    for param, dim, root in candidates:
         value = _plan_value(plan, names[param])
-        if value == "colwise" and all(not p.same_as(param) for g in groups for p, _ in g):
+        # torchtitan's names: an embedding table split along the vocabulary is "rowwise"
+        wanted = "rowwise" if root.same_as(param) else "colwise"
+        if value == wanted and all(not p.same_as(param) for g in groups for p, _ in g):
             groups.append([(param, dim)])
     for var, name in names.items():
         if _plan_value(plan, name) == "replicate":
@@ -277,11 +312,11 @@ def _check_explicit(plan, result, param_names):
     for name in param_names:
         value = _plan_value(plan, name)
         p = result.placements.get(name)
-        if value == "rowwise" and (p is None or p.role != "rowwise"):
+        weight = len(result.shapes[name]) > 1  # a row layer's bias stays whole (after g)
+        if value == "rowwise" and weight and (p is None or p.role not in ("rowwise", "vocab")):
             raise ValueError(f"tensor parallel plan: {name} is planned rowwise but no "
                              f"column-parallel layer feeds it ({result.replicated.get(name)})")
-        if value == "colwise" and name.endswith("weight") and (p is None or p.role not in (
-                "colwise",)):
+        if value == "colwise" and weight and (p is None or p.role not in ("colwise",)):
             raise ValueError(f"tensor parallel plan: {name} is planned colwise but stays "
                              f"{p.role if p else 'replicated'}")
 
@@ -292,13 +327,15 @@ def _roles(func, placements, result):
     for block in func.body.blocks:
         for binding in block.bindings:
             value = binding.value
+            if binding.var in result.vocab_takes:
+                roles[value.args[0]] = "vocab"
             if not (isinstance(value, relax.Call) and getattr(value.op, "name", "") ==
                     "relax.matmul"):
                 continue
             for param in placements:
                 if _reads(value.args[1], param, func):
-                    roles[param] = ("rowwise" if binding.var in result.partials
-                                    else "colwise")
+                    role = "rowwise" if binding.var in result.partials else "colwise"
+                    roles[param] = (f"vocab+{role}" if roles.get(param) == "vocab" else role)
     for param in placements:
         roles.setdefault(param, "bias" if len(static_shape(param)) == 1 else "split")
     return roles
@@ -325,8 +362,10 @@ def shard_forward(func, tp, param_names, trained, plan):
         var = by_name[name]
         placements[var] = (p.dim, static_shape(var)[p.dim] // p.segments)
     needs_grad = _needs_grad(func, [by_name[n] for n in trained if n in by_name])
-    result = propagate(func, tp, placements, set(by_name.values()), needs_grad)
+    result = propagate(func, tp, placements, set(by_name.values()), needs_grad,
+                       plan.output_split)
     layouts = dict(result.layouts)
+    vocab = result.vocab_takes
     layouts.update({v: PARTIAL for v in result.partials})
     var_map = {}
     new_params = []
@@ -347,12 +386,12 @@ def shard_forward(func, tp, param_names, trained, plan):
                 with bb.dataflow():
                     copies = _Copies(bb, result.copies, var_map, bound)
                     for b in block.bindings:
-                        _rewrite(bb, b, tp, layouts, copies, var_map,
+                        _rewrite(bb, b, tp, layouts, copies, var_map, vocab,
                                  output=not isinstance(b.var, relax.DataflowVar))
             else:
                 copies = _Copies(bb, result.copies, var_map, bound)
                 for b in block.bindings:
-                    _rewrite(bb, b, tp, layouts, copies, var_map)
+                    _rewrite(bb, b, tp, layouts, copies, var_map, vocab)
         bb.emit_func_output(_substitute(func.body.body, var_map))
     return bb.get()[name]
 
@@ -391,7 +430,7 @@ class _Copies:
         return new
 
 
-def _rewrite(bb, binding, tp, layouts, copies, var_map, output=False):
+def _rewrite(bb, binding, tp, layouts, copies, var_map, vocab, output=False):
     var, value = binding.var, binding.value
     hi = layouts.get(var)
     if isinstance(value, relax.Call) and hasattr(value.op, "name"):
@@ -404,7 +443,8 @@ def _rewrite(bb, binding, tp, layouts, copies, var_map, output=False):
                 args.append(copies[a])
             else:
                 args.append(_substitute(a, var_map))
-        new = _local_call(value, args, var, hi, tp)
+        new = (_vocab_lookup(bb, value, args) if var in vocab else
+               _local_call(value, args, var, hi, tp))
     else:
         new = _substitute(value, var_map)
     if hi == PARTIAL:  # this rank's partial sum, then g
@@ -414,6 +454,27 @@ def _rewrite(bb, binding, tp, layouts, copies, var_map, output=False):
     _check_local(var, emitted, layouts, tp)
     var_map[var] = emitted
     return emitted
+
+
+def _vocab_lookup(bb, call, args):
+    """take(table piece, ids): the rows of ids in this rank's range [r * V/T, (r+1) * V/T),
+    zeros elsewhere (g then sums the ranks' pieces: Megatron's VocabParallelEmbedding)."""
+    op = relax.op
+    table, ids = args[0], args[1]
+    axis = int(call.attrs.axis) % len(static_shape(table))
+    rows = static_shape(table)[axis]
+    dtype = str(ids.ty.dtype)
+    rank = bb.emit(tp_rank(ids))
+    start = bb.emit(op.astype(op.multiply(rank, relax.const(rows, "int64")), dtype))
+    local = bb.emit(op.subtract(ids, start))
+    inside = bb.emit(op.logical_and(op.greater_equal(local, relax.const(0, dtype)),
+                                    op.less(local, relax.const(rows, dtype))))
+    safe = bb.emit(op.where(inside, local, relax.const(0, dtype)))
+    looked_up = bb.emit(relax.Call(call.op, [table, safe], call.attrs, call.ty_args))
+    keep = inside
+    for _ in range(len(static_shape(table)) - 1 - axis):
+        keep = bb.emit(op.expand_dims(keep, [-1]))
+    return op.where(keep, looked_up, relax.const(0.0, str(table.ty.dtype)))
 
 
 def _local_call(call, args, var, hi, tp):

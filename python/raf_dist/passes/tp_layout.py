@@ -117,12 +117,16 @@ class Propagation:
     layouts: dict
     copies: dict
     partials: set
+    vocab_takes: set = dataclasses.field(default_factory=set)  # embedding lookups (partial)
+    output_split: bool = False  # the output is split along its last (class) dimension
 
 
-def propagate(func, tp, placements, params, needs_grad):
+def propagate(func, tp, placements, params, needs_grad, split_output=False):
     """Layouts of ``func``'s bindings given ``placements`` {param var: (dim, size)}.
     ``params``: the function's parameter vars that may be split on request;
-    ``needs_grad``: vars through which a gradient flows to a trained parameter."""
+    ``needs_grad``: vars through which a gradient flows to a trained parameter;
+    ``split_output``: the output may stay split along its last dimension (logits for a
+    vocabulary-parallel cross-entropy)."""
     layouts, copies, partials = {}, {}, set()
     for p, (dim, size) in placements.items():
         shape = static_shape(p)
@@ -135,10 +139,18 @@ def propagate(func, tp, placements, params, needs_grad):
         for binding in block.bindings:
             rule.bind(binding)
     out = func.body.body
+    first = out.fields[0] if isinstance(out, relax.Tuple) else out  # (output, *buffers)
+    output_split = False
     for var in relax.analysis.free_vars(out):
-        if var in layouts:
-            raise Unsplittable(var, "a split value is an output of the forward")
-    return Propagation(layouts, copies, partials)
+        if var not in layouts:
+            continue
+        shape = static_shape(var)
+        if not (split_output and var.same_as(first)
+                and dim_of(shape, layouts[var], tp) == (len(shape) - 1, shape[-1])):
+            raise Unsplittable(var, "a split value is an output of the forward" + (
+                "" if split_output else " (a vocabulary-parallel loss needs cross_entropy)"))
+        output_split = True
+    return Propagation(layouts, copies, partials, rule.vocab_takes, output_split)
 
 
 class _Rules:
@@ -146,6 +158,7 @@ class _Rules:
         self.tp, self.layouts, self.copies, self.partials = tp, layouts, copies, partials
         self.params, self.needs_grad = params, needs_grad
         self.bound = {}  # var -> value, to trace a replicated weight back to its parameter
+        self.vocab_takes = set()
 
     def bind(self, binding):
         var, value = binding.var, binding.value
@@ -276,6 +289,8 @@ class _Rules:
             return self.reduce(var, call, out_shape)
         if name == "matmul":
             return self.matmul(var, call, out_shape)
+        if name == "take":
+            return self.take(var, call)
         if name == "split":
             return self.split(var, call)
         if name == "strided_slice":
@@ -351,6 +366,20 @@ class _Rules:
             so = static_shape(other)
             self.replicated_operand(var, other, jo - (no - len(so)), split[1], out_shape[jo])
         return hi_of(out_shape, jo, split[1])
+
+    def take(self, var, call):
+        """Rows of a table split along the looked-up axis (a vocabulary-parallel embedding):
+        each rank looks up the ids in its range, zeros the others, and g sums the pieces."""
+        table, ids = call.args[0], call.args[1]
+        shape = static_shape(table)
+        found = self.split_dim(table)
+        if found is None or ids in self.layouts:
+            raise Unsplittable(var, "take with split indices")
+        axis = call.attrs.axis
+        if axis is None or found != (int(axis) % len(shape), shape[int(axis) % len(shape)]):
+            raise Unsplittable(var, "take from a table split along another axis")
+        self.vocab_takes.add(var)
+        return PARTIAL
 
     def split(self, var, call):
         x = call.args[0]

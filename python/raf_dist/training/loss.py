@@ -3,6 +3,15 @@
 ``cross_entropy``: integer class targets, mean over the batch, as
 ``torch.nn.functional.cross_entropy`` (predictions (B, C) or (B, ..., C) with targets (B, ...)).
 ``mse``: mean of squared differences, as ``torch.nn.functional.mse_loss``.
+
+Under tensor parallelism the predictions may arrive split along their classes (the output
+head column-parallel, passes/tensor_parallel.py): ``vocab_parallel`` builds Megatron's
+vocabulary-parallel cross-entropy on the local piece, with no full logits on any rank:
+the row max (allreduce max, no gradient: a shift the loss does not depend on), the sum of
+exponentials and the target logit (the rank whose classes hold the target contributes it,
+the others 0) are each reduced across the tp ranks by g, whose backward is the identity, so
+autodiff yields the local softmax minus the local one-hot, as Megatron's hand-written
+backward.
 """
 import numpy as np
 from tvm import relax
@@ -11,10 +20,11 @@ LOSSES = ("cross_entropy", "mse")
 
 
 def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=None,
-               weighted=False):
+               weighted=False, vocab_parallel=False):
     """The loss as a Relax function, with the target's expected shape and dtype.
     ``weighted``: the function takes a third argument, a 0-d ``loss_weight``, and returns
-    the mean times it (data parallelism with uneven batches: training/batch_size.py)."""
+    the mean times it (data parallelism with uneven batches: training/batch_size.py).
+    ``vocab_parallel``: the predictions are this tp rank's slice of the classes (above)."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; expected one of {LOSSES}")
     pred_shape = tuple(int(d) for d in pred_shape)
@@ -45,8 +55,12 @@ def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=Non
                     flat_target = bb.emit(relax.op.reshape(target, (rows,)))
                 else:
                     flat_target = target
-                log_probs = bb.emit(relax.op.nn.log_softmax(logits, axis=-1))
-                value = bb.emit(relax.op.nn.nll_loss(log_probs, flat_target, reduction="mean"))
+                if vocab_parallel:
+                    value = _vocab_parallel_cross_entropy(bb, logits, flat_target)
+                else:
+                    log_probs = bb.emit(relax.op.nn.log_softmax(logits, axis=-1))
+                    value = bb.emit(relax.op.nn.nll_loss(log_probs, flat_target,
+                                                         reduction="mean"))
             else:
                 diff = bb.emit(relax.op.subtract(pred, target))
                 squared = bb.emit(relax.op.multiply(diff, diff))
@@ -56,6 +70,25 @@ def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=Non
             out = bb.emit_output(value)
         bb.emit_func_output(out)
     return bb.get()["loss"], (target_shape, target_dtype)
+
+
+def _vocab_parallel_cross_entropy(bb, logits, target):
+    """Mean cross-entropy of (rows, C/T) logits, this rank's classes [r C/T, (r+1) C/T)."""
+    from ..passes.tp_ops import tp_max, tp_rank, tp_reduce
+
+    op = relax.op
+    local = int(logits.ty.shape[-1])
+    dtype = str(logits.ty.dtype)
+    shift = bb.emit(tp_max(op.max(logits, axis=[-1], keepdims=True)))
+    shifted = bb.emit(op.subtract(logits, shift))
+    sum_exp = bb.emit(tp_reduce(op.sum(op.exp(shifted), axis=[-1])))
+    start = bb.emit(op.multiply(tp_rank(target), relax.const(local, "int64")))
+    mine = bb.emit(op.subtract(op.astype(target, "int64"), start))
+    one_hot = bb.emit(op.astype(op.equal(op.expand_dims(mine, [-1]),
+                                         op.arange(0, local, 1, "int64")), dtype))
+    target_logit = bb.emit(tp_reduce(op.sum(op.multiply(shifted, one_hot), axis=[-1])))
+    per_row = bb.emit(op.subtract(op.log(sum_exp), target_logit))
+    return bb.emit(op.mean(per_row))
 
 
 def num_classes(forward: relax.Function, name: str):

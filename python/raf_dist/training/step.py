@@ -111,8 +111,9 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
                          f"apply a loss, got {out_info}")
     pred_shape = [int(d) for d in out_info.shape]
     target_shape, target_dtype = (None, None) if target_spec is None else target_spec
-    loss_func, target_spec = build_loss(loss, pred_shape, out_info.dtype, target_shape,
-                                        target_dtype, weighted=loss_weight)
+    loss_func, target_spec = build_loss(
+        loss, pred_shape, out_info.dtype, target_shape, target_dtype, weighted=loss_weight,
+        vocab_parallel=getattr(model, "output_split_classes", 0) > 1)
     missing = missing_gradients(forward)
     if missing:
         ops = ", ".join(f"{op} (computing {var})" for op, var in missing)

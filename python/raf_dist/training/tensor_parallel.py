@@ -19,11 +19,12 @@ def trained_names(model):
     return [n for n in model.param_names if n not in frozen]
 
 
-def make_plan(model, tp: int, plan=None) -> TensorParallelPlan:
+def make_plan(model, tp: int, plan=None, loss="cross_entropy") -> TensorParallelPlan:
     """The plan for ``model`` at ``tp`` ranks: found on the captured graph, or ``plan``
-    ({pattern: "colwise" | "rowwise" | "replicate"}) checked against it."""
+    ({pattern: "colwise" | "rowwise" | "replicate"}) checked against it. With
+    cross-entropy the output head may stay split along the classes (vocabulary parallel)."""
     return plan_tensor_parallel(model.forward, tp, list(model.param_names), trained_names(model),
-                                plan=plan)
+                                plan=plan, split_output=loss == "cross_entropy")
 
 
 def shard_model(model, plan: TensorParallelPlan, tp_rank: int, full_params: dict):
@@ -45,6 +46,7 @@ def shard_model(model, plan: TensorParallelPlan, tp_rank: int, full_params: dict
         return shard_model(other, plan, tp_rank, full_params)
 
     return dataclasses.replace(model, mod=mod, init_params=init,
+                               output_split_classes=plan.tp if plan.output_split else 0,
                                respecialize=respecialize if model.respecialize else None)
 
 

@@ -6,7 +6,9 @@ World = dp x TP. Every rank passes the slice of the global batch of its data-par
 after STEPS steps losses, full parameters (state_dict) and optimizer state must equal a
 single-process run on the global batch (norm-relative <= 5e-5), and the bus bytes on the tp
 group must be the plan's: per step one allreduce per g (forward) and per f with a gradient
-(backward), plus the non-finite guard's verdict (one float) when the step has one.
+(backward), the vocabulary-parallel loss's three per row, plus the non-finite guard's verdict
+(one float) when the step has one. ``predict`` on 3 rows equals PyTorch's forward with the
+trained parameters.
 --load resumes from a checkpoint (written at any layout) first; the reference then covers
 the loaded steps too. --save writes a checkpoint at the end. Prints 'rank R: TP OK'."""
 import sys
@@ -63,11 +65,19 @@ def main():
         for state, value in by_state.items():
             assert rel_err(states[key][state], value) <= TOL, (key, state)
 
+    # predict (here at 3 rows, another batch size: the model split again) gathers the whole
+    # output on every rank; PyTorch with the trained parameters says what it must be
+    module.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()}, strict=False)
+    with torch.no_grad():
+        expected = module(x[:3]).numpy()
+    assert rel_err(trainer.predict(x[:3].numpy()), expected) <= 1e-5
+
     plan = trainer.tp_plan
     if tp > 1:
         assert plan.placements, plan.explain()
         guard = 1 if trainer._nonfinite_guard() else 0
-        numel = sum(plan.forward_reduces) + sum(plan.backward_reduces) + guard
+        numel = (sum(plan.forward_reduces) + sum(plan.backward_reduces)
+                 + sum(plan.loss_reduces) + guard)
         expected = steps * 2 * (tp - 1) / tp * 4 * numel
         assert abs(tp_bytes - expected) < 1e-6, (tp_bytes, expected, plan.explain())
         # the split parameters are held as 1/T pieces

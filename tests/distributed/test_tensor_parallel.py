@@ -1,0 +1,47 @@
+"""Tensor parallelism on real processes (workers/tp_train.py): T ranks (and dp x T with ZeRO)
+train like one process on the global batch, with the plan's bus bytes on the tp group;
+checkpoints reshard across tp x dp x ZeRO; bad layouts are refused on every rank before any
+collective (workers/tp_errors.py)."""
+import pytest
+
+from mpi_launch import check_mpi
+
+
+def _ok(out, ranks):
+    assert out.count("TP OK") == ranks, out
+
+
+@pytest.mark.parametrize("model,optimizer,tp,zero,ranks", [
+    ("mlp", "sgd_momentum", 2, 0, 2),              # column -> row pair, SGD with momentum
+    ("transformer4", "adamw", 4, 0, 4),             # heads over 4 ranks, vocabulary-parallel head
+    ("transformer4", "sgd_momentum", 2, 3, 4),      # dp 2 x tp 2, ZeRO-3 over dp
+    ("hf_gpt2", "hf_adamw", 2, 0, 2),               # fused qkv, tied vocab-parallel embedding
+    ("hf_llama", "hf_adamw", 2, 1, 4),              # grouped-query attention, SwiGLU, ZeRO-1
+], ids=["mlp-tp2", "transformer-tp4", "transformer-dp2xtp2-zero3", "gpt2-tp2",
+        "llama-dp2xtp2-zero1"])
+def test_tensor_parallel_equals_one_process(model, optimizer, tp, zero, ranks):
+    out = check_mpi("tp_train.py", ranks, model, optimizer, tp, zero, 3, timeout=420)
+    _ok(out, ranks)
+    assert "colwise" in out and "rowwise" in out
+
+
+def test_checkpoint_reshards_across_tp_dp_and_zero(tmp_path):
+    """Saved at dp 2 x tp 2 (ZeRO-1), resumed at dp 4 (ZeRO-2, no tp) and at tp 4: each
+    continues exactly as one process that never stopped."""
+    ckpt = tmp_path / "ckpt"
+    _ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 2, 1, 2, "--save", ckpt,
+                  timeout=300), 4)
+    _ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 1, 2, 2, "--load", ckpt,
+                  timeout=300), 4)
+    _ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 4, 0, 2, "--load", ckpt,
+                  timeout=300), 4)
+
+
+@pytest.mark.parametrize("case,ranks,message", [
+    ("world", 3, "does not split into pp x dp x tp"),
+    ("no_dp", 4, "enable_data_parallel"),
+    ("indivisible", 4, "layers.0.weight"),
+])
+def test_bad_layouts_are_refused_on_every_rank(case, ranks, message):
+    out = check_mpi("tp_errors.py", ranks, case, timeout=120)
+    assert out.count("refused:") == ranks and out.count(message) >= ranks, out
