@@ -297,9 +297,9 @@ def single_process_reference(name, opt_name, global_batch, steps):
     if comm.rank == 0:
         config = dist.get_config()
         saved = {k: getattr(config, k) for k in ("enable_data_parallel", "zero_opt_level",
-                                                 "tensor_parallel_size")}
+                                                 "tensor_parallel_size", "num_microbatches")}
         config.update({"enable_data_parallel": False, "zero_opt_level": 0,
-                       "tensor_parallel_size": 1})
+                       "tensor_parallel_size": 1, "num_microbatches": 1})
         module, x, y = make(name, global_batch, seed=0)
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                    optimizer=raf_optimizer(opt_name))

@@ -110,7 +110,15 @@ class Trainer:
             step_model = decompose_forward(model, self.sync_batch_norm_world)
         self.nonfinite = nonfinite
         # ranks may hold different numbers of rows: each weights its loss (training/batch_size.py)
-        self._weighted_loss = self.data_parallel and self.world > 1
+        # gradient accumulation (num_microbatches, DESIGN.md 3c at P = 1): microbatches weight
+        # their losses by rows too
+        self.microbatches = int(config.num_microbatches)
+        if self.microbatches > 1 and self.data_parallel and self.zero_level == 3:
+            raise ValueError(
+                f"num_microbatches={self.microbatches} with zero_opt_level=3 is not supported: "
+                "the microbatches before the last would need the parameters gathered again "
+                "each time. Use zero_opt_level <= 2 or num_microbatches=1")
+        self._weighted_loss = (self.data_parallel and self.world > 1) or self.microbatches > 1
         self.ir, self.signature = build_train_step(step_model, loss, optimizer,
                                                    nonfinite_guard=self._nonfinite_guard(),
                                                    loss_weight=self._weighted_loss,
@@ -192,11 +200,12 @@ class Trainer:
                 f"rank {groups[[k for k in groups if k != everyone[0][0]][0]][0]} has "
                 f"{json.dumps({k: theirs[k] for k in differing}, default=str)[:500]}")
 
-    def _passes(self, config):
-        """The config, read once, as explicit pass arguments."""
-        passes = step_passes(self.zero_level if self.data_parallel else 0,
-                             self.world if self.data_parallel else 1, self.bucket_bytes,
-                             overlap=config.overlap_comm, group=self.dp_group)
+    def _passes(self, config, local=False):
+        """The config, read once, as explicit pass arguments. ``local``: for a step without
+        gradient collectives (the microbatches before the last)."""
+        passes = step_passes(self.zero_level if self.data_parallel and not local else 0,
+                             self.world if self.data_parallel and not local else 1,
+                             self.bucket_bytes, overlap=config.overlap_comm, group=self.dp_group)
         if self.sync_batch_norm_world > 1:  # the statistics' allreduce ops, after autodiff
             passes.insert(1, LowerAllReduce(self.dp_group))
         if self.tp > 1:  # f and g (passes/tp_ops.py), after autodiff
@@ -264,29 +273,36 @@ class Trainer:
                      "target")
         if self._classes is not None:  # before any collective: the message names the value
             check_targets(y, self._classes)
-        variant = self._step_variant(rows) if rows else None  # local work, before collectives
+        pieces = batching.microbatches(rows, self.microbatches)
+        # local work, before collectives: the compiled steps for these sizes
+        variants = ([self._step_variant(r, "partial") for r in pieces[:-1]]
+                    + [self._step_variant(pieces[-1], "final")] if len(pieces) > 1
+                    else [self._step_variant(rows) if rows else None])
         # the step running and the last one completed: a failure message is unambiguous
         # (checkpoints are named by the last completed step); set before the step's first
         # collective
         self.comm.activity = f"step {self.step_count + 1} (last completed: {self.step_count})"
         rows_per_rank = self._rows_per_rank(rows)  # a small collective under data parallelism
-        signature = variant.signature
-        args = [self._to_device(a, spec, f"input {i}")
-                for i, (a, spec) in enumerate(zip(inputs, signature.input_specs))]
-        args += [tvm.runtime.tensor(m, self._device)
-                 for m in self.dropout_masks(self.step_count + 1, rows)]
-        args += self._frozen
-        args.append(self._to_device(y, signature.target_spec, "target"))
-        if signature.loss_weight_dtype is not None:  # this rank's share of the global batch
-            weight = batching.loss_weight(rows, rows_per_rank)
-            args.append(tvm.runtime.tensor(np.array(weight, dtype=signature.loss_weight_dtype),
-                                           self._device))
         # the optimizer's own step count (Adam's bias correction): skipped steps do not count
         hypers = self.optimizer.hyper_values(self.step_count + 1 - self.skipped_steps)
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype), self._device)
                       for h in self.signature.hyper_names]
         before = collectives.comm_counters() if self.spmd else None
-        out = variant.step_fn(*args, *self._params, *self._states, *hyper_args, *self._buffers)
+        accumulators, start = None, 0
+        for m, (variant, piece) in enumerate(zip(variants, pieces)):
+            args = self._step_inputs(variant, inputs, y, start, piece, rows_per_rank,
+                                     m if len(pieces) > 1 else None)
+            start += piece
+            if variant.kind == "partial":  # gradients and loss added into the accumulators
+                if accumulators is None:
+                    accumulators = self._zero_accumulators()
+                out = variant.step_fn(*args, *self._params, *accumulators, *self._buffers)
+                n = len(self._params)  # out: (loss so far, *gradient sums, *new buffers)
+                accumulators = [out[1 + i] for i in range(n)] + [out[0]]
+                self._buffers = [out[1 + n + i] for i in range(len(self._buffers))]
+                continue
+            out = variant.step_fn(*args, *self._params, *self._states, *hyper_args,
+                                  *(accumulators or ()), *self._buffers)
         if before is not None:
             after = collectives.comm_counters()
             self._comm_last_step = {k: after[k]["bus_bytes"] - before[k]["bus_bytes"]
@@ -305,6 +321,38 @@ class Trainer:
         self.step_count += 1
         self.comm.activity = f"work between steps (last completed: {self.step_count})"
         return loss
+
+    def _step_inputs(self, variant, inputs, y, start, rows, rows_per_rank, microbatch):
+        """The data arguments of one step call: rows [start, start + rows) of every batched
+        input and of the target (all of them when ``microbatch`` is None), the dropout masks,
+        the frozen parameters, the loss weight (this piece's share of the global batch)."""
+        signature, captured = variant.signature, self.batch_size
+
+        def piece(array, spec):
+            array = np.asarray(array)
+            if microbatch is not None and len(spec[0]) and int(spec[0][0]) == captured:
+                return array[start:start + rows]
+            return array
+
+        args = [self._to_device(piece(a, spec), vspec, f"input {i}") for i, (a, spec, vspec)
+                in enumerate(zip(inputs, self.signature.input_specs, signature.input_specs))]
+        args += [tvm.runtime.tensor(m, self._device) for m in self.dropout_masks(
+            self.step_count + 1, rows, microbatch)]
+        args += self._frozen
+        args.append(self._to_device(piece(y, self.signature.target_spec), signature.target_spec,
+                                    "target"))
+        if signature.loss_weight_dtype is not None:  # this piece's share of the global batch
+            weight = batching.loss_weight(rows, rows_per_rank)
+            args.append(tvm.runtime.tensor(np.array(weight, dtype=signature.loss_weight_dtype),
+                                           self._device))
+        return args
+
+    def _zero_accumulators(self):
+        """Gradient accumulators (one per trained parameter, as this rank holds it) and the
+        loss accumulator, zero at the start of a step."""
+        specs = self.signature.param_specs
+        return ([tvm.runtime.tensor(np.zeros(s, d), self._device) for s, d in specs]
+                + [tvm.runtime.tensor(np.zeros((), self._hyper_dtype), self._device)])
 
     # ---- non-finite losses and gradients (training/nonfinite.py) ---------------------------
     def _nonfinite_guard(self):
@@ -355,7 +403,7 @@ class Trainer:
         values.update(zip(self.signature.frozen_names, self._frozen))
         return {name: values[name] for name in self.model.param_names}
 
-    def dropout_masks(self, step, rows=None):
+    def dropout_masks(self, step, rows=None, microbatch=None):
         """The dropout masks of 1-based ``step`` on this rank, in execution order: 0 or
         1/(1-p) per element, drawn from a generator seeded by (seed, rank, step), so a run is
         reproducible and every rank drops different elements of its own rows. ``rows``: the
@@ -363,7 +411,8 @@ class Trainer:
         of the model at that size."""
         # tp ranks of one dp index compute the same replicated activations: the same masks
         rank = self.mesh.dp_rank if self.mesh else self.comm.rank
-        rng = np.random.default_rng([self.seed, rank, int(step)])
+        seed = [self.seed, rank, int(step)] + ([] if microbatch is None else [int(microbatch)])
+        rng = np.random.default_rng(seed)
         masks = []
         specs = (self.signature.dropout_specs if rows is None
                  else self._model_at(rows).dropout_specs)
@@ -452,12 +501,15 @@ class Trainer:
             self._models[rows] = self.model.at_batch(rows)
         return self._models[rows]
 
-    def _step_variant(self, rows):
+    def _step_variant(self, rows, kind=None):
         """The compiled step for ``rows`` rows on this rank: built the first time a batch of
         that size comes (captured again, differentiated, compiled with the same passes); it
         takes the same parameter, state and buffer tensors as every other size. Local work:
-        under data parallelism the ranks may be at different sizes, so there is no barrier."""
-        variant = self._variants.get(rows)
+        under data parallelism the ranks may be at different sizes, so there is no barrier.
+        ``kind``: "partial" / "final" for the microbatches of gradient accumulation
+        (build_train_step's ``accumulate``)."""
+        key = rows if kind is None else (rows, kind)
+        variant = self._variants.get(key)
         if variant is not None:
             return variant
         _LOG.info("batch size %d on rank %d (the step was captured with %d): compiling a step "
@@ -470,17 +522,19 @@ class Trainer:
         ir, signature = build_train_step(step_model, self.loss, self.optimizer,
                                          nonfinite_guard=self._nonfinite_guard(),
                                          loss_weight=self._weighted_loss,
-                                         tensor_parallel=self.tp > 1)
+                                         tensor_parallel=self.tp > 1, accumulate=kind)
         batching.check_same_state(self.signature, signature, rows)
-        if self.data_parallel and gradient_buckets(ir, self.bucket_bytes) != self.grad_buckets:
+        if (self.data_parallel and kind != "partial"
+                and gradient_buckets(ir, self.bucket_bytes) != self.grad_buckets):
             raise ValueError(f"the step for batch size {rows} groups the gradients into other "
                              "buckets than the captured step; its collectives would not match "
                              "the other ranks'. Use the captured batch size")
-        compiled = compile_step(ir, passes=self._step_passes, target=self._target,
-                                cache_dir=self._cache_dir)
+        passes = self._step_passes if kind != "partial" else self._passes(get_config(),
+                                                                              local=True)
+        compiled = compile_step(ir, passes=passes, target=self._target, cache_dir=self._cache_dir)
         step_fn = relax.VirtualMachine(compiled.executable, self._device)["train_step"]
-        variant = batching.StepVariant(rows, model, signature, compiled, step_fn)
-        self._variants[rows] = variant
+        variant = batching.StepVariant(rows, model, signature, compiled, step_fn, kind)
+        self._variants[key] = variant
         return variant
 
     def _rows_per_rank(self, rows):

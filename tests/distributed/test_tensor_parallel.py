@@ -11,16 +11,18 @@ def _ok(out, ranks):
     assert out.count("TP OK") == ranks, out
 
 
-@pytest.mark.parametrize("model,optimizer,tp,zero,ranks", [
-    ("mlp", "sgd_momentum", 2, 0, 2),              # column -> row pair, SGD with momentum
-    ("transformer4", "adamw", 4, 0, 4),             # heads over 4 ranks, vocabulary-parallel head
-    ("transformer4", "sgd_momentum", 2, 3, 4),      # dp 2 x tp 2, ZeRO-3 over dp
-    ("hf_gpt2", "hf_adamw", 2, 0, 2),               # fused qkv, tied vocab-parallel embedding
-    ("hf_llama", "hf_adamw", 2, 1, 4),              # grouped-query attention, SwiGLU, ZeRO-1
-], ids=["mlp-tp2", "transformer-tp4", "transformer-dp2xtp2-zero3", "gpt2-tp2",
+@pytest.mark.parametrize("model,optimizer,tp,zero,ranks,extra", [
+    # column -> row pair, SGD with momentum; dp 2 x tp 2 with 3 microbatches of 2 + 1 + 1 rows
+    # (gradient accumulation: the dp allreduce once per step)
+    ("mlp", "sgd_momentum", 2, 0, 4, ("--microbatches", 3)),
+    ("transformer4", "adamw", 4, 0, 4, ()),          # heads over 4 ranks, vocab-parallel head
+    ("transformer4", "sgd_momentum", 2, 3, 4, ()),   # dp 2 x tp 2, ZeRO-3 over dp
+    ("hf_gpt2", "hf_adamw", 2, 0, 2, ()),            # fused qkv, tied vocab-parallel embedding
+    ("hf_llama", "hf_adamw", 2, 1, 4, ()),           # grouped-query attention, SwiGLU, ZeRO-1
+], ids=["mlp-dp2xtp2-microbatches", "transformer-tp4", "transformer-dp2xtp2-zero3", "gpt2-tp2",
         "llama-dp2xtp2-zero1"])
-def test_tensor_parallel_equals_one_process(model, optimizer, tp, zero, ranks):
-    out = check_mpi("tp_train.py", ranks, model, optimizer, tp, zero, 3, timeout=420)
+def test_tensor_parallel_equals_one_process(model, optimizer, tp, zero, ranks, extra):
+    out = check_mpi("tp_train.py", ranks, model, optimizer, tp, zero, 3, *extra, timeout=420)
     _ok(out, ranks)
     assert "colwise" in out and "rowwise" in out
 

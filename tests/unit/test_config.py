@@ -67,16 +67,17 @@ def test_pipeline_schedule_names_the_schedules(cfg):
         cfg.pipeline_schedule = "1F1B"
 
 
-@pytest.mark.parametrize("field", ["pipeline_parallel_size", "num_microbatches"])
+@pytest.mark.parametrize("field", ["pipeline_parallel_size"])
 def test_fields_not_built_yet_are_refused_by_name(cfg, field):
     setattr(cfg, field, 2)
     with pytest.raises(NotImplementedError, match=f"{field}=2 is not supported yet"):
         cfg.check_supported()
 
 
-def test_tensor_parallelism_is_built(cfg):
+def test_tensor_parallelism_and_gradient_accumulation_are_built(cfg):
     cfg.tensor_parallel_size = 2
-    cfg.check_supported()  # the Trainer runs it (tests/distributed/test_tensor_parallel.py)
+    cfg.num_microbatches = 4
+    cfg.check_supported()  # tests/distributed/test_tensor_parallel.py, numeric/test_grad_accumulation.py
 
 
 @pytest.mark.parametrize("field", ["enable_data_parallel", "overlap_comm", "sync_batch_norm"])

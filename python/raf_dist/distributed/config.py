@@ -9,7 +9,7 @@ import dataclasses
 _ZERO_LEVELS = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 #: (field, its default) that this version validates but cannot run otherwise
-NOT_BUILT = (("pipeline_parallel_size", 1), ("num_microbatches", 1))
+NOT_BUILT = (("pipeline_parallel_size", 1),)
 
 
 @dataclasses.dataclass
@@ -31,8 +31,8 @@ class DistConfig:
         pipeline_schedule: "gpipe", "1f1b" (default), "interleaved_1f1b" or "zero_bubble".
 
     The mesh fields are part of the public contract and validated here; the Trainer refuses
-    values it cannot run yet (pipelining and gradient accumulation are not built) with an
-    error naming the field, before anything starts.
+    values it cannot run yet (pipelining is not built; ``num_microbatches`` runs as gradient
+    accumulation) with an error naming the field, before anything starts.
     """
 
     enable_data_parallel: bool = False
@@ -76,8 +76,8 @@ class DistConfig:
             if getattr(self, name) != default:
                 raise NotImplementedError(
                     f"{name}={getattr(self, name)} is not supported yet: this version of "
-                    f"raf_dist trains with data and tensor parallelism and ZeRO (pipelining "
-                    f"and gradient accumulation are not built); set {name}={default}")
+                    f"raf_dist trains with data and tensor parallelism, ZeRO and gradient "
+                    f"accumulation (pipelining is not built); set {name}={default}")
 
     def reset(self):
         """Back to the defaults (tests use this between cases)."""

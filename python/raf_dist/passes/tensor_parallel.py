@@ -313,10 +313,12 @@ def _check_explicit(plan, result, param_names):
         value = _plan_value(plan, name)
         p = result.placements.get(name)
         weight = len(result.shapes[name]) > 1  # a row layer's bias stays whole (after g)
-        if value == "rowwise" and weight and (p is None or p.role not in ("rowwise", "vocab")):
+        if value == "rowwise" and weight and (p is None or p.role not in (
+                "rowwise", "vocab", "vocab+colwise")):
             raise ValueError(f"tensor parallel plan: {name} is planned rowwise but no "
                              f"column-parallel layer feeds it ({result.replicated.get(name)})")
-        if value == "colwise" and weight and (p is None or p.role not in ("colwise",)):
+        if value == "colwise" and weight and (p is None or p.role not in (
+                "colwise", "vocab+colwise")):
             raise ValueError(f"tensor parallel plan: {name} is planned colwise but stays "
                              f"{p.role if p else 'replicated'}")
 

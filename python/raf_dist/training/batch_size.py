@@ -29,6 +29,7 @@ class StepVariant:
     signature: object  # its TrainStepSignature
     compiled: object  # its CompiledStep
     step_fn: object  # the VM's train_step
+    kind: str = None  # None: a whole step; "partial" / "final": a microbatch's (accumulation)
 
 
 def batched_spec(spec, rows: int, captured_rows: int):
@@ -82,6 +83,16 @@ def allgather_rows(mpi_comm, rows: int) -> list:
                     f"within {timeout:g} s (RAF_DIST_COLLECTIVE_TIMEOUT_S); a peer rank has "
                     "probably died, stalled or is running a different program")
     return [int(r) for r in received]
+
+
+def microbatches(rows: int, count: int) -> list:
+    """The rows of each of ``count`` microbatches of a batch of ``rows`` rows, as even as they
+    go (the first ones one row more: np.array_split's rule); fewer when the batch has fewer
+    rows than ``count`` (every microbatch needs a row; the loss weights keep the mean that
+    of the whole batch)."""
+    count = max(1, min(int(count), int(rows))) if rows else 1
+    base, extra = divmod(int(rows), count)
+    return [base + (1 if i < extra else 0) for i in range(count)]
 
 
 def loss_weight(local_rows: int, rows_per_rank) -> float:

@@ -82,8 +82,11 @@ def missing_gradients(func):
     return missing
 
 
+ACCUMULATE = (None, "partial", "final")
+
+
 def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=None,
-                     loss_weight=False, tensor_parallel=False):
+                     loss_weight=False, tensor_parallel=False, accumulate=None):
     """Return (IRModule with "train_step", TrainStepSignature).
 
     ``loss_weight``: the step takes a 0-d ``loss_weight`` argument right after the target that
@@ -93,7 +96,17 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     skipped (parameters and optimizer state kept) and the loss returned as NaN when a
     gradient (or the loss) is not finite (training/nonfinite.py; not under ZeRO).
     ``tensor_parallel``: the model's forward is split across tp ranks (each holds other pieces
-    of some gradients), so the guard's verdict is agreed across them."""
+    of some gradients), so the guard's verdict is agreed across them.
+
+    ``accumulate`` (gradient accumulation over microbatches, DESIGN.md 3c with P = 1):
+    ``"partial"`` builds ``train_step(*inputs, *masks, *frozen, target, [loss_weight],
+    *params, *grad_accs, loss_acc, *buffers) -> (loss_acc + loss, *grad_accs + grads,
+    *new_buffers)``: forward and backward of one microbatch added into the accumulators, no
+    marker, no update. ``"final"`` is the ordinary step with ``*grad_accs, loss_acc`` between
+    the hypers and the buffers, added to the last microbatch's gradients (before their
+    markers: the collectives reduce the sums) and loss."""
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     if nonfinite_guard not in (None, "gradients", "gradients_and_loss"):
         raise ValueError(f"nonfinite_guard must be None, 'gradients' or 'gradients_and_loss', "
                          f"got {nonfinite_guard!r}")
@@ -148,7 +161,16 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     n_states = len(optimizer.state_names)
 
     bb = relax.BlockBuilder()
-    params = inputs + targets + param_vars + state_vars + list(hyper_vars.values()) + buffer_vars
+    acc_vars = [relax.Var(f"{_ident(p)}__grad_acc", v.ty) for p, v in zip(trainable, param_vars)]
+    loss_acc = relax.Var("loss_acc", relax.TensorType((), hyper_dtype))
+    if accumulate == "partial":
+        params = inputs + targets + param_vars + acc_vars + [loss_acc] + buffer_vars
+    elif accumulate == "final":
+        params = (inputs + targets + param_vars + state_vars + list(hyper_vars.values())
+                  + acc_vars + [loss_acc] + buffer_vars)
+    else:
+        params = (inputs + targets + param_vars + state_vars + list(hyper_vars.values())
+                  + buffer_vars)
     loss_value, grads, new_buffers = _loss_and_grads(adjoint)
     # Gradient ends with `p_adjoint_out = p_adjoint` aliases in parameter order: follow them
     # to the binding backward really produces, so each marker sits where its gradient is made.
@@ -160,6 +182,17 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
         grads[i] = g
     grad_index = {g: i for i, g in enumerate(grads) if isinstance(g, relax.Var)}
     marked = [None] * len(grads)
+
+    def mark(grad, i):
+        if accumulate is None:
+            return bb.emit(mark_gradient(grad, i))
+        total = bb.emit(relax.op.add(acc_vars[i], grad))
+        return total if accumulate == "partial" else bb.emit(mark_gradient(total, i))
+
+    if accumulate == "partial":
+        return _partial_step(bb, params, adjoint, grads, grad_index, mark, loss_value,
+                             loss_acc, new_buffers, model, target_spec, trainable, specs,
+                             optimizer, frozen, loss_weight, out_info, len(inputs) + len(targets))
     with bb.function("train_step", params):
         with bb.dataflow():
             # backward, with each gradient marked the moment it is produced (in backward
@@ -169,11 +202,13 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
                     bb.emit_normalized(binding)
                     i = grad_index.get(binding.var)
                     if i is not None:
-                        marked[i] = bb.emit(mark_gradient(binding.var, i))
+                        marked[i] = mark(binding.var, i)
             for i, grad in enumerate(grads):
                 if marked[i] is None:  # not computed by a binding (e.g. a constant zero)
-                    marked[i] = bb.emit(mark_gradient(grad, i))
+                    marked[i] = mark(grad, i)
             grads = marked
+            if accumulate == "final":
+                loss_value = bb.emit(relax.op.add(loss_acc, loss_value))
             flag = None
             if nonfinite_guard:
                 flag = nonfinite.finite_flag(
@@ -204,7 +239,12 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
         UPDATED_ARGUMENTS: list(range(first, first + n_params * (1 + n_states)))
         + list(range(len(params) - n_buffers, len(params)))})
     step_mod = relax.transform.DeadCodeElimination(["train_step"])(step_mod)
-    signature = TrainStepSignature(
+    return step_mod, _signature(model, target_spec, trainable, specs, optimizer, frozen,
+                                loss_weight, out_info)
+
+
+def _signature(model, target_spec, trainable, specs, optimizer, frozen, loss_weight, out_info):
+    return TrainStepSignature(
         input_specs=list(model.input_specs), target_spec=tuple(target_spec),
         param_names=trainable, param_specs=[specs[n] for n in trainable],
         state_names=list(optimizer.state_names), hyper_names=list(optimizer.hyper_names),
@@ -212,9 +252,39 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
         frozen_names=[n for n in model.param_names if n in frozen],
         frozen_specs=[specs[n] for n in model.param_names if n in frozen],
         buffer_names=list(getattr(model, "buffer_names", ())),
-        buffer_specs=model.buffer_specs() if n_buffers else [],
+        buffer_specs=model.buffer_specs() if getattr(model, "buffer_names", ()) else [],
         loss_weight_dtype=str(out_info.dtype) if loss_weight else None)
-    return step_mod, signature
+
+
+def _partial_step(bb, params, adjoint, grads, grad_index, mark, loss_value, loss_acc,
+                  new_buffers, model, target_spec, trainable, specs, optimizer, frozen,
+                  loss_weight, out_info, first_param):
+    """``build_train_step(accumulate="partial")``: one microbatch's forward and backward
+    added into the accumulators (returned, and written in place of the arguments)."""
+    accs = [None] * len(grads)
+    with bb.function("train_step", params):
+        with bb.dataflow():
+            for block in adjoint.body.blocks:
+                for binding in block.bindings:
+                    bb.emit_normalized(binding)
+                    i = grad_index.get(binding.var)
+                    if i is not None:
+                        accs[i] = mark(binding.var, i)
+            for i, grad in enumerate(grads):
+                if accs[i] is None:
+                    accs[i] = mark(grad, i)
+            total = bb.emit(relax.op.add(loss_acc, loss_value))
+            out = bb.emit_output(relax.Tuple([total, *accs, *new_buffers]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    n = len(trainable)
+    first_acc = first_param + n
+    mod["train_step"] = mod["train_step"].with_attrs({UPDATED_ARGUMENTS: list(
+        range(first_acc, first_acc + n)) + list(range(len(params) - len(new_buffers),
+                                                      len(params)))})
+    mod = relax.transform.DeadCodeElimination(["train_step"])(mod)
+    return mod, _signature(model, target_spec, trainable, specs, optimizer, frozen, loss_weight,
+                           out_info)
 
 
 def _loss_and_grads(adjoint):

@@ -1,7 +1,7 @@
 """Tensor parallelism (composed with data parallelism and ZeRO) vs one process on the global
 batch.
 
-Usage: tp_train.py MODEL OPTIMIZER TP ZERO STEPS [--save DIR] [--load DIR]
+Usage: tp_train.py MODEL OPTIMIZER TP ZERO STEPS [--save DIR] [--load DIR] [--microbatches M]
 World = dp x TP. Every rank passes the slice of the global batch of its data-parallel index;
 after STEPS steps losses, full parameters (state_dict) and optimizer state must equal a
 single-process run on the global batch (norm-relative <= 5e-5), and the bus bytes on the tp
@@ -9,7 +9,8 @@ group must be the plan's: per step one allreduce per g (forward) and per f with 
 (backward), the vocabulary-parallel loss's three per row, plus the non-finite guard's verdict
 (one float) when the step has one. ``predict`` on 3 rows equals PyTorch's forward with the
 trained parameters.
---load resumes from a checkpoint (written at any layout) first; the reference then covers
+--microbatches M accumulates the gradients of M microbatches per step (one update, the
+collectives once). --load resumes from a checkpoint (written at any layout) first; the reference then covers
 the loaded steps too. --save writes a checkpoint at the end. Prints 'rank R: TP OK'."""
 import sys
 
@@ -33,7 +34,8 @@ def main():
     dp = comm.size // tp
     config = dist.get_config()
     config.update({"tensor_parallel_size": tp, "enable_data_parallel": dp > 1 or zero > 0,
-                   "zero_opt_level": zero})
+                   "zero_opt_level": zero,
+                   "num_microbatches": int(flags.get("--microbatches", 1))})
     mesh = dist.get_mesh()
     module, x, y = make(name, GLOBAL_BATCH, seed=0)
     if comm.rank > 0:  # the Trainer must start every rank from rank 0's parameters
@@ -73,7 +75,10 @@ def main():
     assert rel_err(trainer.predict(x[:3].numpy()), expected) <= 1e-5
 
     plan = trainer.tp_plan
-    if tp > 1:
+    if dp > 1 and zero == 0:  # gradient buckets + the loss, once per step whatever M
+        calls = dist.comm_counters(group=mesh.dp_group)["allreduce"]["calls"]
+        assert calls == steps * (trainer.num_grad_buckets + 1), (calls, trainer.num_grad_buckets)
+    if tp > 1:  # every tp allreduce is per row: microbatches sum to the same bytes
         assert plan.placements, plan.explain()
         guard = 1 if trainer._nonfinite_guard() else 0
         numel = (sum(plan.forward_reduces) + sum(plan.backward_reduces)

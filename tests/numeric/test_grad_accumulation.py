@@ -1,0 +1,60 @@
+"""Gradient accumulation (num_microbatches = M at pipeline_parallel_size = 1): M microbatches,
+one update, equal to one step on the whole batch (the microbatch losses weighted by rows, so
+uneven microbatches and a batch with fewer rows than M are exact too). The distributed tier
+runs it under data and tensor parallelism (tests/distributed/test_tensor_parallel.py)."""
+import pytest
+
+import raf_dist
+from raf_dist import distributed as dist
+from models import make, raf_optimizer, rel_err
+
+
+def train(name, optimizer, microbatches, batches):
+    config = dist.get_config()
+    config.num_microbatches = microbatches
+    try:
+        module, x, y = make(name, 8)
+        trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
+                                   optimizer=raf_optimizer(optimizer))
+        losses = [trainer.step(x.numpy()[:rows], y.numpy()[:rows]) for rows in batches]
+        return losses, trainer
+    finally:
+        config.num_microbatches = 1
+
+
+@pytest.mark.parametrize("name,optimizer,microbatches,batches", [
+    ("mlp", "sgd_momentum", 3, [8, 8, 6]),  # 8 rows as 3 + 3 + 2; then another batch size
+    ("transformer", "adam", 2, [8, 8])])
+def test_microbatches_equal_one_step_on_the_whole_batch(name, optimizer, microbatches, batches):
+    ref_losses, ref = train(name, optimizer, 1, batches)
+    losses, trainer = train(name, optimizer, microbatches, batches)
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    params, ref_params = trainer.state_dict(), ref.state_dict()
+    for key, value in ref_params.items():
+        assert rel_err(params[key], value) <= 1e-6, (key, rel_err(params[key], value))
+    states, ref_states = trainer.optimizer_state_dict(), ref.optimizer_state_dict()
+    for key, by_state in ref_states.items():
+        for state, value in by_state.items():
+            assert rel_err(states[key][state], value) <= 1e-5, (key, state)
+    kinds = {key[1] for key in trainer._variants if isinstance(key, tuple)}
+    assert kinds == {"partial", "final"}, trainer._variants.keys()
+
+
+def test_fewer_rows_than_microbatches_still_one_exact_step():
+    ref_losses, ref = train("mlp", "adamw", 1, [2, 3])
+    losses, trainer = train("mlp", "adamw", 4, [2, 3])  # 2 and 3 microbatches of one row
+    assert rel_err(losses, ref_losses) <= 1e-6
+    for key, value in ref.state_dict().items():
+        assert rel_err(trainer.state_dict()[key], value) <= 1e-6, key
+
+
+def test_zero3_with_microbatches_is_refused_before_anything_runs():
+    config = dist.get_config()
+    config.update({"enable_data_parallel": True, "zero_opt_level": 3, "num_microbatches": 2})
+    try:
+        module, x, _ = make("mlp", 4)
+        with pytest.raises(ValueError, match="num_microbatches=2 with zero_opt_level=3"):
+            raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
+                             optimizer=raf_optimizer("adamw"))
+    finally:
+        config.reset()
