@@ -74,19 +74,21 @@ class Trainer:
         self.tp = int(config.tensor_parallel_size)
         dp_size = (check_mesh(self.comm.size, self.tp, config.pipeline_parallel_size,
                               config.enable_data_parallel) if self.tp > 1 else self.comm.size)
-        self.mesh = get_mesh(config) if self.tp > 1 else None
         # ZeRO runs at every world size (one rank: each shard is the whole tensor), plain data
         # parallelism only from two ranks on; both over the mesh's dp axis
         self.zero_level = int(config.zero_opt_level)
         self.data_parallel = config.enable_data_parallel and (dp_size > 1 or self.zero_level > 0)
+        # every rank builds this Trainer and compiles the same step (SPMD): data or tensor
+        # parallel over several ranks. Otherwise a Trainer is a local object
+        self.spmd = self.comm.size > 1 and (self.data_parallel or self.tp > 1)
+        if self.spmd:  # the ranks agree on what they build before any other collective
+            self._agree(model, loss, optimizer, device)
+        self.mesh = get_mesh(config) if self.tp > 1 else None
         self.world = dp_size if self.data_parallel else 1
         mesh = self.mesh
         self.dp_group = mesh.dp_group if mesh else self.comm.group
         self.dp_comm = mesh.dp_comm if mesh else self.comm.mpi_comm
         self.dp_rank = (mesh.dp_rank if mesh else self.comm.rank) if self.world > 1 else 0
-        # every rank builds this Trainer and compiles the same step (SPMD): data or tensor
-        # parallel over several ranks. Otherwise a Trainer is a local object
-        self.spmd = self.comm.size > 1 and (self.data_parallel or self.tp > 1)
         self.model = model
         self.loss = loss
         self.optimizer = optimizer
@@ -177,6 +179,27 @@ class Trainer:
             "versions": [__version__, tvm.__version__]}
         text = json.dumps(description, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16], description
+
+    def _agree(self, model, loss, optimizer, device):
+        """Before its first collective (the mesh's splits, the device check, the parameter
+        broadcast) a collective Trainer meets every rank: a barrier with a timeout whose
+        error names the ranks that never came (a rank that built its Trainer without data or
+        tensor parallelism takes part in nothing and would leave the others waiting
+        forever), then every rank's config, device, loss, optimizer and model (names, shapes,
+        dtypes) compared, so a mismatch is one ValueError naming the difference on every rank
+        instead of unrelated failures in the collectives that follow."""
+        self.comm.idle_barrier(
+            "the agreement at Trainer construction (every rank must build its Trainer with "
+            "the same enable_data_parallel, zero_opt_level and tensor_parallel_size; a rank "
+            "with data parallelism off builds a local Trainer and never joins)")
+        description = {
+            "config": self.config, "device": device_lib.parse(device)[0], "loss": loss,
+            "optimizer": [type(optimizer).__name__, optimizer.config()],
+            "model": [[n, list(map(int, s)), str(d)] for n, (s, d) in
+                      zip(model.param_names, model.param_specs())],
+            "inputs": [[list(map(int, s)), str(d)] for s, d in model.input_specs]}
+        everyone = self.comm.mpi_comm.allgather(description)
+        _raise_if_ranks_differ(everyone, "built different Trainers")
 
     def _check_fingerprints(self):
         digest, description = self.fingerprint()
@@ -756,6 +779,29 @@ class Trainer:
             "comm_bytes_last_step": dict(self._comm_last_step),
             **device_lib.memory_stats(self._device),  # GPU: used / total (pynvml)
         }
+
+
+def _raise_if_ranks_differ(descriptions, what):
+    """ValueError naming the fields in which some rank's description differs from rank 0's."""
+    def flat(description):  # config fields by name: "config.zero_opt_level"
+        out = {}
+        for key, value in description.items():
+            if isinstance(value, dict):
+                out.update({f"{key}.{k}": v for k, v in value.items()})
+            else:
+                out[key] = value
+        return out
+
+    mine = flat(descriptions[0])
+    for rank, theirs in enumerate(map(flat, descriptions)):
+        differing = [k for k in mine if theirs.get(k) != mine[k]]
+        if differing:
+            show = {k: (mine[k], theirs.get(k)) for k in differing}
+            raise ValueError(
+                f"the ranks {what}: rank {rank} differs from rank 0 in {', '.join(differing)} "
+                f"(rank 0 vs rank {rank}: {json.dumps(show, default=str)[:600]}). Every rank "
+                "must create the same model, loss, optimizer, device and "
+                "dist.get_config() settings")
 
 
 def nonfinite_guard(zero_level: int, world_size: int, nonfinite: str = "raise"):
