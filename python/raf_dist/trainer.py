@@ -155,6 +155,7 @@ class Trainer:
         self._buffers = self._init_buffers(model)
         self.step_count = 0
         self._comm_last_step = {}
+        self._comm_by_axis = {}
         self._forwards = {}  # rows -> (compiled forward, model at that size) for predict
         self._cache_dir = cache_dir
         self.seed = int(seed)
@@ -310,7 +311,7 @@ class Trainer:
         hypers = self.optimizer.hyper_values(self.step_count + 1 - self.skipped_steps)
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype), self._device)
                       for h in self.signature.hyper_names]
-        before = collectives.comm_counters() if self.spmd else None
+        before = self._traffic() if self.spmd else None
         accumulators, start = None, 0
         for m, (variant, piece) in enumerate(zip(variants, pieces)):
             args = self._step_inputs(variant, inputs, y, start, piece, rows_per_rank,
@@ -327,9 +328,10 @@ class Trainer:
             out = variant.step_fn(*args, *self._params, *self._states, *hyper_args,
                                   *(accumulators or ()), *self._buffers)
         if before is not None:
-            after = collectives.comm_counters()
-            self._comm_last_step = {k: after[k]["bus_bytes"] - before[k]["bus_bytes"]
-                                    for k in after if after[k]["calls"] > before[k]["calls"]}
+            after = self._traffic()
+            self._comm_last_step, self._comm_by_axis = (
+                {k: a[k]["bus_bytes"] - b[k]["bus_bytes"] for k in a
+                 if a[k]["calls"] > b[k]["calls"]} for a, b in zip(after, before))
         n = len(self._params)
         # the step wrote the new values into the tensors it was given (UpdateInPlace) and
         # returns them; an output it could not prove safe to update in place is a new tensor
@@ -344,6 +346,18 @@ class Trainer:
         self.step_count += 1
         self.comm.activity = f"work between steps (last completed: {self.step_count})"
         return loss
+
+    def _traffic(self):
+        """(bus bytes by collective kind, by mesh axis) so far, as comm_counters gives them."""
+        total = collectives.comm_counters()
+        if self.mesh is None:
+            return total, {}
+        axes = {}
+        for axis, group in (("tp", self.mesh.tp_group), ("dp", self.mesh.dp_group)):
+            counters = collectives.comm_counters(group=group)
+            axes[axis] = {"calls": sum(c["calls"] for c in counters.values()),
+                          "bus_bytes": sum(c["bus_bytes"] for c in counters.values())}
+        return total, axes
 
     def _step_inputs(self, variant, inputs, y, start, rows, rows_per_rank, microbatch):
         """The data arguments of one step call: rows [start, start + rows) of every batched
@@ -777,6 +791,8 @@ class Trainer:
             "optimizer_state_bytes": sum(_nbytes(s) for s in self._states),
             "planned_peak_bytes": self.compiled.planned_peak_bytes,
             "comm_bytes_last_step": dict(self._comm_last_step),
+            # the same bus bytes by mesh axis (with tensor parallelism): {"tp": ..., "dp": ...}
+            "comm_bytes_by_axis": dict(self._comm_by_axis),
             **device_lib.memory_stats(self._device),  # GPU: used / total (pynvml)
         }
 

@@ -42,8 +42,7 @@ def test_checkpoint_reshards_across_tp_dp_and_zero(tmp_path):
 @pytest.mark.parametrize("case,ranks,message", [
     ("world", 3, "does not split into pp x dp x tp"),
     ("no_dp", 4, "enable_data_parallel"),
-    ("indivisible", 4, "layers.0.weight"),
-])
+])  # an explicit plan that cannot split: tests/passes/test_tensor_parallel.py (one process)
 def test_bad_layouts_are_refused_on_every_rank(case, ranks, message):
     out = check_mpi("tp_errors.py", ranks, case, timeout=120)
     assert out.count("refused:") == ranks and out.count(message) >= ranks, out

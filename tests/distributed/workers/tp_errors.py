@@ -1,8 +1,7 @@
 """Bad tensor-parallel layouts fail on every rank, at Trainer construction, before any
-collective: a world that does not split into dp x tp, dp > 1 without data parallelism, an
-explicit plan that names a layer whose dimension does not divide by T.
+collective: a world that does not split into dp x tp, dp > 1 without data parallelism.
 
-Usage: tp_errors.py CASE. Each rank prints 'rank R: refused: <message>' and exits 0."""
+Usage: tp_errors.py world|no_dp. Each rank prints 'rank R: refused: <message>' and exits 0."""
 import sys
 
 import torch
@@ -17,19 +16,14 @@ def main():
     case = sys.argv[1]
     comm = dist.get_communicator()
     config = dist.get_config()
-    plan = None
     if case == "world":  # 3 ranks, tp 2
         config.update({"tensor_parallel_size": 2, "enable_data_parallel": True})
     elif case == "no_dp":  # 4 ranks, tp 2: dp 2 without data parallelism
         config.update({"tensor_parallel_size": 2})
-    elif case == "indivisible":  # a 30-wide layer over 4 ranks, planned colwise
-        config.update({"tensor_parallel_size": comm.size})
-        plan = {"layers.0": "colwise", "layers.1": "rowwise"}
     module = MLP((20, 30, 32, 5))
     model = raf_dist.frontend.from_pytorch(module, (torch.randn(4, 20),))
     try:
-        raf_dist.Trainer(model, optimizer=raf_dist.optim.SGD(lr=0.1),
-                         tensor_parallel_plan=plan)
+        raf_dist.Trainer(model, optimizer=raf_dist.optim.SGD(lr=0.1))
     except ValueError as exc:
         print(f"rank {comm.rank}: refused: {exc}".replace("\n", " "))
         return

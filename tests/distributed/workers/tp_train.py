@@ -85,6 +85,8 @@ def main():
                  + sum(plan.loss_reduces) + guard)
         expected = steps * 2 * (tp - 1) / tp * 4 * numel
         assert abs(tp_bytes - expected) < 1e-6, (tp_bytes, expected, plan.explain())
+        by_axis = trainer.stats()["comm_bytes_by_axis"]  # the last step's share, on tp
+        assert abs(by_axis["tp"] - expected / steps) < 1e-6, (by_axis, expected)
         # the split parameters are held as 1/T pieces
         full = sum(v.nbytes for v in ref_params.values())
         held = trainer.stats()["param_bytes"]
