@@ -21,6 +21,7 @@ from .compiler import compile_step
 from .runtime import available_cores, set_num_threads  # importing it registers raf_dist.blas.*
 from .distributed import collectives, get_communicator, get_config
 from .distributed.mesh import check_mesh, get_mesh
+from .model import Model
 from .optim import Optimizer
 from .passes.batch_norm import decompose_forward, has_training_batch_norm
 from .passes.lower_allreduce import LowerAllReduce
@@ -61,6 +62,11 @@ class Trainer:
             raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+        if not isinstance(model, Model):
+            raise TypeError(f"Trainer takes a captured model (raf_dist.model.Model), got "
+                            f"{type(model).__module__}.{type(model).__name__}: capture a PyTorch "
+                            "module with raf_dist.frontend.from_pytorch(module, example_inputs) "
+                            "or a raf_dist.nn module with raf_dist.frontend.from_relax_nn")
         if not isinstance(optimizer, Optimizer):
             raise TypeError("optimizer must be a raf_dist.optim optimizer (SGD, Adam, AdamW), "
                             f"got {optimizer!r}")

@@ -6,6 +6,7 @@ given), and joining it needs a job token (``--rdzv-token``; node 0 makes one whe
 given, and a one-node job never needs to see it).
 """
 import argparse
+import re
 import dataclasses
 import secrets
 import sys
@@ -35,8 +36,25 @@ class LaunchConfig:
     command: List[str]  # the worker's command line (python, script, its arguments)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the fix for mpirun's spellings in its "unrecognized arguments" error."""
+
+    HINTS = {"-np": "use --nproc-per-node N (processes on this node)",
+             "-n": "use --nproc-per-node N (processes on this node)",
+             "--hostfile": "raf_dist.run takes no hostfile: start one launcher per node with "
+                           "--nnodes / --node-rank / --master-addr, or use mpiexec --hostfile "
+                           "without raf_dist.run",
+             "-H": "raf_dist.run takes no host list: one launcher per node with --nnodes / "
+                   "--node-rank / --master-addr"}
+
+    def error(self, message):
+        hints = [hint for flag, hint in self.HINTS.items()
+                 if message.startswith("unrecognized arguments") and flag in message.split()]
+        super().error(message + ("; " + "; ".join(dict.fromkeys(hints)) if hints else ""))
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m raf_dist.run",
         description="Start this node's workers of a raf_dist job (torchrun conventions): each "
                     "sees RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, "
@@ -110,7 +128,13 @@ def parse(argv: Sequence[str]) -> LaunchConfig:
                           f"the token given to (or printed by) node 0's launcher")
     script = Path(args.script)
     if not script.is_file():
-        raise LaunchError(f"the training script {args.script} does not exist")
+        if re.fullmatch(r"python[0-9.]*", script.name):  # `raf_dist.run python train.py`
+            raise LaunchError(f"{args.script!r} is not a training script: raf_dist.run runs the "
+                              f"script with Python itself, so drop {args.script!r} (python -m "
+                              f"raf_dist.run --nproc-per-node N train.py ...)")
+        raise LaunchError(f"the training script {args.script} "
+                          f"{'is a directory' if script.is_dir() else 'does not exist'}: give "
+                          "the path of a Python file")
     script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
     return LaunchConfig(
         nproc_per_node=args.nproc_per_node, nnodes=nnodes, node_rank=args.node_rank,

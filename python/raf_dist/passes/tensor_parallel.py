@@ -128,7 +128,9 @@ def plan_tensor_parallel(func, tp, param_names, trained, plan=None, split_output
                 reasons[names[param]] = why
             if plan is not None:
                 raise ValueError(f"tensor parallel plan: cannot split "
-                                 f"{', '.join(names[p] for p, _ in group)} as planned: {why}")
+                                 f"{', '.join(names[p] for p, _ in group)} as planned: {why}. "
+                                 "Plan it \"replicate\" (or leave it out of the plan), or use a "
+                                 "tensor_parallel_size that divides its dimensions")
     result = propagate(func, tp, accepted, set(by_name.values()), needs_grad, split_output)
     roles = _roles(func, accepted, result)
     numel = lambda v: int(np.prod(static_shape(v), dtype=np.int64))  # noqa: E731
@@ -283,6 +285,10 @@ def _matches(pattern, name):
 
 
 def _explicit_groups(plan, candidates, names, param_names):
+    if not isinstance(plan, dict):
+        raise TypeError(f"tensor parallel plan must be a dict {{name pattern: 'colwise' | "
+                        f"'rowwise' | 'replicate'}}, e.g. {{\"blocks.*.fc1\": \"colwise\"}}; got "
+                        f"{type(plan).__name__}")
     for key, value in plan.items():
         if value not in PLAN_VALUES:
             raise ValueError(f"tensor parallel plan: {key!r}: {value!r} is not one of "
