@@ -28,12 +28,12 @@ def test_tensor_parallel_equals_one_process(model, optimizer, tp, zero, ranks, e
 
 
 def test_checkpoint_reshards_across_tp_dp_and_zero(tmp_path):
-    """Saved at dp 2 x tp 2 (ZeRO-1), resumed at dp 4 (ZeRO-2, no tp) and at tp 4: each
+    """Saved at dp 2 x tp 2 (ZeRO-2), resumed at dp 4 (ZeRO-1, no tp) and at tp 4: each
     continues exactly as one process that never stopped."""
     ckpt = tmp_path / "ckpt"
-    _ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 2, 1, 2, "--save", ckpt,
+    _ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 2, 2, 2, "--save", ckpt,
                   timeout=300), 4)
-    _ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 1, 2, 2, "--load", ckpt,
+    _ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 1, 1, 2, "--load", ckpt,
                   timeout=300), 4)
     _ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 4, 0, 2, "--load", ckpt,
                   timeout=300), 4)
