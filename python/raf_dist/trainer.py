@@ -51,9 +51,10 @@ class Trainer:
         ``"raise"`` (default) raises FloatingPointError naming the step, ``"skip"`` returns the
         NaN loss and logs a warning on the ``raf_dist`` logger; either way the update is not
         applied, on every rank together (parameters and optimizer state stay as they were;
-        training/nonfinite.py). Under ZeRO the update of a bucket runs as soon as its
-        gradients are reduced, before the others exist, so only ``"raise"`` is available
-        there and it is raised after the update.
+        training/nonfinite.py). Under ZeRO, with ``"skip"`` the updates wait until every
+        rank's gradients are known to be finite (they no longer overlap backward); with
+        ``"raise"`` each bucket is updated as soon as it is reduced (overlapped) and the error
+        comes after the update: restore the last checkpoint.
 
         ``tensor_parallel_plan`` (with ``tensor_parallel_size`` > 1): {parameter or module
         name pattern: "colwise" | "rowwise" | "replicate"} instead of the plan the
@@ -235,7 +236,8 @@ class Trainer:
         gradient collectives (the microbatches before the last)."""
         passes = step_passes(self.zero_level if self.data_parallel and not local else 0,
                              self.world if self.data_parallel and not local else 1,
-                             self.bucket_bytes, overlap=config.overlap_comm, group=self.dp_group)
+                             self.bucket_bytes, overlap=config.overlap_comm, group=self.dp_group,
+                             guard=self.nonfinite == "skip")
         if self.sync_batch_norm_world > 1:  # the statistics' allreduce ops, after autodiff
             passes.insert(1, LowerAllReduce(self.dp_group))
         if self.tp > 1:  # f and g (passes/tp_ops.py), after autodiff
@@ -426,8 +428,10 @@ class Trainer:
 
     @property
     def update_guarded(self) -> bool:
-        """Whether the compiled step skips its own update on a non-finite gradient."""
-        return not (self.data_parallel and self.zero_level > 0)
+        """Whether the compiled step skips its own update on a non-finite gradient: always
+        without ZeRO; under ZeRO with nonfinite="skip" (ShardZeRO's guard, which waits for
+        every gradient before any update)."""
+        return not (self.data_parallel and self.zero_level > 0) or self.nonfinite == "skip"
 
     def _init_frozen(self, model):
         """Runtime tensors of the frozen parameters (full on every rank: rank 0's values)."""
@@ -830,22 +834,19 @@ def nonfinite_guard(zero_level: int, world_size: int, nonfinite: str = "raise"):
     """What a step checks for non-finite values before it updates (training/nonfinite.py):
     the reduced gradients (the same on every rank) under data parallelism, the loss too on one
     process; nothing under ZeRO (each bucket is updated as soon as it is reduced)."""
-    if zero_level > 0:
-        if nonfinite == "skip":
-            raise ValueError(
-                "nonfinite='skip' needs zero_opt_level 0: under ZeRO each bucket's update "
-                "runs as soon as its gradients are reduced, before the step can know that "
-                "every gradient is finite. Use nonfinite='raise' or zero_opt_level=0")
+    if zero_level > 0:  # the ZeRO pass guards its own updates (nonfinite="skip" only)
         return None
     return "gradients" if world_size > 1 else "gradients_and_loss"
 
 
-def step_passes(zero_level, world_size, bucket_bytes, overlap=True, group=0):
+def step_passes(zero_level, world_size, bucket_bytes, overlap=True, group=0, guard=False):
     """The raf_dist passes a training step goes through (before TVM's lowering): the
     distribution pass for the ZeRO level (0: data parallel allreduce; world size 1 at level 0:
-    none), then library dispatch and fast math."""
+    none), then library dispatch and fast math. ``guard``: under ZeRO, no update unless every
+    rank's gradients are finite (nonfinite="skip"; passes/zero.py)."""
     if zero_level:
-        distribute = ShardZeRO(zero_level, world_size, bucket_bytes, overlap=overlap, group=group)
+        distribute = ShardZeRO(zero_level, world_size, bucket_bytes, overlap=overlap, group=group,
+                               guard=guard)
     elif world_size > 1:
         distribute = AllReduceGradients(world_size, bucket_bytes, overlap=overlap, group=group)
     else:

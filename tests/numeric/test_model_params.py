@@ -216,12 +216,29 @@ def test_nan_reaches_the_loss_through_relu():
     assert np.isnan(trainer.predict(_nan_batch(x))[0]).all()
 
 
-def test_skip_mode_is_refused_under_zero():
-    module, x, _ = make("mlp", 8)
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_skip_mode_under_zero_leaves_parameters_and_state_as_they_were(level):
+    """ShardZeRO's guard (nonfinite="skip"): no bucket is updated until every gradient is
+    known finite; good, NaN (skipped), good ends where good, good does, at every level."""
+    module, x, y = make("mlp", 8)
     config = dist.get_config()
-    config.update({"enable_data_parallel": True, "zero_opt_level": 2})
+    config.update({"enable_data_parallel": True, "zero_opt_level": level,
+                   "bucket_size_mb": 0.001})  # several buckets
     try:
-        with pytest.raises(ValueError, match="nonfinite='skip' needs zero_opt_level 0"):
-            _trainer(module, x, nonfinite="skip")
+        skipping = _trainer(module, x, nonfinite="skip")
+        plain = _trainer(module, x)
+        assert skipping.update_guarded and not plain.update_guarded
+        skipping.step(x.numpy(), y.numpy())
+        assert math.isnan(skipping.step(_nan_batch(x), y.numpy()))
+        skipping.step(x.numpy(), y.numpy())
+        plain.step(x.numpy(), y.numpy())
+        plain.step(x.numpy(), y.numpy())
+        for name, value in plain.state_dict().items():
+            np.testing.assert_allclose(skipping.state_dict()[name], value, rtol=1e-6, atol=0)
+        for name, by_state in plain.optimizer_state_dict().items():
+            for state, value in by_state.items():
+                np.testing.assert_allclose(skipping.optimizer_state_dict()[name][state], value,
+                                           rtol=1e-6, atol=0)
+        assert skipping.skipped_steps == 1 and skipping.step_count == 3
     finally:
-        config.update({"enable_data_parallel": False, "zero_opt_level": 0})
+        config.update({"enable_data_parallel": False, "zero_opt_level": 0, "bucket_size_mb": 25})

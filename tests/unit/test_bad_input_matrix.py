@@ -265,10 +265,6 @@ CASES = [
                         "num_microbatches": 2}), ValueError,
          r"num_microbatches=2 with zero_opt_level=3 is not supported",
          r"zero_opt_level <= 2 or num_microbatches=1"),
-    Case("config_skip_nonfinite_under_zero", 'nonfinite="skip" with zero_opt_level=1',
-         _trainer_with({"enable_data_parallel": True, "zero_opt_level": 1}, nonfinite="skip"),
-         ValueError, r"nonfinite='skip' needs zero_opt_level 0",
-         r"nonfinite='raise' or zero_opt_level=0"),
     # -- tensor parallelism --------------------------------------------------------------------
     Case("tp_size_not_dividing_world", "tensor_parallel_size=2 in a world of 1 rank",
          _trainer_with({"tensor_parallel_size": 2}), ValueError,

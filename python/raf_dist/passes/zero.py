@@ -30,6 +30,13 @@ What each level emits (gradients averaged in the reduce_scatter; loss averaged a
      one ahead; the gathered tensors die after their last forward use; backward gathers the
      parameters it reads again, in backward order; the update outputs shards.
 The optimizer region must be elementwise (SGD, Adam, AdamW are): it is re-emitted on shards.
+
+``guard=True`` (Trainer(nonfinite="skip") under ZeRO): no bucket is updated before every
+gradient is reduced; each rank then checks its gradient shards and its loss (sums, as
+training/nonfinite.py), the ranks sum their "not finite" verdicts (one float allreduce), and
+every update becomes ``where(all finite, new, old)``, the loss NaN otherwise, so a
+non-finite step leaves parameters and state as they were on every rank. The updates then no
+longer overlap backward's reductions (only with the guard).
 """
 import tvm
 from tvm import relax
@@ -77,8 +84,8 @@ class _Bucket:
 
 
 class _Rewriter:
-    def __init__(self, func, level, world_size, bucket_bytes, overlap, group):
-        self.func, self.level, self.n = func, level, world_size
+    def __init__(self, func, level, world_size, bucket_bytes, overlap, group, guard=False):
+        self.func, self.level, self.n, self.guard = func, level, world_size, guard
         self.bucket_bytes, self.overlap = bucket_bytes, overlap
         self.group = relax.prim_value(group)
         self.seg = Segments()
@@ -254,10 +261,16 @@ class _Rewriter:
             handle = self.start("reduce_scatter", f"reduce_scatter{bucket.index}", packed, out)
             in_flight[bucket.index] = (bucket, handle, packed, out)
 
+        pending = []  # guarded: (bucket, reduced shard) until every rank's verdict is known
+        verdict = {}
+
         def finish_reduce(index):
             bucket, handle, packed, out = in_flight.pop(index)
             self.wait(f"wait_reduce_scatter{index}", handle, packed, out)
-            update(bucket, out)  # the reduced shard dies right here
+            if self.guard:
+                pending.append((bucket, out))
+            else:
+                update(bucket, out)  # the reduced shard dies right here
 
         def finish_all_but(keep):
             for index in list(in_flight)[:max(0, len(in_flight) - keep)]:
@@ -292,9 +305,15 @@ class _Rewriter:
                 self.seg.add(relax.VarBinding(var, value))
                 mapping[binding.var] = var
             new_param = mapping.get(self.result.fields[1 + k0], param_flat)
+            if self.guard:
+                new_param = self.bind(f"kept_param{b}", relax.op.where(
+                    verdict["finite"], new_param, param_flat))
             for j in range(per_param):
                 field = self.result.fields[1 + len(params) + k0 * per_param + j]
                 shard_out[(b, j)] = mapping.get(field, flat_states[(b, j)])
+                if self.guard:
+                    shard_out[(b, j)] = self.bind(f"kept_state{b}_{j}", relax.op.where(
+                        verdict["finite"], shard_out[(b, j)], flat_states[(b, j)]))
             if level == 3:
                 # the split stays outside the dataflow block, so FuseOps keeps it out of the
                 # update's kernel: alone it reads only the updated [S] shards, and each piece
@@ -353,6 +372,10 @@ class _Rewriter:
                 reduce_scatter(bucket)
                 finish_all_but(1 if self.overlap else 0)
         finish_all_but(0)
+        if self.guard:  # every rank's verdict first, then the (kept or skipped) updates
+            verdict["finite"] = self._agreed_finite([out for _, out in pending])
+            for bucket, out in pending:
+                update(bucket, out)
         for bucket, new_param in deferred:
             gather_updated(bucket, new_param)
         finish_gathers(0)
@@ -382,6 +405,29 @@ class _Rewriter:
         shift = len(func_params) - len(self.func.params)
         return func.with_attr(UPDATED_ARGUMENTS, list(range(offset, offset + n_core))
                               + [i + shift for i in self.buffer_arguments])
+
+    def _agreed_finite(self, shards):
+        """A 0-d bool, the same on every rank: every rank's gradient shards and loss are
+        finite (NaN and inf survive a sum). The loss becomes NaN when not."""
+        op = relax.op
+        flag = self.bind("loss_finite", op.isfinite(self.loss))
+        for i, shard in enumerate(shards):  # (bind takes one op at a time)
+            total = self.bind(f"shard_sum{i}", op.sum(shard))
+            finite = self.bind(f"shard_finite{i}", op.isfinite(total))
+            flag = self.bind(f"finite{i}", op.logical_and(flag, finite))
+        dtype = str(self.loss.ty.dtype)
+        bad = self.bind("not_finite", op.where(flag, relax.const(0.0, dtype),
+                                               relax.const(1.0, dtype)))
+        bad = self.bind("not_finite_1", op.reshape(bad, [1]))
+        total = self._alloc("not_finite_total", 1, dtype)  # a result no pass can fold away
+        self.seg.bind("allreduce_not_finite", collective(
+            "raf_dist.ccl.allreduce", bad, tvm.ir.StringImm("sum"), self.group, total),
+            dataflow=False)
+        agreed = self.bind("all_finite", op.less(self.bind("not_finite_all", op.reshape(
+            total, [])), relax.const(0.5, dtype)))
+        self.loss = self.bind("guarded_loss", op.where(
+            agreed, self.loss, relax.const(float("nan"), dtype)))
+        return agreed
 
     # ---- the optimizer's update chains ------------------------------------------------------
     def _update_chains(self, marker_var):
@@ -510,7 +556,7 @@ class ShardZeRO:
     """See the module docstring."""
 
     def __init__(self, level, world_size, bucket_bytes, overlap=True, group=0,
-                 func_name="train_step"):
+                 func_name="train_step", guard=False):
         if level not in (1, 2, 3):
             raise ValueError(f"ShardZeRO level must be 1, 2 or 3, got {level!r} (level 0 is "
                              "AllReduceGradients)")
@@ -520,11 +566,11 @@ class ShardZeRO:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         self.level, self.world_size = int(level), int(world_size)
         self.bucket_bytes, self.overlap = int(bucket_bytes), bool(overlap)
-        self.group, self.func_name = int(group), func_name
+        self.group, self.func_name, self.guard = int(group), func_name, bool(guard)
 
     def transform_module(self, mod, ctx):
         func = _Rewriter(mod[self.func_name], self.level, self.world_size, self.bucket_bytes,
-                         self.overlap, self.group).run()
+                         self.overlap, self.group, self.guard).run()
         # parameters (level 3) and optimizer states are now held as ShardZeRO lays them out
         func = func.with_attr("raf_dist.zero_level", self.level)
         mod = mod.__class__(dict(mod.functions_items()))
