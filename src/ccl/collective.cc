@@ -4,8 +4,10 @@
  */
 #include "collective.h"
 
+#include <array>
 #include <chrono>
 #include <cstdlib>
+#include <mutex>
 #include <sstream>
 
 namespace raf_dist {
@@ -99,6 +101,53 @@ void Work::Finish(std::string error) {
   cv_.notify_all();
 }
 
+namespace {
+struct Flight {
+  int64_t group = -1;
+  int group_size = 0;
+  int64_t sequence = 0;
+  CollectiveKind kind = CollectiveKind::kBarrier;
+  ElemType elem = ElemType::kF32;
+  int64_t send_count = 0;
+  int64_t recv_count = 0;
+  std::chrono::steady_clock::time_point start;
+};
+struct FlightRing {
+  std::mutex mu;
+  std::array<Flight, kFlightRecords> ring;
+  int64_t count = 0;
+};
+FlightRing& Flights() {
+  static FlightRing* ring = new FlightRing();  // never destroyed: used until exit
+  return *ring;
+}
+}  // namespace
+
+void RecordFlight(int64_t group, int group_size, int64_t sequence, const CollectiveCall& call) {
+  FlightRing& f = Flights();
+  std::lock_guard<std::mutex> lock(f.mu);
+  f.ring[f.count % kFlightRecords] = Flight{group, group_size, sequence, call.kind, call.elem,
+                                            call.send_count, call.recv_count,
+                                            std::chrono::steady_clock::now()};
+  ++f.count;
+}
+
+std::string RecentFlights() {
+  FlightRing& f = Flights();
+  std::lock_guard<std::mutex> lock(f.mu);
+  std::ostringstream out;
+  auto now = std::chrono::steady_clock::now();
+  int64_t first = std::max<int64_t>(0, f.count - kFlightRecords);
+  for (int64_t i = first; i < f.count; ++i) {
+    const Flight& x = f.ring[i % kFlightRecords];
+    double age = std::chrono::duration<double>(now - x.start).count();
+    out << "\n  #" << i << " group " << x.group << " (" << x.group_size << " ranks) seq "
+        << x.sequence << ": " << KindName(x.kind) << " of " << x.send_count << "/"
+        << x.recv_count << " " << ElemTypeName(x.elem) << ", started " << age << " s ago";
+  }
+  return out.str();
+}
+
 double WaitTimeoutSeconds() {
   static double timeout = [] {
     const char* env = std::getenv("RAF_DIST_COLLECTIVE_TIMEOUT_S");
@@ -117,7 +166,8 @@ void Work::Wait() {
           << KindName(call_.kind) << " of " << call_.send_count << "/" << call_.recv_count
           << " " << ElemTypeName(call_.elem) << " elements did not complete within " << timeout
           << " s (RAF_DIST_COLLECTIVE_TIMEOUT_S); a peer rank has probably died or is running "
-             "a different program";
+             "a different program. This rank's last collectives (flight recorder):"
+          << RecentFlights();
     }
   } else {
     cv_.wait(lock, [this] { return done_; });

@@ -77,6 +77,17 @@ struct CollectiveCall {
 double WaitTimeoutSeconds();
 
 /*!
+ * \brief The flight recorder: the last collectives this process started (group, sequence
+ *        number, kind, elements, bytes, age), as PyTorch's NCCL flight recorder keeps them, so
+ *        a timeout's error names the call that is stuck and what came before it.
+ *        Process-wide, thread safe, a fixed ring of kFlightRecords entries.
+ */
+constexpr int kFlightRecords = 16;
+void RecordFlight(int64_t group, int group_size, int64_t sequence, const CollectiveCall& call);
+/*! \brief The recorded calls, oldest first, one per line ("" when none). */
+std::string RecentFlights();
+
+/*!
  * \brief Completion state of an asynchronous collective. The call's tensors are held here,
  *        so their memory outlives the collective whatever the caller does meanwhile.
  */

@@ -212,6 +212,7 @@ Backend* Group::Prepare(CollectiveCall* call) {
   bool point_to_point = call->kind == CollectiveKind::kSend || call->kind == CollectiveKind::kRecv;
   if (check_signatures_ && !point_to_point) CheckSignature(*call);
   if (!point_to_point) ++sequence_;
+  RecordFlight(id_, size_, sequence_, *call);
   double bytes = BusBytes(*call, size_);
   GlobalCounters().Add(call->kind, bytes);
   counters_.Add(call->kind, bytes);

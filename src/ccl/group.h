@@ -42,6 +42,8 @@ class Group {
   void Run(CollectiveCall call);
   void Shutdown();
   int rank() const { return rank_; }
+  /*! \brief The group's id in the registry (what the flight recorder names). */
+  void set_id(int64_t id) { id_ = id; }
   int size() const { return size_; }
   /*! \brief This group's traffic only (GlobalCounters() has every group's). */
   Counters& counters() { return counters_; }
@@ -59,6 +61,7 @@ class Group {
   int size_ = 1;
   bool check_signatures_;
   int64_t sequence_ = 0;
+  int64_t id_ = -1;
   std::mutex mu_;
   std::unique_ptr<MpiBackend> mpi_;
   MPI_Comm nccl_bootstrap_comm_ = MPI_COMM_NULL;

@@ -216,7 +216,8 @@ void MpiBackend::RunBlocking(CollectiveCall call) {
           << KindName(call.kind) << " of " << call.send_count << "/" << call.recv_count << " "
           << ElemTypeName(call.elem) << " elements did not complete within " << timeout
           << " s (RAF_DIST_COLLECTIVE_TIMEOUT_S); a peer rank has probably died or is running "
-             "a different program";
+             "a different program. This rank's last collectives (flight recorder):"
+          << RecentFlights();
     }
     if (now > spin_until) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }

@@ -141,7 +141,9 @@ TVM_FFI_STATIC_INIT_BLOCK() {
              State& s = GetState();
              std::lock_guard<std::mutex> lock(s.mu);
              s.groups.push_back(std::move(group));
-             return static_cast<int64_t>(s.groups.size()) - 1;
+             int64_t id = static_cast<int64_t>(s.groups.size()) - 1;
+             s.groups.back()->set_id(id);
+             return id;
            })
       .def("raf_dist.ccl.group_rank", GroupRank)
       .def("raf_dist.ccl.group_size", GroupSize)
@@ -247,6 +249,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("raf_dist.ccl.reset_group_counters",
            [](int64_t g) { GetGroup(g)->counters().Reset(); })
       .def("raf_dist.ccl.reinterpret", Reinterpret)
+      .def("raf_dist.ccl.recent_collectives", []() { return ffi::String(RecentFlights()); })
       .def("raf_dist.ccl.nccl_enabled", []() {
 #ifdef RAF_DIST_USE_NCCL
         return true;

@@ -63,12 +63,15 @@ def test_a_collective_that_never_completes_times_out(tmp_path):
                                  env={"RAF_DIST_COLLECTIVE_TIMEOUT_S": "3"})
     assert code != 0 and seconds < 60, (code, seconds, out)
     assert "failed during step 2 (last completed: 1)" in out and "did not complete within 3" in out, out
+    # the flight recorder: this rank's last collectives, the stuck one last
+    assert "last collectives (flight recorder)" in out and re.search(r"#\d+ group \d+ \(3 ranks\) seq \d+: ", out), out
 
 
 def test_ranks_with_different_steps_refuse_to_start(tmp_path):
     code, out, _ = run_mpi("ckpt_train.py", 2, "mismatch", tmp_path, timeout=120)
     assert code != 0, out
-    assert "ranks built different training steps" in out and "optimizer_config" in out, out
+    # the agreement at Trainer construction, before any other collective
+    assert "ranks built different Trainers" in out and "differs from rank 0 in optimizer" in out, out
 
 
 def test_damaged_shard_fails_every_rank_cleanly(tmp_path):

@@ -144,6 +144,12 @@ def comm_counters(group=None):
     return {str(k): {"calls": int(v[0]), "bus_bytes": float(v[1])} for k, v in raw.items()}
 
 
+def recent_collectives() -> str:
+    """The flight recorder: this process's last collectives (group, sequence number, kind,
+    elements, age), one per line, oldest first; what a timeout error shows."""
+    return str(_native.func("recent_collectives")())
+
+
 def reset_comm_counters(group=None):
     """Zero the counters: all of them (the total and every group's), or with ``group`` that
     group's only (the total then still includes what the group sent before)."""

@@ -81,7 +81,8 @@ def allgather_rows(mpi_comm, rows: int) -> list:
                 raise TimeoutError(
                     f"the exchange of every rank's batch rows before the step did not complete "
                     f"within {timeout:g} s (RAF_DIST_COLLECTIVE_TIMEOUT_S); a peer rank has "
-                    "probably died, stalled or is running a different program")
+                    "probably died, stalled or is running a different program. This rank's "
+                    f"last collectives (flight recorder):{_recent_collectives()}")
     return [int(r) for r in received]
 
 
@@ -93,6 +94,12 @@ def microbatches(rows: int, count: int) -> list:
     count = max(1, min(int(count), int(rows))) if rows else 1
     base, extra = divmod(int(rows), count)
     return [base + (1 if i < extra else 0) for i in range(count)]
+
+
+def _recent_collectives():
+    from ..distributed.collectives import recent_collectives
+
+    return recent_collectives() or " (none yet)"
 
 
 def loss_weight(local_rows: int, rows_per_rank) -> float:
