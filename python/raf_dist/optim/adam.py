@@ -11,7 +11,7 @@ import math
 
 from tvm import relax
 
-from .optimizer import Optimizer, _check_beta, _check_positive, const
+from .optimizer import Optimizer, _check_beta, _check_positive, const, kept
 
 
 class Adam(Optimizer):
@@ -39,7 +39,7 @@ class Adam(Optimizer):
             values["decay"] = 1 - self.lr * self.weight_decay
         return values
 
-    def emit_update(self, bb, param, grad, states, hyper):
+    def emit_update(self, bb, param, grad, states, hyper, keep=None):
         beta1, beta2 = self.betas
         op = relax.op
         if self.decoupled and self.weight_decay:
@@ -47,11 +47,13 @@ class Adam(Optimizer):
         elif self.weight_decay:
             grad = bb.emit(op.add(grad, bb.emit(op.multiply(param, const(self.weight_decay, param)))))
         exp_avg, exp_avg_sq = states
-        m = bb.emit(op.add(bb.emit(op.multiply(exp_avg, const(beta1, param))),
-                           bb.emit(op.multiply(grad, const(1 - beta1, param)))))
+        m = kept(keep, bb.emit(op.add(bb.emit(op.multiply(exp_avg, const(beta1, param))),
+                                      bb.emit(op.multiply(grad, const(1 - beta1, param))))),
+                 exp_avg)
         g2 = bb.emit(op.multiply(grad, grad))
-        v = bb.emit(op.add(bb.emit(op.multiply(exp_avg_sq, const(beta2, param))),
-                           bb.emit(op.multiply(g2, const(1 - beta2, param)))))
+        v = kept(keep, bb.emit(op.add(bb.emit(op.multiply(exp_avg_sq, const(beta2, param))),
+                                      bb.emit(op.multiply(g2, const(1 - beta2, param))))),
+                 exp_avg_sq)
         denom = bb.emit(op.add(bb.emit(op.divide(bb.emit(op.sqrt(v)), hyper["bias_correction2_sqrt"])),
                                const(self.eps, param)))
         update = bb.emit(op.multiply(bb.emit(op.divide(m, denom)), hyper["step_size"]))

@@ -17,10 +17,14 @@ class Optimizer:
         """Scalars for 1-based ``step``, as a dict name -> float (computed in float64)."""
         raise NotImplementedError
 
-    def emit_update(self, bb, param, grad, states, hyper):
+    def emit_update(self, bb, param, grad, states, hyper, keep=None):
         """Emit the update of one parameter. ``states``: list of Relax vars in
         ``state_names`` order; ``hyper``: name -> 0-d tensor var. Returns
-        (new_param, [new_state, ...])."""
+        (new_param, [new_state, ...]). ``keep(new, old)`` (the non-finite guard,
+        training/nonfinite.py), when given, is applied to each new state right where it is
+        computed and the update reads the kept value: each select then has one producer and
+        fuses into that state's kernel (applied to the outputs afterwards, the new state has two
+        readers, the select and the parameter's update, and the select is a pass of its own)."""
         raise NotImplementedError
 
     def config(self):
@@ -30,6 +34,11 @@ class Optimizer:
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({args})"
+
+
+def kept(keep, new, old):
+    """``keep(new, old)``, or ``new`` without a guard."""
+    return new if keep is None else keep(new, old)
 
 
 def const(value, like):

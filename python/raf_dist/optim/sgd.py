@@ -3,7 +3,7 @@
 zero-initialised buffer gives exactly); d = d + momentum*buf if nesterov else buf; p -= lr*d."""
 from tvm import relax
 
-from .optimizer import Optimizer, _check_positive, const
+from .optimizer import Optimizer, _check_positive, const, kept
 
 
 class SGD(Optimizer):
@@ -23,13 +23,14 @@ class SGD(Optimizer):
     def hyper_values(self, step):
         return {"lr": self.lr}
 
-    def emit_update(self, bb, param, grad, states, hyper):
+    def emit_update(self, bb, param, grad, states, hyper, keep=None):
         d = grad
         if self.weight_decay:
             d = bb.emit(relax.op.add(d, bb.emit(relax.op.multiply(param, const(self.weight_decay, param)))))
         new_states = []
         if self.momentum:
-            buf = bb.emit(relax.op.add(bb.emit(relax.op.multiply(states[0], const(self.momentum, param))), d))
+            buf = kept(keep, bb.emit(relax.op.add(bb.emit(relax.op.multiply(
+                states[0], const(self.momentum, param))), d)), states[0])
             new_states.append(buf)
             if self.nesterov:
                 d = bb.emit(relax.op.add(d, bb.emit(relax.op.multiply(buf, const(self.momentum, param)))))

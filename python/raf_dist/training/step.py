@@ -217,11 +217,13 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
             new_params, new_states = [], []
             for i, (param, grad) in enumerate(zip(param_vars, grads)):
                 states = state_vars[i * n_states:(i + 1) * n_states]
-                new_param, updated = optimizer.emit_update(bb, param, grad, states, hyper_vars)
+                keep = (None if flag is None else
+                        lambda new, old: nonfinite.keep_unless(bb, flag, new, old))
+                # the states are kept (or not) where they are computed: optimizer.emit_update
+                new_param, updated = optimizer.emit_update(bb, param, grad, states, hyper_vars,
+                                                           keep=keep)
                 if flag is not None:
                     new_param = nonfinite.keep_unless(bb, flag, new_param, param)
-                    updated = [nonfinite.keep_unless(bb, flag, u, st)
-                               for u, st in zip(updated, states)]
                 new_params.append(new_param)
                 new_states.extend(updated)
             if flag is not None:
