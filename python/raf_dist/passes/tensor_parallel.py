@@ -331,34 +331,32 @@ def _check_explicit(plan, result, param_names):
 
 def _roles(func, placements, result):
     """colwise / rowwise / bias for the report, from how each split parameter is used."""
-    roles = {}
+    roles, bound = {}, {}
     for block in func.body.blocks:
         for binding in block.bindings:
             value = binding.value
+            bound[binding.var] = value
             if binding.var in result.vocab_takes:
                 roles[value.args[0]] = "vocab"
             if not (isinstance(value, relax.Call) and getattr(value.op, "name", "") ==
                     "relax.matmul"):
                 continue
-            for param in placements:
-                if _reads(value.args[1], param, func):
-                    role = "rowwise" if binding.var in result.partials else "colwise"
-                    roles[param] = (f"vocab+{role}" if roles.get(param) == "vocab" else role)
+            weight = _weight_param(value.args[1], bound)
+            if weight is not None and weight in placements:
+                role = "rowwise" if binding.var in result.partials else "colwise"
+                roles[weight] = f"vocab+{role}" if roles.get(weight) == "vocab" else role
     for param in placements:
         roles.setdefault(param, "bias" if len(static_shape(param)) == 1 else "split")
     return roles
 
 
-def _reads(expr, param, func):
-    if expr.same_as(param):
-        return True
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            if binding.var.same_as(expr):
-                v = binding.value
-                return (isinstance(v, relax.Call) and getattr(v.op, "name", "") ==
-                        "relax.permute_dims" and v.args[0].same_as(param))
-    return False
+def _weight_param(expr, bound):
+    """The parameter a matmul's right operand is (possibly transposed), else None."""
+    value = bound.get(expr)
+    if (isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.permute_dims"
+            and isinstance(value.args[0], relax.Var)):
+        return value.args[0]
+    return expr if isinstance(expr, relax.Var) and expr not in bound else None
 
 
 # ---- the rewrite ------------------------------------------------------------------------
