@@ -24,7 +24,7 @@ def train(name, optimizer, microbatches, batches):
 
 @pytest.mark.parametrize("name,optimizer,microbatches,batches", [
     ("mlp", "sgd_momentum", 3, [8, 8, 6]),  # 8 rows as 3 + 3 + 2; then another batch size
-    ("mlp", "adam", 2, [8, 7])])  # (the distributed tier runs it on a transformer with tp)
+    ("mlp", "adam", 2, [8, 7])])
 def test_microbatches_equal_one_step_on_the_whole_batch(name, optimizer, microbatches, batches):
     ref_losses, ref = train(name, optimizer, 1, batches)
     losses, trainer = train(name, optimizer, microbatches, batches)
