@@ -219,7 +219,10 @@ def resolve(path):
     if (root / LATEST).is_file():
         name = (root / LATEST).read_text().strip()
         if not name.startswith("step-") or "/" in name:
-            raise CheckpointError(f"{root / LATEST} is corrupted (names {name!r})")
+            raise CheckpointError(
+                f"{root / LATEST} is corrupted (names {name!r}): it must name a "
+                f"step-NNNNNNNN directory beside it, as save_checkpoint writes it; load a step "
+                f"directory directly with load_checkpoint('{root}/step-NNNNNNNN')")
         return root / name
     if (root / "meta.json").is_file():
         return root
@@ -373,6 +376,11 @@ def save(trainer, path, params, states, extra=None, keep=2, buffers=None):
     rank, world = _rank(trainer), trainer.world
     json_extra = json.loads(json.dumps(extra))  # fail now, not after writing shards
     root = Path(path)
+    if root.exists() and not root.is_dir():  # every rank sees it: raised before any message
+        raise NotADirectoryError(
+            f"save_checkpoint({str(path)!r}): {path} is a file, and a checkpoint needs a "
+            "directory there (it holds step-NNNNNNNN directories and a 'latest' file); give "
+            "a new or existing directory path")
     name = f"step-{trainer.step_count:08d}"
     tmp_name = temporary_name(name) if rank == 0 else None
     tmp = root / (trainer.comm.mpi_comm.bcast(tmp_name, root=0) if world > 1 else tmp_name)
