@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/models.py
 import harness  # noqa: E402
 
 SIZES = (20, 64, 64, 5)
@@ -52,23 +53,11 @@ def _sample() -> dict:
 
 def _make_module(seed):
     import torch
-    import torch.nn.functional as F
-    from torch import nn
 
-    class MLP(nn.Module):
-        def __init__(self, sizes=SIZES):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
-
-        def forward(self, x):
-            for i, layer in enumerate(self.layers):
-                x = layer(x)
-                if i < len(self.layers) - 1:
-                    x = F.relu(x)
-            return x
+    from models import MLP  # tests/models.py
 
     torch.manual_seed(seed)
-    return MLP()
+    return MLP(SIZES)
 
 
 def _data():
@@ -98,8 +87,6 @@ def _bitwise_equal(a, b) -> bool:
 
 
 def side(args):
-    import numpy as np
-
     import raf_dist
     from raf_dist import distributed as dist
 

@@ -24,8 +24,6 @@ import step_time  # noqa: E402
 
 
 def side(tp, steps, cache_dir):
-    import numpy as np
-
     import raf_dist
     from raf_dist import distributed as dist
 
@@ -63,7 +61,6 @@ def side(tp, steps, cache_dir):
             "tp_bus_bytes": stats["comm_bytes_last_step"].get("allreduce", 0.0),
             "planned_tp_bus_bytes": planned,
             "split": sorted(plan.placements) if plan else []})
-    del np
 
 
 def model_params(module):

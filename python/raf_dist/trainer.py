@@ -210,26 +210,13 @@ class Trainer:
         _raise_if_ranks_differ(everyone, "built different Trainers")
 
     def _check_fingerprints(self):
+        """Every rank's compiled-step fingerprint against rank 0's (after _agree, this also
+        covers what the built step derived: parameter shapes, inputs, versions)."""
         digest, description = self.fingerprint()
         everyone = self.comm.mpi_comm.allgather((digest, description))
-        groups = {}
-        for rank, (d, _) in enumerate(everyone):
-            groups.setdefault(d, []).append(rank)
-        if len(groups) > 1:
-            mine, theirs = everyone[0][1], None
-            differing = []
-            for rank, (d, desc) in enumerate(everyone):
-                if d != everyone[0][0]:
-                    theirs = desc
-                    differing = [k for k in desc if desc[k] != mine.get(k)]
-                    break
-            ranks = "; ".join(f"ranks {v}: {k}" for k, v in groups.items())
-            raise ValueError(
-                f"the ranks built different training steps (fingerprints {ranks}); they differ "
-                f"in {', '.join(differing)}. Every rank must create the same model, loss, "
-                f"optimizer and config. Rank 0 has {json.dumps({k: mine[k] for k in differing}, default=str)[:500]}, "
-                f"rank {groups[[k for k in groups if k != everyone[0][0]][0]][0]} has "
-                f"{json.dumps({k: theirs[k] for k in differing}, default=str)[:500]}")
+        if len({d for d, _ in everyone}) > 1:
+            _raise_if_ranks_differ([desc for _, desc in everyone],
+                                   "built different training steps")
 
     def _passes(self, config, local=False):
         """The config, read once, as explicit pass arguments. ``local``: for a step without

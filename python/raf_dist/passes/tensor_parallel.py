@@ -25,8 +25,9 @@ import fnmatch
 import numpy as np
 from tvm import relax
 
-from .tp_layout import (PARTIAL, Request, Resegment, Unsplittable, dim_of, local_shape,
-                        propagate, static_shape)
+from .gradient_markers import SubstituteVars
+from .tp_layout import (PARTIAL, Request, Resegment, Unsplittable, field_shapes,
+                        local_shape, propagate, static_shape)
 from .tp_ops import tp_copy, tp_rank, tp_reduce
 
 PLAN_VALUES = ("colwise", "rowwise", "replicate")
@@ -403,8 +404,6 @@ def shard_forward(func, tp, param_names, trained, plan):
 
 
 def _substitute(expr, var_map):
-    from .gradient_markers import SubstituteVars
-
     return SubstituteVars(var_map).visit_expr(expr)
 
 
@@ -492,8 +491,8 @@ def _local_call(call, args, var, hi, tp):
         return relax.Call(call.op, [args[0], relax.ShapeExpr(list(shape))], call.attrs,
                           call.ty_args)
     if name == "relax.split":
-        pieces = [local_shape(static_shape(f), h, tp) if h is not None else static_shape(f)
-                  for f, h in zip(_fields(var), hi)]
+        pieces = [local_shape(shape, h, tp) if h is not None else shape
+                  for shape, h in zip(field_shapes(var), hi)]
         axis = int(call.attrs.axis) % len(pieces[0])
         bounds, acc = [], 0
         for piece in pieces[:-1]:
@@ -501,10 +500,6 @@ def _local_call(call, args, var, hi, tp):
             bounds.append(acc)
         return relax.op.split(args[0], bounds, axis=int(call.attrs.axis))
     return relax.Call(call.op, args, call.attrs, call.ty_args)
-
-
-def _fields(var):
-    return [relax.Var(f"_{i}", ty) for i, ty in enumerate(var.ty.fields)]
 
 
 def _check_local(var, new, layouts, tp):

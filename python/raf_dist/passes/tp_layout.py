@@ -62,7 +62,15 @@ class Resegment(Exception):
 
 
 def static_shape(expr):
-    ty = expr.ty
+    return _type_shape(expr.ty)
+
+
+def field_shapes(var):
+    """The static shapes of a tuple-typed value's fields (a split's pieces)."""
+    return [_type_shape(ty) for ty in var.ty.fields]
+
+
+def _type_shape(ty):
     if not isinstance(ty, relax.TensorType) or ty.shape is None:
         return None
     try:
@@ -386,7 +394,7 @@ class _Rules:
         shape = static_shape(x)
         j, size = self.split_dim(x)
         axis = int(call.attrs.axis) % len(shape)
-        outs = [static_shape(f) for f in _tuple_fields(var)]
+        outs = field_shapes(var)
         if axis != j:
             return tuple(hi_of(o, j, size) for o in outs)
         lengths = {o[j] for o in outs}
@@ -398,10 +406,6 @@ class _Rules:
         if shape[j] == size and length % self.tp == 0:  # one segment so far: resegment
             raise Resegment(len(outs))
         raise Unsplittable(var, f"cuts the split dimension into pieces of {length}")
-
-
-def _tuple_fields(var):
-    return [relax.Var(f"_{i}", ty) for i, ty in enumerate(var.ty.fields)]
 
 
 def _is_tensor(expr):

@@ -180,8 +180,6 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
         while g in aliases:
             g = aliases[g]
         grads[i] = g
-    grad_index = {g: i for i, g in enumerate(grads) if isinstance(g, relax.Var)}
-    marked = [None] * len(grads)
 
     def mark(grad, i):
         if accumulate is None:
@@ -189,60 +187,80 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
         total = bb.emit(relax.op.add(acc_vars[i], grad))
         return total if accumulate == "partial" else bb.emit(mark_gradient(total, i))
 
-    if accumulate == "partial":
-        return _partial_step(bb, params, adjoint, grads, grad_index, mark, loss_value,
-                             loss_acc, new_buffers, model, target_spec, trainable, specs,
-                             optimizer, frozen, loss_weight, out_info, len(inputs) + len(targets))
     with bb.function("train_step", params):
         with bb.dataflow():
-            # backward, with each gradient marked the moment it is produced (in backward
-            # order): distribution passes turn the markers into collectives
-            for block in adjoint.body.blocks:
-                for binding in block.bindings:
-                    bb.emit_normalized(binding)
-                    i = grad_index.get(binding.var)
-                    if i is not None:
-                        marked[i] = mark(binding.var, i)
-            for i, grad in enumerate(grads):
-                if marked[i] is None:  # not computed by a binding (e.g. a constant zero)
-                    marked[i] = mark(grad, i)
-            grads = marked
-            if accumulate == "final":
-                loss_value = bb.emit(relax.op.add(loss_acc, loss_value))
-            flag = None
-            if nonfinite_guard:
-                flag = nonfinite.finite_flag(
-                    bb, grads, loss_value if nonfinite_guard == "gradients_and_loss" else None,
-                    across_tp=tensor_parallel)
-            new_params, new_states = [], []
-            for i, (param, grad) in enumerate(zip(param_vars, grads)):
-                states = state_vars[i * n_states:(i + 1) * n_states]
-                keep = (None if flag is None else
-                        lambda new, old: nonfinite.keep_unless(bb, flag, new, old))
-                # the states are kept (or not) where they are computed: optimizer.emit_update
-                new_param, updated = optimizer.emit_update(bb, param, grad, states, hyper_vars,
-                                                           keep=keep)
-                if flag is not None:
-                    new_param = nonfinite.keep_unless(bb, flag, new_param, param)
-                new_params.append(new_param)
-                new_states.extend(updated)
-            if flag is not None:
-                loss_value = nonfinite.flag_loss(bb, flag, loss_value)
-            out = bb.emit_output(relax.Tuple([loss_value, *new_params, *new_states,
-                                              *new_buffers]))
+            grads = _emit_backward(bb, adjoint, grads, mark)
+            if accumulate == "partial":  # added into the accumulators; no update
+                loss_sum = bb.emit(relax.op.add(loss_acc, loss_value))
+                out = bb.emit_output(relax.Tuple([loss_sum, *grads, *new_buffers]))
+            else:
+                if accumulate == "final":
+                    loss_value = bb.emit(relax.op.add(loss_acc, loss_value))
+                out = _emit_update(bb, optimizer, grads, loss_value, param_vars, state_vars,
+                                   hyper_vars, new_buffers, nonfinite_guard, tensor_parallel)
         bb.emit_func_output(out)
     step_mod = bb.get()
     # where the parameters and optimizer states sit among the arguments, for the passes that
     # change how they are held (ZeRO shards them), and which argument each output updates
     first = len(inputs) + len(targets)
-    step_mod["train_step"] = step_mod["train_step"].with_attrs({
-        LAYOUT_PARAM_OFFSET: first, LAYOUT_NUM_PARAMS: n_params,
-        LAYOUT_STATES_PER_PARAM: n_states,
-        UPDATED_ARGUMENTS: list(range(first, first + n_params * (1 + n_states)))
-        + list(range(len(params) - n_buffers, len(params)))})
+    buffers_updated = list(range(len(params) - n_buffers, len(params)))
+    if accumulate == "partial":  # outputs: the accumulators (after the parameters), buffers
+        attrs = {UPDATED_ARGUMENTS: list(range(first + n_params, first + 2 * n_params))
+                 + buffers_updated}
+    else:
+        attrs = {LAYOUT_PARAM_OFFSET: first, LAYOUT_NUM_PARAMS: n_params,
+                 LAYOUT_STATES_PER_PARAM: n_states,
+                 UPDATED_ARGUMENTS: list(range(first, first + n_params * (1 + n_states)))
+                 + buffers_updated}
+    step_mod["train_step"] = step_mod["train_step"].with_attrs(attrs)
     step_mod = relax.transform.DeadCodeElimination(["train_step"])(step_mod)
     return step_mod, _signature(model, target_spec, trainable, specs, optimizer, frozen,
                                 loss_weight, out_info)
+
+
+def _emit_backward(bb, adjoint, grads, mark):
+    """The adjoint's bindings, each gradient passed through ``mark(grad, i)`` the moment it
+    is produced (backward order: distribution passes turn markers into collectives);
+    returns the marked gradients in parameter order."""
+    index = {g: i for i, g in enumerate(grads) if isinstance(g, relax.Var)}
+    marked = [None] * len(grads)
+    for block in adjoint.body.blocks:
+        for binding in block.bindings:
+            bb.emit_normalized(binding)
+            i = index.get(binding.var)
+            if i is not None:
+                marked[i] = mark(binding.var, i)
+    for i, grad in enumerate(grads):
+        if marked[i] is None:  # not computed by a binding (e.g. a constant zero)
+            marked[i] = mark(grad, i)
+    return marked
+
+
+def _emit_update(bb, optimizer, grads, loss_value, param_vars, state_vars, hyper_vars,
+                 new_buffers, nonfinite_guard, tensor_parallel):
+    """The optimizer's update of every parameter (skipped on a non-finite step when guarded);
+    returns the step's output tuple (loss, *params, *states, *buffers)."""
+    flag = None
+    if nonfinite_guard:
+        flag = nonfinite.finite_flag(
+            bb, grads, loss_value if nonfinite_guard == "gradients_and_loss" else None,
+            across_tp=tensor_parallel)
+    n_states = len(optimizer.state_names)
+    keep = (None if flag is None else
+            lambda new, old: nonfinite.keep_unless(bb, flag, new, old))
+    new_params, new_states = [], []
+    for i, (param, grad) in enumerate(zip(param_vars, grads)):
+        states = state_vars[i * n_states:(i + 1) * n_states]
+        # the states are kept (or not) where they are computed: optimizer.emit_update
+        new_param, updated = optimizer.emit_update(bb, param, grad, states, hyper_vars,
+                                                   keep=keep)
+        if flag is not None:
+            new_param = nonfinite.keep_unless(bb, flag, new_param, param)
+        new_params.append(new_param)
+        new_states.extend(updated)
+    if flag is not None:
+        loss_value = nonfinite.flag_loss(bb, flag, loss_value)
+    return bb.emit_output(relax.Tuple([loss_value, *new_params, *new_states, *new_buffers]))
 
 
 def _signature(model, target_spec, trainable, specs, optimizer, frozen, loss_weight, out_info):
@@ -256,37 +274,6 @@ def _signature(model, target_spec, trainable, specs, optimizer, frozen, loss_wei
         buffer_names=list(getattr(model, "buffer_names", ())),
         buffer_specs=model.buffer_specs() if getattr(model, "buffer_names", ()) else [],
         loss_weight_dtype=str(out_info.dtype) if loss_weight else None)
-
-
-def _partial_step(bb, params, adjoint, grads, grad_index, mark, loss_value, loss_acc,
-                  new_buffers, model, target_spec, trainable, specs, optimizer, frozen,
-                  loss_weight, out_info, first_param):
-    """``build_train_step(accumulate="partial")``: one microbatch's forward and backward
-    added into the accumulators (returned, and written in place of the arguments)."""
-    accs = [None] * len(grads)
-    with bb.function("train_step", params):
-        with bb.dataflow():
-            for block in adjoint.body.blocks:
-                for binding in block.bindings:
-                    bb.emit_normalized(binding)
-                    i = grad_index.get(binding.var)
-                    if i is not None:
-                        accs[i] = mark(binding.var, i)
-            for i, grad in enumerate(grads):
-                if accs[i] is None:
-                    accs[i] = mark(grad, i)
-            total = bb.emit(relax.op.add(loss_acc, loss_value))
-            out = bb.emit_output(relax.Tuple([total, *accs, *new_buffers]))
-        bb.emit_func_output(out)
-    mod = bb.get()
-    n = len(trainable)
-    first_acc = first_param + n
-    mod["train_step"] = mod["train_step"].with_attrs({UPDATED_ARGUMENTS: list(
-        range(first_acc, first_acc + n)) + list(range(len(params) - len(new_buffers),
-                                                      len(params)))})
-    mod = relax.transform.DeadCodeElimination(["train_step"])(mod)
-    return mod, _signature(model, target_spec, trainable, specs, optimizer, frozen, loss_weight,
-                           out_info)
 
 
 def _loss_and_grads(adjoint):
