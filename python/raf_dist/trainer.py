@@ -59,19 +59,7 @@ class Trainer:
         ``tensor_parallel_plan`` (with ``tensor_parallel_size`` > 1): {parameter or module
         name pattern: "colwise" | "rowwise" | "replicate"} instead of the plan the
         tensor-parallel pass finds itself (``raf_dist.explain_parallel_plan`` prints either)."""
-        if loss not in LOSSES:
-            raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
-        if nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-        if not isinstance(model, Model):
-            raise TypeError(f"Trainer takes a captured model (raf_dist.model.Model), got "
-                            f"{type(model).__module__}.{type(model).__name__}: capture a PyTorch "
-                            "module with raf_dist.frontend.from_pytorch(module, example_inputs) "
-                            "or a raf_dist.nn module with raf_dist.frontend.from_relax_nn")
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError("optimizer must be a raf_dist.optim optimizer (SGD, Adam, AdamW), "
-                            f"got {optimizer!r}")
-        device_lib.parse(device)  # a bad device string fails before anything starts
+        self._check_arguments(model, loss, optimizer, device, nonfinite)
         config = get_config()
         config.check()
         config.check_supported()
@@ -170,6 +158,32 @@ class Trainer:
         self._profiling = None  # a profiler.StepProfiler while Trainer.profile records
         if env.profile_dir() is not None:
             self.profile(env.profile_steps(), env.profile_dir())
+
+    def __new__(cls, *args, **kwargs):
+        """With ``pipeline_parallel_size`` > 1 the Trainer is a PipelineTrainer (stages on
+        the pp axis: training/pipeline_runtime.py), with the same public surface."""
+        if cls is Trainer and get_config().pipeline_parallel_size > 1:
+            from .training.pipeline_runtime import PipelineTrainer
+
+            return PipelineTrainer(*args, **kwargs)
+        return super().__new__(cls)
+
+    @staticmethod
+    def _check_arguments(model, loss, optimizer, device, nonfinite):
+        """The constructor's arguments, checked before anything starts."""
+        if loss not in LOSSES:
+            raise ValueError(f"unknown loss {loss!r}; expected one of {LOSSES}")
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+        if not isinstance(model, Model):
+            raise TypeError(f"Trainer takes a captured model (raf_dist.model.Model), got "
+                            f"{type(model).__module__}.{type(model).__name__}: capture a PyTorch "
+                            "module with raf_dist.frontend.from_pytorch(module, example_inputs) "
+                            "or a raf_dist.nn module with raf_dist.frontend.from_relax_nn")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError("optimizer must be a raf_dist.optim optimizer (SGD, Adam, AdamW), "
+                            f"got {optimizer!r}")
+        device_lib.parse(device)  # a bad device string fails before anything starts
 
     def fingerprint(self):
         """What every rank of a data-parallel job must agree on before the first collective:

@@ -8,8 +8,6 @@ import dataclasses
 
 _ZERO_LEVELS = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-#: (field, its default) that this version validates but cannot run otherwise
-NOT_BUILT = (("pipeline_parallel_size", 1),)
 
 
 @dataclasses.dataclass
@@ -28,7 +26,14 @@ class DistConfig:
         tensor_parallel_size, pipeline_parallel_size: the tp and pp axes of the pp x dp x tp
             mesh (DESIGN.md section 1; ints >= 1, default 1).
         num_microbatches: microbatches per step (pipelining / gradient accumulation; >= 1).
-        pipeline_schedule: "gpipe", "1f1b" (default), "interleaved_1f1b" or "zero_bubble".
+        pipeline_schedule: "gpipe", "1f1b" (default), "interleaved_1f1b" or "zero_bubble"
+            (validated, not built: the Trainer refuses it).
+        pipeline_stages_per_rank: stages per pp rank under "interleaved_1f1b" (>= 2, default
+            2; GPipe and 1F1B hold one stage per rank).
+        pipeline_split_points: None (the partitioner balances the stages) or the module
+            names where stages 1 .. S-1 start, e.g. ["layers.4"] (S - 1 names).
+        activation_checkpointing: pipeline stages keep only their input per microbatch and
+            run the forward again in backward. Default False.
 
     The mesh fields are part of the public contract and validated here; the Trainer refuses
     values it cannot run yet (pipelining is not built; ``num_microbatches`` runs as gradient
@@ -44,6 +49,9 @@ class DistConfig:
     pipeline_parallel_size: int = 1
     num_microbatches: int = 1
     pipeline_schedule: str = "1f1b"
+    pipeline_stages_per_rank: int = 2
+    pipeline_split_points: list = None
+    activation_checkpointing: bool = False
 
     def __setattr__(self, name, value):
         fields = {f.name for f in dataclasses.fields(self)}
@@ -70,14 +78,12 @@ class DistConfig:
             )
 
     def check_supported(self):
-        """Refuse the contract's fields this version cannot run yet (the Trainer calls it
+        """Refuse the contract's values this version cannot run yet (the Trainer calls it
         before any collective): naming the field beats training something else silently."""
-        for name, default in NOT_BUILT:
-            if getattr(self, name) != default:
-                raise NotImplementedError(
-                    f"{name}={getattr(self, name)} is not supported yet: this version of "
-                    f"raf_dist trains with data and tensor parallelism, ZeRO and gradient "
-                    f"accumulation (pipelining is not built); set {name}={default}")
+        if self.pipeline_schedule == "zero_bubble" and self.pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                "pipeline_schedule='zero_bubble' is not built yet (it needs the backward split "
+                "into input and weight gradients); use 'interleaved_1f1b', '1f1b' or 'gpipe'")
 
     def reset(self):
         """Back to the defaults (tests use this between cases)."""
@@ -90,7 +96,8 @@ class DistConfig:
 
 
 def _validate(name, value):
-    if name in ("enable_data_parallel", "overlap_comm", "sync_batch_norm"):
+    if name in ("enable_data_parallel", "overlap_comm", "sync_batch_norm",
+                "activation_checkpointing"):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
         return value
@@ -105,6 +112,18 @@ def _validate(name, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         return int(value)
+    if name == "pipeline_stages_per_rank":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            raise ValueError(f"pipeline_stages_per_rank must be an int >= 2 (it applies to "
+                             f"interleaved_1f1b), got {value!r}")
+        return int(value)
+    if name == "pipeline_split_points":
+        if value is None:
+            return None
+        if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+            raise ValueError(f"pipeline_split_points must be None or a list of module names "
+                             f"(e.g. ['layers.4']), got {value!r}")
+        return list(value)
     if name == "pipeline_schedule":
         if value not in PIPELINE_SCHEDULES:
             raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got "

@@ -1,0 +1,398 @@
+"""Pipeline stages over the captured forward (DESIGN.md section 3c).
+
+- ``raf_dist.pipeline_stage`` is the stage marker: an identity op registered from Python
+  whose gradient is the mirrored marker ``raf_dist.pipeline_stage_grad`` (and its gradient the
+  marker again), so a marked forward goes through TVM's Gradient with the cut still visible
+  in the backward (Alpa's pipeline marker). A model may carry markers (``stage_boundary`` in
+  a raf_dist.nn model, ``raf_dist.frontend.pipeline_split`` in a PyTorch one); a forward
+  trained without pipelining has them stripped (``strip_stage_markers``).
+- ``ForwardGraph`` reads the forward: which bindings depend on the data (the rest depend
+  only on parameters and constants: a weight's transpose, a causal mask; they are *cloned*
+  into every stage that uses them, never a reason a cut is crossed), a cost per binding
+  (FLOPs, and the parameters it reaches, so the embedding table and the head count), and
+  every single-tensor cut point: a place in the data bindings where exactly one tensor is
+  live, i.e. the next stage needs one activation from the previous ones.
+- ``partition`` chooses the S - 1 cuts: at the model's markers, before the modules the user
+  names (``pipeline_split_points``), or by a min-max dynamic program over the cut points that
+  balances the stages' cost (every binding lands in exactly one stage: uneven layer counts
+  never drop a layer). A requested cut that no single tensor crosses is reported with the
+  values live there.
+- ``split_forward`` writes one Relax function per stage,
+  ``stage_s(input_or_data, *masks, *params) -> activation`` (the last returns the output);
+  training/pipeline.py differentiates each and splits it into forward and backward.
+
+The split happens on the forward, before autodiff, rather than on the differentiated step
+(docs/design-notes.md "Pipeline split"): at a single-tensor cut the backward of a stage reads
+only that stage's values and the incoming gradient, so differentiating each stage gives the
+same bindings as colouring the whole adjoint, and a parameter used on two stages (tied
+embeddings) gets one gradient per stage that holds it, summed across them before the update,
+instead of an add binding that would straddle two stages.
+"""
+import dataclasses
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.ir import _ffi_api as _ir_api
+from tvm.relax.op.base import register_gradient
+
+from .gradient_markers import SubstituteVars
+
+STAGE_MARKER = "raf_dist.pipeline_stage"
+STAGE_MARKER_GRAD = "raf_dist.pipeline_stage_grad"
+
+#: cost of one parameter element in the stage balance (its gradient accumulation, the
+#: optimizer's read-modify-write of it and its state: Adam touches ~16 values per element)
+PARAM_COST = 16.0
+#: forward + backward FLOPs per forward FLOP
+TRAIN_FLOPS = 3.0
+
+
+def _register(name, description):
+    if name in _ir_api.ListOpNames():
+        return tvm.ir.Op.get(name)
+    _ir_api.RegisterOp(name, description)
+    op = tvm.ir.Op.get(name)
+    op.set_num_inputs(1)
+    op.add_argument("x", "Tensor", "the activation crossing the stage boundary")
+    tvm.ir.register_op_attr(name, "FInferType", lambda call, ctx: call.args[0].ty)
+    tvm.ir.register_op_attr(name, "FPurity", True)
+    tvm.ir.register_op_attr(name, "TScriptPrinterName", name)
+    return op
+
+
+_MARKER = _register(STAGE_MARKER, "pipeline stage boundary (identity)")
+_MARKER_GRAD = _register(STAGE_MARKER_GRAD, "the stage boundary in the backward (identity)")
+register_gradient(STAGE_MARKER, lambda var, call, grad, ctx: [relax.Call(_MARKER_GRAD, [grad])],
+                  level=11)
+register_gradient(STAGE_MARKER_GRAD, lambda var, call, grad, ctx: [relax.Call(_MARKER, [grad])],
+                  level=11)
+
+
+def stage_boundary(x):
+    """A stage boundary after ``x`` (a Relax expression): the next stage starts here."""
+    return relax.Call(_MARKER, [x])
+
+
+def is_stage_marker(expr, backward=False):
+    op = _MARKER_GRAD if backward else _MARKER
+    return isinstance(expr, relax.Call) and expr.op.same_as(op)
+
+
+@relax.expr_functor.mutator
+class _StripMarkers(relax.expr_functor.PyExprMutator):
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        if is_stage_marker(call) or is_stage_marker(call, backward=True):
+            return call.args[0]
+        return call
+
+
+def strip_stage_markers(func):
+    """``func`` with every stage marker replaced by its input (training without stages)."""
+    if not any(is_stage_marker(b.value) or is_stage_marker(b.value, backward=True)
+               for block in func.body.blocks for b in block.bindings):
+        return func
+    return _StripMarkers().visit_expr(func)
+
+
+# ---- reading the forward ----------------------------------------------------------------------
+def _free_vars(expr):
+    return [v for v in relax.analysis.free_vars(expr)]
+
+
+def _numel(ty):
+    if isinstance(ty, relax.TensorType) and ty.shape is not None:
+        return int(np.prod([int(d) for d in ty.shape], dtype=np.int64))
+    if isinstance(ty, relax.TupleType):
+        return sum(_numel(f) for f in ty.fields)
+    return 0
+
+
+def binding_flops(binding):
+    """Forward FLOPs of one binding: 2·M·N·K for a matmul (batched), 2·out·(in_channels ·
+    kernel) for a convolution, else one per output element (elementwise, reductions, copies)."""
+    value, out = binding.value, _numel(binding.var.ty)
+    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+        name = value.op.name
+        if name == "relax.matmul":
+            a = value.args[0].ty
+            if isinstance(a, relax.TensorType) and a.shape is not None:
+                return 2 * out * int(a.shape[-1])
+        if name.startswith("relax.nn.conv"):
+            w = value.args[1].ty
+            if isinstance(w, relax.TensorType) and w.shape is not None:
+                return 2 * out * int(np.prod([int(d) for d in w.shape[1:]]))
+    return out
+
+
+@dataclasses.dataclass
+class CutPoint:
+    position: int  # index in ForwardGraph.data (the cut is before data[position])
+    var: relax.Var  # the one tensor live there
+    cost_before: float  # cost of data[:position]
+
+
+class ForwardGraph:
+    """The forward's bindings read for pipelining (module docstring)."""
+
+    def __init__(self, forward, num_inputs, num_masks, param_names):
+        if len(forward.body.blocks) != 1 or not isinstance(forward.body.blocks[0],
+                                                           relax.DataflowBlock):
+            raise ValueError("pipelining needs the forward as one dataflow block (as the "
+                             "frontends capture it)")
+        self.forward = forward
+        self.bindings = list(forward.body.blocks[0].bindings)
+        params = list(forward.params)
+        self.data_inputs = params[:num_inputs]
+        self.masks = params[num_inputs:num_inputs + num_masks]
+        self.param_vars = params[num_inputs + num_masks:num_inputs + num_masks
+                                 + len(param_names)]
+        if len(params) != num_inputs + num_masks + len(param_names):
+            raise NotImplementedError(
+                "pipelining a model whose forward updates buffers (BatchNorm running "
+                "statistics) is not supported: train it with data or tensor parallelism, or "
+                "use LayerNorm/GroupNorm")
+        self.param_names = list(param_names)
+        self.param_of = {v: n for v, n in zip(self.param_vars, param_names)}
+        self.output = forward.body.body
+        defined = {b.var: i for i, b in enumerate(self.bindings)}
+        self.defined = defined
+        # a binding depends on the data when it reads a data input or a data-dependent value
+        data = set(self.data_inputs)
+        self.reads = []
+        for b in self.bindings:
+            reads = _free_vars(b.value)
+            self.reads.append(reads)
+            if any(v in data for v in reads):
+                data.add(b.var)
+        self.is_data = [b.var in data for b in self.bindings]
+        self.data = [i for i, d in enumerate(self.is_data) if d]  # binding indices
+        # the parameters each binding reaches through parameter-only bindings
+        reach = {v: {self.param_of[v]} for v in self.param_vars}
+        self.params_of_binding = []
+        for b, reads in zip(self.bindings, self.reads):
+            names = set().union(*(reach.get(v, set()) for v in reads)) if reads else set()
+            reach[b.var] = names if not self.is_data[self.defined[b.var]] else set()
+            self.params_of_binding.append(names)
+        # cost: training FLOPs, plus the parameters a data binding is the first to reach
+        seen = set()
+        self.cost = []
+        for i in self.data:
+            new = self.params_of_binding[i] - seen
+            seen |= new
+            numel = sum(_numel(self.param_vars[self.param_names.index(n)].ty) for n in new)
+            self.cost.append(TRAIN_FLOPS * binding_flops(self.bindings[i]) + PARAM_COST * numel)
+
+    def markers(self):
+        """Positions (in ``data``) right after each stage marker of the model."""
+        return [k + 1 for k, i in enumerate(self.data) if is_stage_marker(self.bindings[i].value)]
+
+    def live_at(self, position):
+        """The data-dependent values (and data inputs) defined before ``data[position]`` that
+        a binding at or after it, or the output, reads."""
+        before = {self.bindings[i].var for i in self.data[:position]} | set(self.data_inputs)
+        live = []
+        for i in self.data[position:]:
+            for v in self.reads[i]:
+                if v in before and v not in live:
+                    live.append(v)
+        for v in _free_vars(self.output):
+            if v in before and v not in live:
+                live.append(v)
+        return live
+
+    def cut_points(self):
+        """Every single-tensor cut point (ascending)."""
+        points, total = [], 0.0
+        for position in range(1, len(self.data)):
+            total += self.cost[position - 1]
+            live = self.live_at(position)
+            if len(live) == 1 and isinstance(live[0].ty, relax.TensorType):
+                points.append(CutPoint(position, live[0], total))
+        return points
+
+    def first_use(self, prefix):
+        """Position (in ``data``) of the first binding that reads a parameter named
+        ``prefix`` or under module ``prefix`` (directly or through parameter-only bindings)."""
+        for k, i in enumerate(self.data):
+            if any(n == prefix or n.startswith(prefix + ".") for n in self.params_of_binding[i]):
+                return k
+        return None
+
+
+@dataclasses.dataclass
+class StagePlan:
+    """Where the forward is cut: ``cuts[s]`` is the position (in ``graph.data``) where stage
+    s + 1 starts; ``costs[s]`` the stage's cost; ``params[s]`` the parameter names it holds."""
+
+    graph: ForwardGraph
+    cuts: list
+    costs: list
+    params: list
+    how: str  # "partitioner", "split points" or "markers"
+
+    @property
+    def num_stages(self):
+        return len(self.cuts) + 1
+
+    def bounds(self, stage):
+        bounds = [0] + list(self.cuts) + [len(self.graph.data)]
+        return bounds[stage], bounds[stage + 1]
+
+    def describe(self):
+        """One line per stage: bindings, parameters and cost (tools/explain_plan)."""
+        lines = [f"{self.num_stages} pipeline stages ({self.how}); cost = "
+                 f"{TRAIN_FLOPS:g} x forward FLOPs + {PARAM_COST:g} x parameter elements"]
+        total = sum(self.costs) or 1.0
+        for s in range(self.num_stages):
+            lo, hi = self.bounds(s)
+            names = self.params[s]
+            shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6
+                                            else "")
+            lines.append(f"  stage {s}: bindings {lo}..{hi - 1} of {len(self.graph.data)}, "
+                         f"cost {self.costs[s]:.3g} ({100 * self.costs[s] / total:.0f}%), "
+                         f"parameters: {shown or '(none)'}")
+        return "\n".join(lines)
+
+
+def partition(graph, num_stages, split_points=None):
+    """The StagePlan for ``num_stages`` stages (module docstring)."""
+    points = graph.cut_points()
+    by_position = {p.position: p for p in points}
+    markers = graph.markers()
+    if split_points:
+        if len(split_points) != num_stages - 1:
+            raise ValueError(f"pipeline_split_points names {len(split_points)} split points "
+                             f"({list(split_points)}); {num_stages} stages need "
+                             f"{num_stages - 1}")
+        cuts, how, previous = [], "split points", 0
+        for name in split_points:
+            first = graph.first_use(name)
+            if first is None:
+                raise ValueError(f"pipeline_split_points: no parameter is named {name!r} or "
+                                 f"lies under it; parameter names: {graph.param_names}")
+            # the latest single-tensor cut before the module's first binding
+            candidates = [p for p in by_position if previous < p <= first]
+            if not candidates:
+                live = [v.name for v in graph.live_at(first)]
+                raise ValueError(
+                    f"pipeline_split_points: no single tensor crosses the boundary before "
+                    f"{name!r} (live there: {live}); a stage boundary must be crossed by one "
+                    "activation. Choose another module or let the partitioner choose")
+            previous = max(candidates)
+            cuts.append(previous)
+    elif markers:
+        if len(markers) != num_stages - 1:
+            raise ValueError(f"the model carries {len(markers)} stage markers, so it has "
+                             f"{len(markers) + 1} stages; pipeline_parallel_size and "
+                             f"stages per rank ask for {num_stages}")
+        for m in markers:
+            if m not in by_position:
+                live = [v.name for v in graph.live_at(m)]
+                raise ValueError(f"a stage marker is crossed by more than one value (live "
+                                 f"there: {live}); move it to where one activation flows")
+        cuts, how = markers, "markers"
+    else:
+        if len(points) < num_stages - 1:
+            raise ValueError(
+                f"the model has {len(points)} single-tensor cut points; {num_stages} stages "
+                f"need {num_stages - 1}. Use fewer stages (pipeline_parallel_size)")
+        cuts, how = _balance(graph, points, num_stages), "partitioner"
+    prefix = np.concatenate([[0.0], np.cumsum(graph.cost)])
+    bounds = [0] + list(cuts) + [len(graph.data)]
+    costs = [float(prefix[b] - prefix[a]) for a, b in zip(bounds[:-1], bounds[1:])]
+    params = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        used = set().union(*(graph.params_of_binding[i] for i in graph.data[a:b]))
+        params.append([n for n in graph.param_names if n in used])
+    for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if a == b:
+            raise ValueError(f"pipeline stage {s} would be empty; use fewer stages")
+    return StagePlan(graph, list(cuts), costs, params, how)
+
+
+def _balance(graph, points, num_stages):
+    """Cuts minimizing the most expensive stage (dynamic program over the cut points; among
+    equal maxima the smaller total of squares, so the other stages are balanced too)."""
+    total = float(sum(graph.cost))
+    positions = [0.0] + [p.cost_before for p in points] + [total]
+    n = len(positions)
+    best = {(0, 0): (0.0, 0.0, None)}  # (stages so far, index) -> (max, squares, previous)
+    for s in range(1, num_stages + 1):
+        last = s == num_stages
+        for j in ([n - 1] if last else range(1, n - 1)):
+            options = []
+            for i in range(n):
+                if (s - 1, i) not in best or i >= j:
+                    continue
+                cost = positions[j] - positions[i]
+                peak, squares, _ = best[(s - 1, i)]
+                options.append((max(peak, cost), squares + cost * cost, i))
+            if options:
+                best[(s, j)] = min(options)
+    cuts, j, s = [], n - 1, num_stages
+    while s > 0:
+        _, _, i = best[(s, j)]
+        if s > 1:
+            cuts.append(points[i - 1].position)
+        j, s = i, s - 1
+    return sorted(cuts)
+
+
+# ---- writing the stage functions ------------------------------------------------------------
+def split_forward(plan):
+    """One Relax function per stage (module docstring): ``(input or data inputs, *masks used,
+    *parameters used) -> activation`` (the last: the forward's output). Returns
+    [(function, mask indices, parameter names)]."""
+    graph = plan.graph
+    stages = []
+    for s in range(plan.num_stages):
+        lo, hi = plan.bounds(s)
+        own = [graph.data[k] for k in range(lo, hi)]
+        needed = set(own)
+        for i in reversed(range(len(graph.bindings))):  # parameter-only values it reads
+            if i in needed:
+                for v in graph.reads[i]:
+                    j = graph.defined.get(v)
+                    if j is not None and not graph.is_data[j]:
+                        needed.add(j)
+        indices = sorted(needed)
+        reads = set().union(*(graph.reads[i] for i in indices))
+        if s == plan.num_stages - 1:
+            reads |= set(_free_vars(graph.output))
+        masks = [k for k, m in enumerate(graph.masks) if m in reads]
+        names = [graph.param_of[v] for v in graph.param_vars if v in reads]
+        if s == 0:
+            inputs = list(graph.data_inputs)
+            entry = []
+        else:
+            cut = plan.cuts[s - 1]
+            boundary = graph.live_at(cut)[0]
+            inputs = [relax.Var("stage_input", boundary.ty)]
+            entry = [relax.VarBinding(boundary, inputs[0])]
+        out = (graph.output if s == plan.num_stages - 1
+               else graph.live_at(plan.cuts[s])[0])
+        params = inputs + [graph.masks[k] for k in masks] + [
+            v for v in graph.param_vars if v in reads]
+        stages.append((_function(params, entry + [graph.bindings[i] for i in indices], out,
+                                 f"stage{s}"), masks, names))
+    return stages
+
+
+def _function(params, bindings, out, name):
+    """A function of ``bindings`` returning ``out`` with fresh variables (each stage function
+    stands alone). Markers become identities: a stage's own function has none left."""
+    bb = relax.BlockBuilder()
+    fresh = [relax.Var(p.name, p.ty) for p in params]
+    remap = dict(zip(params, fresh))
+    with bb.function(name, fresh):
+        with bb.dataflow():
+            for b in bindings:
+                value = SubstituteVars(remap).visit_expr(b.value)
+                if is_stage_marker(value):
+                    value = value.args[0]
+                remap[b.var] = bb.emit(value, name_hint=b.var.name)
+            result = bb.emit_output(SubstituteVars(remap).visit_expr(out))
+        bb.emit_func_output(result)
+    return bb.get()[name]

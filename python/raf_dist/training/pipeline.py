@@ -1,0 +1,241 @@
+"""Each pipeline stage's training functions (DESIGN.md section 3c).
+
+For stage s (its forward cut out by passes/pipeline.py) the stage's objective is appended
+and TVM's Gradient differentiates it:
+
+- a stage before the last: ``sum(output * dy)``, whose gradients are the vector-Jacobian
+  product with the gradient ``dy`` the next stage sends back (and the gradient of the stage
+  input, sent to the previous stage);
+- the last stage: ``loss(output, target) * seed``, ``seed`` being this microbatch's share of
+  the global batch (rows, not a mean of means), so its gradients arrive weighted.
+
+The differentiated function is then split in two by what the microbatch's *forward* result
+needs (its output, or the unweighted loss on the last stage): those bindings are
+``forward``; every other binding is ``backward``, and what backward reads of forward's
+values are forward's extra outputs (the activations saved for backward, held by the
+executor until that microbatch's backward). The module holds:
+
+    forward(*inputs, *masks, [target], *params) -> (output or loss, *saved)
+    backward(*saved, seed or dy, *params, *grad_accs) -> (dx, *grad_accs + gradients)
+    recompute(*inputs, *masks, [target], seed or dy, *params, *grad_accs) -> as backward
+        (activation checkpointing: forward again inside backward, nothing saved)
+    forward_only(*inputs, *masks, [target], *params) -> output or loss
+
+``dx`` is the stage input's gradient (a 0-d zero on the first stage, whose inputs are data).
+Backward adds into the accumulators in place (``raf_dist.updated_arguments``). The update is
+its own function (``build_update_step``): the optimizer over the accumulated gradients, with
+gradient markers, so the data-parallel and ZeRO-1 passes apply to it unchanged over the dp
+group, once per step after the last microbatch.
+"""
+import dataclasses
+
+import tvm
+from tvm import relax
+
+from ..passes.gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET,
+                                        LAYOUT_STATES_PER_PARAM, UPDATED_ARGUMENTS,
+                                        mark_gradient)
+from . import gradients  # noqa: F401  (registers the gradients TVM 0.27 lacks)
+from .loss import build_loss
+from .step import _emit_update, _ident, _loss_and_grads, missing_gradients
+
+
+@dataclasses.dataclass
+class StageFunctions:
+    """One stage's module and calling convention."""
+
+    index: int
+    last: bool
+    mod: tvm.IRModule
+    input_specs: list  # [(shape, dtype)]: the data inputs (stage 0) or the activation in
+    mask_indices: list  # which of the model's dropout masks the stage reads
+    param_names: list  # every parameter the stage reads, model order
+    trainable: list  # those with a gradient (not frozen), model order
+    output_spec: tuple  # (shape, dtype) of forward's first output (the loss on the last)
+    num_saved: int  # forward's saved values
+    input_grad: bool  # backward's dx is the stage input's gradient (else a 0-d placeholder)
+    seed_spec: tuple  # (shape, dtype) of backward's seed (the dy, or the 0-d weight)
+    target_spec: tuple = None  # the last stage's target
+
+
+def _objective(last, loss, pred_ty, target_spec, vocab_parallel):
+    """(objective Relax function, target spec) for a stage (module docstring)."""
+    shape = [int(d) for d in pred_ty.shape]
+    if last:
+        target_shape, target_dtype = (None, None) if target_spec is None else target_spec
+        return build_loss(loss, shape, pred_ty.dtype, target_shape, target_dtype,
+                          weighted=True, vocab_parallel=vocab_parallel)
+    pred = relax.Var("prediction", pred_ty)
+    dy = relax.Var("output_grad", pred_ty)
+    bb = relax.BlockBuilder()
+    with bb.function("loss", [pred, dy]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.sum(relax.op.multiply(pred, dy))))
+        bb.emit_func_output(out)
+    return bb.get()["loss"], None
+
+
+def build_stage_functions(index, last, forward, mask_indices, param_names, frozen, loss,
+                          target_spec=None, vocab_parallel=False):
+    """The StageFunctions of stage ``index`` (module docstring). ``forward`` is the stage's
+    function from passes.pipeline.split_forward: ``(*inputs, *masks, *params) -> output``."""
+    n_in = len(forward.params) - len(mask_indices) - len(param_names)
+    missing = missing_gradients(forward)
+    if missing:
+        ops = ", ".join(f"{op} (computing {var})" for op, var in missing)
+        raise NotImplementedError(f"pipeline stage {index}: no gradient is registered for "
+                                  f"{ops}; register one or avoid the op")
+    out_ty = forward.ret_ty
+    if not isinstance(out_ty, relax.TensorType) or out_ty.shape is None:
+        raise ValueError(f"pipeline stage {index} must return one tensor of known shape, got "
+                         f"{out_ty}")
+    objective, target_spec = _objective(last, loss, out_ty, target_spec, vocab_parallel)
+    mod = tvm.IRModule({tvm.ir.GlobalVar("main"): forward.with_attr("global_symbol", "main")})
+    mod = relax.training.AppendLoss("main", objective, num_backbone_outputs=1)(mod)
+    main = mod["main_loss"]
+    n_fwd = len(forward.params)
+    stage_params = list(main.params[n_in + len(mask_indices):n_fwd])
+    trainable = [n for n in param_names if n not in frozen]
+    require = [v for v, n in zip(stage_params, param_names) if n not in frozen]
+    input_grad = index > 0 and n_in == 1 and "float" in str(main.params[0].ty.dtype)
+    if input_grad:
+        require = [main.params[0]] + require
+    if not require:
+        raise ValueError(f"pipeline stage {index} has nothing to differentiate (no trainable "
+                         "parameter and no activation input)")
+    mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
+    adjoint = mod["main_loss_adjoint"]
+    args = list(adjoint.params)
+    inputs, masks = args[:n_in], args[n_in:n_in + len(mask_indices)]
+    params = args[n_in + len(mask_indices):n_fwd]
+    extra = args[n_fwd:]  # the objective's own arguments: [target,] seed
+    seed, target = extra[-1], (extra[0] if last else None)
+    _, grads, _ = _loss_and_grads(adjoint)
+    bindings = [b for block in adjoint.body.blocks for b in block.bindings]
+    value = {b.var: b.value for b in bindings}
+    grads = [_follow(g, value) for g in grads]
+    dx = grads.pop(0) if input_grad else None
+
+    # the forward result: the value the objective multiplies by the seed
+    primary = None
+    for b in bindings:
+        v = b.value
+        if (isinstance(v, relax.Call) and isinstance(v.op, tvm.ir.Op)
+                and v.op.name == "relax.multiply" and any(a.same_as(seed) for a in v.args)):
+            primary = [a for a in v.args if not a.same_as(seed)][0]
+            break
+    if primary is None:
+        raise RuntimeError(f"pipeline stage {index}: the objective's product with the seed "
+                           "was not found after Gradient")
+    defined = {b.var: i for i, b in enumerate(bindings)}
+    in_forward = set()
+    stack = [primary]
+    while stack:
+        var = stack.pop()
+        i = defined.get(var)
+        if i is None or i in in_forward:
+            continue
+        in_forward.add(i)
+        stack.extend(relax.analysis.free_vars(bindings[i].value))
+    fwd_bindings = [b for i, b in enumerate(bindings) if i in in_forward]
+    bwd_bindings = [b for i, b in enumerate(bindings) if i not in in_forward]
+    fwd_vars = {b.var for b in fwd_bindings}
+    data_args = set(inputs) | set(masks) | ({target} if target is not None else set())
+    saved = []
+    for b in bwd_bindings:
+        for var in relax.analysis.free_vars(b.value):
+            if (var in fwd_vars or var in data_args) and var not in saved:
+                saved.append(var)
+    for g in grads + ([dx] if dx is not None else []):
+        if (g in fwd_vars or g in data_args) and g not in saved:
+            saved.append(g)
+
+    data = inputs + masks + ([target] if target is not None else [])
+    accs = [relax.Var(f"{_ident(n)}__grad_acc", v.ty)
+            for n, v in zip(param_names, params) if n not in frozen]
+    out_mod = tvm.IRModule()
+
+    def function(name, arguments, body, outputs, updated=None):
+        fresh = [relax.Var(a.name, a.ty) for a in arguments]
+        remap = dict(zip(arguments, fresh))
+        from ..passes.gradient_markers import SubstituteVars
+        bb = relax.BlockBuilder()
+        with bb.function(name, fresh):
+            with bb.dataflow():
+                for b in body:
+                    remap[b.var] = bb.emit(SubstituteVars(remap).visit_expr(b.value),
+                                           name_hint=b.var.name)
+                result = outputs(bb, lambda e: SubstituteVars(remap).visit_expr(e),
+                                 {a: remap[a] for a in arguments})
+                out = bb.emit_output(result)
+            bb.emit_func_output(out)
+        func = bb.get()[name]
+        if updated is not None:
+            func = func.with_attr(UPDATED_ARGUMENTS, updated)
+        out_mod[name] = relax.transform.DeadCodeElimination([name])(
+            tvm.IRModule({tvm.ir.GlobalVar(name): func}))[name]
+
+    def backward_outputs(bb, sub, args):
+        first = sub(dx) if dx is not None else relax.const(0.0, str(out_ty.dtype))
+        sums = [bb.emit(relax.op.add(args[a], sub(g))) for a, g in zip(accs, grads)]
+        return relax.Tuple([first, *sums])
+
+    n_data = len(data)
+    function("forward", data + params, fwd_bindings,
+             lambda bb, sub, args: relax.Tuple([sub(primary), *[sub(v) for v in saved]]))
+    n_saved = len(saved)
+    function("backward", saved + [seed] + params + accs, bwd_bindings, backward_outputs,
+             updated=list(range(n_saved + 1 + len(params), n_saved + 1 + len(params)
+                                + len(accs))))
+    function("recompute", data + [seed] + params + accs, bindings, backward_outputs,
+             updated=list(range(n_data + 1 + len(params), n_data + 1 + len(params)
+                                + len(accs))))
+    function("forward_only", data + params, fwd_bindings,
+             lambda bb, sub, args: sub(primary))
+    return StageFunctions(
+        index=index, last=last, mod=out_mod,
+        input_specs=[_spec(v.ty) for v in inputs], mask_indices=list(mask_indices),
+        param_names=list(param_names), trainable=trainable, output_spec=_spec(primary.ty),
+        num_saved=n_saved, input_grad=input_grad, seed_spec=_spec(seed.ty),
+        target_spec=tuple(target_spec) if target_spec is not None else None)
+
+
+def _follow(var, value):
+    """Through Gradient's ``a = b`` aliases to the binding that computes it."""
+    while isinstance(var, relax.Var) and isinstance(value.get(var), relax.Var):
+        var = value[var]
+    return var
+
+
+def _spec(ty):
+    return tuple(int(d) for d in ty.shape), str(ty.dtype)
+
+
+def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32"):
+    """``train_step(*params, *states, *hypers, *grad_accs, loss_sum) -> (loss_sum, *params,
+    *states)``: the optimizer over the accumulated gradients, each through a gradient marker
+    (so AllReduceGradients / ShardZeRO reduce them over the dp group), with the layout and
+    in-place attributes of build_train_step."""
+    params = [relax.Var(_ident(n), relax.TensorType(s, d))
+              for n, (s, d) in zip(param_names, param_specs)]
+    states = [relax.Var(f"{_ident(n)}__{st}", p.ty) for n, p in zip(param_names, params)
+              for st in optimizer.state_names]
+    dtype = param_specs[0][1] if param_specs else loss_dtype
+    hypers = {h: relax.Var(h, relax.TensorType((), dtype)) for h in optimizer.hyper_names}
+    accs = [relax.Var(f"{_ident(n)}__grad_acc", p.ty) for n, p in zip(param_names, params)]
+    loss_sum = relax.Var("loss_sum", relax.TensorType((), loss_dtype))
+    arguments = params + states + list(hypers.values()) + accs + [loss_sum]
+    bb = relax.BlockBuilder()
+    with bb.function("train_step", arguments):
+        with bb.dataflow():
+            grads = [bb.emit(mark_gradient(a, i)) for i, a in enumerate(accs)]
+            # the loss passes through an identity so the DP pass can average a computed value
+            loss_value = bb.emit(relax.op.add(loss_sum, relax.const(0.0, loss_dtype)))
+            out = _emit_update(bb, optimizer, grads, loss_value, params, states, hypers, [],
+                               None, False)
+        bb.emit_func_output(out)
+    n, k = len(params), len(optimizer.state_names)
+    func = bb.get()["train_step"].with_attrs({
+        LAYOUT_PARAM_OFFSET: 0, LAYOUT_NUM_PARAMS: n, LAYOUT_STATES_PER_PARAM: k,
+        UPDATED_ARGUMENTS: list(range(n * (1 + k)))})
+    return tvm.IRModule({tvm.ir.GlobalVar("train_step"): func})

@@ -1,0 +1,625 @@
+"""The pipeline-parallel Trainer: stages on the pp axis of the mesh, a schedule executed with
+tagged asynchronous point-to-point messages (DESIGN.md section 3c).
+
+``Trainer(...)`` returns a ``PipelineTrainer`` when ``pipeline_parallel_size`` > 1. Every
+rank captures the same model, cuts it into S stages (passes/pipeline.py: markers, named split
+points or the cost partitioner), builds and compiles the functions of the stages it holds
+(training/pipeline.py: forward, backward, recompute, forward_only) at the microbatch's rows
+and one update function over its parameters, with the data-parallel / ZeRO-1 pass over the dp
+group. A step then runs this rank's action list (training/pipeline_schedule.py):
+
+- every receive of the step is posted first (``Irecv`` into a buffer of the boundary's
+  shape, tagged by microbatch, stage boundary and direction), sends are ``Isend`` and waited
+  at the end of the step, so whatever order the schedule asks for nothing can deadlock on a
+  message, and a rank's compute overlaps its neighbours' transfers;
+- ``F(s, m)`` runs stage s's forward on microbatch m (rows ``m*r .. (m+1)*r`` of this rank's
+  data-parallel slice) and keeps the values its backward needs (only the stage input with
+  ``activation_checkpointing``); the last stage's forward gives the microbatch's mean loss;
+- ``B(s, m)`` runs the backward with the gradient received from stage s + 1 (on the last
+  stage: the microbatch's share of the global batch, ``rows_m * dp / global rows``, so the
+  loss is a mean over rows, not a mean of means) and adds the parameter gradients into the
+  rank's accumulators;
+- ``UPDATE``: a parameter held by several stages on different ranks (tied embeddings) has its
+  accumulated gradient summed over those ranks; then the compiled update (gradients averaged
+  over dp, ZeRO-1 shards) runs once. The loss, known on the last stage, is broadcast over pp.
+
+MPI carries the point-to-point messages from host (numpy) buffers: for CUDA tensors this
+stages through the host (an NCCL send/recv path is not built).
+"""
+import dataclasses
+import logging
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .. import checkpoint as ckpt
+from .. import device as device_lib
+from ..compiler import compile_step
+from ..distributed import collectives, get_communicator, get_config
+from ..distributed.mesh import check_mesh, get_mesh
+from ..passes import gradient_buckets
+from ..passes.lower_allreduce import LowerAllReduce  # noqa: F401  (re-exported for symmetry)
+from ..passes.pipeline import ForwardGraph, partition, split_forward
+from ..passes.tp_ops import LowerTensorParallel
+from ..runtime import available_cores, set_num_threads
+from . import batch_size as batching
+from . import pipeline_schedule as schedules
+from . import tensor_parallel as tp_lib
+from .loss import check_targets, num_classes
+from .pipeline import build_stage_functions, build_update_step
+from .step import TrainStepSignature
+
+_LOG = logging.getLogger("raf_dist")
+
+
+def _tag(kind, stage_boundary, microbatch, num_stages):
+    """The MPI tag of the message crossing boundary ``stage_boundary`` (between stages b and
+    b + 1) for ``microbatch``: activations even, gradients odd."""
+    return (microbatch * num_stages + stage_boundary) * 2 + (1 if kind == "B" else 0)
+
+
+@dataclasses.dataclass
+class _Stage:
+    index: int
+    functions: object  # training.pipeline.StageFunctions
+    vm: dict  # name -> VM function
+
+
+class PipelineTrainer:
+    """Trainer for ``pipeline_parallel_size`` > 1 (module docstring); same public surface as
+    :class:`raf_dist.Trainer` (step, state_dict, optimizer_state_dict, stats, checkpoints)."""
+
+    def __init__(self, model, loss="cross_entropy", optimizer=None, device="cpu", cache_dir=None,
+                 seed=0, nonfinite="raise", tensor_parallel_plan=None):
+        from ..trainer import NONFINITE_MODES, Trainer, step_passes
+
+        Trainer._check_arguments(model, loss, optimizer, device, nonfinite)
+        config = get_config()
+        config.check()
+        config.check_supported()
+        self.config = config.as_dict()
+        self.comm = get_communicator()
+        self.pp = int(config.pipeline_parallel_size)
+        self.tp = int(config.tensor_parallel_size)
+        dp_size = check_mesh(self.comm.size, self.tp, self.pp, config.enable_data_parallel)
+        self.zero_level = int(config.zero_opt_level)
+        if self.zero_level > 1:
+            raise ValueError(
+                f"zero_opt_level={self.zero_level} with pipeline_parallel_size={self.pp} is not "
+                "supported: ZeRO-2/3 reduce-scatter gradients (and gather parameters) per "
+                "microbatch, which pipelining would repeat M times per step (DeepSpeed refuses "
+                "the combination too). Use zero_opt_level=1 (optimizer state sharded) or 0")
+        self.schedule = config.pipeline_schedule
+        if self.schedule not in schedules.SCHEDULES:
+            raise NotImplementedError(
+                f"pipeline_schedule={self.schedule!r} is not built; use one of "
+                f"{schedules.SCHEDULES}")
+        self.stages_per_rank = (int(config.pipeline_stages_per_rank)
+                                if self.schedule == "interleaved_1f1b" else 1)
+        self.num_stages = schedules.num_stages(self.schedule, self.pp, self.stages_per_rank)
+        self.microbatches = int(config.num_microbatches)
+        if self.schedule == "interleaved_1f1b" and self.microbatches % self.pp:
+            raise ValueError(f"interleaved_1f1b needs num_microbatches to be a multiple of "
+                             f"pipeline_parallel_size={self.pp}, got {self.microbatches}")
+        if model.dropout_specs:
+            raise NotImplementedError(
+                f"{model.source}: pipelining a model with dropout is not supported yet (the "
+                "masks would have to follow the stages); set the dropout rates to 0")
+        if getattr(model, "buffer_names", ()):
+            raise NotImplementedError(
+                f"{model.source}: pipelining a model whose forward updates buffers (BatchNorm "
+                "running statistics) is not supported; use data or tensor parallelism")
+        self.nonfinite = nonfinite
+        self.data_parallel = config.enable_data_parallel and (dp_size > 1 or self.zero_level > 0)
+        self.spmd = True
+        Trainer._agree(self, model, loss, optimizer, device)
+        self.mesh = get_mesh(config)
+        self.world = dp_size if self.data_parallel else 1
+        self.dp_group, self.dp_comm = self.mesh.dp_group, self.mesh.dp_comm
+        self.dp_rank = self.mesh.dp_rank if self.world > 1 else 0
+        self.pp_rank, self.pp_comm = self.mesh.pp_rank, self.mesh.pp_comm
+        self.model, self.loss, self.optimizer, self.device = model, loss, optimizer, device
+        self._device = device_lib.select(device, self.comm, collective=True)
+        self._target = device_lib.target_for(self._device)
+        set_num_threads(max(1, available_cores() // max(1, self.comm.local_size)))
+        self.full_model = model
+        self.tp_plan = None
+        if self.tp > 1:
+            model = self.model = Trainer._split_model(self, model, tensor_parallel_plan)
+        elif tensor_parallel_plan is not None:
+            raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1")
+        self._classes = num_classes(self.full_model.forward, loss)
+        self.batch_size = model.batch_size
+        if self.batch_size % self.microbatches:
+            raise ValueError(
+                f"the model was captured with {self.batch_size} rows per data-parallel rank, "
+                f"which {self.microbatches} microbatches do not divide; capture it with a "
+                "multiple of num_microbatches rows")
+        self.split_points = config.pipeline_split_points
+        self.activation_checkpointing = bool(config.activation_checkpointing)
+        frozen = set(getattr(model, "frozen_params", ()))
+        self._frozen_names = frozen
+        self.bucket_bytes = max(1, int(config.bucket_size_mb * 2**20))
+        self._cache_dir = cache_dir
+        self.seed = int(seed)
+
+        # stages, at the captured microbatch size: the plan and this rank's stages
+        self._mb_stages = {}  # microbatch rows -> (plan, [stage functions by index], shapes)
+        rows = self.batch_size // self.microbatches
+        plan, stage_funcs = self._plan_at(rows)
+        self.plan = plan
+        self.my_stages = [s for s in range(self.num_stages)
+                          if schedules.stage_rank(s, self.pp) == self.pp_rank]
+        held = set().union(*(plan.params[s] for s in self.my_stages))
+        self.param_names = [n for n in model.param_names if n in held and n not in frozen]
+        self.frozen_names = [n for n in model.param_names if n in held and n in frozen]
+        specs = dict(zip(model.param_names, model.param_specs()))
+        self.param_specs = [specs[n] for n in self.param_names]
+        self._stages = self._build_stages(rows)
+        self.signature = TrainStepSignature(
+            input_specs=list(model.input_specs), target_spec=self._captured_target_spec(),
+            param_names=self.param_names, param_specs=self.param_specs,
+            state_names=list(optimizer.state_names), hyper_names=list(optimizer.hyper_names),
+            frozen_names=self.frozen_names, frozen_specs=[specs[n] for n in self.frozen_names])
+        # the update: this rank's parameters, reduced over dp (ZeRO-1: sharded states)
+        if not self.param_names:
+            raise ValueError(f"pipeline rank {self.pp_rank} holds no trainable parameter; use "
+                             "fewer stages")
+        self.update_ir = build_update_step(self.param_names, self.param_specs, optimizer)
+        self.grad_buckets = (gradient_buckets(self.update_ir, self.bucket_bytes)
+                             if self.data_parallel else [])
+        passes = step_passes(self.zero_level if self.data_parallel else 0,
+                             self.world if self.data_parallel else 1, self.bucket_bytes,
+                             overlap=config.overlap_comm, group=self.dp_group)
+        self.compiled_update = compile_step(self.update_ir, passes=passes, target=self._target,
+                                            cache_dir=cache_dir)
+        self._update_fn = relax.VirtualMachine(self.compiled_update.executable,
+                                               self._device)["train_step"]
+        # parameters: rank 0's initial values (dp broadcast), this rank's only
+        init = {}
+        for name in self.param_names + self.frozen_names:
+            value = np.ascontiguousarray(model.init_params[name]).copy()
+            if self.world > 1:
+                value = collectives.broadcast(value, root=0, group=self.dp_group)
+            init[name] = value
+        self._tensors = {n: tvm.runtime.tensor(v, self._device) for n, v in init.items()}
+        self._states = Trainer._pack_states(self, {
+            (p, st): (self._local_shard(np.zeros_like(init[p])) if self.zero_level
+                      else np.zeros_like(init[p])) for p, st in self.signature.state_keys()})
+        self._tied_comms = self._tied_groups(plan)
+        self.step_count = 0
+        self.skipped_steps = 0
+        self._hyper_dtype = self.param_specs[0][1]
+        self._comm_last_step = {}
+        self._peak_saved = {s: 0 for s in self.my_stages}
+        self._peak_saved_bytes = {s: 0 for s in self.my_stages}
+        self.actions = schedules.rank_actions(self.schedule, self.pp, self.microbatches,
+                                              self.stages_per_rank)
+        schedules.check_actions(self.actions, self.num_stages, self.microbatches)
+        Trainer._check_fingerprints(self)
+
+    # ---- building --------------------------------------------------------------------------
+    def fingerprint(self):
+        from ..trainer import Trainer
+
+        digest, description = Trainer.fingerprint(self)
+        description = dict(description, pipeline={
+            "stages": self.num_stages, "cuts": list(self.plan.cuts)})
+        description.pop("model")  # each pp rank holds other parameters
+        import hashlib
+        import json
+        text = json.dumps(description, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16], description
+
+    def _plan_at(self, rows):
+        """(StagePlan, split stage functions) of the model at ``rows`` rows per microbatch."""
+        if rows not in self._mb_stages:
+            model = self.model.at_batch(rows)
+            graph = ForwardGraph(model.forward, len(model.input_specs),
+                                 len(model.dropout_specs), model.param_names)
+            plan = partition(graph, self.num_stages, self.split_points)
+            self._mb_stages[rows] = (plan, split_forward(plan))
+        return self._mb_stages[rows]
+
+    def _build_stages(self, rows):
+        """{stage index: _Stage} of this rank's stages at ``rows`` rows per microbatch."""
+        plan, funcs = self._plan_at(rows)
+        if hasattr(self, "plan") and plan.cuts != self.plan.cuts:
+            raise ValueError(f"at {rows} rows per microbatch the partitioner cuts the model "
+                             f"elsewhere ({plan.cuts} vs {self.plan.cuts}); use the captured "
+                             "batch size")
+        stages = {}
+        passes = []
+        if self.tp > 1:
+            passes.append(LowerTensorParallel(self.mesh.tp_group))
+        from ..trainer import step_passes
+        passes += step_passes(0, 1, self.bucket_bytes)[1:]  # no gradient collective here
+        target_spec = None
+        for s in self.my_stages:
+            func, masks, names = funcs[s]
+            last = s == self.num_stages - 1
+            if last:
+                target_spec = batching.batched_spec(self._captured_target_spec(), rows,
+                                                    self.batch_size)
+            fns = build_stage_functions(
+                s, last, func, masks, names, self._frozen_names, self.loss,
+                target_spec=target_spec if last else None,
+                vocab_parallel=getattr(self.model, "output_split_classes", 0) > 1)
+            compiled = compile_step(fns.mod, passes=passes, target=self._target,
+                                    cache_dir=self._cache_dir)
+            vm = relax.VirtualMachine(compiled.executable, self._device)
+            stages[s] = _Stage(s, fns, {k: vm[k] for k in ("forward", "backward", "recompute",
+                                                           "forward_only")})
+            stages[s].planned_peak_bytes = compiled.planned_peak_bytes
+        return stages
+
+    def _captured_target_spec(self):
+        """The target's spec at the captured batch (from the full model's output)."""
+        out = self.full_model.forward.ret_ty
+        shape = [int(d) for d in out.shape]
+        if self.loss == "cross_entropy":
+            return tuple(shape[:-1]), "int64"
+        return tuple(shape), str(out.dtype)
+
+    def _tied_groups(self, plan):
+        """{parameter name: mpi4py communicator of the pp ranks holding it} for each
+        parameter held on more than one pp rank (tied embeddings); collective over pp."""
+        from mpi4py import MPI
+
+        holders = {}
+        for s in range(self.num_stages):
+            for name in plan.params[s]:
+                holders.setdefault(name, set()).add(schedules.stage_rank(s, self.pp))
+        comms = {}
+        for name in sorted(n for n, ranks in holders.items() if len(ranks) > 1):
+            if name in self._frozen_names:
+                continue
+            mine = self.pp_rank in holders[name]
+            comm = self.pp_comm.Split(0 if mine else MPI.UNDEFINED, self.pp_rank)
+            if mine:
+                comms[name] = comm
+        return comms
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self, x, y):
+        """One optimizer step (module docstring); returns the global mean loss everywhere."""
+        from ..trainer import _check_array
+
+        inputs = x if isinstance(x, (tuple, list)) else (x,)
+        if len(inputs) != len(self.model.input_specs):
+            raise ValueError(f"step() got {len(inputs)} inputs; the model was captured with "
+                             f"{len(self.model.input_specs)}")
+        rows = batching.leading_rows(inputs, self.model.input_specs, self.batch_size)
+        for i, (a, spec) in enumerate(zip(inputs, self.model.input_specs)):
+            _check_array(a, batching.batched_spec(spec, rows, self.batch_size), f"input {i}")
+        _check_array(y, batching.batched_spec(self._captured_target_spec(), rows,
+                                              self.batch_size), "target")
+        if self._classes is not None:
+            check_targets(y, self._classes)
+        if rows % self.microbatches:
+            raise ValueError(f"a batch of {rows} rows does not split into num_microbatches="
+                             f"{self.microbatches} equal microbatches: pass a multiple of "
+                             f"{self.microbatches} rows per data-parallel rank")
+        mb = rows // self.microbatches
+        if mb != self.batch_size // self.microbatches:
+            raise ValueError(f"pipelined steps take the captured {self.batch_size} rows per "
+                             f"data-parallel rank, got {rows}")
+        self.comm.activity = f"step {self.step_count + 1} (last completed: {self.step_count})"
+        rows_per_rank = (batching.allgather_rows(self.dp_comm, rows) if self.world > 1
+                         else [rows])
+        weight = batching.loss_weight(mb, rows_per_rank)
+        before = collectives.comm_counters()
+        loss_sum, accs = self._run_schedule(inputs, y, mb, weight)
+        finite = self._all_finite(loss_sum, accs)
+        if not finite:
+            return self._nonfinite_step(loss_sum)
+        loss = self._update(accs, loss_sum)
+        after = collectives.comm_counters()
+        self._comm_last_step = {k: after[k]["bus_bytes"] - before.get(k, {}).get("bus_bytes", 0)
+                                for k in after
+                                if after[k]["calls"] > before.get(k, {}).get("calls", 0)}
+        self.step_count += 1
+        self.comm.activity = f"work between steps (last completed: {self.step_count})"
+        return loss
+
+    def _run_schedule(self, inputs, y, mb, weight):
+        """Execute this rank's actions; returns (weighted loss sum on the last stage, else 0;
+        {parameter name: accumulated gradient tensor})."""
+        dev = self._device
+        S, M = self.num_stages, self.microbatches
+        accs = {n: tvm.runtime.tensor(np.zeros(s, d), dev)
+                for n, (s, d) in zip(self.param_names, self.param_specs)}
+        plan, funcs = self._plan_at(mb)
+        out_specs = [(tuple(int(d) for d in f.ret_ty.shape), str(f.ret_ty.dtype))
+                     for f, _, _ in funcs]
+        actions = self.actions[self.pp_rank]
+        # every receive of the step, posted now (module docstring)
+        recvs = {}
+        for a in actions:
+            if a.kind == "RECV_F":
+                boundary, spec = a.stage - 1, out_specs[a.stage - 1]
+            elif a.kind == "RECV_B":
+                boundary, spec = a.stage, out_specs[a.stage]
+            else:
+                continue
+            buf = np.empty(spec[0], dtype=spec[1])
+            req = self.pp_comm.Irecv(buf, source=a.peer,
+                                     tag=_tag(a.kind[-1], boundary, a.microbatch, S))
+            recvs[(a.kind, a.stage, a.microbatch)] = (req, buf)
+        sends = []
+        handoff = {}  # ("F"|"B", stage, m) -> tensor for that stage's F / B
+        saved = {}  # (stage, m) -> saved tensors
+        live = {s: 0 for s in self.my_stages}
+        live_bytes = {s: 0 for s in self.my_stages}
+        outputs = {}  # ("F"|"B", stage, m) -> tensor produced, waiting for its SEND
+        seed = tvm.runtime.tensor(np.array(weight, dtype=self._hyper_dtype), dev)
+        loss_sum = 0.0
+
+        def rows_of(array, m):
+            return np.ascontiguousarray(np.asarray(array)[m * mb:(m + 1) * mb])
+
+        for a in actions:
+            s, m = a.stage, a.microbatch
+            if a.kind in ("RECV_F", "RECV_B"):
+                req, buf = recvs.pop((a.kind, s, m))
+                _wait(req, f"{a} (pp rank {self.pp_rank})")
+                handoff[(a.kind[-1], s, m)] = tvm.runtime.tensor(buf, dev)
+            elif a.kind in ("SEND_F", "SEND_B"):
+                value = np.ascontiguousarray(outputs.pop((a.kind[-1], s, m)).numpy())
+                boundary = s if a.kind == "SEND_F" else s - 1
+                sends.append((self.pp_comm.Isend(value, dest=a.peer, tag=_tag(
+                    a.kind[-1], boundary, m, S)), value))
+            elif a.kind == "F":
+                stage = self._stages[s]
+                fns = stage.functions
+                if s == 0:
+                    data = [tvm.runtime.tensor(rows_of(v, m), dev) for v in inputs]
+                else:
+                    data = [handoff.pop(("F", s, m))]
+                if fns.last:
+                    data.append(tvm.runtime.tensor(rows_of(y, m), dev))
+                params = [self._tensors[n] for n in fns.param_names]
+                if self.activation_checkpointing:
+                    primary = stage.vm["forward_only"](*data, *params)
+                    keep = data
+                else:
+                    out = stage.vm["forward"](*data, *params)
+                    primary = out[0]
+                    keep = [out[1 + i] for i in range(fns.num_saved)]
+                saved[(s, m)] = keep
+                live[s] += 1
+                self._peak_saved[s] = max(self._peak_saved[s], live[s])
+                live_bytes[s] += sum(_nbytes(t) for t in keep)
+                self._peak_saved_bytes[s] = max(self._peak_saved_bytes[s], live_bytes[s])
+                if fns.last:
+                    loss_sum += weight * float(primary.numpy())
+                else:
+                    self._deliver("F", s + 1, m, primary, handoff, outputs, s)
+            elif a.kind == "B":
+                stage = self._stages[s]
+                fns = stage.functions
+                keep = saved.pop((s, m))
+                live[s] -= 1
+                live_bytes[s] -= sum(_nbytes(t) for t in keep)
+                grad_in = seed if fns.last else handoff.pop(("B", s, m))
+                params = [self._tensors[n] for n in fns.param_names]
+                mine = [accs[n] for n in fns.trainable]
+                fn = stage.vm["recompute" if self.activation_checkpointing else "backward"]
+                out = fn(*keep, grad_in, *params, *mine)
+                for i, n in enumerate(fns.trainable):
+                    accs[n] = out[1 + i]
+                if s > 0:
+                    self._deliver("B", s - 1, m, out[0], handoff, outputs, s)
+        for req, _ in sends:
+            _wait(req, f"a send of pp rank {self.pp_rank}")
+        return loss_sum, accs
+
+    def _deliver(self, kind, to_stage, m, tensor, handoff, outputs, from_stage):
+        """A stage's output for ``to_stage``: handed over when this rank holds it, else kept
+        for the SEND action that follows."""
+        if to_stage in self._stages:
+            handoff[(kind, to_stage, m)] = tensor
+        else:
+            outputs[(kind, from_stage, m)] = tensor
+
+    def _all_finite(self, loss_sum, accs):
+        """Whether the loss and every gradient are finite on every rank (one allreduce)."""
+        from mpi4py import MPI
+
+        ok = math.isfinite(loss_sum) and all(np.isfinite(t.numpy()).all() for t in accs.values())
+        return bool(self.comm.mpi_comm.allreduce(int(ok), op=MPI.MIN))
+
+    def _nonfinite_step(self, loss_sum):
+        from mpi4py import MPI
+
+        loss = self.pp_comm.bcast(loss_sum, root=self.pp - 1)
+        loss = self.dp_comm.allreduce(loss, op=MPI.SUM) / max(1, self.world)
+        step = self.step_count + 1
+        if self.nonfinite == "skip":
+            self.skipped_steps += 1
+            self.step_count += 1
+            _LOG.warning("step %d: the loss or a gradient is not finite (loss %s); the update "
+                         "was skipped on every rank (nonfinite='skip')", step, loss)
+            return float("nan")
+        raise FloatingPointError(
+            f"step {step}: the loss or a gradient is not finite (loss {loss}); the update was "
+            "not applied, parameters and optimizer state are unchanged. Check this step's "
+            "inputs and the learning rate, or pass Trainer(nonfinite='skip')")
+
+    def _update(self, accs, loss_sum):
+        """Tied gradients summed over their pp ranks, then the compiled update; returns the
+        global mean loss (broadcast from the last stage)."""
+        from mpi4py import MPI
+
+        for name, comm in self._tied_comms.items():
+            host = np.ascontiguousarray(accs[name].numpy())
+            comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+            accs[name] = tvm.runtime.tensor(host, self._device)
+        hypers = self.optimizer.hyper_values(self.step_count + 1 - self.skipped_steps)
+        hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype),
+                                         self._device) for h in self.signature.hyper_names]
+        params = [self._tensors[n] for n in self.param_names]
+        loss_in = tvm.runtime.tensor(np.array(loss_sum, dtype=self._hyper_dtype), self._device)
+        out = self._update_fn(*params, *self._states, *hyper_args,
+                              *[accs[n] for n in self.param_names], loss_in)
+        n = len(params)
+        for i, name in enumerate(self.param_names):
+            self._tensors[name] = out[1 + i]
+        self._states = [out[1 + n + i] for i in range(len(self._states))]
+        loss = float(out[0].numpy())  # averaged over dp on the last stage
+        return float(self.pp_comm.bcast(loss, root=self.pp - 1))
+
+    # ---- state ------------------------------------------------------------------------------
+    def _local_shard(self, array):
+        from ..trainer import Trainer
+
+        return Trainer._local_shard(self, array)
+
+    def _full(self, tensor, shape):
+        from ..trainer import Trainer
+
+        return Trainer._full(self, tensor, shape)
+
+    def _unpack_states(self):
+        from ..trainer import Trainer
+
+        return Trainer._unpack_states(self)
+
+    def _held(self):
+        """{name: array} of every parameter this rank holds, full (tp pieces assembled)."""
+        out = {}
+        for name in self.param_names + self.frozen_names:
+            value = self._tensors[name].numpy()
+            if self.tp > 1:
+                value = tp_lib.full_parameter(self.tp_plan, name, value, self.mesh.tp_group,
+                                              self.tp)
+            out[name] = value
+        return out
+
+    def _gather_pp(self, held):
+        """Every pp rank's {name: value} merged (an allgather over pp), model order."""
+        merged = {}
+        for part in self.pp_comm.allgather(held):
+            merged.update(part)
+        return merged
+
+    def state_dict(self):
+        """Every full parameter on every rank (gathered over pp and tp): every rank calls it."""
+        merged = self._gather_pp(self._held())
+        return {n: merged[n] for n in self.full_model.param_names}
+
+    def optimizer_state_dict(self):
+        """{param: {state: full array}} of every parameter: every rank calls it."""
+        from ..trainer import Trainer
+
+        mine = Trainer.optimizer_state_dict(self)
+        merged = {}
+        for part in self.pp_comm.allgather(mine):
+            merged.update(part)
+        return {n: merged[n] for n in self.full_model.param_names if n in merged}
+
+    def stats(self):
+        """As Trainer.stats, plus ``pipeline``: this rank's stages, the most microbatches (and
+        bytes) of saved activations each stage held at once, and the stage plan's costs."""
+        params = [self._tensors[n] for n in self.param_names + self.frozen_names]
+        return {
+            "param_bytes": sum(_nbytes(p) for p in params),
+            "grad_bytes": sum(_nbytes(self._tensors[n]) for n in self.param_names),
+            "optimizer_state_bytes": sum(_nbytes(s) for s in self._states),
+            "planned_peak_bytes": max([st.planned_peak_bytes for st in self._stages.values()]
+                                      + [self.compiled_update.planned_peak_bytes]),
+            "comm_bytes_last_step": dict(self._comm_last_step),
+            "pipeline": {
+                "stages": list(self.my_stages), "num_stages": self.num_stages,
+                "schedule": self.schedule, "microbatches": self.microbatches,
+                "peak_saved_microbatches": dict(self._peak_saved),
+                "peak_saved_bytes": dict(self._peak_saved_bytes),
+                "stage_costs": list(self.plan.costs)},
+            **device_lib.memory_stats(self._device),
+        }
+
+    def save_checkpoint(self, path, extra=None, keep=2):
+        """The full tensors written as any layout writes them (tp_lib.CheckpointView's
+        files), so a checkpoint saved at pp x dp resumes at any pp x dp x tp: every rank
+        calls it."""
+        full = self.state_dict()
+        states = {(p, s): v for p, d in self.optimizer_state_dict().items()
+                  for s, v in d.items()}
+        view = _FullView(self, full)
+        return ckpt.save(view, path, [full[n] for n in view.signature.param_names], states,
+                         extra, keep, buffers={})
+
+    def load_checkpoint(self, path):
+        """Load a checkpoint of any layout; this rank keeps the parameters it holds."""
+        from ..trainer import Trainer
+
+        params, states, _, frozen, meta = ckpt.load(_FullView(self, {}), path)
+        names = _FullView(self, {}).signature.param_names
+        full = dict(zip(names, params))
+        full.update(frozen)
+        for name in self.param_names + self.frozen_names:
+            value = np.asarray(full[name])
+            if self.tp > 1:
+                value = self.tp_plan.local_shard(name, value, self.mesh.tp_rank)
+            self._tensors[name] = tvm.runtime.tensor(np.ascontiguousarray(value), self._device)
+        mine = {k: v for k, v in states.items() if k[0] in self.param_names}
+        if self.tp > 1:
+            mine = {k: self.tp_plan.local_shard(k[0], np.asarray(v), self.mesh.tp_rank)
+                    for k, v in mine.items()}
+        if self.zero_level:
+            mine = {k: self._local_shard(v) for k, v in mine.items()}
+        self._states = Trainer._pack_states(self, mine)
+        self.step_count, self.seed = int(meta["step"]), int(meta["seed"])
+        return meta.get("extra")
+
+
+class _FullView:
+    """The pipeline trainer as raf_dist.checkpoint sees it: the whole model held by a
+    data-parallel world of every rank without ZeRO (as tp_lib.CheckpointView)."""
+
+    def __init__(self, trainer, full):
+        model = trainer.full_model
+        frozen = set(getattr(model, "frozen_params", ()))
+        specs = dict(zip(model.param_names, model.param_specs()))
+        names = [n for n in model.param_names if n not in frozen]
+        frozen_names = [n for n in model.param_names if n in frozen]
+        self.comm = trainer.comm
+        self.data_parallel, self.world, self.zero_level = True, trainer.comm.size, 0
+        self.step_count, self.seed = trainer.step_count, trainer.seed
+        self.config, self.loss, self.optimizer = trainer.config, trainer.loss, trainer.optimizer
+        self.model = model
+        self.signature = dataclasses.replace(
+            trainer.signature, param_names=names, param_specs=[specs[n] for n in names],
+            frozen_names=frozen_names, frozen_specs=[specs[n] for n in frozen_names],
+            buffer_names=[], buffer_specs=[])
+        self._frozen = [full.get(n) for n in frozen_names]
+
+
+def _wait(request, what):
+    """Wait for an mpi4py request, polling (sleeping after the first hundred tests: a rank
+    computing must keep its core) under the collective timeout, whose error names the
+    message: a peer that died or runs another schedule never leaves this rank waiting."""
+    import time
+
+    from .. import env
+    from .batch_size import _recent_collectives
+
+    timeout = env.collective_timeout_s()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    polls = 0
+    while not request.Test():
+        polls += 1
+        if polls > 100:
+            time.sleep(0.0002)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"pipeline message {what} did not complete within {timeout:g} s "
+                    "(RAF_DIST_COLLECTIVE_TIMEOUT_S): the peer rank has probably died, stalled "
+                    "or runs a different schedule. Last collectives (flight recorder):"
+                    f"{_recent_collectives()}")
+
+
+def _nbytes(tensor):
+    return int(np.prod(tensor.shape)) * tvm.DataType(tensor.dtype).bits // 8

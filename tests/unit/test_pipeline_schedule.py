@@ -1,0 +1,185 @@
+"""Pipeline schedules (gpipe, 1f1b, interleaved_1f1b): validity, no deadlock, bubble, memory."""
+import pytest
+
+from raf_dist.training import pipeline_schedule as ps
+from raf_dist.training.pipeline_schedule import Action
+
+SIMPLE = [
+    (schedule, P, M)
+    for schedule in ("gpipe", "1f1b")
+    for P in (1, 2, 4)
+    for M in (1, 2, 3, 4, 8)
+]
+INTERLEAVED = [(P, v, M) for P in (2, 4) for v in (2, 3) for M in (P, 2 * P)]
+
+
+@pytest.mark.parametrize("schedule,P,M", SIMPLE)
+def test_simple_schedules_valid_and_no_deadlock(schedule, P, M):
+    actions = ps.rank_actions(schedule, P, M)
+    assert len(actions) == P
+    ps.check_actions(actions, ps.num_stages(schedule, P), M)
+    assert all(seq[-1] == Action("UPDATE", -1, -1) for seq in actions)
+    timeline = ps.simulate(actions, comm_cost=0.5)
+    assert len(timeline) == 2 * P * M
+
+
+@pytest.mark.parametrize("P,v,M", INTERLEAVED)
+def test_interleaved_valid_and_no_deadlock(P, v, M):
+    actions = ps.rank_actions("interleaved_1f1b", P, M, v)
+    S = ps.num_stages("interleaved_1f1b", P, v)
+    assert S == P * v
+    ps.check_actions(actions, S, M)
+    for comm in (0.0, 0.5):
+        assert len(ps.simulate(actions, comm_cost=comm)) == 2 * S * M
+
+
+@pytest.mark.parametrize("P", (1, 2, 4))
+@pytest.mark.parametrize("M", (1, 2, 3, 4, 8))
+def test_peak_in_flight(P, M):
+    one_f_one_b = ps.peak_in_flight(ps.rank_actions("1f1b", P, M), P)
+    assert one_f_one_b == {s: min(P - s, M) for s in range(P)}
+    gpipe = ps.peak_in_flight(ps.rank_actions("gpipe", P, M), P)
+    assert gpipe == {s: M for s in range(P)}
+
+
+@pytest.mark.parametrize("schedule,P,M", SIMPLE)
+def test_bubble_matches_ideal(schedule, P, M):
+    timeline = ps.simulate(ps.rank_actions(schedule, P, M), 1.0, 2.0, 0.0)
+    assert ps.bubble_fraction(timeline) == pytest.approx(ps.ideal_bubble(P, M), abs=1e-9)
+
+
+@pytest.mark.parametrize("P,v,M", INTERLEAVED)
+def test_interleaved_bubble_below_1f1b(P, v, M):
+    inter = ps.bubble_fraction(ps.simulate(ps.rank_actions("interleaved_1f1b", P, M, v)))
+    plain = ps.bubble_fraction(ps.simulate(ps.rank_actions("1f1b", P, M)))
+    assert inter < plain
+    assert inter == pytest.approx(ps.ideal_bubble(P, M, v), abs=1e-9)
+
+
+def test_interleaved_p4_m8_v2_beats_1f1b():
+    inter = ps.bubble_fraction(ps.simulate(ps.rank_actions("interleaved_1f1b", 4, 8, 2)))
+    plain = ps.bubble_fraction(ps.simulate(ps.rank_actions("1f1b", 4, 8)))
+    assert inter < plain
+
+
+def test_1f1b_order_matches_megatron():
+    compute = ps.compute_actions("1f1b", 4, 6)
+    assert [str(a) for a in compute[0]] == [
+        "F0.0", "F0.1", "F0.2", "F0.3", "B0.0", "F0.4", "B0.1", "F0.5", "B0.2",
+        "B0.3", "B0.4", "B0.5",
+    ]
+    assert [str(a) for a in compute[3]] == [
+        "F3.0", "B3.0", "F3.1", "B3.1", "F3.2", "B3.2", "F3.3", "B3.3", "F3.4", "B3.4",
+        "F3.5", "B3.5",
+    ]
+
+
+def test_interleaved_order_rank0():
+    # P=2, v=2, M=4: warmup on rank 0 = min(2 + 2, 8) = 4.
+    compute = ps.compute_actions("interleaved_1f1b", 2, 4, 2)
+    assert [str(a) for a in compute[0]] == [
+        "F0.0", "F0.1", "F2.0", "F2.1",
+        "F0.2", "B2.0", "F0.3", "B2.1", "F2.2", "B0.0", "F2.3", "B0.1",
+        "B2.2", "B2.3", "B0.2", "B0.3",
+    ]
+
+
+def test_action_str():
+    assert str(Action("F", 3, 1)) == "F3.1"
+    assert str(Action("B", 0, 2)) == "B0.2"
+    assert str(Action("SEND_F", 3, 1, 2)) == "SEND_F3.1->r2"
+    assert str(Action("RECV_B", 2, 0, 1)) == "RECV_B2.0<-r1"
+    assert str(Action("UPDATE", -1, -1)) == "UPDATE"
+
+
+def test_communication_inserted():
+    actions = ps.rank_actions("gpipe", 2, 1)
+    assert [str(a) for a in actions[0]] == ["F0.0", "SEND_F0.0->r1", "RECV_B0.0<-r1", "B0.0",
+                                            "UPDATE"]
+    assert [str(a) for a in actions[1]] == ["RECV_F1.0<-r0", "F1.0", "B1.0", "SEND_B1.0->r0",
+                                            "UPDATE"]
+    # a single rank holds everything: no messages at all
+    assert [str(a) for a in ps.rank_actions("1f1b", 1, 2)[0]] == [
+        "F0.0", "B0.0", "F0.1", "B0.1", "UPDATE"
+    ]
+
+
+def test_deadlock_detected():
+    # each rank waits for the other's gradient before sending its activation
+    actions = [
+        [Action("RECV_B", 0, 0, 1), Action("F", 0, 0), Action("SEND_F", 0, 0, 1),
+         Action("B", 0, 0), Action("UPDATE", -1, -1)],
+        [Action("RECV_F", 1, 0, 0), Action("F", 1, 0), Action("B", 1, 0),
+         Action("SEND_B", 1, 0, 0), Action("UPDATE", -1, -1)],
+    ]
+    ps.check_actions(actions, 2, 1)  # structurally fine, only the order is wrong
+    with pytest.raises(ps.DeadlockError, match="rank 0 blocked at RECV_B0.0<-r1"):
+        ps.simulate(actions)
+
+
+def test_deadlock_two_ranks_receive_first():
+    actions = ps.rank_actions("1f1b", 2, 2)
+    # rank 0 waits for B1.1's gradient before sending the activation of F0.1
+    r0 = [a for a in actions[0] if str(a) != "RECV_B0.1<-r1"]
+    r0.insert(r0.index(Action("F", 0, 1)), Action("RECV_B", 0, 1, 1))
+    with pytest.raises(ps.DeadlockError):
+        ps.simulate([r0, actions[1]])
+
+
+def test_missing_backward_fails_check():
+    actions = ps.rank_actions("1f1b", 2, 3)
+    actions[0] = [a for a in actions[0] if a != Action("B", 0, 2)]
+    with pytest.raises(ValueError, match="missing B0.2"):
+        ps.check_actions(actions, 2, 3)
+
+
+def test_unmatched_send_fails_check():
+    actions = ps.rank_actions("gpipe", 2, 2)
+    actions[1] = [a for a in actions[1] if a != Action("RECV_F", 1, 1, 0)]
+    with pytest.raises(ValueError, match="RECV_F1.1"):
+        ps.check_actions(actions, 2, 2)
+
+
+def test_wrong_rank_and_duplicate_fail_check():
+    actions = ps.compute_actions("gpipe", 2, 1)
+    with pytest.raises(ValueError, match="lives on rank 0"):
+        ps.check_actions([actions[0], actions[1] + [Action("F", 0, 0)]], 2, 1)
+    with pytest.raises(ValueError, match="duplicate"):
+        ps.check_actions([actions[0] + [Action("F", 0, 0)], actions[1]], 2, 1)
+
+
+def test_draw_writes_png(tmp_path):
+    timeline = ps.simulate(ps.rank_actions("interleaved_1f1b", 2, 4, 2))
+    out = ps.draw(timeline, tmp_path / "pipe.png", title="interleaved")
+    assert out == str(tmp_path / "pipe.png")
+    data = (tmp_path / "pipe.png").read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 1000
+
+
+def test_ideal_bubble():
+    assert ps.ideal_bubble(4, 8) == pytest.approx(3 / 11)
+    assert ps.ideal_bubble(4, 8, 2) == pytest.approx(3 / 19)
+    assert ps.ideal_bubble(1, 5) == 0.0
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: ps.compute_actions("interleaved_1f1b", 4, 6, 2), "multiple of pp_size"),
+        (lambda: ps.compute_actions("interleaved_1f1b", 4, 8, 1), ">= 2 stages per rank"),
+        (lambda: ps.compute_actions("zero_bubble", 2, 4), "unknown pipeline schedule"),
+        (lambda: ps.compute_actions("1f1b", 0, 4), "pp_size"),
+        (lambda: ps.compute_actions("1f1b", 2, 0), "num_microbatches"),
+        (lambda: ps.compute_actions("gpipe", 2, 4, 2), "1 stage per rank"),
+        (lambda: ps.num_stages("interleaved_1f1b", 2), ">= 2 stages per rank"),
+        (lambda: ps.rank_actions("1f1b", -1, 4), "pp_size"),
+        (lambda: Action("X", 0, 0), "unknown action kind"),
+    ],
+)
+def test_bad_inputs(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_stage_rank_loop_placement():
+    assert [ps.stage_rank(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
