@@ -187,6 +187,9 @@ def make(name, batch, seed=0):
     gen = torch.Generator().manual_seed(seed + 1)
     if name == "mlp":
         return MLP(), torch.randn(batch, 20, generator=gen), torch.randint(0, 5, (batch,), generator=gen)
+    if name == "mlp8":  # 8 linear layers: pipelines of 2, 3 and 4 stages
+        return (MLP((20,) + (32,) * 7 + (5,)), torch.randn(batch, 20, generator=gen),
+                torch.randint(0, 5, (batch,), generator=gen))
     if name == "wide_mlp":  # parameters dominate activations: memory accounting cases
         return (MLP((64,) + (256,) * 7 + (10,)), torch.randn(batch, 64, generator=gen),
                 torch.randint(0, 10, (batch,), generator=gen))
@@ -297,9 +300,11 @@ def single_process_reference(name, opt_name, global_batch, steps):
     if comm.rank == 0:
         config = dist.get_config()
         saved = {k: getattr(config, k) for k in ("enable_data_parallel", "zero_opt_level",
-                                                 "tensor_parallel_size", "num_microbatches")}
+                                                 "tensor_parallel_size", "num_microbatches",
+                                                 "pipeline_parallel_size")}
         config.update({"enable_data_parallel": False, "zero_opt_level": 0,
-                       "tensor_parallel_size": 1, "num_microbatches": 1})
+                       "tensor_parallel_size": 1, "num_microbatches": 1,
+                       "pipeline_parallel_size": 1})
         module, x, y = make(name, global_batch, seed=0)
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                    optimizer=raf_optimizer(opt_name))

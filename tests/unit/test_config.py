@@ -22,6 +22,9 @@ def test_defaults(cfg):
         "pipeline_parallel_size": 1,
         "num_microbatches": 1,
         "pipeline_schedule": "1f1b",
+        "pipeline_stages_per_rank": 2,
+        "pipeline_split_points": None,
+        "activation_checkpointing": False,
     }
     assert dist.get_config() is cfg
 
@@ -67,17 +70,28 @@ def test_pipeline_schedule_names_the_schedules(cfg):
         cfg.pipeline_schedule = "1F1B"
 
 
-@pytest.mark.parametrize("field", ["pipeline_parallel_size"])
-def test_fields_not_built_yet_are_refused_by_name(cfg, field):
-    setattr(cfg, field, 2)
-    with pytest.raises(NotImplementedError, match=f"{field}=2 is not supported yet"):
+def test_the_zero_bubble_schedule_is_refused_by_name(cfg):
+    cfg.pipeline_parallel_size = 2
+    cfg.pipeline_schedule = "zero_bubble"
+    with pytest.raises(NotImplementedError, match="zero_bubble' is not built"):
         cfg.check_supported()
 
 
-def test_tensor_parallelism_and_gradient_accumulation_are_built(cfg):
+def test_tensor_pipeline_parallelism_and_gradient_accumulation_are_built(cfg):
     cfg.tensor_parallel_size = 2
+    cfg.pipeline_parallel_size = 2
     cfg.num_microbatches = 4
-    cfg.check_supported()  # tests/distributed/test_tensor_parallel.py, numeric/test_grad_accumulation.py
+    cfg.check_supported()  # tests/distributed/test_{tensor_parallel,pipeline}.py
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("pipeline_stages_per_rank", 1, "int >= 2"),
+    ("pipeline_split_points", "layers.4", "list of module names"),
+    ("pipeline_split_points", ["layers.4", 3], "list of module names"),
+])
+def test_pipeline_fields_reject_bad_values(cfg, field, value, match):
+    with pytest.raises(ValueError, match=match):
+        setattr(cfg, field, value)
 
 
 @pytest.mark.parametrize("field", ["enable_data_parallel", "overlap_comm", "sync_batch_norm"])

@@ -29,6 +29,7 @@ stages through the host (an NCCL send/recv path is not built).
 import dataclasses
 import logging
 import math
+import time
 
 import numpy as np
 import tvm
@@ -40,7 +41,6 @@ from ..compiler import compile_step
 from ..distributed import collectives, get_communicator, get_config
 from ..distributed.mesh import check_mesh, get_mesh
 from ..passes import gradient_buckets
-from ..passes.lower_allreduce import LowerAllReduce  # noqa: F401  (re-exported for symmetry)
 from ..passes.pipeline import ForwardGraph, partition, split_forward
 from ..passes.tp_ops import LowerTensorParallel
 from ..runtime import available_cores, set_num_threads
@@ -73,44 +73,24 @@ class PipelineTrainer:
 
     def __init__(self, model, loss="cross_entropy", optimizer=None, device="cpu", cache_dir=None,
                  seed=0, nonfinite="raise", tensor_parallel_plan=None):
-        from ..trainer import NONFINITE_MODES, Trainer, step_passes
+        from ..trainer import Trainer, step_passes
 
         Trainer._check_arguments(model, loss, optimizer, device, nonfinite)
         config = get_config()
         config.check()
         config.check_supported()
         self.config = config.as_dict()
-        self.comm = get_communicator()
         self.pp = int(config.pipeline_parallel_size)
         self.tp = int(config.tensor_parallel_size)
-        dp_size = check_mesh(self.comm.size, self.tp, self.pp, config.enable_data_parallel)
         self.zero_level = int(config.zero_opt_level)
-        if self.zero_level > 1:
-            raise ValueError(
-                f"zero_opt_level={self.zero_level} with pipeline_parallel_size={self.pp} is not "
-                "supported: ZeRO-2/3 reduce-scatter gradients (and gather parameters) per "
-                "microbatch, which pipelining would repeat M times per step (DeepSpeed refuses "
-                "the combination too). Use zero_opt_level=1 (optimizer state sharded) or 0")
+        _check_pipeline_config(config, model)  # before any collective
+        self.comm = get_communicator()
+        dp_size = check_mesh(self.comm.size, self.tp, self.pp, config.enable_data_parallel)
         self.schedule = config.pipeline_schedule
-        if self.schedule not in schedules.SCHEDULES:
-            raise NotImplementedError(
-                f"pipeline_schedule={self.schedule!r} is not built; use one of "
-                f"{schedules.SCHEDULES}")
         self.stages_per_rank = (int(config.pipeline_stages_per_rank)
                                 if self.schedule == "interleaved_1f1b" else 1)
         self.num_stages = schedules.num_stages(self.schedule, self.pp, self.stages_per_rank)
         self.microbatches = int(config.num_microbatches)
-        if self.schedule == "interleaved_1f1b" and self.microbatches % self.pp:
-            raise ValueError(f"interleaved_1f1b needs num_microbatches to be a multiple of "
-                             f"pipeline_parallel_size={self.pp}, got {self.microbatches}")
-        if model.dropout_specs:
-            raise NotImplementedError(
-                f"{model.source}: pipelining a model with dropout is not supported yet (the "
-                "masks would have to follow the stages); set the dropout rates to 0")
-        if getattr(model, "buffer_names", ()):
-            raise NotImplementedError(
-                f"{model.source}: pipelining a model whose forward updates buffers (BatchNorm "
-                "running statistics) is not supported; use data or tensor parallelism")
         self.nonfinite = nonfinite
         self.data_parallel = config.enable_data_parallel and (dp_size > 1 or self.zero_level > 0)
         self.spmd = True
@@ -132,11 +112,6 @@ class PipelineTrainer:
             raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1")
         self._classes = num_classes(self.full_model.forward, loss)
         self.batch_size = model.batch_size
-        if self.batch_size % self.microbatches:
-            raise ValueError(
-                f"the model was captured with {self.batch_size} rows per data-parallel rank, "
-                f"which {self.microbatches} microbatches do not divide; capture it with a "
-                "multiple of num_microbatches rows")
         self.split_points = config.pipeline_split_points
         self.activation_checkpointing = bool(config.activation_checkpointing)
         frozen = set(getattr(model, "frozen_params", ()))
@@ -191,6 +166,9 @@ class PipelineTrainer:
         self._tied_comms = self._tied_groups(plan)
         self.step_count = 0
         self.skipped_steps = 0
+        # the last step's F / B actions on this rank: (kind, stage, microbatch, start, end)
+        # in time.perf_counter seconds (bench/pipeline.py measures the bubble from them)
+        self.last_timeline = []
         self._hyper_dtype = self.param_specs[0][1]
         self._comm_last_step = {}
         self._peak_saved = {s: 0 for s in self.my_stages}
@@ -360,8 +338,10 @@ class PipelineTrainer:
         def rows_of(array, m):
             return np.ascontiguousarray(np.asarray(array)[m * mb:(m + 1) * mb])
 
+        timeline = []  # (kind, stage, microbatch, start, end) of each F / B, this step
         for a in actions:
             s, m = a.stage, a.microbatch
+            began = time.perf_counter()
             if a.kind in ("RECV_F", "RECV_B"):
                 req, buf = recvs.pop((a.kind, s, m))
                 _wait(req, f"{a} (pp rank {self.pp_rank})")
@@ -412,6 +392,9 @@ class PipelineTrainer:
                     accs[n] = out[1 + i]
                 if s > 0:
                     self._deliver("B", s - 1, m, out[0], handoff, outputs, s)
+            if a.kind in ("F", "B"):
+                timeline.append((a.kind, s, m, began, time.perf_counter()))
+        self.last_timeline = timeline
         for req, _ in sends:
             _wait(req, f"a send of pp rank {self.pp_rank}")
         return loss_sum, accs
@@ -573,6 +556,38 @@ class PipelineTrainer:
         self._states = Trainer._pack_states(self, mine)
         self.step_count, self.seed = int(meta["step"]), int(meta["seed"])
         return meta.get("extra")
+
+
+def _check_pipeline_config(config, model):
+    """What pipelining cannot run, refused from the config and model alone (no collective)."""
+    pp, zero = int(config.pipeline_parallel_size), int(config.zero_opt_level)
+    if zero > 1:
+        raise ValueError(
+            f"zero_opt_level={zero} with pipeline_parallel_size={pp} is not supported: "
+            "ZeRO-2/3 reduce-scatter gradients (and gather parameters) per microbatch, which "
+            "pipelining would repeat M times per step (DeepSpeed refuses the combination too). "
+            "Use zero_opt_level=1 (optimizer state sharded) or 0")
+    if config.pipeline_schedule not in schedules.SCHEDULES:
+        raise NotImplementedError(f"pipeline_schedule={config.pipeline_schedule!r} is not "
+                                  f"built; use one of {schedules.SCHEDULES}")
+    M = int(config.num_microbatches)
+    if config.pipeline_schedule == "interleaved_1f1b" and M % pp:
+        raise ValueError(f"interleaved_1f1b needs num_microbatches to be a multiple of "
+                         f"pipeline_parallel_size={pp}, got {M}")
+    if model.dropout_specs:
+        raise NotImplementedError(
+            f"{model.source}: pipelining a model with dropout is not supported yet (the masks "
+            "would have to follow the stages); set the dropout rates to 0")
+    if getattr(model, "buffer_names", ()):
+        raise NotImplementedError(
+            f"{model.source}: pipelining a model whose forward updates buffers (BatchNorm "
+            "running statistics) is not supported; use data or tensor parallelism")
+    rows = model.batch_size
+    if rows is None or rows % M:
+        raise ValueError(
+            f"{model.source} was captured with {rows} rows per data-parallel rank, which "
+            f"num_microbatches={M} does not divide into equal microbatches; capture it with "
+            f"a multiple of {M} rows")
 
 
 class _FullView:

@@ -1,0 +1,48 @@
+"""Pipeline parallelism on real processes (workers/pp_train.py): P stages on the pp axis, alone
+and with data parallelism, ZeRO-1 and tensor parallelism, train like one process on the global
+batch under every schedule; checkpoints saved at pp x dp resume at dp and at another pp; bad
+layouts are refused on every rank before any collective."""
+import pytest
+
+from mpi_launch import check_mpi
+
+
+def _ok(out, ranks):
+    assert out.count("PP OK") == ranks, out
+
+
+@pytest.mark.parametrize("model,optimizer,pp,tp,zero,ranks,extra", [
+    # 8 linear layers in 2 stages, GPipe (every stage holds M = 4 microbatches)
+    ("mlp8", "sgd_momentum", 2, 1, 0, 2, ("--schedule", "gpipe", "--microbatches", 4)),
+    # 4 stages cut where the user says, 1F1B: stage s holds min(4 - s, 4)
+    ("mlp8", "adamw", 4, 1, 0, 4, ("--schedule", "1f1b", "--microbatches", 4,
+                                   "--split-points", "layers.2,layers.4,layers.6")),
+    # 8 stages on 4 ranks (2 each), Megatron's interleaved order
+    ("transformer", "adamw", 4, 1, 0, 4, ("--schedule", "interleaved_1f1b",
+                                          "--microbatches", 4)),
+    # Hugging Face GPT-2: the tied embedding / head on the first and last stage, recomputed
+    # activations
+    ("hf_gpt2", "hf_adamw", 2, 1, 0, 2, ("--microbatches", 2, "--checkpointing", 1)),
+    # pp 2 x tp 2: each stage split over two tp ranks (vocabulary-parallel head and loss)
+    ("transformer4", "adamw", 2, 2, 0, 4, ("--microbatches", 2)),
+    # dp 2 x pp 2 x tp 2 on 8 ranks, ZeRO-1 over dp
+    ("transformer4", "sgd_momentum", 2, 2, 1, 8, ("--microbatches", 2)),
+], ids=["mlp8-pp2-gpipe", "mlp8-pp4-1f1b-split-points", "transformer-pp4-interleaved",
+        "gpt2-pp2-tied-checkpointing", "transformer-pp2xtp2", "transformer-dp2xpp2xtp2-zero1"])
+def test_pipeline_equals_one_process(model, optimizer, pp, tp, zero, ranks, extra):
+    out = check_mpi("pp_train.py", ranks, model, optimizer, pp, tp, zero, 3, *extra,
+                    timeout=480)
+    _ok(out, ranks)
+    assert "pipeline stages" in out
+
+
+def test_checkpoint_resumes_across_pp_and_dp(tmp_path):
+    """Saved at dp 2 x pp 2 (ZeRO-1, 1F1B), resumed at dp 4 without pipelining and at pp 4
+    (GPipe): each continues exactly as one process that never stopped."""
+    ckpt = tmp_path / "ckpt"
+    _ok(check_mpi("pp_train.py", 4, "transformer", "adamw", 2, 1, 1, 2, "--microbatches", 2,
+                  "--save", ckpt, timeout=300), 4)
+    assert check_mpi("tp_train.py", 4, "transformer", "adamw", 1, 1, 2, "--load", ckpt,
+                     timeout=300).count("TP OK") == 4
+    _ok(check_mpi("pp_train.py", 4, "transformer", "adamw", 4, 1, 0, 2, "--schedule", "gpipe",
+                  "--microbatches", 2, "--load", ckpt, timeout=300), 4)

@@ -1,0 +1,153 @@
+"""Pipeline stages in one process: the stage marker through TVM's Gradient, the cut points and
+the partitioner (every binding in exactly one stage, uneven layer counts, split points by
+module name, markers), and the stage functions run in sequence (every stage on this one
+rank, local hand-over) equal to the unsplit step: bitwise at M = 1, to float rounding with
+microbatches, with recomputed activations, with a parameter tied across stages."""
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import raf_dist
+from raf_dist import distributed as dist
+from raf_dist.frontend import from_pytorch
+from raf_dist.passes.pipeline import (STAGE_MARKER_GRAD, ForwardGraph, partition,
+                                      split_forward, stage_boundary, strip_stage_markers)
+from raf_dist.training.pipeline_runtime import PipelineTrainer
+
+from models import make, rel_err
+
+
+def _graph(model):
+    return ForwardGraph(model.forward, len(model.input_specs), len(model.dropout_specs),
+                        model.param_names)
+
+
+def _two_layer_with_marker():
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    w1 = relax.Var("w1", relax.TensorType((8, 8), "float32"))
+    w2 = relax.Var("w2", relax.TensorType((8, 3), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("forward", [x, w1, w2]):
+        with bb.dataflow():
+            h = bb.emit(relax.op.tanh(relax.op.matmul(x, w1)))
+            h = bb.emit(stage_boundary(h))
+            h2 = bb.emit(relax.op.tanh(h))
+            out = bb.emit_output(bb.emit(relax.op.matmul(h2, w2)))
+        bb.emit_func_output(out)
+    return bb.get()["forward"]
+
+
+def test_marker_survives_gradient_as_its_mirror():
+    func = _two_layer_with_marker()
+    mod = tvm.IRModule({tvm.ir.GlobalVar("main"): func.with_attr("global_symbol", "main")})
+    loss_x = relax.Var("p", func.ret_ty)
+    lb = relax.BlockBuilder()
+    with lb.function("loss", [loss_x]):
+        with lb.dataflow():
+            v = lb.emit_output(lb.emit(relax.op.sum(loss_x)))
+        lb.emit_func_output(v)
+    mod = relax.training.AppendLoss("main", lb.get()["loss"], num_backbone_outputs=1)(mod)
+    mod = relax.transform.Gradient("main_loss", require_grads=list(
+        mod["main_loss"].params[1:3]))(mod)
+    text = mod["main_loss_adjoint"].script()
+    assert STAGE_MARKER_GRAD in text  # the backward crosses the same cut
+    assert "raf_dist.pipeline_stage" not in strip_stage_markers(func).script()
+
+
+def test_markers_choose_the_stages():
+    func = _two_layer_with_marker()
+    graph = ForwardGraph(func, 1, 0, ["w1", "w2"])
+    plan = partition(graph, 2)
+    assert plan.how == "markers" and plan.params == [["w1"], ["w2"]]
+    with pytest.raises(ValueError, match="2 stages"):
+        partition(graph, 3)
+
+
+@pytest.mark.parametrize("name,stages", [("mlp8", 3), ("transformer", 4), ("tied", 2)])
+def test_every_binding_lands_in_exactly_one_stage(name, stages):
+    module, x, _ = make(name, 4)
+    model = from_pytorch(module, (x,))
+    graph = _graph(model)
+    plan = partition(graph, stages)
+    assert plan.how == "partitioner"
+    bounds = [plan.bounds(s) for s in range(stages)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(graph.data)
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(bounds, bounds[1:]))
+    # uneven layer counts drop nothing: every parameter is on some stage
+    assert set().union(*map(set, plan.params)) == set(model.param_names)
+    funcs = split_forward(plan)
+    data_ops = sum(1 for f, _, _ in funcs for b in f.body.blocks[0].bindings
+                   if not isinstance(b.value, relax.Var))
+    assert data_ops >= len(graph.data)  # parameter-only bindings are cloned, none dropped
+    for (f, _, _), nxt in zip(funcs, funcs[1:]):
+        assert str(f.ret_ty) == str(nxt[0].params[0].ty)  # one activation crosses each cut
+
+
+def test_split_points_by_module_name():
+    module, x, _ = make("mlp8", 4)
+    graph = _graph(from_pytorch(module, (x,)))
+    plan = partition(graph, 3, ["layers.3", "layers.6"])
+    assert plan.how == "split points"
+    assert plan.params[1][0] == "layers.3.weight" and plan.params[2][0] == "layers.6.weight"
+    with pytest.raises(ValueError, match="no parameter is named 'blocks.1'"):
+        partition(graph, 3, ["layers.3", "blocks.1"])
+    with pytest.raises(ValueError, match="names 1 split points"):
+        partition(graph, 3, ["layers.3"])
+    tgraph = _graph(from_pytorch(*make("transformer", 4)[:1], (make("transformer", 4)[1],)))
+    with pytest.raises(ValueError, match="no single tensor crosses the boundary before 'proj'"):
+        partition(tgraph, 3, ["qkv", "proj"])  # the residual stream and the attention
+
+
+@pytest.fixture
+def config():
+    cfg = dist.get_config().reset()
+    yield cfg
+    cfg.reset()
+
+
+def _run(name, stages, microbatches, steps=3, checkpointing=False):
+    module, x, y = make(name, 8)
+    model = from_pytorch(module, (x,))
+    reference = raf_dist.Trainer(model, optimizer=raf_dist.optim.Adam(lr=1e-2))
+    cfg = dist.get_config()
+    cfg.update({"pipeline_schedule": "interleaved_1f1b", "pipeline_stages_per_rank": stages,
+                "num_microbatches": microbatches, "activation_checkpointing": checkpointing})
+    trainer = PipelineTrainer(model, optimizer=raf_dist.optim.Adam(lr=1e-2))
+    pairs = [(reference.step(x.numpy(), y.numpy()), trainer.step(x.numpy(), y.numpy()))
+             for _ in range(steps)]
+    return pairs, reference.state_dict(), trainer.state_dict(), trainer
+
+
+def test_stages_in_sequence_equal_the_unsplit_step_bitwise(config):
+    pairs, want, got, trainer = _run("transformer", 3, 1)
+    assert all(a == b for a, b in pairs), pairs
+    assert all(np.array_equal(want[k], got[k]) for k in want)
+    assert trainer.stats()["pipeline"]["peak_saved_microbatches"] == {0: 1, 1: 1, 2: 1}
+
+
+@pytest.mark.parametrize("name,stages,microbatches,checkpointing", [
+    ("transformer", 2, 4, False),   # microbatch losses weighted by rows, gradients accumulated
+    ("tied", 2, 2, True),           # tok.weight on both stages; activations recomputed
+])
+def test_stages_with_microbatches_equal_one_step(config, name, stages, microbatches,
+                                                 checkpointing):
+    pairs, want, got, _ = _run(name, stages, microbatches, checkpointing=checkpointing)
+    assert rel_err([b for _, b in pairs], [a for a, _ in pairs]) <= 1e-6, pairs
+    for key in want:
+        assert rel_err(got[key], want[key]) <= 1e-5, key
+
+
+@pytest.mark.parametrize("fields,error,match", [
+    ({"zero_opt_level": 2, "enable_data_parallel": True}, ValueError, "zero_opt_level=2"),
+    ({"pipeline_schedule": "zero_bubble"}, NotImplementedError, "zero_bubble"),
+    ({"pipeline_schedule": "interleaved_1f1b", "num_microbatches": 3}, ValueError,
+     "multiple of pipeline_parallel_size=2"),
+    ({"num_microbatches": 3}, ValueError, "does not divide into equal microbatches"),
+])
+def test_unsupported_pipelines_are_refused_before_any_collective(config, fields, error, match):
+    module, x, _ = make("mlp", 8)
+    model = from_pytorch(module, (x,))
+    config.update(dict({"pipeline_parallel_size": 2}, **fields))
+    with pytest.raises(error, match=match):
+        raf_dist.Trainer(model, optimizer=raf_dist.optim.SGD(lr=0.1))
