@@ -124,7 +124,6 @@ def side(pp, schedule, microbatches, steps, cache_dir):
                 "ideal": (pp - 1) / (m * v + pp - 1),
                 "peak_saved_bytes": [per_stage[s] for s in sorted(per_stage)],
                 "stage_costs": list(trainer.plan.costs)})
-        del trainer
 
 
 def run_job(argv, timeout):

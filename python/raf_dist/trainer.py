@@ -27,6 +27,7 @@ from .passes.batch_norm import decompose_forward, has_training_batch_norm
 from .passes.lower_allreduce import LowerAllReduce
 from .passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, MaxPoolGradient,
                      ShardZeRO, StripGradientMarkers, gradient_buckets, shard_size)
+from .passes.pipeline import strip_stage_markers
 from .passes.propagate_nan import PropagateNaN
 from .passes.tp_ops import LowerTensorParallel
 from .training import LOSSES, build_train_step
@@ -524,7 +525,7 @@ class Trainer:
         if rows not in self._forwards:
             model = self._model_at(rows)
             evaluation = model.forward_eval
-            forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): (
+            forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): strip_stage_markers(
                 evaluation if evaluation is not None else model.forward).with_attr(
                     "global_symbol", "forward")})
             passes = [PropagateNaN(), DispatchToBLAS()]

@@ -5,6 +5,7 @@
     mpirun -np 2 python scripts/distributed/dist_example.py --zero-level 3 --checkpoint ckpt/
     mpirun -np 2 python scripts/distributed/dist_example.py --device cuda   (one rank per GPU)
     mpirun -np 4 python scripts/distributed/dist_example.py --tp 2   (dp 2 x tp 2)
+    mpirun -np 4 python scripts/distributed/dist_example.py --pp 2 --microbatches 4   (dp 2 x pp 2)
 
 As in RAF's distributed example, the distribution switches sit in ``raf_dist_config`` below
 and are applied to ``dist.get_config()`` before the Trainer is built. Every rank takes its
@@ -75,15 +76,24 @@ def main():
                              'per GPU; NCCL collectives)')
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor_parallel_size: the world becomes dp x tp, dp = ranks / tp")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline_parallel_size: stages on P ranks (world = pp x dp x tp)")
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="num_microbatches per step (pipelining, gradient accumulation)")
+    parser.add_argument("--schedule", default="1f1b",
+                        choices=["gpipe", "1f1b", "interleaved_1f1b"],
+                        help="pipeline_schedule (with --pp)")
     args = parser.parse_args()
 
     dist.get_config().update(raf_dist_config)
     if args.zero_level is not None:
         dist.get_config().zero_opt_level = args.zero_level
-    dist.get_config().tensor_parallel_size = args.tp
+    dist.get_config().update({"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp,
+                              "num_microbatches": args.microbatches,
+                              "pipeline_schedule": args.schedule})
     comm = dist.get_communicator()
-    # this rank's data-parallel index: ranks of one tp group feed the same rows
-    mesh = dist.get_mesh() if args.tp > 1 else None
+    # this rank's data-parallel index: ranks of one tp or pp group feed the same rows
+    mesh = dist.get_mesh() if args.tp > 1 or args.pp > 1 else None
     dp_rank, dp_size = (mesh.dp_rank, mesh.dp_size) if mesh else (comm.rank, comm.size)
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[:, None]  # (N, 1, 8, 8)
@@ -103,6 +113,8 @@ def main():
               f"{args.global_batch}, {model.num_params()} parameters, config {dist.get_config().as_dict()}")
         if trainer.tp_plan is not None:
             print(f"{mesh}\n{trainer.tp_plan.explain()}", flush=True)
+        if args.pp > 1:
+            print(f"{mesh}\n{trainer.plan.describe()}", flush=True)
 
     first_epoch = 0
     if args.checkpoint and (Path(args.checkpoint) / "latest").exists():

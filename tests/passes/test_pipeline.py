@@ -5,6 +5,7 @@ rank, local hand-over) equal to the unsplit step: bitwise at M = 1, to float rou
 microbatches, with recomputed activations, with a parameter tied across stages."""
 import numpy as np
 import pytest
+import torch
 import tvm
 from tvm import relax
 
@@ -151,3 +152,32 @@ def test_unsupported_pipelines_are_refused_before_any_collective(config, fields,
     config.update(dict({"pipeline_parallel_size": 2}, **fields))
     with pytest.raises(error, match=match):
         raf_dist.Trainer(model, optimizer=raf_dist.optim.SGD(lr=0.1))
+
+
+class _MarkedNet(torch.nn.Module):
+    """A PyTorch model that names its own stage boundary (raf_dist.frontend.pipeline_split)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(6, 8), torch.nn.Linear(8, 8),
+                                  torch.nn.Linear(8, 3))
+
+    def forward(self, x):
+        x = raf_dist.frontend.pipeline_split(torch.tanh(self.a(x)))
+        return self.c(torch.tanh(self.b(x)))
+
+
+def test_a_pytorch_marker_cuts_there_and_trains_like_the_unmarked_model(config):
+    torch.manual_seed(0)
+    net, x = _MarkedNet(), torch.randn(4, 6)
+    y = torch.randint(0, 3, (4,))
+    out = net(x)
+    out.sum().backward()  # the marker is the identity for PyTorch, forward and backward
+    model = from_pytorch(net, (x,))
+    plan = partition(_graph(model), 2)
+    assert plan.how == "markers" and plan.params[0] == ["a.weight", "a.bias"]
+    plain = raf_dist.Trainer(model, optimizer=raf_dist.optim.SGD(lr=0.1))  # marker stripped
+    config.update({"pipeline_schedule": "interleaved_1f1b", "pipeline_stages_per_rank": 2})
+    staged = PipelineTrainer(model, optimizer=raf_dist.optim.SGD(lr=0.1))
+    for _ in range(2):
+        assert plain.step(x.numpy(), y.numpy()) == staged.step(x.numpy(), y.numpy())

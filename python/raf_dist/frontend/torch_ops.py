@@ -158,7 +158,9 @@ def _cat(node, importer) -> relax.Var:
 
 def converters() -> dict:
     """The ``custom_convert_map`` entries of this module."""
-    return {"_embedding_bag.default": _embedding_bag,
+    from .pipeline_split import CONVERTERS as pipeline_converters
+
+    return {**pipeline_converters, "_embedding_bag.default": _embedding_bag,
             "_embedding_bag_forward_only.default": _embedding_bag,
             "cat.default": _cat, "concat.default": _cat,
             "cumsum.default": _cumsum, "clamp.default": _clamp,

@@ -41,7 +41,7 @@ from ..compiler import compile_step
 from ..distributed import collectives, get_communicator, get_config
 from ..distributed.mesh import check_mesh, get_mesh
 from ..passes import gradient_buckets
-from ..passes.pipeline import ForwardGraph, partition, split_forward
+from ..passes.pipeline import ForwardGraph, partition, split_forward, strip_stage_markers
 from ..passes.tp_ops import LowerTensorParallel
 from ..runtime import available_cores, set_num_threads
 from . import batch_size as batching
@@ -502,6 +502,45 @@ class PipelineTrainer:
         for part in self.pp_comm.allgather(mine):
             merged.update(part)
         return {n: merged[n] for n in self.full_model.param_names if n in merged}
+
+    def predict(self, x):
+        """The model's output on the rows ``x`` (any number): the whole forward on every rank
+        with the full parameters (gathered over pp and tp: every rank calls it), in pieces of
+        the captured batch size. Evaluation, not the pipelined training step."""
+        from ..passes import DispatchToBLAS
+        from ..passes.propagate_nan import PropagateNaN
+
+        spec = self.full_model.input_specs
+        if len(spec) != 1:
+            raise ValueError("predict() supports single-input models")
+        shape, dtype = spec[0]
+        x = np.asarray(x, dtype=dtype)
+        if x.ndim != len(shape) or tuple(x.shape[1:]) != tuple(shape[1:]) or not len(x):
+            raise ValueError(f"predict(): rows must have shape {tuple(shape[1:])}, got "
+                             f"{tuple(x.shape)}")
+        full = self.state_dict()
+        params = [tvm.runtime.tensor(np.ascontiguousarray(full[n]), self._device)
+                  for n in self.full_model.param_names]
+        self._forwards = getattr(self, "_forwards", {})
+        outputs, batch = [], shape[0]
+        for start in range(0, len(x), batch):
+            piece = x[start:start + batch]
+            rows = len(piece) if self.full_model.respecialize is not None else batch
+            if rows not in self._forwards:
+                forward = strip_stage_markers(self.full_model.at_batch(rows).forward).with_attr(
+                    "global_symbol", "forward")
+                compiled = compile_step(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward}),
+                                        passes=[PropagateNaN(), DispatchToBLAS()],
+                                        target=self._target, cache_dir=self._cache_dir)
+                self._forwards[rows] = relax.VirtualMachine(compiled.executable,
+                                                            self._device)["forward"]
+            if rows != len(piece):
+                piece = np.concatenate([piece, np.zeros((rows - len(piece),) + piece.shape[1:],
+                                                        dtype)])
+            out = self._forwards[rows](tvm.runtime.tensor(np.ascontiguousarray(piece),
+                                                          self._device), *params)
+            outputs.append(out.numpy()[:min(batch, len(x) - start)])
+        return np.concatenate(outputs)
 
     def stats(self):
         """As Trainer.stats, plus ``pipeline``: this rank's stages, the most microbatches (and

@@ -30,6 +30,7 @@ from ..passes.gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET,
                                         LAYOUT_STATES_PER_PARAM, UPDATED_ARGUMENTS,
                                         mark_gradient)
 from ..passes.batch_norm import DecomposeBatchNorm, has_training_batch_norm
+from ..passes.pipeline import strip_stage_markers
 from . import gradients  # noqa: F401  (registers the gradients TVM 0.27 lacks)
 from . import nonfinite
 from .loss import build_loss
@@ -110,7 +111,7 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     if nonfinite_guard not in (None, "gradients", "gradients_and_loss"):
         raise ValueError(f"nonfinite_guard must be None, 'gradients' or 'gradients_and_loss', "
                          f"got {nonfinite_guard!r}")
-    forward = model.forward
+    forward = strip_stage_markers(model.forward)  # stages matter only to pipelining
     if has_training_batch_norm(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward})):
         # the Trainer decomposes it first when batch norm is synchronized across ranks
         forward = DecomposeBatchNorm()(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward}))[
