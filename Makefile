@@ -24,7 +24,7 @@ demo: install
 	$(MPIRUN) -np $(NP) $(PY) scripts/distributed/dist_example.py
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests
 
 test-fast: install
 	$(PY) -m pytest -q -x tests/unit tests/passes tests/numeric

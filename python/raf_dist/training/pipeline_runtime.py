@@ -152,13 +152,15 @@ class PipelineTrainer:
                                             cache_dir=cache_dir)
         self._update_fn = relax.VirtualMachine(self.compiled_update.executable,
                                                self._device)["train_step"]
-        # parameters: rank 0's initial values (dp broadcast), this rank's only
+        # parameters: world rank 0's initial values (whatever each rank's seed; under tensor
+        # parallelism _split_model broadcast them already), this rank's stages' only
         init = {}
-        for name in self.param_names + self.frozen_names:
+        for name in model.param_names:
             value = np.ascontiguousarray(model.init_params[name]).copy()
-            if self.world > 1:
-                value = collectives.broadcast(value, root=0, group=self.dp_group)
-            init[name] = value
+            if self.tp == 1:  # every rank takes part, whichever stage holds the parameter
+                value = collectives.broadcast(value, root=0)
+            if name in self.param_names or name in self.frozen_names:
+                init[name] = value
         self._tensors = {n: tvm.runtime.tensor(v, self._device) for n, v in init.items()}
         self._states = Trainer._pack_states(self, {
             (p, st): (self._local_shard(np.zeros_like(init[p])) if self.zero_level
