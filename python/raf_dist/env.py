@@ -15,6 +15,10 @@ the allowed values instead of being read as "off".
   RAF_DIST_BARRIER_TIMEOUT_S=3600    seconds Communicator.idle_barrier (the barriers around
                                compilation and checkpoint I/O) may wait (default 3600; 0 or
                                none: wait forever)
+  RAF_DIST_CHECK_COLLECTIVES=1 ranks compare every collective's signature before it runs
+  RAF_DIST_WATCHDOG=0          no per-rank watchdog process (default on)
+  RAF_DIST_WATCHDOG_GRACE_S=10 seconds a watchdog lets the launcher end its rank after a
+                               failure elsewhere before it terminates the rank
 
 The README lists every RAF_DIST_* variable, including the few read elsewhere (launcher
 variables set by ``raf_dist.run``, build settings).
@@ -24,8 +28,10 @@ import os
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
-def _flag(name: str) -> bool:
+def _flag(name: str, default: bool = False) -> bool:
     value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
     if value in _TRUE:
         return True
     if value in _FALSE:
@@ -99,3 +105,19 @@ def collective_timeout_s() -> "float | None":
 def barrier_timeout_s() -> "float | None":
     """RAF_DIST_BARRIER_TIMEOUT_S: how long Communicator.idle_barrier may wait, None = forever."""
     return _seconds("RAF_DIST_BARRIER_TIMEOUT_S", DEFAULT_BARRIER_TIMEOUT_S)
+
+
+def check_collectives() -> bool:
+    """RAF_DIST_CHECK_COLLECTIVES: every collective's signature compared across ranks first."""
+    return _flag("RAF_DIST_CHECK_COLLECTIVES")
+
+
+def watchdog_enabled() -> bool:
+    """RAF_DIST_WATCHDOG (default on): a per-rank watchdog process names a silently dead rank."""
+    return _flag("RAF_DIST_WATCHDOG", default=True)
+
+
+def watchdog_grace_s() -> float:
+    """RAF_DIST_WATCHDOG_GRACE_S (default 10): how long the watchdog lets the launcher end its
+    rank after a failure elsewhere."""
+    return _seconds("RAF_DIST_WATCHDOG_GRACE_S", 10.0) or 10.0

@@ -10,9 +10,10 @@ from mpi_launch import ROOT, check_mpi
 # (model, ranks, bucket MB, overlap): small buckets so every model gets several (tensors
 # whose size does not divide by N and tensors smaller than N included); overlap on and off,
 # an uneven world (3) and 4 ranks each covered once. The full 3 x 3 matrix (every model at
-# N = 2, 3, 4) took ~12 of CI's 30 minutes repeating these combinations.
+# N = 2, 3, 4) took ~12 of CI's 30 minutes repeating these combinations; an mlp at N = 3
+# (serial) repeated what cnn at N = 3 and cnn serial prove (dropped for pipelining's tests).
 CASES = [
-    ("mlp", 3, 0.002, 0), ("mlp", 4, 0.001, 1),
+    ("mlp", 4, 0.001, 1),
     ("cnn", 2, 0.001, 0), ("cnn", 3, 0.001, 1),
     ("transformer", 2, 0.004, 1),
 ]

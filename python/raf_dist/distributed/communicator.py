@@ -224,7 +224,7 @@ def get_communicator():
             _native.load()
             from mpi4py import MPI
 
-            check = os.environ.get("RAF_DIST_CHECK_COLLECTIVES", "0") not in ("", "0")
+            check = env.check_collectives()
             placement = rendezvous.placement_from_environment()
             if placement is not None and MPI.COMM_WORLD.Get_size() > 1:
                 # raf_dist.run's variables inherited into an mpirun job: MPI's world wins
@@ -238,8 +238,8 @@ def get_communicator():
                 _COMM = Communicator(world, check, placement, reach_address)
             atexit.register(_shutdown)
             _install_abort_on_exception(_COMM)
-            if _COMM.size > 1 and os.environ.get("RAF_DIST_WATCHDOG", "1") != "0":
-                _COMM.start_watchdog(float(os.environ.get("RAF_DIST_WATCHDOG_GRACE_S", "10")))
+            if _COMM.size > 1 and env.watchdog_enabled():
+                _COMM.start_watchdog(env.watchdog_grace_s())
                 atexit.register(_COMM.leaving)  # runs first: atexit is last-in, first-out
         return _COMM
 

@@ -12,7 +12,6 @@ same ids. Ranks inside a group (``root``, ``src``, ``dst``) are positions in the
 indices into ``Mesh.axis_ranks(axis)``, not world ranks.
 """
 import dataclasses
-import os
 import threading
 from typing import Any, List, Tuple
 
@@ -130,7 +129,9 @@ _MESHES = {}  # (tp, pp) -> Mesh
 
 def _check_collectives():
     # the same switch get_communicator() hands the world group
-    return os.environ.get("RAF_DIST_CHECK_COLLECTIVES", "0") not in ("", "0")
+    from .. import env
+
+    return env.check_collectives()
 
 
 def _split(world_comm, world_group, color, size, rank, check):

@@ -177,6 +177,14 @@ class PipelineTrainer:
         self._peak_saved_bytes = {s: 0 for s in self.my_stages}
         self.actions = schedules.rank_actions(self.schedule, self.pp, self.microbatches,
                                               self.stages_per_rank)
+        self._sent_last_step = 0
+        from mpi4py import MPI
+
+        tag_limit = self.pp_comm.Get_attr(MPI.TAG_UB)
+        if _tag("B", self.num_stages, self.microbatches, self.num_stages) > tag_limit:
+            raise ValueError(f"{self.microbatches} microbatches x {self.num_stages} stages need "
+                             f"more message tags than this MPI offers ({tag_limit}); use "
+                             "fewer microbatches")
         schedules.check_actions(self.actions, self.num_stages, self.microbatches)
         Trainer._check_fingerprints(self)
 
@@ -300,6 +308,8 @@ class PipelineTrainer:
         self._comm_last_step = {k: after[k]["bus_bytes"] - before.get(k, {}).get("bus_bytes", 0)
                                 for k in after
                                 if after[k]["calls"] > before.get(k, {}).get("calls", 0)}
+        if self._sent_last_step:  # the pipeline's point-to-point messages (mpi4py)
+            self._comm_last_step["send"] = self._sent_last_step
         self.step_count += 1
         self.comm.activity = f"work between steps (last completed: {self.step_count})"
         return loss
@@ -308,10 +318,10 @@ class PipelineTrainer:
         """Execute this rank's actions; returns (weighted loss sum on the last stage, else 0;
         {parameter name: accumulated gradient tensor})."""
         dev = self._device
-        S, M = self.num_stages, self.microbatches
+        S = self.num_stages
         accs = {n: tvm.runtime.tensor(np.zeros(s, d), dev)
                 for n, (s, d) in zip(self.param_names, self.param_specs)}
-        plan, funcs = self._plan_at(mb)
+        _, funcs = self._plan_at(mb)
         out_specs = [(tuple(int(d) for d in f.ret_ty.shape), str(f.ret_ty.dtype))
                      for f, _, _ in funcs]
         actions = self.actions[self.pp_rank]
@@ -341,6 +351,7 @@ class PipelineTrainer:
             return np.ascontiguousarray(np.asarray(array)[m * mb:(m + 1) * mb])
 
         timeline = []  # (kind, stage, microbatch, start, end) of each F / B, this step
+        sent = 0  # bytes of activations and gradients this rank sent
         for a in actions:
             s, m = a.stage, a.microbatch
             began = time.perf_counter()
@@ -353,6 +364,7 @@ class PipelineTrainer:
                 boundary = s if a.kind == "SEND_F" else s - 1
                 sends.append((self.pp_comm.Isend(value, dest=a.peer, tag=_tag(
                     a.kind[-1], boundary, m, S)), value))
+                sent += value.nbytes
             elif a.kind == "F":
                 stage = self._stages[s]
                 fns = stage.functions
@@ -397,6 +409,7 @@ class PipelineTrainer:
             if a.kind in ("F", "B"):
                 timeline.append((a.kind, s, m, began, time.perf_counter()))
         self.last_timeline = timeline
+        self._sent_last_step = sent
         for req, _ in sends:
             _wait(req, f"a send of pp rank {self.pp_rank}")
         return loss_sum, accs
