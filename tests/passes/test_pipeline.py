@@ -65,7 +65,8 @@ def test_markers_choose_the_stages():
         partition(graph, 3)
 
 
-@pytest.mark.parametrize("name,stages", [("mlp8", 3), ("transformer", 4), ("tied", 2)])
+@pytest.mark.parametrize("name,stages", [("mlp8", 3), ("transformer", 4), ("tied", 2),
+                                         ("cnn", 3)])
 def test_every_binding_lands_in_exactly_one_stage(name, stages):
     module, x, _ = make(name, 4)
     model = from_pytorch(module, (x,))

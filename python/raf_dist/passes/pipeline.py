@@ -122,7 +122,7 @@ def binding_flops(binding):
         if name.startswith("relax.nn.conv"):
             w = value.args[1].ty
             if isinstance(w, relax.TensorType) and w.shape is not None:
-                return 2 * out * int(np.prod([int(d) for d in w.shape[1:]]))
+                return 2 * out * int(np.prod([int(d) for d in list(w.shape)[1:]]))
     return out
 
 
