@@ -166,7 +166,7 @@ class Trainer:
         if cls is Trainer and get_config().pipeline_parallel_size > 1:
             from .training.pipeline_runtime import PipelineTrainer
 
-            return PipelineTrainer(*args, **kwargs)
+            cls = PipelineTrainer  # Python then runs PipelineTrainer.__init__
         return super().__new__(cls)
 
     @staticmethod

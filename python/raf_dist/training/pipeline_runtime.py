@@ -50,6 +50,8 @@ from . import tensor_parallel as tp_lib
 from .loss import check_targets, num_classes
 from .pipeline import build_stage_functions, build_update_step
 from .step import TrainStepSignature
+# raf_dist.trainer imports this module only when it builds a PipelineTrainer
+from ..trainer import Trainer, _check_array, step_passes
 
 _LOG = logging.getLogger("raf_dist")
 
@@ -67,13 +69,14 @@ class _Stage:
     vm: dict  # name -> VM function
 
 
-class PipelineTrainer:
-    """Trainer for ``pipeline_parallel_size`` > 1 (module docstring); same public surface as
-    :class:`raf_dist.Trainer` (step, state_dict, optimizer_state_dict, stats, checkpoints)."""
+class PipelineTrainer(Trainer):
+    """Trainer for ``pipeline_parallel_size`` > 1 (module docstring): ``raf_dist.Trainer(...)``
+    builds one then. It overrides the Trainer's loop and state (step, predict, state_dict,
+    optimizer_state_dict, stats, checkpoints) and borrows its checks and sharding helpers;
+    ``profile`` and the per-batch-size step variants are not available under pipelining."""
 
     def __init__(self, model, loss="cross_entropy", optimizer=None, device="cpu", cache_dir=None,
                  seed=0, nonfinite="raise", tensor_parallel_plan=None):
-        from ..trainer import Trainer, step_passes
 
         Trainer._check_arguments(model, loss, optimizer, device, nonfinite)
         config = get_config()
@@ -190,8 +193,6 @@ class PipelineTrainer:
 
     # ---- building --------------------------------------------------------------------------
     def fingerprint(self):
-        from ..trainer import Trainer
-
         digest, description = Trainer.fingerprint(self)
         description = dict(description, pipeline={
             "stages": self.num_stages, "cuts": list(self.plan.cuts)})
@@ -222,7 +223,6 @@ class PipelineTrainer:
         passes = []
         if self.tp > 1:
             passes.append(LowerTensorParallel(self.mesh.tp_group))
-        from ..trainer import step_passes
         passes += step_passes(0, 1, self.bucket_bytes)[1:]  # no gradient collective here
         target_spec = None
         for s in self.my_stages:
@@ -273,7 +273,6 @@ class PipelineTrainer:
     # ---- the step --------------------------------------------------------------------------
     def step(self, x, y):
         """One optimizer step (module docstring); returns the global mean loss everywhere."""
-        from ..trainer import _check_array
 
         inputs = x if isinstance(x, (tuple, list)) else (x,)
         if len(inputs) != len(self.model.input_specs):
@@ -470,21 +469,6 @@ class PipelineTrainer:
         return float(self.pp_comm.bcast(loss, root=self.pp - 1))
 
     # ---- state ------------------------------------------------------------------------------
-    def _local_shard(self, array):
-        from ..trainer import Trainer
-
-        return Trainer._local_shard(self, array)
-
-    def _full(self, tensor, shape):
-        from ..trainer import Trainer
-
-        return Trainer._full(self, tensor, shape)
-
-    def _unpack_states(self):
-        from ..trainer import Trainer
-
-        return Trainer._unpack_states(self)
-
     def _held(self):
         """{name: array} of every parameter this rank holds, full (tp pieces assembled)."""
         out = {}
@@ -510,8 +494,6 @@ class PipelineTrainer:
 
     def optimizer_state_dict(self):
         """{param: {state: full array}} of every parameter: every rank calls it."""
-        from ..trainer import Trainer
-
         mine = Trainer.optimizer_state_dict(self)
         merged = {}
         for part in self.pp_comm.allgather(mine):
@@ -590,8 +572,6 @@ class PipelineTrainer:
 
     def load_checkpoint(self, path):
         """Load a checkpoint of any layout; this rank keeps the parameters it holds."""
-        from ..trainer import Trainer
-
         params, states, _, frozen, meta = ckpt.load(_FullView(self, {}), path)
         names = _FullView(self, {}).signature.param_names
         full = dict(zip(names, params))

@@ -51,6 +51,7 @@ def main():
     xs, ys = x[rows].numpy(), y[rows].numpy()
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x[rows],)),
                                optimizer=raf_optimizer(opt_name))
+    assert isinstance(trainer, raf_dist.Trainer) and trainer.num_stages >= pp
     loaded = 0
     if "--load" in flags:
         trainer.load_checkpoint(flags["--load"])
