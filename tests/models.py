@@ -315,6 +315,26 @@ def single_process_reference(name, opt_name, global_batch, steps):
     return comm.mpi_comm.bcast(reference, root=0)
 
 
+def assert_like_one_process(trainer, losses, name, opt_name, global_batch, loaded, tol):
+    """The distributed ``trainer``'s ``losses`` (its steps after ``loaded`` resumed ones), full
+    parameters and optimizer state equal single_process_reference's on the global batch
+    (norm-relative <= ``tol``; the same names, order and shapes). Collective. Returns
+    (trainer.state_dict(), the reference's parameters)."""
+    ref_losses, ref_params, ref_states = single_process_reference(
+        name, opt_name, global_batch, loaded + len(losses))
+    assert rel_err(losses, ref_losses[loaded:]) <= tol, (losses, ref_losses)
+    params = trainer.state_dict()
+    assert list(params) == list(ref_params)
+    for key, value in ref_params.items():
+        assert params[key].shape == value.shape, key
+        assert rel_err(params[key], value) <= tol, (key, rel_err(params[key], value))
+    states = trainer.optimizer_state_dict()
+    for key, by_state in ref_states.items():
+        for state, value in by_state.items():
+            assert rel_err(states[key][state], value) <= tol, (key, state)
+    return params, ref_params
+
+
 def train_zero(name, batch, level, steps, device="cpu"):
     """(losses, trainer, x): ``steps`` AdamW steps of ``name`` on one fixed batch in this
     process, with data parallelism and ZeRO ``level`` switched on when level > 0 (tiny

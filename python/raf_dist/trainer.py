@@ -189,8 +189,13 @@ class Trainer:
     def fingerprint(self):
         """What every rank of a data-parallel job must agree on before the first collective:
         the model (parameter names, shapes, dtypes; inputs), loss, optimizer, config and
-        versions. The compiled step is a function of these."""
-        description = {
+        versions. The compiled step is a function of these. Returns (digest, description)."""
+        description = self._fingerprint_description()
+        text = json.dumps(description, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16], description
+
+    def _fingerprint_description(self):
+        return {
             "model": ckpt.model_description(self.signature),
             "inputs": [[list(map(int, s)), str(d)] for s, d in self.signature.input_specs],
             "target": [list(map(int, self.signature.target_spec[0])),
@@ -200,8 +205,6 @@ class Trainer:
             "optimizer_config": self.optimizer.config(), "config": self.config,
             "world_size": self.world, "tensor_parallel_size": self.tp,
             "versions": [__version__, tvm.__version__]}
-        text = json.dumps(description, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16], description
 
     def _agree(self, model, loss, optimizer, device):
         """Before its first collective (the mesh's splits, the device check, the parameter

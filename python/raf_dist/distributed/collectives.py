@@ -144,6 +144,30 @@ def comm_counters(group=None):
     return {str(k): {"calls": int(v[0]), "bus_bytes": float(v[1])} for k, v in raw.items()}
 
 
+def wait_request(request, what: str, cause: str, sleep_s: float = 0.0005) -> None:
+    """Wait for an mpi4py request by polling, sleeping ``sleep_s`` between tests after the
+    first hundred (MPICH's blocking waits spin, and a waiting rank must not take the core of
+    the rank it waits for when ranks share a host), under RAF_DIST_COLLECTIVE_TIMEOUT_S: a
+    peer that never comes raises TimeoutError naming ``what``, the likely ``cause`` and this
+    rank's last collectives, instead of hanging."""
+    import time
+
+    from .. import env
+
+    timeout = env.collective_timeout_s()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    polls = 0
+    while not request.Test():
+        polls += 1
+        if polls > 100:
+            time.sleep(sleep_s)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{what} did not complete within {timeout:g} s "
+                    f"(RAF_DIST_COLLECTIVE_TIMEOUT_S); {cause}. This rank's last collectives "
+                    f"(flight recorder):{recent_collectives() or ' (none yet)'}")
+
+
 def recent_collectives() -> str:
     """The flight recorder: this process's last collectives (group, sequence number, kind,
     elements, age), one per line, oldest first; what a timeout error shows."""

@@ -375,24 +375,30 @@ def split_forward(plan):
                else graph.live_at(plan.cuts[s])[0])
         params = inputs + [graph.masks[k] for k in masks] + [
             v for v in graph.param_vars if v in reads]
-        stages.append((_function(params, entry + [graph.bindings[i] for i in indices], out,
-                                 f"stage{s}"), masks, names))
+        stages.append((emit_function(f"stage{s}", params,
+                                     entry + [graph.bindings[i] for i in indices],
+                                     lambda bb, sub, out=out: sub(out)), masks, names))
     return stages
 
 
-def _function(params, bindings, out, name):
-    """A function of ``bindings`` returning ``out`` with fresh variables (each stage function
-    stands alone). Markers become identities: a stage's own function has none left."""
+def emit_function(name, params, bindings, result):
+    """``name(*params)``: ``bindings`` (taken from another function, reading ``params`` and
+    each other) emitted again with fresh variables, so the function stands alone; ``result(bb,
+    sub)`` builds its output, ``sub`` rewriting an expression over the old variables into one
+    over the new. Stage markers become identities (a stage's own function has none left)."""
     bb = relax.BlockBuilder()
-    fresh = [relax.Var(p.name, p.ty) for p in params]
-    remap = dict(zip(params, fresh))
-    with bb.function(name, fresh):
+    remap = {p: relax.Var(p.name, p.ty) for p in params}
+
+    def sub(expr):
+        return SubstituteVars(remap).visit_expr(expr)
+
+    with bb.function(name, [remap[p] for p in params]):
         with bb.dataflow():
             for b in bindings:
-                value = SubstituteVars(remap).visit_expr(b.value)
+                value = sub(b.value)
                 if is_stage_marker(value):
                     value = value.args[0]
                 remap[b.var] = bb.emit(value, name_hint=b.var.name)
-            result = bb.emit_output(SubstituteVars(remap).visit_expr(out))
-        bb.emit_func_output(result)
+            out = bb.emit_output(result(bb, sub))
+        bb.emit_func_output(out)
     return bb.get()[name]

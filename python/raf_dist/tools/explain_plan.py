@@ -87,13 +87,18 @@ def capture(spec):
     return frontend.from_pytorch(module, example)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m raf_dist.tools.explain_plan",
-        description="Print the tensor-parallel plan of a model (one process, no MPI).")
+def model_parser(tool, description):
+    """The argument parser of ``python -m raf_dist.tools.<tool>``, with its MODEL_SPEC."""
+    parser = argparse.ArgumentParser(prog=f"python -m raf_dist.tools.{tool}",
+                                     description=f"{description} (one process, no MPI).")
     parser.add_argument("model", metavar="MODEL_SPEC",
                         help="module.path:factory or path/to/file.py:factory; factory() returns "
                              "(torch_module, example_input)")
+    return parser
+
+
+def main(argv=None):
+    parser = model_parser("explain_plan", "Print the tensor-parallel plan of a model")
     parser.add_argument("--tp", type=int, required=True, help="tensor_parallel_size")
     parser.add_argument("--plan", help='JSON file with an explicit plan {"pattern": "colwise" | '
                                        '"rowwise" | "replicate"}')

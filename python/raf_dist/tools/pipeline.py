@@ -33,10 +33,9 @@ For example, the 4-layer GPT of the benchmarks on 2 pipeline ranks with 4 microb
     python -m raf_dist.tools.pipeline --pp 2 --microbatches 4 --png /tmp/s.png \\
         bench/step_time.py:gpt
 """
-import argparse
 import sys
 
-from .explain_plan import capture
+from .explain_plan import capture, model_parser
 
 #: simulated cost of one stage's forward and backward of one microbatch (uniform: the
 #: simulator takes one cost per kind)
@@ -127,12 +126,7 @@ def explain_pipeline(model, pp, microbatches=1, schedule="1f1b", stages_per_rank
 def main(argv=None):
     from ..training.pipeline_schedule import SCHEDULES
 
-    parser = argparse.ArgumentParser(
-        prog="python -m raf_dist.tools.pipeline",
-        description="Print the pipeline stages and schedule of a model (one process, no MPI).")
-    parser.add_argument("model", metavar="MODEL_SPEC",
-                        help="module.path:factory or path/to/file.py:factory; factory() returns "
-                             "(torch_module, example_input)")
+    parser = model_parser("pipeline", "Print the pipeline stages and schedule of a model")
     parser.add_argument("--pp", type=int, required=True, help="pipeline_parallel_size P")
     parser.add_argument("--stages-per-rank", type=int, default=None,
                         help="stages per rank V (interleaved_1f1b only; default 2 there, "

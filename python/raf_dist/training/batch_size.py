@@ -15,7 +15,6 @@ collectives (divide by N) then give the mean loss and the mean gradient over all
 global batch, i.e. one process on that batch.
 """
 import dataclasses
-import time
 
 import numpy as np
 
@@ -66,23 +65,13 @@ def allgather_rows(mpi_comm, rows: int) -> list:
     """Every rank's row count (an mpi4py communicator's Iallgather). It polls, sleeping
     after the first hundred tests: a rank still compiling the step for a new size must not
     have its core taken by the others' busy-waiting (MPICH's blocking calls spin)."""
-    from .. import env
+    from ..distributed.collectives import wait_request
 
     send, received = np.array([rows], np.int64), np.zeros(mpi_comm.Get_size(), np.int64)
-    request = mpi_comm.Iallgather(send, received)
-    timeout = env.collective_timeout_s()  # a rank that never comes must not hang the others
-    deadline = None if timeout is None else time.monotonic() + timeout
-    polls = 0
-    while not request.Test():
-        polls += 1
-        if polls > 100:
-            time.sleep(0.0005)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the exchange of every rank's batch rows before the step did not complete "
-                    f"within {timeout:g} s (RAF_DIST_COLLECTIVE_TIMEOUT_S); a peer rank has "
-                    "probably died, stalled or is running a different program. This rank's "
-                    f"last collectives (flight recorder):{_recent_collectives()}")
+    # a rank that never comes must not hang the others
+    wait_request(mpi_comm.Iallgather(send, received),
+                 "the exchange of every rank's batch rows before the step",
+                 "a peer rank has probably died, stalled or is running a different program")
     return [int(r) for r in received]
 
 
@@ -94,12 +83,6 @@ def microbatches(rows: int, count: int) -> list:
     count = max(1, min(int(count), int(rows))) if rows else 1
     base, extra = divmod(int(rows), count)
     return [base + (1 if i < extra else 0) for i in range(count)]
-
-
-def _recent_collectives():
-    from ..distributed.collectives import recent_collectives
-
-    return recent_collectives() or " (none yet)"
 
 
 def loss_weight(local_rows: int, rows_per_rank) -> float:

@@ -35,9 +35,10 @@ from tvm import relax
 from ..passes.gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET,
                                         LAYOUT_STATES_PER_PARAM, UPDATED_ARGUMENTS,
                                         mark_gradient)
+from ..passes.pipeline import emit_function
 from . import gradients  # noqa: F401  (registers the gradients TVM 0.27 lacks)
 from .loss import build_loss
-from .step import _emit_update, _ident, _loss_and_grads, missing_gradients
+from .step import _emit_update, _follow, _ident, _loss_and_grads, missing_gradients
 
 
 @dataclasses.dataclass
@@ -155,56 +156,34 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
             for n, v in zip(param_names, params) if n not in frozen]
     out_mod = tvm.IRModule()
 
-    def function(name, arguments, body, outputs, updated=None):
-        fresh = [relax.Var(a.name, a.ty) for a in arguments]
-        remap = dict(zip(arguments, fresh))
-        from ..passes.gradient_markers import SubstituteVars
-        bb = relax.BlockBuilder()
-        with bb.function(name, fresh):
-            with bb.dataflow():
-                for b in body:
-                    remap[b.var] = bb.emit(SubstituteVars(remap).visit_expr(b.value),
-                                           name_hint=b.var.name)
-                result = outputs(bb, lambda e: SubstituteVars(remap).visit_expr(e),
-                                 {a: remap[a] for a in arguments})
-                out = bb.emit_output(result)
-            bb.emit_func_output(out)
-        func = bb.get()[name]
-        if updated is not None:
-            func = func.with_attr(UPDATED_ARGUMENTS, updated)
+    def function(name, arguments, body, outputs, accumulates=False):
+        """One function of the stage's module (DCE'd); ``accumulates``: its outputs after the
+        first are the new values of its last arguments, the gradient accumulators."""
+        func = emit_function(name, arguments, body, outputs)
+        if accumulates:
+            func = func.with_attr(UPDATED_ARGUMENTS,
+                                  list(range(len(arguments) - len(accs), len(arguments))))
         out_mod[name] = relax.transform.DeadCodeElimination([name])(
             tvm.IRModule({tvm.ir.GlobalVar(name): func}))[name]
 
-    def backward_outputs(bb, sub, args):
+    def backward_outputs(bb, sub):
         first = sub(dx) if dx is not None else relax.const(0.0, str(out_ty.dtype))
-        sums = [bb.emit(relax.op.add(args[a], sub(g))) for a, g in zip(accs, grads)]
+        sums = [bb.emit(relax.op.add(sub(a), sub(g))) for a, g in zip(accs, grads)]
         return relax.Tuple([first, *sums])
 
-    n_data = len(data)
     function("forward", data + params, fwd_bindings,
-             lambda bb, sub, args: relax.Tuple([sub(primary), *[sub(v) for v in saved]]))
-    n_saved = len(saved)
+             lambda bb, sub: relax.Tuple([sub(primary), *[sub(v) for v in saved]]))
     function("backward", saved + [seed] + params + accs, bwd_bindings, backward_outputs,
-             updated=list(range(n_saved + 1 + len(params), n_saved + 1 + len(params)
-                                + len(accs))))
+             accumulates=True)
     function("recompute", data + [seed] + params + accs, bindings, backward_outputs,
-             updated=list(range(n_data + 1 + len(params), n_data + 1 + len(params)
-                                + len(accs))))
-    function("forward_only", data + params, fwd_bindings,
-             lambda bb, sub, args: sub(primary))
+             accumulates=True)
+    function("forward_only", data + params, fwd_bindings, lambda bb, sub: sub(primary))
     return StageFunctions(
         index=index, last=last, mod=out_mod,
         input_specs=[_spec(v.ty) for v in inputs], mask_indices=list(mask_indices),
         param_names=list(param_names), trainable=trainable, output_spec=_spec(primary.ty),
-        num_saved=n_saved, input_grad=input_grad, seed_spec=_spec(seed.ty),
+        num_saved=len(saved), input_grad=input_grad, seed_spec=_spec(seed.ty),
         target_spec=tuple(target_spec) if target_spec is not None else None)
-
-
-def _follow(var, value):
-    """Through Gradient's ``a = b`` aliases to the binding that computes it."""
-    while isinstance(var, relax.Var) and isinstance(value.get(var), relax.Var):
-        var = value[var]
-    return var
 
 
 def _spec(ty):

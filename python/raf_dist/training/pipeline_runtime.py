@@ -51,7 +51,7 @@ from .loss import check_targets, num_classes
 from .pipeline import build_stage_functions, build_update_step
 from .step import TrainStepSignature
 # raf_dist.trainer imports this module only when it builds a PipelineTrainer
-from ..trainer import Trainer, _check_array, step_passes
+from ..trainer import Trainer, _check_array, _nbytes, step_passes
 
 _LOG = logging.getLogger("raf_dist")
 
@@ -67,6 +67,7 @@ class _Stage:
     index: int
     functions: object  # training.pipeline.StageFunctions
     vm: dict  # name -> VM function
+    planned_peak_bytes: int
 
 
 class PipelineTrainer(Trainer):
@@ -123,11 +124,17 @@ class PipelineTrainer(Trainer):
         self._cache_dir = cache_dir
         self.seed = int(seed)
 
-        # stages, at the captured microbatch size: the plan and this rank's stages
-        self._mb_stages = {}  # microbatch rows -> (plan, [stage functions by index], shapes)
+        # stages, at the captured microbatch size (pipelined steps take that size only): the
+        # plan, every stage's function (its output spec is the boundary's message) and this
+        # rank's stages compiled
         rows = self.batch_size // self.microbatches
-        plan, stage_funcs = self._plan_at(rows)
-        self.plan = plan
+        at_rows = model.at_batch(rows)
+        plan = self.plan = partition(
+            ForwardGraph(at_rows.forward, len(at_rows.input_specs), len(at_rows.dropout_specs),
+                         at_rows.param_names), self.num_stages, self.split_points)
+        stage_funcs = split_forward(plan)
+        self._boundary_specs = [(tuple(int(d) for d in f.ret_ty.shape), str(f.ret_ty.dtype))
+                                for f, _, _ in stage_funcs]
         self.my_stages = [s for s in range(self.num_stages)
                           if schedules.stage_rank(s, self.pp) == self.pp_rank]
         held = set().union(*(plan.params[s] for s in self.my_stages))
@@ -135,7 +142,7 @@ class PipelineTrainer(Trainer):
         self.frozen_names = [n for n in model.param_names if n in held and n in frozen]
         specs = dict(zip(model.param_names, model.param_specs()))
         self.param_specs = [specs[n] for n in self.param_names]
-        self._stages = self._build_stages(rows)
+        self._stages = self._build_stages(stage_funcs, rows)
         self.signature = TrainStepSignature(
             input_specs=list(model.input_specs), target_spec=self._captured_target_spec(),
             param_names=self.param_names, param_specs=self.param_specs,
@@ -192,55 +199,36 @@ class PipelineTrainer(Trainer):
         Trainer._check_fingerprints(self)
 
     # ---- building --------------------------------------------------------------------------
-    def fingerprint(self):
-        digest, description = Trainer.fingerprint(self)
-        description = dict(description, pipeline={
+    def _fingerprint_description(self):
+        """Trainer's, with the stage plan instead of the parameters (each pp rank holds
+        other ones; the agreement at construction compared the whole model already)."""
+        description = dict(super()._fingerprint_description(), pipeline={
             "stages": self.num_stages, "cuts": list(self.plan.cuts)})
-        description.pop("model")  # each pp rank holds other parameters
-        import hashlib
-        import json
-        text = json.dumps(description, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16], description
+        description.pop("model")
+        return description
 
-    def _plan_at(self, rows):
-        """(StagePlan, split stage functions) of the model at ``rows`` rows per microbatch."""
-        if rows not in self._mb_stages:
-            model = self.model.at_batch(rows)
-            graph = ForwardGraph(model.forward, len(model.input_specs),
-                                 len(model.dropout_specs), model.param_names)
-            plan = partition(graph, self.num_stages, self.split_points)
-            self._mb_stages[rows] = (plan, split_forward(plan))
-        return self._mb_stages[rows]
-
-    def _build_stages(self, rows):
-        """{stage index: _Stage} of this rank's stages at ``rows`` rows per microbatch."""
-        plan, funcs = self._plan_at(rows)
-        if hasattr(self, "plan") and plan.cuts != self.plan.cuts:
-            raise ValueError(f"at {rows} rows per microbatch the partitioner cuts the model "
-                             f"elsewhere ({plan.cuts} vs {self.plan.cuts}); use the captured "
-                             "batch size")
+    def _build_stages(self, funcs, rows):
+        """{stage index: _Stage} of this rank's stages (``funcs``: split_forward's functions
+        at ``rows`` rows per microbatch), compiled."""
         stages = {}
         passes = []
         if self.tp > 1:
             passes.append(LowerTensorParallel(self.mesh.tp_group))
         passes += step_passes(0, 1, self.bucket_bytes)[1:]  # no gradient collective here
-        target_spec = None
         for s in self.my_stages:
             func, masks, names = funcs[s]
             last = s == self.num_stages - 1
-            if last:
-                target_spec = batching.batched_spec(self._captured_target_spec(), rows,
-                                                    self.batch_size)
             fns = build_stage_functions(
                 s, last, func, masks, names, self._frozen_names, self.loss,
-                target_spec=target_spec if last else None,
+                target_spec=batching.batched_spec(self._captured_target_spec(), rows,
+                                                  self.batch_size) if last else None,
                 vocab_parallel=getattr(self.model, "output_split_classes", 0) > 1)
             compiled = compile_step(fns.mod, passes=passes, target=self._target,
                                     cache_dir=self._cache_dir)
             vm = relax.VirtualMachine(compiled.executable, self._device)
             stages[s] = _Stage(s, fns, {k: vm[k] for k in ("forward", "backward", "recompute",
-                                                           "forward_only")})
-            stages[s].planned_peak_bytes = compiled.planned_peak_bytes
+                                                           "forward_only")},
+                               compiled.planned_peak_bytes)
         return stages
 
     def _captured_target_spec(self):
@@ -320,9 +308,7 @@ class PipelineTrainer(Trainer):
         S = self.num_stages
         accs = {n: tvm.runtime.tensor(np.zeros(s, d), dev)
                 for n, (s, d) in zip(self.param_names, self.param_specs)}
-        _, funcs = self._plan_at(mb)
-        out_specs = [(tuple(int(d) for d in f.ret_ty.shape), str(f.ret_ty.dtype))
-                     for f, _, _ in funcs]
+        out_specs = self._boundary_specs
         actions = self.actions[self.pp_rank]
         # every receive of the step, posted now (module docstring)
         recvs = {}
@@ -560,21 +546,20 @@ class PipelineTrainer(Trainer):
         }
 
     def save_checkpoint(self, path, extra=None, keep=2):
-        """The full tensors written as any layout writes them (tp_lib.CheckpointView's
-        files), so a checkpoint saved at pp x dp resumes at any pp x dp x tp: every rank
-        calls it."""
+        """The full tensors written as any layout writes them (tp_lib.CheckpointView), so a
+        checkpoint saved at pp x dp resumes at any pp x dp x tp: every rank calls it."""
         full = self.state_dict()
         states = {(p, s): v for p, d in self.optimizer_state_dict().items()
                   for s, v in d.items()}
-        view = _FullView(self, full)
+        view = tp_lib.CheckpointView(self, full)
         return ckpt.save(view, path, [full[n] for n in view.signature.param_names], states,
                          extra, keep, buffers={})
 
     def load_checkpoint(self, path):
         """Load a checkpoint of any layout; this rank keeps the parameters it holds."""
-        params, states, _, frozen, meta = ckpt.load(_FullView(self, {}), path)
-        names = _FullView(self, {}).signature.param_names
-        full = dict(zip(names, params))
+        view = tp_lib.CheckpointView(self, {})
+        params, states, _, frozen, meta = ckpt.load(view, path)
+        full = dict(zip(view.signature.param_names, params))
         full.update(frozen)
         for name in self.param_names + self.frozen_names:
             value = np.asarray(full[name])
@@ -624,51 +609,9 @@ def _check_pipeline_config(config, model):
             f"a multiple of {M} rows")
 
 
-class _FullView:
-    """The pipeline trainer as raf_dist.checkpoint sees it: the whole model held by a
-    data-parallel world of every rank without ZeRO (as tp_lib.CheckpointView)."""
-
-    def __init__(self, trainer, full):
-        model = trainer.full_model
-        frozen = set(getattr(model, "frozen_params", ()))
-        specs = dict(zip(model.param_names, model.param_specs()))
-        names = [n for n in model.param_names if n not in frozen]
-        frozen_names = [n for n in model.param_names if n in frozen]
-        self.comm = trainer.comm
-        self.data_parallel, self.world, self.zero_level = True, trainer.comm.size, 0
-        self.step_count, self.seed = trainer.step_count, trainer.seed
-        self.config, self.loss, self.optimizer = trainer.config, trainer.loss, trainer.optimizer
-        self.model = model
-        self.signature = dataclasses.replace(
-            trainer.signature, param_names=names, param_specs=[specs[n] for n in names],
-            frozen_names=frozen_names, frozen_specs=[specs[n] for n in frozen_names],
-            buffer_names=[], buffer_specs=[])
-        self._frozen = [full.get(n) for n in frozen_names]
-
-
 def _wait(request, what):
-    """Wait for an mpi4py request, polling (sleeping after the first hundred tests: a rank
-    computing must keep its core) under the collective timeout, whose error names the
-    message: a peer that died or runs another schedule never leaves this rank waiting."""
-    import time
-
-    from .. import env
-    from .batch_size import _recent_collectives
-
-    timeout = env.collective_timeout_s()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    polls = 0
-    while not request.Test():
-        polls += 1
-        if polls > 100:
-            time.sleep(0.0002)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"pipeline message {what} did not complete within {timeout:g} s "
-                    "(RAF_DIST_COLLECTIVE_TIMEOUT_S): the peer rank has probably died, stalled "
-                    "or runs a different schedule. Last collectives (flight recorder):"
-                    f"{_recent_collectives()}")
-
-
-def _nbytes(tensor):
-    return int(np.prod(tensor.shape)) * tvm.DataType(tensor.dtype).bits // 8
+    """A pipeline message's request, waited under the collective timeout
+    (collectives.wait_request, polling so that a waiting rank keeps off the cores)."""
+    collectives.wait_request(request, f"pipeline message {what}",
+                             "the peer rank has probably died, stalled or runs a different "
+                             "schedule", sleep_s=0.0002)

@@ -175,12 +175,8 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     loss_value, grads, new_buffers = _loss_and_grads(adjoint)
     # Gradient ends with `p_adjoint_out = p_adjoint` aliases in parameter order: follow them
     # to the binding backward really produces, so each marker sits where its gradient is made.
-    aliases = {b.var: b.value for block in adjoint.body.blocks for b in block.bindings
-               if isinstance(b.value, relax.Var)}
-    for i, g in enumerate(grads):
-        while g in aliases:
-            g = aliases[g]
-        grads[i] = g
+    value = {b.var: b.value for block in adjoint.body.blocks for b in block.bindings}
+    grads = [_follow(g, value) for g in grads]
 
     def mark(grad, i):
         if accumulate is None:
@@ -275,6 +271,14 @@ def _signature(model, target_spec, trainable, specs, optimizer, frozen, loss_wei
         buffer_names=list(getattr(model, "buffer_names", ())),
         buffer_specs=model.buffer_specs() if getattr(model, "buffer_names", ()) else [],
         loss_weight_dtype=str(out_info.dtype) if loss_weight else None)
+
+
+def _follow(var, value):
+    """Through ``a = b`` aliases (``value``: each bound variable's value) to the binding that
+    computes ``var``."""
+    while isinstance(var, relax.Var) and isinstance(value.get(var), relax.Var):
+        var = value[var]
+    return var
 
 
 def _loss_and_grads(adjoint):

@@ -17,7 +17,7 @@ import torch
 import raf_dist
 from raf_dist import distributed as dist
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
-from models import make, raf_optimizer, rel_err, single_process_reference  # noqa: E402
+from models import assert_like_one_process, make, raf_optimizer  # noqa: E402
 
 GLOBAL_BATCH = 8
 TOL = 5e-5
@@ -58,18 +58,7 @@ def main():
         loaded = trainer.step_count
     losses = [trainer.step(xs, ys) for _ in range(steps)]
 
-    ref_losses, ref_params, ref_states = single_process_reference(name, opt_name, GLOBAL_BATCH,
-                                                                  loaded + steps)
-    assert rel_err(losses, ref_losses[loaded:]) <= TOL, (losses, ref_losses)
-    params = trainer.state_dict()
-    assert list(params) == list(ref_params)
-    for key, value in ref_params.items():
-        assert params[key].shape == value.shape, key
-        assert rel_err(params[key], value) <= TOL, (key, rel_err(params[key], value))
-    states = trainer.optimizer_state_dict()
-    for key, by_state in ref_states.items():
-        for state, value in by_state.items():
-            assert rel_err(states[key][state], value) <= TOL, (key, state)
+    assert_like_one_process(trainer, losses, name, opt_name, GLOBAL_BATCH, loaded, TOL)
 
     stats = trainer.stats()["pipeline"]
     for stage, peak in stats["peak_saved_microbatches"].items():
