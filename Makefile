@@ -26,6 +26,9 @@ demo: install
 test: install
 	$(PY) -m pytest -q --durations=40 tests
 
+test-faults: install  # the whole fault-injection matrix (~10 min on 2 cores)
+	$(PY) -m pytest -q -m faults tests/distributed/test_faults.py
+
 test-fast: install
 	$(PY) -m pytest -q -x tests/unit tests/passes tests/numeric
 

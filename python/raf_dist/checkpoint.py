@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .distributed.communicator import raised_on_every_rank
+
 FORMAT = "raf_dist-checkpoint-1"
 LATEST = "latest"
 
@@ -370,9 +372,12 @@ def _my_slice(tensor, numel, world_size, rank, sharded):
 def save(trainer, path, params, states, extra=None, keep=2, buffers=None):
     """Trainer.save_checkpoint: ``params`` (the trainer's runtime tensors, in signature
     order: full, or shards at level 3) and ``states`` ({(param, state): full array, or shard
-    under ZeRO}) as this rank's file, then rank 0 finalizes once every file is on disk."""
-    from . import __version__
+    under ZeRO}) as this rank's file, then rank 0 finalizes once every file is on disk.
 
+    A write that fails on any rank (a full disk, a quota) or a failed finalize raises the
+    same CheckpointError on every rank, after the ranks agree on it: the job may go on (free
+    space, save again). Anything else that leaves the save on one rank ends the job
+    (Communicator.collective_work)."""
     rank, world = _rank(trainer), trainer.world
     json_extra = json.loads(json.dumps(extra))  # fail now, not after writing shards
     root = Path(path)
@@ -383,8 +388,20 @@ def save(trainer, path, params, states, extra=None, keep=2, buffers=None):
             "a new or existing directory path")
     name = f"step-{trainer.step_count:08d}"
     tmp_name = temporary_name(name) if rank == 0 else None
-    tmp = root / (trainer.comm.mpi_comm.bcast(tmp_name, root=0) if world > 1 else tmp_name)
-    trainer.comm.activity = f"saving checkpoint {root / name}"
+    tmp = root / (trainer.comm.agree(tmp_name, "agreeing on the checkpoint's temporary "
+                                     "directory")[0] if world > 1 else tmp_name)
+    with trainer.comm.collective_work(
+            f"saving checkpoint {root / name} (last completed: {trainer.step_count})"):
+        final = _write(trainer, root, name, tmp, path, params, states, json_extra, keep,
+                       buffers)
+    return final
+
+
+def _write(trainer, root, name, tmp, path, params, states, json_extra, keep, buffers):
+    """save's collective part: every rank's file, then rank 0's finalize."""
+    from . import __version__
+
+    rank, world = _rank(trainer), trainer.world
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -410,9 +427,24 @@ def save(trainer, path, params, states, extra=None, keep=2, buffers=None):
         # frozen parameters: replicated and constant, stored like a parameter (consolidate)
         tensors[_param_key(name)] = _my_slice(value, int(np.prod(value.shape)), world, rank, False)
     file = tmp / f"rank{rank:05d}.safetensors"
-    write_rank_file(file, tensors)
-    record = {"name": file.name, "bytes": file.stat().st_size, "sha256": _file_digest(file)}
-    records = trainer.comm.mpi_comm.gather(record, root=0) if world > 1 else [record]
+    try:  # a full disk, a quota, a lost mount: every rank hears of it and raises alike
+        write_rank_file(file, tensors)
+        record, error = {"name": file.name, "bytes": file.stat().st_size,
+                         "sha256": _file_digest(file)}, None
+    except OSError as exc:
+        record, error = None, f"rank {rank} could not write {file}: {exc}"
+    outcome = (trainer.comm.agree((record, error), f"the exchange of written files in {tmp}")
+               if world > 1 else [(record, error)])
+    errors = [e for _, e in outcome if e is not None]
+    if errors:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise raised_on_every_rank(CheckpointError(
+            f"save_checkpoint({str(path)!r}) failed, nothing was saved and the previous "
+            f"checkpoints are intact: {errors[0]}" + (f" (and {len(errors) - 1} more rank(s))"
+                                                     if len(errors) > 1 else "")
+            + ". Free space (or fix the storage) and save again"))
+    records = [r for r, _ in outcome]
     if rank == 0:
         meta = {
             "format": FORMAT, "raf_dist": __version__, "step": trainer.step_count,
@@ -426,13 +458,20 @@ def save(trainer, path, params, states, extra=None, keep=2, buffers=None):
                           "config": trainer.optimizer.config(),
                           "state_names": list(signature.state_names)},
             "extra": json_extra, "files": records}
-        final = finalize(root, name, tmp, meta, keep)
+        try:
+            final, error = finalize(root, name, tmp, meta, keep), None
+        except OSError as exc:
+            final, error = None, f"rank 0 could not finalize {root / name}: {exc}"
+            shutil.rmtree(tmp, ignore_errors=True)
     else:
-        final = None
+        final, error = None, None
     if world > 1:
-        trainer.comm.idle_barrier(f"the barrier after rank 0 finalized checkpoint {root / name}")
-        final = trainer.comm.mpi_comm.bcast(final, root=0)
-    trainer.comm.activity = None
+        final, error = trainer.comm.agree(
+            (final, error), f"the agreement after rank 0 finalized checkpoint {root / name}")[0]
+    if error is not None:
+        raise raised_on_every_rank(CheckpointError(
+            f"save_checkpoint({str(path)!r}) failed: {error}; 'latest' still names a complete "
+            "checkpoint. Fix the storage and save again"))
     return final
 
 
@@ -485,8 +524,13 @@ def load(trainer, path):
     Each rank checks the size of every file but the sha256 of only the files it reads, opens
     each of those once, and the ranks agree on the outcome (one allgather) before any data is
     read."""
+    with trainer.comm.collective_work(f"loading checkpoint {path}"):
+        return _read(trainer, path)
+
+
+def _read(trainer, path):
+    """load's collective part."""
     rank, world = _rank(trainer), trainer.world
-    trainer.comm.activity = f"loading checkpoint {path}"
     error, directory, meta = None, None, None
     try:
         directory = resolve(path)
@@ -501,12 +545,12 @@ def load(trainer, path):
         verify_files(directory, meta, needed)
     except CheckpointError as exc:
         error = str(exc)
-    errors = trainer.comm.mpi_comm.allgather(error) if world > 1 else [error]
+    errors = (trainer.comm.agree(error, f"the agreement on checkpoint {path} before reading")
+              if world > 1 else [error])
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
-        trainer.comm.activity = None
         r, e = failed[0]
-        raise CheckpointError(e if world == 1 else f"rank {r}: {e}")
+        raise raised_on_every_rank(CheckpointError(e if world == 1 else f"rank {r}: {e}"))
     out = {"param": {}, "state": {}, "buffer": {}, "frozen": {}}
     with OpenFiles(directory, meta) as files:
         for numel, (kind, name, key, shape, dtype, begin, end, shard) in zip(numels, reads):
@@ -516,6 +560,5 @@ def load(trainer, path):
             else:  # this rank's padded shard
                 out[kind][name] = np.zeros(shard, dtype=dtype)
                 out[kind][name][:end - begin] = values
-    trainer.comm.activity = None
     params = [out["param"][p] for p in trainer.signature.param_names]
     return params, out["state"], out["buffer"], out["frozen"], meta

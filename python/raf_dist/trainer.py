@@ -4,6 +4,7 @@ It reads ``dist.get_config()`` once, builds the training step (``training.build_
 turns the config into explicit pass arguments, compiles (``compiler.compile_step``) and runs the
 step on the VM. Parameters and optimizer state stay in runtime tensors between steps.
 """
+import contextlib
 import hashlib
 import json
 import logging
@@ -20,6 +21,7 @@ from . import env, profiler
 from .compiler import compile_step
 from .runtime import available_cores, set_num_threads  # importing it registers raf_dist.blas.*
 from .distributed import collectives, get_communicator, get_config
+from .distributed.communicator import raised_on_every_rank
 from .distributed.mesh import check_mesh, get_mesh
 from .model import Model
 from .optim import Optimizer
@@ -124,23 +126,27 @@ class Trainer:
         # for the target check: the model's classes (all of them under tensor parallelism)
         self._classes = num_classes((self.full_model if self.tp > 1 else model).forward, loss)
         self.skipped_steps = 0  # steps whose update nonfinite="skip" left out
-        if self.spmd:
-            self._check_fingerprints()
-        self.bucket_bytes = max(1, int(config.bucket_size_mb * 2**20))
-        # gradient buckets (parameter indices, in backward order) the distribution pass uses
-        self.grad_buckets = gradient_buckets(self.ir, self.bucket_bytes) if self.data_parallel else []
-        self._step_passes = self._passes(config)  # again for each new batch size
-        self.compiled = self._compile(config, cache_dir)
-        self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
-        # one compiled step per batch size (rows on this rank) seen, the captured one first
-        self.batch_size = model.batch_size
-        self._variants = {self.batch_size: batching.StepVariant(
-            self.batch_size, model, self.signature, self.compiled, self._vm["train_step"])}
-        self._models = {self.batch_size: model}  # the model captured at each size
-        init = {n: np.ascontiguousarray(model.init_params[n]) for n in self.signature.param_names}
-        if self.data_parallel and self.world > 1:  # identical start whatever each rank's seed
-            for name in self.signature.param_names:
-                init[name] = collectives.broadcast(init[name].copy(), root=0, group=self.dp_group)
+        # from the fingerprint check on the ranks meet in collectives (and compile barriers):
+        # an exception on one rank ends the job (Communicator.collective_work)
+        with (self.comm.collective_work("building a Trainer (compiling its step)")
+              if self.spmd else contextlib.nullcontext()):
+            if self.spmd:
+                self._check_fingerprints()
+            self.bucket_bytes = max(1, int(config.bucket_size_mb * 2**20))
+            # gradient buckets (parameter indices, in backward order) the distribution pass uses
+            self.grad_buckets = gradient_buckets(self.ir, self.bucket_bytes) if self.data_parallel else []
+            self._step_passes = self._passes(config)  # again for each new batch size
+            self.compiled = self._compile(config, cache_dir)
+            self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
+            # one compiled step per batch size (rows on this rank) seen, the captured one first
+            self.batch_size = model.batch_size
+            self._variants = {self.batch_size: batching.StepVariant(
+                self.batch_size, model, self.signature, self.compiled, self._vm["train_step"])}
+            self._models = {self.batch_size: model}  # the model captured at each size
+            init = {n: np.ascontiguousarray(model.init_params[n]) for n in self.signature.param_names}
+            if self.data_parallel and self.world > 1:  # identical start whatever each rank's seed
+                for name in self.signature.param_names:
+                    init[name] = collectives.broadcast(init[name].copy(), root=0, group=self.dp_group)
         if self.zero_level == 3:  # parameters held as this rank's flat padded shard
             init = {n: self._local_shard(a) for n, a in init.items()}
         self._params = [tvm.runtime.tensor(init[n], self._device) for n in self.signature.param_names]
@@ -316,9 +322,16 @@ class Trainer:
                     + [self._step_variant(pieces[-1], "final")] if len(pieces) > 1
                     else [self._step_variant(rows) if rows else None])
         # the step running and the last one completed: a failure message is unambiguous
-        # (checkpoints are named by the last completed step); set before the step's first
-        # collective
-        self.comm.activity = f"step {self.step_count + 1} (last completed: {self.step_count})"
+        # (checkpoints are named by the last completed step); from its first collective on,
+        # an exception on this rank ends the job (Communicator.collective_work)
+        with self.comm.collective_work(
+                f"step {self.step_count + 1} (last completed: {self.step_count})"):
+            loss = self._execute(inputs, y, rows, pieces, variants)
+        self.comm.activity = f"work between steps (last completed: {self.step_count})"
+        return loss
+
+    def _execute(self, inputs, y, rows, pieces, variants):
+        """The step's collectives and compiled functions on checked inputs; the loss."""
         rows_per_rank = self._rows_per_rank(rows)  # a small collective under data parallelism
         # the optimizer's own step count (Adam's bias correction): skipped steps do not count
         hypers = self.optimizer.hyper_values(self.step_count + 1 - self.skipped_steps)
@@ -357,7 +370,6 @@ class Trainer:
         if not math.isfinite(loss):
             self._nonfinite_step(loss)
         self.step_count += 1
-        self.comm.activity = f"work between steps (last completed: {self.step_count})"
         return loss
 
     def _traffic(self):
@@ -420,16 +432,16 @@ class Trainer:
                 _LOG.warning("step %d: the loss or a gradient is not finite (loss %s); the "
                              "update was skipped on every rank (nonfinite='skip')", step, loss)
                 return
-            raise FloatingPointError(
+            raise raised_on_every_rank(FloatingPointError(
                 f"step {step}: the loss or a gradient is not finite (loss {loss}); the update "
                 "was not applied, parameters and optimizer state are unchanged. Check this "
                 "step's inputs and the learning rate, or pass Trainer(nonfinite='skip') to skip "
-                "such steps")
+                "such steps"))
         self.step_count += 1  # the update ran (ZeRO): the step happened
-        raise FloatingPointError(
+        raise raised_on_every_rank(FloatingPointError(
             f"step {step}: the loss is not finite ({loss}); under ZeRO the parameters were "
             "already updated with its gradients. Restore the last checkpoint, and check this "
-            "step's inputs and the learning rate")
+            "step's inputs and the learning rate"))
 
     @property
     def update_guarded(self) -> bool:
@@ -828,11 +840,11 @@ def _raise_if_ranks_differ(descriptions, what):
         differing = [k for k in mine if theirs.get(k) != mine[k]]
         if differing:
             show = {k: (mine[k], theirs.get(k)) for k in differing}
-            raise ValueError(
+            raise raised_on_every_rank(ValueError(
                 f"the ranks {what}: rank {rank} differs from rank 0 in {', '.join(differing)} "
                 f"(rank 0 vs rank {rank}: {json.dumps(show, default=str)[:600]}). Every rank "
                 "must create the same model, loss, optimizer, device and "
-                "dist.get_config() settings")
+                "dist.get_config() settings"))
 
 
 def nonfinite_guard(zero_level: int, world_size: int, nonfinite: str = "raise"):

@@ -148,6 +148,44 @@ std::string RecentFlights() {
   return out.str();
 }
 
+namespace {
+struct BrokenState {
+  std::mutex mu;
+  bool broken = false;
+  std::string reason;
+};
+BrokenState& Broken() {
+  static BrokenState* state = new BrokenState();  // never destroyed: read until exit
+  return *state;
+}
+}  // namespace
+
+void MarkBroken(const std::string& reason) {
+  BrokenState& b = Broken();
+  std::lock_guard<std::mutex> lock(b.mu);
+  if (!b.broken) {
+    b.broken = true;
+    b.reason = reason;
+  }
+}
+
+bool IsBroken(std::string* reason) {
+  BrokenState& b = Broken();
+  std::lock_guard<std::mutex> lock(b.mu);
+  if (b.broken && reason) *reason = b.reason;
+  return b.broken;
+}
+
+std::string TimeoutMessage(const CollectiveCall& call, double timeout) {
+  std::ostringstream out;
+  out << KindName(call.kind) << " of " << call.send_count << "/" << call.recv_count << " "
+      << ElemTypeName(call.elem) << " elements did not complete within " << timeout
+      << " s (RAF_DIST_COLLECTIVE_TIMEOUT_S); a peer rank has probably died or is running a "
+         "different program. This rank's last collectives (flight recorder):"
+      << RecentFlights();
+  return out.str();
+}
+
 double WaitTimeoutSeconds() {
   static double timeout = [] {
     const char* env = std::getenv("RAF_DIST_COLLECTIVE_TIMEOUT_S");
@@ -162,12 +200,9 @@ void Work::Wait() {
   if (timeout > 0) {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
     if (!cv_.wait_until(lock, deadline, [this] { return done_; })) {
-      TVM_FFI_THROW(TimeoutError)
-          << KindName(call_.kind) << " of " << call_.send_count << "/" << call_.recv_count
-          << " " << ElemTypeName(call_.elem) << " elements did not complete within " << timeout
-          << " s (RAF_DIST_COLLECTIVE_TIMEOUT_S); a peer rank has probably died or is running "
-             "a different program. This rank's last collectives (flight recorder):"
-          << RecentFlights();
+      std::string message = TimeoutMessage(call_, timeout);
+      MarkBroken(message);
+      TVM_FFI_THROW(TimeoutError) << message;
     }
   } else {
     cv_.wait(lock, [this] { return done_; });

@@ -75,6 +75,19 @@ struct CollectiveCall {
 
 /*! \brief Seconds a wait may block before raising; RAF_DIST_COLLECTIVE_TIMEOUT_S, 0 = none. */
 double WaitTimeoutSeconds();
+/*! \brief The error of a wait that timed out: the call, the limit, the flight recorder. */
+std::string TimeoutMessage(const CollectiveCall& call, double timeout);
+
+/*!
+ * \brief Marks this process's collectives as broken, for good: a wait that timed out (a peer
+ *        is dead or stuck) or a failure this rank reported (``raf_dist.ccl.abort``, called
+ *        when an exception escapes a step). Later collectives raise naming ``reason``, and
+ *        shutdown neither waits on pending work nor joins a communication thread that may be
+ *        stuck in MPI (the process would hang at exit). The first reason is kept.
+ */
+void MarkBroken(const std::string& reason);
+/*! \brief Whether MarkBroken was called; ``reason`` (optional) receives its first reason. */
+bool IsBroken(std::string* reason = nullptr);
 
 /*!
  * \brief The flight recorder: the last collectives this process started (group, sequence

@@ -79,8 +79,9 @@ Group::~Group() { Shutdown(); }
 
 void Group::Shutdown() {
   std::lock_guard<std::mutex> lock(mu_);
-  nccl_.reset();
+  nccl_.reset();  // after a failure the NCCL backend aborts its communicator (nccl_backend.cc)
   if (mpi_) mpi_->Shutdown();
+  if (IsBroken()) return;  // another thread may still be inside MPI on these communicators
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!finalized) {
@@ -208,6 +209,14 @@ Backend* Group::BackendFor(const CollectiveCall& c) {
 Backend* Group::Prepare(CollectiveCall* call) {
   Validate(call);
   if (!mpi_) TVM_FFI_THROW(RuntimeError) << "collective on a group that was shut down";
+  std::string broken;
+  if (IsBroken(&broken)) {
+    TVM_FFI_THROW(RuntimeError)
+        << KindName(call->kind) << " refused: this rank's collectives were shut off after an "
+        << "earlier failure, and the other ranks are being ended. Restart the job (from the "
+           "last checkpoint). The failure: "
+        << broken;
+  }
   Backend* backend = BackendFor(*call);
   bool point_to_point = call->kind == CollectiveKind::kSend || call->kind == CollectiveKind::kRecv;
   if (check_signatures_ && !point_to_point) CheckSignature(*call);

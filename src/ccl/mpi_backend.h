@@ -17,6 +17,7 @@
 
 #include <deque>
 #include <thread>
+#include <vector>
 
 #include "collective.h"
 
@@ -38,8 +39,19 @@ class MpiBackend : public Backend {
 
  private:
   void Loop();
-  /*! \brief Run a collective to completion, or post a send/recv and return its request. */
+  /*! \brief Run a collective to completion (Post, MPI_Wait, Complete), or post a send/recv
+   *         and return its request. */
   MPI_Request Run(const CollectiveCall& call);
+  /*! \brief A call started in MPI's nonblocking form: its request and the count arrays MPI
+   *         reads until it completes. */
+  struct Posted {
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::vector<int> counts, displs;
+  };
+  /*! \brief Start ``call`` nonblocking (MPI_Iallreduce, ...); Complete() once it is done. */
+  void Post(const CollectiveCall& call, Posted* posted);
+  /*! \brief What a call needs after MPI is done with it (avg = sum / N). */
+  void Complete(const CollectiveCall& call);
   /*! \brief Finish the posted sends/recvs that have completed. */
   void PollPointToPoint();
 

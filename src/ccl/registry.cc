@@ -157,8 +157,38 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                pending.swap(s.pending);
                groups.swap(s.groups);
              }
-             for (auto& kv : pending) kv.second->Wait();
+             // each wait is bounded by the collective timeout; one that times out marks the
+             // process broken and the rest are not waited for (a peer is gone)
+             for (auto& kv : pending) {
+               if (IsBroken()) break;
+               try {
+                 kv.second->Wait();
+               } catch (const std::exception&) {
+                 // already reported where it was started, or the timeout marked us broken
+               }
+             }
              for (auto& g : groups) g->Shutdown();
+             if (IsBroken()) {
+               // a communication thread may be stuck in MPI holding a group: never destroy
+               // them (their destructors would join it); the process is about to end
+               for (auto& g : groups) g.release();
+             }
+           })
+      // a failure this rank reported (an exception escaped a step): every later collective
+      // raises, and shutdown does not wait for peers that are being ended
+      .def("raf_dist.ccl.abort", [](ffi::String reason) { MarkBroken(std::string(reason)); })
+      .def("raf_dist.ccl.broken",
+           []() -> ffi::String {
+             std::string reason;
+             return IsBroken(&reason) ? ffi::String(reason) : ffi::String("");
+           })
+      // a handle dropped without a wait: forget it, so its buffers are freed as soon as the
+      // collective completes instead of at exit
+      .def("raf_dist.ccl.release",
+           [](int64_t handle) -> bool {
+             State& s = GetState();
+             std::lock_guard<std::mutex> lock(s.mu);
+             return s.pending.erase(handle) > 0;
            })
       // ---- collectives: blocking form, then the asynchronous start form ----
       .def("raf_dist.ccl.allreduce",

@@ -73,9 +73,11 @@ def test_a_silent_death_is_named_and_the_other_rank_is_ended(tmp_path):
 
 
 def test_a_rank_that_leaves_on_purpose_is_not_reported(tmp_path):
+    """Rank 1 completed step 7 (the one rank 0 is finishing) and ended its program: rank 0
+    does not need it any more."""
     ranks, dogs, logs = _pair(tmp_path)
     try:
-        os.write(dogs[1][1], b"X\n")
+        os.write(dogs[1][1], b"A work between steps (last completed: 7)\nX\n")
         os.close(dogs[1][1])
         dogs[1][0].wait(timeout=10)  # the watchdog ends with its rank's pipe
         ranks[1].kill()
@@ -86,6 +88,26 @@ def test_a_rank_that_leaves_on_purpose_is_not_reported(tmp_path):
         _finish(ranks, dogs, logs)
     assert (tmp_path / "watchdog1.txt").read_text() == ""
     assert (tmp_path / "watchdog0.txt").read_text() == ""
+
+
+def test_a_rank_that_leaves_in_the_middle_of_training_ends_the_job(tmp_path):
+    """Rank 1 returned after step 6 while rank 0 runs step 7 (which needs it): rank 0's
+    watchdog names rank 1 and ends rank 0 within seconds, not after the collective timeout."""
+    ranks, dogs, logs = _pair(tmp_path)
+    try:
+        start = time.monotonic()
+        os.write(dogs[1][1], b"A work between steps (last completed: 6)\nX\n")
+        os.close(dogs[1][1])
+        assert ranks[0].wait(timeout=20) == -signal.SIGTERM
+        elapsed = time.monotonic() - start
+    finally:
+        _finish(ranks, dogs, logs)
+    said = (tmp_path / "watchdog0.txt").read_text()
+    assert ("rank 0/2 on testhost: ending the job: rank 1/2 on testhost (pid" in said
+            and "left the job (its program ended: returned or sys.exit) during work between "
+                "steps (last completed: 6); this rank is in step 7 (last completed: 6), which "
+                "needs it" in said), said
+    assert watchdog.CONFIRM_SECONDS <= elapsed < 10, elapsed
 
 
 def test_a_reported_failure_reaches_the_other_rank(tmp_path):
@@ -115,16 +137,16 @@ def test_stray_datagrams_are_dropped_and_the_jobs_news_still_arrives(tmp_path):
     os.write(pipe, b"T s3cret\nA step 4\n")
     time.sleep(0.2)  # the token is read before the first datagram
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-        for stray in (b"1.0 rank 9/9 on h died",            # the format before tokens
-                      b"other\n1.0 rank 9/9 on h died",     # another job's
-                      b"s3cret\nnan rank 9/9 on h died",    # a time that never orders
-                      b"s3cret\nsoon rank 9/9 on h died",   # a time that does not parse
+        for stray in (b"1.0 D rank 9/9 on h died",          # the format before tokens
+                      b"other\n1.0 D rank 9/9 on h died",   # another job's
+                      b"s3cret\nnan D rank 9/9 on h died",    # a time that never orders
+                      b"s3cret\nsoon D rank 9/9 on h died",   # a time that does not parse
                       b"s3cret\n" + b"7" * 9000,            # longer than any news
                       b"\xff\xfe\x00garbage"):
             udp.sendto(stray, ("127.0.0.1", port))
         time.sleep(1.5)
         assert rank.poll() is None and dog.poll() is None, "a stray datagram ended the rank"
-        udp.sendto(b"s3cret\n1.0 rank 9/9 on h died during step 3", ("127.0.0.1", port))
+        udp.sendto(b"s3cret\n1.0 D rank 9/9 on h died during step 3", ("127.0.0.1", port))
         rank.wait(timeout=30)  # ended after the 0.5 s grace
     dog.wait(timeout=30)
     os.close(pipe)

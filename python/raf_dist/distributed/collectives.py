@@ -10,10 +10,14 @@ returns R elements.
 Every call validates its arguments before any message is sent, so bad input on one rank
 raises there instead of leaving the others waiting.
 """
+import logging
+
 import numpy as np
 
 from .. import _native
 from .communicator import get_communicator
+
+logger = logging.getLogger("raf_dist")
 
 try:  # bfloat16 for numpy; installed with apache-tvm
     import ml_dtypes
@@ -51,13 +55,28 @@ def _output(out, like, numel):
 
 class Handle:
     """An asynchronous collective in flight. ``wait()`` completes it and returns its result.
-    The buffers stay referenced (here and natively) until then."""
+    The buffers stay referenced (here and natively) until then. A handle dropped without a
+    wait (as a ``torch.distributed`` Work may be) lets the runtime free the buffers once the
+    collective completes, instead of holding them until exit; a warning names the
+    collective, since its result was never looked at."""
 
-    def __init__(self, native_handle, result, buffers):
+    def __init__(self, native_handle, result, buffers, kind="collective"):
         self._handle = native_handle
         self._result = result
         self._buffers = buffers
+        self._kind = kind
         self._done = False
+
+    def __del__(self):
+        if self._done:
+            return
+        try:
+            released = _native.func("release")(self._handle)
+        except Exception:  # interpreter shutdown: the runtime is gone or going
+            return
+        if released:
+            logger.warning("an asynchronous %s (handle %d) was dropped without wait(); its "
+                           "buffers are freed when it completes", self._kind, self._handle)
 
     def wait(self):
         if not self._done:
@@ -69,7 +88,7 @@ class Handle:
 
 def _run(name, args, result, buffers, async_op):
     if async_op:
-        return Handle(_native.func(name + "_start")(*args), result, buffers)
+        return Handle(_native.func(name + "_start")(*args), result, buffers, name)
     _native.func(name)(*args)
     return result
 

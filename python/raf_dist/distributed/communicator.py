@@ -14,6 +14,7 @@ handles do not fit a Python int conversion, and the native side duplicates it so
 collectives never interleave with Python's own MPI calls.
 """
 import atexit
+import contextlib
 import logging
 import os
 import secrets
@@ -30,6 +31,7 @@ from . import rendezvous, watchdog
 
 logger = logging.getLogger("raf_dist")
 _BARRIER_TAG = 0x7AF1  # idle_barrier's arrival messages, apart from any other Python message
+_AGREE_TAG = 0x7AF2  # agree()'s values, to rank 0 and back
 
 
 class Communicator:
@@ -68,6 +70,7 @@ class Communicator:
 
         self._activity = None
         self._watchdog = None  # (process, pipe fd) in a multi-rank job, see watchdog.py
+        self.failure = None  # what ended this rank's part in the job (fail()), or None
 
     @property
     def activity(self):
@@ -120,6 +123,48 @@ class Communicator:
                 ips = ["127.0.0.1"] if self._nodes[peer] == self._nodes[self.rank] else ips
                 self._tell_watchdog(f"P {peer} {','.join(ips)} {peer_port}")
 
+    @contextlib.contextmanager
+    def collective_work(self, activity: str):
+        """Work in which the ranks meet in collectives (a step, a checkpoint save or load),
+        named ``activity`` while it runs (the previous activity is restored after it).
+
+        An exception that leaves it on one rank would leave the other ranks waiting in a
+        collective this rank never joins — and catching it in the user's script would bypass
+        the abort of an unhandled exception. So unless the exception says it was raised on
+        every rank alike (``raised_on_every_rank``: a nonfinite loss, a checkpoint every rank
+        refused), the rank ``fail()``s first: its collectives are shut off and the other
+        ranks are ended, naming this rank, the activity and the error."""
+        if self.failure is not None:
+            raise RuntimeError(f"{activity} refused: {self.failure}, so this rank's "
+                               "collectives are shut off and the other ranks are being ended. "
+                               "Restart the job (from the last checkpoint)")
+        previous = self._activity
+        self.activity = activity
+        try:
+            yield
+        except BaseException as exc:
+            if not getattr(exc, RAISED_ON_EVERY_RANK, False):
+                self.fail(f"{type(exc).__name__}: {_first_line(exc)}")
+            else:  # the job goes on: every rank is back where it was
+                self.activity = previous
+            raise
+        self.activity = previous
+
+    def fail(self, error: str) -> None:
+        """This rank cannot go on with the job (``error`` happened during its current
+        activity): shut off its collectives (a later one raises naming the failure; exit
+        does not wait for peers) and tell the other ranks' watchdogs, which end their ranks.
+        Idempotent; no-op in a world of one."""
+        if self.failure is not None or self.size == 1:
+            return
+        during = f" during {self.activity}" if self.activity else ""
+        self.failure = f"rank {self.rank}/{self.size} on {self.host} failed{during}: {error}"[:500]
+        _native.func("abort")(self.failure)
+        sys.stderr.write(f"[raf_dist] {self.failure}; this rank's collectives are shut off "
+                         "and the other ranks are being ended\n")
+        sys.stderr.flush()
+        self.leaving(self.failure)
+
     @property
     def has_watchdog(self):
         return self._watchdog is not None
@@ -154,6 +199,42 @@ class Communicator:
         for arrival in arrivals.values():
             arrival.wait()
 
+    def agree(self, value, what: str, poll_seconds: float = 0.002) -> list:
+        """Every rank's ``value`` (small, picklable), in rank order, on every rank: an
+        allgather that sleeps while it waits and gives up after RAF_DIST_BARRIER_TIMEOUT_S
+        (TimeoutError naming ``what``), as idle_barrier. For the agreements around checkpoint
+        I/O, where a rank may wait for another's slow disk but must not wait forever for a
+        stalled one (mpi4py's object collectives have no nonblocking form to time out)."""
+        if self.size == 1:
+            return [value]
+        timeout = env.barrier_timeout_s()
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def finish(requests):
+            values, pending = [None] * len(requests), set(range(len(requests)))
+            while True:
+                for i in list(pending):  # a completed request gives its value only once
+                    flag, received = requests[i].test()
+                    if flag:
+                        values[i] = received
+                        pending.discard(i)
+                if not pending:
+                    return values
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"rank {self.rank}/{self.size}: {what} did not complete within "
+                        f"{timeout:g} s (RAF_DIST_BARRIER_TIMEOUT_S); a rank is stuck or dead")
+                time.sleep(poll_seconds)
+
+        if self.rank == 0:
+            values = [value] + finish([self.mpi_comm.irecv(source=r, tag=_AGREE_TAG)
+                                       for r in range(1, self.size)])
+            finish([self.mpi_comm.isend(values, dest=r, tag=_AGREE_TAG)
+                    for r in range(1, self.size)])
+            return values
+        finish([self.mpi_comm.isend(value, dest=0, tag=_AGREE_TAG)])
+        return finish([self.mpi_comm.irecv(source=0, tag=_AGREE_TAG)])[0]
+
     def _barrier_timeout_message(self, what, timeout, arrivals):
         if self.rank == 0:
             missing = [r for r, arrival in arrivals.items() if not arrival.test()[0]]
@@ -174,6 +255,20 @@ class Communicator:
 
 _LOCK = threading.Lock()
 _COMM = None
+#: an exception with this attribute set true was raised on every rank alike (the ranks agreed
+#: on it, as on a nonfinite global loss or a refused checkpoint): the job may go on after it
+RAISED_ON_EVERY_RANK = "raf_dist_raised_on_every_rank"
+
+
+def raised_on_every_rank(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as raised by every rank alike (see Communicator.collective_work)."""
+    setattr(exc, RAISED_ON_EVERY_RANK, True)
+    return exc
+
+
+def _first_line(exc) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else ""
 
 
 def _shared_memory_node(mpi_comm):
@@ -240,38 +335,66 @@ def get_communicator():
             _install_abort_on_exception(_COMM)
             if _COMM.size > 1 and env.watchdog_enabled():
                 _COMM.start_watchdog(env.watchdog_grace_s())
-                atexit.register(_COMM.leaving)  # runs first: atexit is last-in, first-out
         return _COMM
 
 
 def _shutdown():
-    """Finish outstanding collectives and stop the communication threads before MPI_Finalize
-    (mpi4py finalizes after the atexit handlers run)."""
+    """At exit: say goodbye to the watchdog, finish outstanding collectives and stop the
+    communication threads before MPI_Finalize (mpi4py finalizes after the atexit handlers
+    run). After a failure (fail(), or a collective that timed out) nothing is waited for:
+    a communication thread may be stuck in MPI waiting for a dead peer, and MPI_Finalize
+    could wait for it too, so the rank ends at once with exit status 1 (the job failed)."""
+    comm = _COMM
+    broken = str(_native.func("broken")())
+    if comm is not None:
+        if broken and comm.failure is None and comm.size > 1:
+            comm.fail(broken.splitlines()[0])
+        elif comm.failure is None:
+            comm.leaving()
     _native.func("shutdown")()
+    if broken or (comm is not None and comm.failure is not None):
+        sys.stdout.flush()
+        sys.stderr.write(f"[raf_dist] rank {comm.rank}/{comm.size}: exit status 1: the job "
+                         f"failed ({(comm.failure or broken).splitlines()[0]})\n")
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _install_abort_on_exception(comm):
-    """An unhandled exception on any rank ends the whole job at once instead of leaving the
-    other ranks blocked in their next collective: print the traceback under the rank's name,
-    then MPI_Abort, which makes the launcher kill every rank and exit non-zero."""
+    """An unhandled exception on any rank, in its main thread or any other, ends the whole
+    job at once instead of leaving the other ranks blocked in their next collective: print
+    the traceback under the rank's name, then MPI_Abort, which makes the launcher kill every
+    rank and exit non-zero. (A thread's exception would otherwise only be printed: a data
+    loading thread that died leaves the main thread waiting for batches forever.)"""
     if comm.size == 1:
         return
-    previous = sys.excepthook
+    previous, previous_thread_hook = sys.excepthook, threading.excepthook
 
-    def abort_job(exc_type, exc, tb):
-        if issubclass(exc_type, KeyboardInterrupt):
-            return previous(exc_type, exc, tb)
+    def abort_job(exc_type, exc, tb, thread=None):
+        where = "" if thread is None else f" in thread {thread.name!r}"
         message = "".join(traceback.format_exception(exc_type, exc, tb))
         during = f" during {comm.activity}" if comm.activity else ""
         sys.stderr.write(
-            f"[raf_dist] rank {comm.rank}/{comm.size} on {comm.host} failed{during}; aborting "
-            f"the job:\n{message}"
+            f"[raf_dist] rank {comm.rank}/{comm.size} on {comm.host} failed{where}{during}; "
+            f"aborting the job:\n{message}"
         )
         sys.stderr.flush()
-        comm.leaving(f"rank {comm.rank}/{comm.size} on {comm.host} failed{during}: "
-                     f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500])
+        if comm.failure is None:  # else the others were told when it happened
+            comm.leaving(f"rank {comm.rank}/{comm.size} on {comm.host} failed{where}{during}: "
+                         f"{exc_type.__name__}: {_first_line(exc)}"[:500])
         if comm.has_watchdog:  # the other ranks' watchdogs print the news before the abort
             time.sleep(watchdog.NEWS_SECONDS)
         comm.mpi_comm.Abort(1)
 
-    sys.excepthook = abort_job
+    def main_thread(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt):
+            return previous(exc_type, exc, tb)
+        abort_job(exc_type, exc, tb)
+
+    def other_thread(args):
+        if args.exc_type is SystemExit:  # a thread's sys.exit() ends only the thread
+            return previous_thread_hook(args)
+        abort_job(args.exc_type, args.exc_value, args.exc_traceback, args.thread)
+
+    sys.excepthook = main_thread
+    threading.excepthook = other_thread

@@ -39,6 +39,7 @@ from .. import checkpoint as ckpt
 from .. import device as device_lib
 from ..compiler import compile_step
 from ..distributed import collectives, get_communicator, get_config
+from ..distributed.communicator import raised_on_every_rank
 from ..distributed.mesh import check_mesh, get_mesh
 from ..passes import gradient_buckets
 from ..passes.pipeline import ForwardGraph, partition, split_forward, strip_stage_markers
@@ -281,7 +282,15 @@ class PipelineTrainer(Trainer):
         if mb != self.batch_size // self.microbatches:
             raise ValueError(f"pipelined steps take the captured {self.batch_size} rows per "
                              f"data-parallel rank, got {rows}")
-        self.comm.activity = f"step {self.step_count + 1} (last completed: {self.step_count})"
+        # from its first collective on, an exception on this rank ends the job
+        with self.comm.collective_work(
+                f"step {self.step_count + 1} (last completed: {self.step_count})"):
+            loss = self._execute_schedule(inputs, y, rows, mb)
+        self.comm.activity = f"work between steps (last completed: {self.step_count})"
+        return loss
+
+    def _execute_schedule(self, inputs, y, rows, mb):
+        """The schedule, the update and the step's accounting on checked inputs; the loss."""
         rows_per_rank = (batching.allgather_rows(self.dp_comm, rows) if self.world > 1
                          else [rows])
         weight = batching.loss_weight(mb, rows_per_rank)
@@ -298,7 +307,6 @@ class PipelineTrainer(Trainer):
         if self._sent_last_step:  # the pipeline's point-to-point messages (mpi4py)
             self._comm_last_step["send"] = self._sent_last_step
         self.step_count += 1
-        self.comm.activity = f"work between steps (last completed: {self.step_count})"
         return loss
 
     def _run_schedule(self, inputs, y, mb, weight):
@@ -426,10 +434,10 @@ class PipelineTrainer(Trainer):
             _LOG.warning("step %d: the loss or a gradient is not finite (loss %s); the update "
                          "was skipped on every rank (nonfinite='skip')", step, loss)
             return float("nan")
-        raise FloatingPointError(
+        raise raised_on_every_rank(FloatingPointError(
             f"step {step}: the loss or a gradient is not finite (loss {loss}); the update was "
             "not applied, parameters and optimizer state are unchanged. Check this step's "
-            "inputs and the learning rate, or pass Trainer(nonfinite='skip')")
+            "inputs and the learning rate, or pass Trainer(nonfinite='skip')"))
 
     def _update(self, accs, loss_sum):
         """Tied gradients summed over their pp ranks, then the compiled update; returns the

@@ -48,10 +48,18 @@ def main():
     assert from_left[0] == left and from_right[-1] == right
 
     assert _native.func("num_pending")() == 0
+
+    # A handle dropped without a wait: the runtime lets go of it (and of its buffers once the
+    # collective completes) instead of holding it until exit. Every rank drops its handle.
+    dropped = np.ones(ELEMS, np.float32)
+    dist.allreduce(dropped, out=dropped, async_op=True)
+    assert _native.func("num_pending")() == 0  # the Handle was garbage at once
+    dist.barrier()  # collectives run in order: the dropped one is complete by now
+    np.testing.assert_array_equal(dropped, n)
     counters = dist.comm_counters()
     nbytes = ELEMS * 4
-    expected_allreduce = 5 * 2 * (n - 1) / n * nbytes
-    assert counters["allreduce"]["calls"] == 5, counters
+    expected_allreduce = 6 * 2 * (n - 1) / n * nbytes
+    assert counters["allreduce"]["calls"] == 6, counters
     assert abs(counters["allreduce"]["bus_bytes"] - expected_allreduce) < 1e-6, counters
     assert counters["send"]["bus_bytes"] == 2 * nbytes and counters["recv"]["calls"] == 2
 
