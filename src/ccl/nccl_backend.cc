@@ -6,12 +6,28 @@
  *        the collective's completion event. Neither blocks the host.
  *
  * The NCCL unique id travels over MPI (the group's bootstrap communicator).
+ *
+ * Failures: a NCCL collective whose peer died never completes, and the host only notices
+ * when it next synchronises (forever). As PyTorch's ProcessGroupNCCL watchdog does, a thread
+ * per backend polls every collective in flight (its completion event) and the communicator's
+ * asynchronous error (ncclCommGetAsyncError); a collective older than
+ * RAF_DIST_COLLECTIVE_TIMEOUT_S, or an asynchronous error, marks the process broken (later
+ * collectives raise naming it, the flight recorder included) and aborts the communicator
+ * (ncclCommAbort), which ends the kernels waiting for the dead peer so the host can raise
+ * instead of hanging. Destruction after a failure aborts rather than destroys (ncclCommDestroy
+ * would wait for the dead peer too).
  */
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <tvm/ffi/extra/c_env_api.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <mutex>
+#include <sstream>
+#include <thread>
 
 #include "group.h"
 
@@ -95,28 +111,97 @@ class NcclBackend : public Backend {
     CheckCuda(cudaSetDevice(device_), "SetDevice");
     CheckNccl(ncclCommInitRank(&comm_, size_, id, rank_), "CommInitRank");
     CheckCuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "StreamCreate");
+    monitor_ = std::thread([this] { Monitor(); });
   }
   ~NcclBackend() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (monitor_.joinable()) monitor_.join();
     cudaSetDevice(device_);
-    cudaStreamSynchronize(stream_);
-    ncclCommDestroy(comm_);
+    if (aborted_.load()) {
+      // ncclCommAbort already ended the communicator; the stream may hold dead kernels' events
+    } else if (IsBroken()) {
+      ncclCommAbort(comm_);  // a peer is gone: destroying would wait for it
+    } else {
+      cudaStreamSynchronize(stream_);
+      ncclCommDestroy(comm_);
+    }
     cudaStreamDestroy(stream_);
+    for (auto& f : in_flight_) cudaEventDestroy(f.event);
   }
 
   std::shared_ptr<Work> Start(CollectiveCall c) override {
+    if (aborted_.load()) {
+      std::string reason;
+      IsBroken(&reason);
+      TVM_FFI_THROW(RuntimeError) << "the NCCL communicator was aborted: " << reason;
+    }
     CheckCuda(cudaSetDevice(device_), "SetDevice");
-    cudaEvent_t ready, done;
+    cudaEvent_t ready, done, watched;
     CheckCuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "EventCreate");
     CheckCuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "EventCreate");
+    CheckCuda(cudaEventCreateWithFlags(&watched, cudaEventDisableTiming), "EventCreate");
     CheckCuda(cudaEventRecord(ready, ComputeStream(device_)), "EventRecord");
     CheckCuda(cudaStreamWaitEvent(stream_, ready, 0), "StreamWaitEvent");
     cudaEventDestroy(ready);
     Enqueue(c);
     CheckCuda(cudaEventRecord(done, stream_), "EventRecord");
+    CheckCuda(cudaEventRecord(watched, stream_), "EventRecord");  // the monitor's own copy
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_flight_.push_back({watched, std::chrono::steady_clock::now(), c});
+    }
+    cv_.notify_all();
     return std::make_shared<NcclWork>(std::move(c), device_, done);
   }
 
  private:
+  struct InFlight {
+    cudaEvent_t event;
+    std::chrono::steady_clock::time_point start;
+    CollectiveCall call;  // keeps the buffers alive until the kernels are done with them
+  };
+
+  /*! \brief The watchdog thread (see the file comment). Polls every 100 ms while a
+   *         collective is in flight, sleeps otherwise. */
+  void Monitor() {
+    double timeout = WaitTimeoutSeconds();
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopping_) {
+      if (in_flight_.empty()) {
+        cv_.wait(lock, [this] { return stopping_ || !in_flight_.empty(); });
+        continue;
+      }
+      cv_.wait_for(lock, std::chrono::milliseconds(100));
+      cudaSetDevice(device_);
+      while (!in_flight_.empty() && cudaEventQuery(in_flight_.front().event) == cudaSuccess) {
+        cudaEventDestroy(in_flight_.front().event);
+        in_flight_.pop_front();  // collectives on one stream complete in order
+      }
+      std::string reason;
+      ncclResult_t async_error = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &async_error);
+      if (async_error != ncclSuccess && async_error != ncclInProgress) {
+        reason = std::string("NCCL reported an asynchronous error on rank ") +
+                 std::to_string(rank_) + ": " + ncclGetErrorString(async_error) +
+                 " (a peer died or the network failed)";
+      } else if (timeout > 0 && !in_flight_.empty() &&
+                 std::chrono::steady_clock::now() - in_flight_.front().start >
+                     std::chrono::duration<double>(timeout)) {
+        reason = "NCCL " + TimeoutMessage(in_flight_.front().call, timeout);
+      }
+      if (!reason.empty()) {
+        MarkBroken(reason);
+        ncclCommAbort(comm_);  // the kernels waiting for the peer end; the host can raise
+        aborted_.store(true);
+        return;
+      }
+    }
+  }
+
   void Enqueue(const CollectiveCall& c) {
     ncclDataType_t dtype = ToNcclType(c.elem);
     size_t esize = ElemSize(c.elem);
@@ -186,6 +271,12 @@ class NcclBackend : public Backend {
   int size_ = 1;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<InFlight> in_flight_;
+  bool stopping_ = false;
+  std::atomic<bool> aborted_{false};
+  std::thread monitor_;
 };
 
 }  // namespace
