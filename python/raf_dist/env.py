@@ -12,9 +12,9 @@ the allowed values instead of being read as "off".
                                ``dir/trace-rank{R}.json`` (Trainer.profile, raf_dist.profiler)
   RAF_DIST_COLLECTIVE_TIMEOUT_S=600  seconds a collective may wait before raising TimeoutError
                                (default 600; 0 or none: wait forever)
-  RAF_DIST_BARRIER_TIMEOUT_S=3600    seconds Communicator.idle_barrier (the barriers around
-                               compilation and checkpoint I/O) may wait (default 3600; 0 or
-                               none: wait forever)
+  RAF_DIST_BARRIER_TIMEOUT_S=3600    seconds Communicator.idle_barrier and .agree (the
+                               barriers and agreements around compilation and checkpoint
+                               I/O) may wait (default 3600; 0 or none: wait forever)
   RAF_DIST_CHECK_COLLECTIVES=1 ranks compare every collective's signature before it runs
   RAF_DIST_WATCHDOG=0          no per-rank watchdog process (default on)
   RAF_DIST_WATCHDOG_GRACE_S=10 seconds a watchdog lets the launcher end its rank after a

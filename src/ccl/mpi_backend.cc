@@ -176,6 +176,17 @@ std::shared_ptr<Work> MpiBackend::Start(CollectiveCall call) {
 }
 
 void MpiBackend::RunBlocking(CollectiveCall call) {
+  // With a timeout (the default) every call goes through the communication thread and the
+  // caller waits on it with the deadline (Work::Wait): a blocking MPI call waiting for a dead
+  // or stuck peer cannot be interrupted, a wait can. Running the call in MPI's nonblocking
+  // form on this thread instead would need every call in that form (MPI never matches a
+  // nonblocking collective with a blocking one, and which path a call takes depends on
+  // timing, so it differs between ranks), and MPICH's nonblocking algorithms measured up to
+  // 10x slower (MPI_Ireduce_scatter_block at 1 MB, 2 ranks; docs/design-notes.md).
+  if (WaitTimeoutSeconds() > 0) {
+    Start(std::move(call))->Wait();
+    return;
+  }
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (stopping_) {
@@ -198,40 +209,10 @@ void MpiBackend::RunBlocking(CollectiveCall call) {
       self->cv_.notify_all();
     }
   } release{this};
-  double timeout = WaitTimeoutSeconds();
-  if (timeout <= 0) {
-    MPI_Request request = Run(call);
-    if (request != MPI_REQUEST_NULL) {
-      CheckMpi(MPI_Wait(&request, MPI_STATUS_IGNORE), KindName(call.kind));
-    }
-    return;
+  MPI_Request request = Run(call);
+  if (request != MPI_REQUEST_NULL) {
+    CheckMpi(MPI_Wait(&request, MPI_STATUS_IGNORE), KindName(call.kind));
   }
-  // With a timeout (the default) the call runs in MPI's nonblocking form and is polled: a
-  // blocking MPI call waiting for a dead or stuck peer cannot be interrupted, a poll can give
-  // up. Spin first (a collective usually completes within microseconds), then poll every
-  // 50 us so a long wait leaves the core to the rank it waits for.
-  auto posted = std::make_unique<Posted>();
-  Post(call, posted.get());
-  auto start = std::chrono::steady_clock::now();
-  auto deadline = start + std::chrono::duration<double>(timeout);
-  auto spin_until = start + std::chrono::milliseconds(2);
-  int done = 0;
-  while (true) {
-    CheckMpi(MPI_Test(&posted->request, &done, MPI_STATUS_IGNORE), KindName(call.kind));
-    if (done) break;
-    auto now = std::chrono::steady_clock::now();
-    if (now > deadline) {
-      std::string message = TimeoutMessage(call, timeout);
-      MarkBroken(message);
-      // MPI may still write into the buffers if the peer wakes up: they, and the request's
-      // count arrays, are kept for the rest of the (now broken) process on purpose
-      new CollectiveCall(call);
-      posted.release();
-      TVM_FFI_THROW(TimeoutError) << message;
-    }
-    if (now > spin_until) std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-  Complete(call);
 }
 
 void MpiBackend::Loop() {
@@ -297,20 +278,17 @@ void MpiBackend::PollPointToPoint() {
   }
 }
 
-// Every call runs in MPI's nonblocking form, on the communication thread and inline alike:
-// MPI never matches a nonblocking collective with a blocking one, and which path a call
-// takes depends on timing, so it differs between ranks.
-void MpiBackend::Post(const CollectiveCall& c, Posted* p) {
+MPI_Request MpiBackend::Run(const CollectiveCall& c) {
   MPI_Datatype dtype = ToMpiType(c.elem);
   size_t esize = ElemSize(c.elem);
-  MPI_Request* r = &p->request;
   switch (c.kind) {
     case CollectiveKind::kAllReduce: {
       void* recv = DataPtr(c.recv);
       const void* send = DataPtr(c.send);
-      CheckMpi(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, ToInt(c.recv_count),
-                              dtype, ToMpiOp(c.op, c.elem), comm_, r),
-               "Iallreduce");
+      const void* src = send == recv ? MPI_IN_PLACE : send;
+      CheckMpi(MPI_Allreduce(src, recv, ToInt(c.recv_count), dtype, ToMpiOp(c.op, c.elem), comm_),
+               "Allreduce");
+      if (c.op == ReduceOp::kAvg) DivideInPlace(recv, c.recv_count, c.elem, size_);
       break;
     }
     case CollectiveKind::kReduceScatter: {
@@ -318,35 +296,34 @@ void MpiBackend::Post(const CollectiveCall& c, Posted* p) {
       int64_t shard = c.recv_count;
       MPI_Op op = ToMpiOp(c.op, c.elem);
       if (shard * size_ == c.send_count) {
-        CheckMpi(MPI_Ireduce_scatter_block(DataPtr(c.send), recv, ToInt(shard), dtype, op, comm_,
-                                           r),
-                 "Ireduce_scatter_block");
+        CheckMpi(MPI_Reduce_scatter_block(DataPtr(c.send), recv, ToInt(shard), dtype, op, comm_),
+                 "Reduce_scatter_block");
       } else {
-        p->counts.resize(size_);
-        for (int q = 0; q < size_; ++q) p->counts[q] = ToInt(ValidCount(c.send_count, shard, q));
-        int64_t valid = p->counts[rank_];
+        std::vector<int> counts(size_);
+        for (int r = 0; r < size_; ++r) counts[r] = ToInt(ValidCount(c.send_count, shard, r));
+        CheckMpi(MPI_Reduce_scatter(DataPtr(c.send), recv, counts.data(), dtype, op, comm_),
+                 "Reduce_scatter");
+        int64_t valid = counts[rank_];
         std::memset(recv + valid * esize, 0, (shard - valid) * esize);  // the padding
-        CheckMpi(MPI_Ireduce_scatter(DataPtr(c.send), recv, p->counts.data(), dtype, op, comm_, r),
-                 "Ireduce_scatter");
       }
+      if (c.op == ReduceOp::kAvg) DivideInPlace(recv, shard, c.elem, size_);
       break;
     }
     case CollectiveKind::kAllGather: {
       int64_t shard = c.send_count;
       if (shard * size_ == c.recv_count) {
-        CheckMpi(MPI_Iallgather(DataPtr(c.send), ToInt(shard), dtype, DataPtr(c.recv),
-                                ToInt(shard), dtype, comm_, r),
-                 "Iallgather");
+        CheckMpi(MPI_Allgather(DataPtr(c.send), ToInt(shard), dtype, DataPtr(c.recv),
+                               ToInt(shard), dtype, comm_),
+                 "Allgather");
       } else {
-        p->counts.resize(size_);
-        p->displs.resize(size_);
-        for (int q = 0; q < size_; ++q) {
-          p->counts[q] = ToInt(ValidCount(c.recv_count, shard, q));
-          p->displs[q] = ToInt(shard * q);
+        std::vector<int> counts(size_), displs(size_);
+        for (int r = 0; r < size_; ++r) {
+          counts[r] = ToInt(ValidCount(c.recv_count, shard, r));
+          displs[r] = ToInt(shard * r);
         }
-        CheckMpi(MPI_Iallgatherv(DataPtr(c.send), p->counts[rank_], dtype, DataPtr(c.recv),
-                                 p->counts.data(), p->displs.data(), dtype, comm_, r),
-                 "Iallgatherv");
+        CheckMpi(MPI_Allgatherv(DataPtr(c.send), counts[rank_], dtype, DataPtr(c.recv),
+                                counts.data(), displs.data(), dtype, comm_),
+                 "Allgatherv");
       }
       break;
     }
@@ -355,38 +332,27 @@ void MpiBackend::Post(const CollectiveCall& c, Posted* p) {
       if (rank_ == c.peer && DataPtr(c.send) != recv) {
         std::memcpy(recv, DataPtr(c.send), c.recv_count * esize);
       }
-      CheckMpi(MPI_Ibcast(recv, ToInt(c.recv_count), dtype, c.peer, comm_, r), "Ibcast");
+      CheckMpi(MPI_Bcast(recv, ToInt(c.recv_count), dtype, c.peer, comm_), "Bcast");
       break;
     }
-    case CollectiveKind::kSend:
-      CheckMpi(MPI_Isend(DataPtr(c.send), ToInt(c.send_count), dtype, c.peer, 0, comm_, r),
+    case CollectiveKind::kSend: {
+      MPI_Request request;
+      CheckMpi(MPI_Isend(DataPtr(c.send), ToInt(c.send_count), dtype, c.peer, 0, comm_, &request),
                "Isend");
-      break;
-    case CollectiveKind::kRecv:
-      CheckMpi(MPI_Irecv(DataPtr(c.recv), ToInt(c.recv_count), dtype, c.peer, 0, comm_, r),
+      return request;
+    }
+    case CollectiveKind::kRecv: {
+      MPI_Request request;
+      CheckMpi(MPI_Irecv(DataPtr(c.recv), ToInt(c.recv_count), dtype, c.peer, 0, comm_, &request),
                "Irecv");
-      break;
+      return request;
+    }
     case CollectiveKind::kBarrier:
-      CheckMpi(MPI_Ibarrier(comm_, r), "Ibarrier");
+      CheckMpi(MPI_Barrier(comm_), "Barrier");
       break;
     default:
       TVM_FFI_THROW(InternalError) << "unknown collective kind";
   }
-}
-
-void MpiBackend::Complete(const CollectiveCall& c) {
-  if (c.op != ReduceOp::kAvg) return;
-  if (c.kind == CollectiveKind::kAllReduce || c.kind == CollectiveKind::kReduceScatter) {
-    DivideInPlace(DataPtr(c.recv), c.recv_count, c.elem, size_);
-  }
-}
-
-MPI_Request MpiBackend::Run(const CollectiveCall& c) {
-  Posted posted;
-  Post(c, &posted);
-  if (c.kind == CollectiveKind::kSend || c.kind == CollectiveKind::kRecv) return posted.request;
-  CheckMpi(MPI_Wait(&posted.request, MPI_STATUS_IGNORE), KindName(c.kind));
-  Complete(c);
   return MPI_REQUEST_NULL;
 }
 

@@ -29,8 +29,9 @@ class MpiBackend : public Backend {
   explicit MpiBackend(MPI_Comm comm);
   ~MpiBackend() override;
   std::shared_ptr<Work> Start(CollectiveCall call) override;
-  /*! \brief Runs on the calling thread when nothing is queued or running (saves two thread
-   *         hand-offs per blocking call); otherwise queues behind the pending work. */
+  /*! \brief With RAF_DIST_COLLECTIVE_TIMEOUT_S (the default): through the communication
+   *         thread, waited on with the deadline. Without: on the calling thread when nothing
+   *         is queued or running (saves two thread hand-offs), else behind the pending work. */
   void RunBlocking(CollectiveCall call) override;
   /*! \brief Finish queued work, stop the thread and free the communicator. Idempotent. */
   void Shutdown();
@@ -39,19 +40,8 @@ class MpiBackend : public Backend {
 
  private:
   void Loop();
-  /*! \brief Run a collective to completion (Post, MPI_Wait, Complete), or post a send/recv
-   *         and return its request. */
+  /*! \brief Run a collective to completion, or post a send/recv and return its request. */
   MPI_Request Run(const CollectiveCall& call);
-  /*! \brief A call started in MPI's nonblocking form: its request and the count arrays MPI
-   *         reads until it completes. */
-  struct Posted {
-    MPI_Request request = MPI_REQUEST_NULL;
-    std::vector<int> counts, displs;
-  };
-  /*! \brief Start ``call`` nonblocking (MPI_Iallreduce, ...); Complete() once it is done. */
-  void Post(const CollectiveCall& call, Posted* posted);
-  /*! \brief What a call needs after MPI is done with it (avg = sum / N). */
-  void Complete(const CollectiveCall& call);
   /*! \brief Finish the posted sends/recvs that have completed. */
   void PollPointToPoint();
 

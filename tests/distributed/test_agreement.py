@@ -8,7 +8,8 @@ from mpi_launch import check_mpi, run_mpi
 
 
 @pytest.mark.parametrize("case,field", [("loss", "in loss"),
-                                        ("zero", "in config.zero_opt_level")])
+                                        ("zero", "in config.zero_opt_level"),
+                                        ("device", "in device")])
 def test_different_trainers_are_refused_on_every_rank(case, field):
     out = check_mpi("agree_worker.py", 2, case, timeout=120)
     assert out.count("refused:") == 2 and out.count(field) == 2, out

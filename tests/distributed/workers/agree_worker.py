@@ -5,6 +5,8 @@ failures in the collectives that follow.
 Usage: agree_worker.py CASE
   loss            rank 1 uses mse, rank 0 cross_entropy          -> ValueError naming loss
   zero            rank 1 sets zero_opt_level 1, rank 0 0         -> ValueError naming config
+  device          rank 1 asks for "cuda", rank 0 for "cpu"         -> ValueError naming device
+                  (before the device check, whose collectives would run on some ranks only)
   data_parallel   rank 1 builds its Trainer without data parallelism (a local Trainer): rank
                   0 waits at the agreement barrier, whose timeout (RAF_DIST_BARRIER_TIMEOUT_S)
                   names rank 1
@@ -31,9 +33,11 @@ def main():
         config.zero_opt_level = comm.rank
     if case == "data_parallel" and comm.rank == 1:
         config.enable_data_parallel = False
+    device = "cuda" if case == "device" and comm.rank == 1 else "cpu"
     model = raf_dist.frontend.from_pytorch(MLP(), (torch.randn(4, 20),))
     try:
-        trainer = raf_dist.Trainer(model, loss=loss, optimizer=raf_dist.optim.SGD(lr=0.1))
+        trainer = raf_dist.Trainer(model, loss=loss, optimizer=raf_dist.optim.SGD(lr=0.1),
+                                   device=device)
     except ValueError as exc:
         print(f"rank {comm.rank}: refused: {exc}".replace("\n", " "), flush=True)
         return
