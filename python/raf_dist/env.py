@@ -20,10 +20,16 @@ the allowed values instead of being read as "off".
   RAF_DIST_WATCHDOG_GRACE_S=10 seconds a watchdog lets the launcher end its rank after a
                                failure elsewhere before it terminates the rank
 
+The five failure-handling settings (timeouts, collective checks, watchdog) are also fields of
+``dist.get_config()`` (collective_timeout_s, ...); the environment variable, when set,
+overrides the field.
+
 The README lists every RAF_DIST_* variable, including the few read elsewhere (launcher
 variables set by ``raf_dist.run``, build settings).
 """
 import os
+
+from .distributed.config import DistConfig, get_config
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -74,17 +80,17 @@ def profile_steps() -> int:
 # barriers, so the wait is the slowest rank's compute between two collectives of one step plus
 # the transfer: seconds, not minutes. Compilation and checkpoint I/O sit behind idle barriers,
 # which have their own, longer limit (below), so a slow compile on one rank cannot trip this.
-DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = DistConfig.collective_timeout_s  # 600
 # An hour: the idle barriers wait for one rank's compile (minutes for a large model on a busy
 # host) or its checkpoint file (1/N of the model, to possibly slow shared storage).
-DEFAULT_BARRIER_TIMEOUT_S = 3600.0
+DEFAULT_BARRIER_TIMEOUT_S = DistConfig.barrier_timeout_s  # 3600
 _NO_TIMEOUT = ("0", "none", "off", "inf")
 
 
 def _seconds(name: str, default: float) -> "float | None":
     value = os.environ.get(name, "").strip().lower()
     if not value:
-        return default
+        return default or None  # a config field of 0: forever
     if value in _NO_TIMEOUT:
         return None
     try:
@@ -99,25 +105,25 @@ def _seconds(name: str, default: float) -> "float | None":
 
 def collective_timeout_s() -> "float | None":
     """RAF_DIST_COLLECTIVE_TIMEOUT_S: how long a collective may wait, None = forever."""
-    return _seconds("RAF_DIST_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S)
+    return _seconds("RAF_DIST_COLLECTIVE_TIMEOUT_S", get_config().collective_timeout_s)
 
 
 def barrier_timeout_s() -> "float | None":
     """RAF_DIST_BARRIER_TIMEOUT_S: how long Communicator.idle_barrier may wait, None = forever."""
-    return _seconds("RAF_DIST_BARRIER_TIMEOUT_S", DEFAULT_BARRIER_TIMEOUT_S)
+    return _seconds("RAF_DIST_BARRIER_TIMEOUT_S", get_config().barrier_timeout_s)
 
 
 def check_collectives() -> bool:
     """RAF_DIST_CHECK_COLLECTIVES: every collective's signature compared across ranks first."""
-    return _flag("RAF_DIST_CHECK_COLLECTIVES")
+    return _flag("RAF_DIST_CHECK_COLLECTIVES", default=get_config().check_collectives)
 
 
 def watchdog_enabled() -> bool:
     """RAF_DIST_WATCHDOG (default on): a per-rank watchdog process names a silently dead rank."""
-    return _flag("RAF_DIST_WATCHDOG", default=True)
+    return _flag("RAF_DIST_WATCHDOG", default=get_config().watchdog)
 
 
 def watchdog_grace_s() -> float:
     """RAF_DIST_WATCHDOG_GRACE_S (default 10): how long the watchdog lets the launcher end its
     rank after a failure elsewhere."""
-    return _seconds("RAF_DIST_WATCHDOG_GRACE_S", 10.0) or 10.0
+    return _seconds("RAF_DIST_WATCHDOG_GRACE_S", get_config().watchdog_grace_s) or 10.0

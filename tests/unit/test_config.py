@@ -25,6 +25,11 @@ def test_defaults(cfg):
         "pipeline_stages_per_rank": 2,
         "pipeline_split_points": None,
         "activation_checkpointing": False,
+        "collective_timeout_s": 600.0,
+        "barrier_timeout_s": 3600.0,
+        "check_collectives": False,
+        "watchdog": True,
+        "watchdog_grace_s": 10.0,
     }
     assert dist.get_config() is cfg
 

@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 
 from .. import _native, env
-from . import rendezvous, watchdog
+from . import config, rendezvous, watchdog
 
 logger = logging.getLogger("raf_dist")
 _BARRIER_TAG = 0x7AF1  # idle_barrier's arrival messages, apart from any other Python message
@@ -311,6 +311,7 @@ def get_communicator():
     with _LOCK:
         if _COMM is None:
             timeout = env.collective_timeout_s()  # a bad value fails here, before any MPI call
+            config.runtime_started()  # from here on the runtime settings are in force
             # the native runtime reads the variable once, at its first wait: hand it the
             # validated value (0 = none). With a timeout, blocking collectives also run on the
             # communication thread (src/ccl/mpi_backend.cc: a wait can give up, an MPI call

@@ -35,6 +35,19 @@ class DistConfig:
         activation_checkpointing: pipeline stages keep only their input per microbatch and
             run the forward again in backward. Default False.
 
+    The failure-handling settings of the runtime (read once, when the process joins the job:
+    set them before the first ``get_communicator()`` or Trainer; the
+    RAF_DIST_* environment variable of the same name overrides each, see raf_dist/env.py):
+        collective_timeout_s: seconds a collective may wait before raising TimeoutError
+            (default 600, torch's NCCL default; 0 = forever).
+        barrier_timeout_s: seconds a compile / checkpoint barrier or agreement may wait
+            (default 3600; 0 = forever).
+        check_collectives: ranks compare every collective's signature first. Default False.
+        watchdog: a per-rank watchdog process names a rank that dies silently and ends the
+            others. Default True.
+        watchdog_grace_s: seconds a watchdog lets the launcher end its rank after a failure
+            elsewhere before it terminates the rank (default 10).
+
     The mesh fields are part of the public contract and validated here; the Trainer refuses
     values it cannot run yet (pipelining is not built; ``num_microbatches`` runs as gradient
     accumulation) with an error naming the field, before anything starts.
@@ -52,6 +65,11 @@ class DistConfig:
     pipeline_stages_per_rank: int = 2
     pipeline_split_points: list = None
     activation_checkpointing: bool = False
+    collective_timeout_s: float = 600.0
+    barrier_timeout_s: float = 3600.0
+    check_collectives: bool = False
+    watchdog: bool = True
+    watchdog_grace_s: float = 10.0
 
     def __setattr__(self, name, value):
         fields = {f.name for f in dataclasses.fields(self)}
@@ -59,7 +77,14 @@ class DistConfig:
             raise AttributeError(
                 f"DistConfig has no field {name!r}; the fields are: {', '.join(sorted(fields))}"
             )
-        object.__setattr__(self, name, _validate(name, value))
+        value = _validate(name, value)
+        if name in RUNTIME_FIELDS and _STARTED and value != getattr(self, name):
+            raise ValueError(
+                f"{name} is read when the process joins the job, which already happened (it is "
+                f"{getattr(self, name)!r}); set dist.get_config().{name} before the first "
+                "get_communicator() or Trainer, or set "
+                f"RAF_DIST_{name.upper()} in the environment")
+        object.__setattr__(self, name, value)
 
     def update(self, values):
         """Set several fields from a mapping (e.g. a script's ``raf_dist_config`` dict)."""
@@ -95,9 +120,28 @@ class DistConfig:
         return dataclasses.asdict(self)
 
 
+#: the fields the runtime reads once, when the process joins the job (raf_dist/env.py)
+RUNTIME_FIELDS = ("collective_timeout_s", "barrier_timeout_s", "check_collectives", "watchdog",
+                  "watchdog_grace_s")
+_STARTED = False
+
+
+def runtime_started():
+    """The communicator exists: the RUNTIME_FIELDS are in force and may no longer change."""
+    global _STARTED
+    _STARTED = True
+
+
 def _validate(name, value):
+    if name in ("collective_timeout_s", "barrier_timeout_s", "watchdog_grace_s"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                value >= 0 and value != float("inf")) or (name == "watchdog_grace_s"
+                                                          and value == 0):
+            forever = "" if name == "watchdog_grace_s" else ", or 0 to wait forever"
+            raise ValueError(f"{name} must be a number of seconds{forever}, got {value!r}")
+        return float(value)
     if name in ("enable_data_parallel", "overlap_comm", "sync_batch_norm",
-                "activation_checkpointing"):
+                "activation_checkpointing", "check_collectives", "watchdog"):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
         return value
