@@ -33,6 +33,9 @@ def load():
         if path.is_file():
             # RTLD_GLOBAL: the library's MPI symbols must be the same instance mpi4py uses.
             ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            # the runtime raises TimeoutError by name (a collective past its deadline);
+            # tvm_ffi maps unknown error kinds to RuntimeError, so tell it this one
+            tvm_ffi.register_error("TimeoutError", TimeoutError)
             return str(path)
     raise ImportError(
         "raf_dist's native library was not found (looked at: " + ", ".join(tried) + "). "

@@ -72,6 +72,16 @@ def test_failing_rank_ends_the_job_quickly():
     assert "[raf_dist] rank 1/3" in out and "deliberate failure on rank 1" in out
 
 
+def test_a_caught_timeout_exits_without_waiting_for_the_stuck_thread():
+    code, out, seconds = run_mpi("ccl_timeout_exit.py", 2, timeout=90,
+                                 env={"RAF_DIST_COLLECTIVE_TIMEOUT_S": "2",
+                                      "RAF_DIST_WATCHDOG_GRACE_S": "1"})
+    assert code != 0 and seconds < 40, (code, seconds, out)
+    assert "rank 0: caught TimeoutError: allreduce of 4/4 float32 elements did not complete" in out
+    assert "[raf_dist] rank 0/2: exit status 1: the job failed" in out, out
+    assert "rank 1/2 on" in out and "ending the job: rank 0/2 on" in out, out
+
+
 def test_collective_demo_runs():
     out = check_mpi(ROOT / "scripts" / "distributed" / "collective_demo.py", 2)
     assert "OK: every result matches numpy" in out
