@@ -1,4 +1,5 @@
 """IR tier for DispatchToBLAS: TVMScript Before / Expected, structural equality."""
+import numpy as np
 import pytest
 import tvm
 from tvm.script import ir as I
@@ -163,3 +164,33 @@ def test_grouped_conv_stays_with_tvm():
 
     tvm.ir.assert_structural_equal(DispatchToBLAS()(Grouped), Grouped)
 
+
+
+@pytest.mark.parametrize("n, c, h, o, k, stride, pad, dil", [
+    (2, 3, 7, 4, 3, 1, 1, 1), (2, 3, 7, 4, 3, 2, 1, 1), (3, 5, 9, 2, 3, 2, 1, 2),
+    (4, 8, 5, 6, 1, 1, 0, 1),   # 1x1: one GEMM per sample from and into NCHW
+    (2, 4, 6, 3, 1, 2, 0, 1),   # strided 1x1 (a ResNet downsample): im2col
+    (2, 4, 1, 8, 3, 1, 1, 1)])  # a 1x1 map under a padded 3x3 kernel (ResNet at 32x32)
+def test_blas_conv2d_equals_torch_in_both_layouts(n, c, h, o, k, stride, pad, dil):
+    """raf_dist.blas.conv2d against torch's conv2d, in the forward layout and in the
+    CNHW/IOHW/CNHW form the weight gradient uses."""
+    import torch
+    import tvm_ffi
+
+    from raf_dist.runtime import blas
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, h, h)).astype(np.float32)
+    w = rng.standard_normal((o, c, k, k)).astype(np.float32)
+    ref = torch.nn.functional.conv2d(torch.tensor(x), torch.tensor(w), stride=stride,
+                                     padding=pad, dilation=dil).numpy()
+    args = ([stride, stride], [pad] * 4, [dil, dil])
+    out = np.empty_like(ref)
+    blas.conv2d(tvm_ffi.from_dlpack(x), tvm_ffi.from_dlpack(w), *args, "NCHW,OIHW,NCHW",
+                tvm_ffi.from_dlpack(out))
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    cn = np.empty(ref.transpose(1, 0, 2, 3).shape, np.float32)
+    blas.conv2d(tvm_ffi.from_dlpack(np.ascontiguousarray(x.transpose(1, 0, 2, 3))),
+                tvm_ffi.from_dlpack(np.ascontiguousarray(w.transpose(1, 0, 2, 3))), *args,
+                "CNHW,IOHW,CNHW", tvm_ffi.from_dlpack(cn))
+    np.testing.assert_allclose(cn.transpose(1, 0, 2, 3), ref, rtol=1e-5, atol=1e-5)
