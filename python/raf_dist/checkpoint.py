@@ -391,7 +391,8 @@ def save(trainer, path, params, states, extra=None, keep=2, buffers=None):
     tmp = root / (trainer.comm.agree(tmp_name, "agreeing on the checkpoint's temporary "
                                      "directory")[0] if world > 1 else tmp_name)
     with trainer.comm.collective_work(
-            f"saving checkpoint {root / name} (last completed: {trainer.step_count})"):
+            f"saving checkpoint {root / name} (last completed: {trainer.step_count})",
+            world > 1):
         final = _write(trainer, root, name, tmp, path, params, states, json_extra, keep,
                        buffers)
     return final
@@ -524,7 +525,7 @@ def load(trainer, path):
     Each rank checks the size of every file but the sha256 of only the files it reads, opens
     each of those once, and the ranks agree on the outcome (one allgather) before any data is
     read."""
-    with trainer.comm.collective_work(f"loading checkpoint {path}"):
+    with trainer.comm.collective_work(f"loading checkpoint {path}", trainer.world > 1):
         return _read(trainer, path)
 
 

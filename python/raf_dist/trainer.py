@@ -4,7 +4,6 @@ It reads ``dist.get_config()`` once, builds the training step (``training.build_
 turns the config into explicit pass arguments, compiles (``compiler.compile_step``) and runs the
 step on the VM. Parameters and optimizer state stay in runtime tensors between steps.
 """
-import contextlib
 import hashlib
 import json
 import logging
@@ -128,8 +127,7 @@ class Trainer:
         self.skipped_steps = 0  # steps whose update nonfinite="skip" left out
         # from the fingerprint check on the ranks meet in collectives (and compile barriers):
         # an exception on one rank ends the job (Communicator.collective_work)
-        with (self.comm.collective_work("building a Trainer (compiling its step)")
-              if self.spmd else contextlib.nullcontext()):
+        with self.comm.collective_work("building a Trainer (compiling its step)", self.spmd):
             if self.spmd:
                 self._check_fingerprints()
             self.bucket_bytes = max(1, int(config.bucket_size_mb * 2**20))
@@ -325,7 +323,7 @@ class Trainer:
         # (checkpoints are named by the last completed step); from its first collective on,
         # an exception on this rank ends the job (Communicator.collective_work)
         with self.comm.collective_work(
-                f"step {self.step_count + 1} (last completed: {self.step_count})"):
+                f"step {self.step_count + 1} (last completed: {self.step_count})", self.spmd):
             loss = self._execute(inputs, y, rows, pieces, variants)
         self.comm.activity = f"work between steps (last completed: {self.step_count})"
         return loss

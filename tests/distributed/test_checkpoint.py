@@ -1,7 +1,7 @@
-"""Distributed tier for checkpoints and failures (workers/ckpt_train.py): exact resume,
-resharding across world sizes and ZeRO levels, a save killed half way, a rank that fails or
-is killed mid-step, ranks that disagree on the model, a damaged checkpoint. Every run has a
-hard timeout; the failure cases assert the job ends, non-zero, well inside 60 s."""
+"""Distributed tier for checkpoints (workers/ckpt_train.py): exact resume, resharding across
+world sizes and ZeRO levels, a save killed half way, ranks that disagree on the model, a
+damaged checkpoint. Every run has a hard timeout. (A rank that fails, is killed or stalls
+mid-step: the fault-injection matrix, test_faults.py.)"""
 import re
 import time
 
@@ -37,34 +37,6 @@ def test_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
     assert (directory / "latest").read_text().strip() == "step-00000002"
     assert list(directory.glob(".tmp-step-00000003.*"))  # the interrupted save, ignored
     _all_ok(check_mpi("ckpt_train.py", 3, "check_saved", directory, 3, timeout=300), 3)
-
-
-@pytest.mark.parametrize("how", ["raise", "kill"])
-def test_a_failing_rank_ends_the_job(tmp_path, how):
-    start = time.monotonic()
-    code, out, _ = run_mpi("ckpt_train.py", 3, "die_in_step", tmp_path, how, timeout=120)
-    elapsed = time.monotonic() - start
-    assert code != 0 and elapsed < 60, (code, elapsed, out)
-    if how == "raise":  # the failing rank names itself and the step
-        assert "rank 1/3 on" in out and "failed during step 3 (last completed: 2); aborting" in out, out
-        news = ("rank 1/3 on {host} failed during step 3 (last completed: 2): RuntimeError: "
-                "injected failure")
-    else:  # a SIGKILLed rank runs no code: its watchdog names it and its step
-        assert re.search(r"rank 1/3 on \S+ \(pid \d+\) died during step 3 \(last completed: 2\) "
-                         r"without raising", out), out
-        news = "rank 1/3 on {host} (pid"
-    host = re.search(r"rank 1/3 on (\S+)", out).group(1)
-    for survivor in (0, 2):  # every other rank says why it ends
-        assert f"rank {survivor}/3 on {host}: ending the job: " + news.format(host=host) in out, out
-
-
-def test_a_collective_that_never_completes_times_out(tmp_path):
-    code, out, seconds = run_mpi("ckpt_train.py", 3, "stall", tmp_path, timeout=120,
-                                 env={"RAF_DIST_COLLECTIVE_TIMEOUT_S": "3"})
-    assert code != 0 and seconds < 60, (code, seconds, out)
-    assert "failed during step 2 (last completed: 1)" in out and "did not complete within 3" in out, out
-    # the flight recorder: this rank's last collectives, the stuck one last
-    assert "last collectives (flight recorder)" in out and re.search(r"#\d+ group \d+ \(3 ranks\) seq \d+: ", out), out
 
 
 def test_ranks_with_different_steps_refuse_to_start(tmp_path):

@@ -67,6 +67,9 @@ def _expected_message(how, rank, when, doing, out):
         assert re.search(rf"rank {other}/{NPROCS} on \S+ failed during {doing}: \w+Error: .* "
                          r"did not complete within", out), out
         assert re.search(rf"rank {rank}/{NPROCS} on \S+: ending the job: rank {other}/", out), out
+        # the flight recorder: the timed-out rank's last collectives, the stuck one last
+        assert "last collectives (flight recorder)" in out and re.search(
+            rf"#\d+ group \d+ \({NPROCS} ranks\) seq \d+: ", out), out
     else:
         where = " in thread 'loader'" if when == "thread" else ""
         assert re.search(rf"{me} failed{where} during {doing}", out), out

@@ -207,12 +207,12 @@ def test_mpiexec_hostfile_data_parallel_training_across_the_veth(hosts):
 
 def test_mpiexec_hostfile_a_killed_rank_is_named_across_the_veth(hosts, tmp_path):
     start = time.monotonic()
-    code, out = _mpiexec_over_hosts(hosts, 2, "ckpt_train.py", "die_in_step", tmp_path, "kill",
-                                    timeout=120)
+    code, out = _mpiexec_over_hosts(hosts, 2, "fault_worker.py", tmp_path / "ckpt", 1, "kill",
+                                    "step", timeout=120)
     assert code != 0 and time.monotonic() - start < 60, (code, out)
     b = hosts.names[1]
     # rank 1's watchdog names it; rank 0 on the other host hears it over UDP across the veth
-    assert re.search(rf"rank 1/2 on {b} \(pid \d+\) died during step 3 \(last completed: 2\) "
+    assert re.search(rf"rank 1/2 on {b} \(pid \d+\) died during step 4 \(last completed: 3\) "
                      r"without raising", out), out
     assert f"rank 0/2 on {hosts.names[0]}: ending the job: rank 1/2 on {b} (pid" in out, out
 

@@ -124,9 +124,10 @@ class Communicator:
                 self._tell_watchdog(f"P {peer} {','.join(ips)} {peer_port}")
 
     @contextlib.contextmanager
-    def collective_work(self, activity: str):
+    def collective_work(self, activity: str, collective: bool = True):
         """Work in which the ranks meet in collectives (a step, a checkpoint save or load),
-        named ``activity`` while it runs (the previous activity is restored after it).
+        named ``activity`` while it runs (the previous activity is restored after it). With
+        ``collective=False`` (a Trainer local to this rank) it only names the activity.
 
         An exception that leaves it on one rank would leave the other ranks waiting in a
         collective this rank never joins — and catching it in the user's script would bypass
@@ -134,7 +135,7 @@ class Communicator:
         every rank alike (``raised_on_every_rank``: a nonfinite loss, a checkpoint every rank
         refused), the rank ``fail()``s first: its collectives are shut off and the other
         ranks are ended, naming this rank, the activity and the error."""
-        if self.failure is not None:
+        if self.failure is not None and collective:
             raise RuntimeError(f"{activity} refused: {self.failure}, so this rank's "
                                "collectives are shut off and the other ranks are being ended. "
                                "Restart the job (from the last checkpoint)")
@@ -143,7 +144,7 @@ class Communicator:
         try:
             yield
         except BaseException as exc:
-            if not getattr(exc, RAISED_ON_EVERY_RANK, False):
+            if collective and not getattr(exc, RAISED_ON_EVERY_RANK, False):
                 self.fail(f"{type(exc).__name__}: {_first_line(exc)}")
             else:  # the job goes on: every rank is back where it was
                 self.activity = previous
