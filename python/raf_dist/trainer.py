@@ -609,10 +609,10 @@ class Trainer:
             rows_per_rank = [int(rows)]
         batching.check_rows_per_rank(rows_per_rank, self.dp_rank)
         if self.sync_batch_norm_world > 1 and len(set(rows_per_rank)) > 1:
-            raise NotImplementedError(
+            raise raised_on_every_rank(NotImplementedError(
                 f"sync_batch_norm with different rows per rank ({rows_per_rank}) is not "
                 "supported: the synchronized statistics assume every rank holds as many rows. "
-                "Use raf_dist.data.shard(..., drop_last=True) or turn sync_batch_norm off")
+                "Use raf_dist.data.shard(..., drop_last=True) or turn sync_batch_norm off"))
         return rows_per_rank
 
     def _to_device(self, array, spec, what):

@@ -18,6 +18,8 @@ import dataclasses
 
 import numpy as np
 
+from ..distributed.communicator import raised_on_every_rank
+
 
 @dataclasses.dataclass
 class StepVariant:
@@ -96,11 +98,11 @@ def check_rows_per_rank(rows_per_rank, rank: int) -> None:
     rank together, since every rank sees the same counts."""
     empty = [r for r, rows in enumerate(rows_per_rank) if rows == 0]
     if empty:
-        raise ValueError(
+        raise raised_on_every_rank(ValueError(
             f"ranks {empty} got no rows in this step (rows per rank: {list(rows_per_rank)}; "
             f"this is rank {rank}): every rank needs at least one row of the global batch. "
             "Use a global batch of at least as many rows as ranks, e.g. "
-            "raf_dist.data.shard(..., drop_last=True) to drop a shorter tail")
+            "raf_dist.data.shard(..., drop_last=True) to drop a shorter tail"))
 
 
 def check_same_state(captured, variant, rows: int) -> None:
