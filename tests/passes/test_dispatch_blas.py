@@ -194,3 +194,27 @@ def test_blas_conv2d_equals_torch_in_both_layouts(n, c, h, o, k, stride, pad, di
                 tvm_ffi.from_dlpack(np.ascontiguousarray(w.transpose(1, 0, 2, 3))), *args,
                 "CNHW,IOHW,CNHW", tvm_ffi.from_dlpack(cn))
     np.testing.assert_allclose(cn.transpose(1, 0, 2, 3), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n, c, h, o, k, stride, pad, dil", [
+    (2, 3, 7, 4, 3, 1, 1, 1), (2, 3, 8, 4, 3, 2, 1, 1), (3, 5, 9, 2, 3, 2, 1, 2),
+    (2, 4, 6, 3, 1, 2, 0, 1), (2, 4, 1, 8, 3, 1, 1, 1)])
+def test_blas_conv2d_transpose_is_the_data_gradient_of_conv2d(n, c, h, o, k, stride, pad, dil):
+    """raf_dist.blas.conv2d_transpose of dy with the forward weight equals torch's gradient
+    of conv2d with respect to its input."""
+    import torch
+    import tvm_ffi
+
+    from raf_dist.runtime import blas
+
+    rng = np.random.default_rng(1)
+    x = torch.tensor(rng.standard_normal((n, c, h, h)).astype(np.float32), requires_grad=True)
+    w = torch.tensor(rng.standard_normal((o, c, k, k)).astype(np.float32))
+    y = torch.nn.functional.conv2d(x, w, stride=stride, padding=pad, dilation=dil)
+    dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
+    y.backward(torch.tensor(dy))
+    out = np.empty((n, c, h, h), np.float32)
+    blas.conv2d_transpose(tvm_ffi.from_dlpack(dy), tvm_ffi.from_dlpack(w.numpy()),
+                          [stride, stride], [pad] * 4, [0, 0], [dil, dil], "NCHW,IOHW,NCHW",
+                          tvm_ffi.from_dlpack(out))
+    np.testing.assert_allclose(out, x.grad.numpy(), rtol=1e-5, atol=1e-5)

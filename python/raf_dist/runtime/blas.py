@@ -79,30 +79,42 @@ def conv2d(data, weight, strides, padding, dilation, layouts, out):
     windows = xp.lib.stride_tricks.sliding_window_view(x, (span_h, span_w), axis=(2, 3))
     windows = windows[:, :, ::sh, ::sw, ::dh, ::dw][:, :, :p, :q]  # N C P Q KH KW
     cols = windows.transpose(0, 2, 3, 1, 4, 5).reshape(n * p * q, c * kh * kw)  # the copy
+    o_first = o.transpose(1, 0, 2, 3)
+    if o_first.flags.c_contiguous:
+        # the output is held channel-first (CNHW: the weight-gradient form, where N is the
+        # forward's channels and the "kernel" the output gradient): the GEMM writes it in
+        # place as (O, C*KH*KW) x (N*P*Q, C*KH*KW)^T, instead of an (N*P*Q, O) result copied
+        # through a transpose (2.4M strided elements for a 512x512x3x3 weight gradient)
+        xp.matmul(w2, cols.T, out=o_first.reshape(o_ch, n * p * q))
+        return
     result = cols @ w2.T  # N*P*Q x O
     xp.copyto(o, result.reshape(n, p, q, o_ch).transpose(0, 3, 1, 2))
 
 
 def conv2d_transpose(data, weight, strides, padding, output_padding, dilation, layouts, out):
-    """Transposed convolution (the data gradient of conv2d) as GEMM + col2im: one tensordot
-    gives every kernel tap's contribution, then each tap is added into its strided place."""
+    """Transposed convolution (the data gradient of conv2d) as GEMM + col2im: one GEMM gives
+    every kernel tap's contribution, laid out (O, KH, KW, N, P, Q) so that each tap is one
+    contiguous block, added into its strided place of a channel-first buffer; one transposing
+    copy writes the result. (Before, taps were cut from an (N, P, Q, O, KH, KW) tensordot
+    result: every add read with a stride of O*KH*KW elements.)"""
     xp = _xp(out)
     data_layout, kernel_layout, out_layout = str(layouts).split(",")
     dy = _as_layout(xp, xp.from_dlpack(data), data_layout, "NCHW")  # N, I, P, Q
     w = _as_layout(xp, xp.from_dlpack(weight), kernel_layout, "IOHW")  # I, O, KH, KW
     o = _as_layout(xp, xp.from_dlpack(out), out_layout, "NCHW")  # N, O, H, W
     (sh, sw), (pt, pl, _, _), (dh, dw) = list(strides), list(padding), list(dilation)
-    n, _, p, q = dy.shape
-    _, _, kh, kw = w.shape
-    cols = xp.tensordot(dy, w, axes=([1], [0]))  # N P Q O KH KW
+    n, i_ch, p, q = dy.shape
+    _, o_ch, kh, kw = w.shape
+    dy_mat = dy.transpose(1, 0, 2, 3).reshape(i_ch, n * p * q)  # a copy of dy (small)
+    cols = (w.reshape(i_ch, o_ch * kh * kw).T @ dy_mat).reshape(o_ch, kh, kw, n, p, q)
     full_h = max((p - 1) * sh + dh * (kh - 1) + 1, pt + o.shape[2])
     full_w = max((q - 1) * sw + dw * (kw - 1) + 1, pl + o.shape[3])
-    full = xp.zeros((n, o.shape[1], full_h, full_w), dtype=o.dtype)
+    full = xp.zeros((o_ch, n, full_h, full_w), dtype=o.dtype)  # channel-first
     for i in range(kh):
         for j in range(kw):
             full[:, :, i * dh:i * dh + sh * (p - 1) + 1:sh, j * dw:j * dw + sw * (q - 1) + 1:sw] += \
-                cols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
-    xp.copyto(o, full[:, :, pt:pt + o.shape[2], pl:pl + o.shape[3]])
+                cols[:, i, j]
+    xp.copyto(o, full[:, :, pt:pt + o.shape[2], pl:pl + o.shape[3]].transpose(1, 0, 2, 3))
 
 
 tvm_ffi.register_global_func(BLAS_CONV2D, conv2d, override=True)
