@@ -218,3 +218,28 @@ def test_blas_conv2d_transpose_is_the_data_gradient_of_conv2d(n, c, h, o, k, str
                           [stride, stride], [pad] * 4, [0, 0], [dil, dil], "NCHW,IOHW,NCHW",
                           tvm_ffi.from_dlpack(out))
     np.testing.assert_allclose(out, x.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n, c, h, o, k, stride, pad", [
+    (2, 3, 7, 4, 3, 1, 1), (2, 3, 8, 4, 3, 2, 1), (4, 8, 1, 6, 3, 1, 1), (4, 8, 2, 6, 3, 2, 1)])
+def test_blas_conv2d_in_the_weight_gradient_form_equals_autograd(n, c, h, o, k, stride, pad):
+    """The weight gradient as the conv2d gradient emits it (x as CNHW, dy as an IOHW kernel
+    dilated by the stride, output CNHW, cut to the kernel size) equals torch's; the 1x1 and
+    2x2 maps exercise the outputs and taps that read padding only."""
+    import torch
+    import tvm_ffi
+
+    from raf_dist.runtime import blas
+
+    rng = np.random.default_rng(2)
+    x = torch.tensor(rng.standard_normal((n, c, h, h)).astype(np.float32))
+    w = torch.tensor(rng.standard_normal((o, c, k, k)).astype(np.float32), requires_grad=True)
+    y = torch.nn.functional.conv2d(x, w, stride=stride, padding=pad)
+    dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
+    y.backward(torch.tensor(dy))
+    p = dy.shape[2]
+    size = (h + 2 * pad - stride * (p - 1) - 1) + 1  # this conv's output rows (stride 1)
+    out = np.empty((o, c, size, size), np.float32)  # CNHW of (C = o, N = c)
+    blas.conv2d(tvm_ffi.from_dlpack(x.numpy()), tvm_ffi.from_dlpack(dy), [1, 1], [pad] * 4,
+                [stride, stride], "CNHW,IOHW,CNHW", tvm_ffi.from_dlpack(out))
+    np.testing.assert_allclose(out[:, :, :k, :k], w.grad.numpy(), rtol=1e-5, atol=1e-5)
