@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
@@ -114,6 +115,38 @@ def test_fast_softmax_matches_float64():
     ref_log = shifted - np.log(np.exp(shifted).sum(0, keepdims=True))
     np.testing.assert_allclose(log_softmax[:, finite], ref_log, rtol=1e-5, atol=1e-5)
     assert np.isnan(_run_fast_exp(np.full((16, 4096), np.nan, "float32"))[1]).all()
+
+
+def test_softmax_exp_is_a_vectorised_block_of_its_own():
+    """softmax's shifted exp is materialised: computed once in a vectorised block, not inlined
+    into the row sum (a reduction's body runs one element at a time) and the normalisation;
+    and exp_float32 binds its intermediates once (the nested form repeated the clamped
+    argument ~40 times)."""
+    from raf_dist.compiler import ScheduleCPU
+
+    @I.ir_module
+    class Softmax:
+        @R.function
+        def main(x: R.Tensor((64, 64), "float32")):
+            with R.dataflow():
+                y = R.nn.softmax(x, axis=-1)
+                R.output(y)
+            return y
+
+    with tvm.target.Target("llvm"):
+        lowered = tvm.transform.Sequential([
+            FastExp(), relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FuseOps(), relax.transform.FuseTIR(), ScheduleCPU()])(Softmax)
+    prim = [f for _, f in lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)][0]
+    blocks = {}
+    tvm_ffi.structural_walk(prim.body, [(tvm.s_tir.SBlock, lambda b: blocks.update(
+        {b.name_hint: b}))])
+    assert "shifted_exp" in blocks
+    vectorised = []
+    tvm_ffi.structural_walk(prim.body, [(tvm.tirx.For, lambda loop: vectorised.append(
+        loop) if loop.kind == tvm.tirx.ForKind.VECTORIZED else None)])
+    assert len(vectorised) == 2  # the exp and the normalisation
+    assert len(str(blocks["shifted_exp"])) < 4000
 
 
 @I.ir_module

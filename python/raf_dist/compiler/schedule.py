@@ -6,7 +6,9 @@ set) are left alone.
 Output: the same functions with injective intermediate blocks inlined into their consumers;
 for each remaining block, the leading data-parallel loops fused and run in parallel when the
 work is large enough to pay for the thread pool, and a fully data-parallel block's innermost
-8 elements vectorised; each marked ``tirx.is_scheduled``.
+8 elements vectorised when its innermost axis is a multiple of 8 (else its rows stay plain
+loops under the parallel outer axes); each marked ``tirx.is_scheduled``. A block annotated
+MATERIALIZE is not inlined.
 
 A block the schedule cannot handle stays as it was: a serial loop nest, which for a large
 kernel is two orders of magnitude slower than its scheduled form. Such a fallback is never
@@ -121,11 +123,21 @@ def _schedule_block(sch, block):
             and _reduces_across_rows(sblock, lead)):
         _schedule_column_reduction(sch, block, loops, lead, extents)
         return None
+    all_spatial = lead == len(loops)
+    if all_spatial and lead > 1 and extents[-1] % _VECTOR:
+        # vector lanes would cross rows of the innermost axis (a 3x3 kernel's weight, a 4x4
+        # map): TVM then computes every lane's index with divisions and gathers, 8x slower
+        # than the same work on a flat tensor (measured: an Adam moment update on a
+        # 512x512x3x3 weight 3.3 ms, on the same elements as one axis 0.41 ms). The outer
+        # axes run in parallel, the innermost row stays a plain loop LLVM unrolls.
+        outer = sch.fuse(*loops[:-1]) if lead > 2 else loops[0]
+        if work >= _MIN_PARALLEL_WORK:
+            sch.parallel(outer)
+        return None
     spatial = sch.fuse(*loops[:lead]) if lead > 1 else loops[0]
     spatial_extent = 1
     for e in extents[:lead]:
         spatial_extent *= e
-    all_spatial = lead == len(loops)
     if all_spatial and spatial_extent % _VECTOR == 0 and spatial_extent >= 2 * _VECTOR:
         outer, inner = sch.split(spatial, [None, _VECTOR])
         sch.vectorize(inner)
@@ -143,9 +155,18 @@ def _work_of_loops(loops, sch):
     return work
 
 
+#: block annotation: keep this injective block a block of its own (an expensive value that
+#: several blocks read, or one that a reduction would read unvectorised: softmax's exp)
+MATERIALIZE = "raf_dist.materialize"
+
+
 def _inlinable(sch, block):
-    """A block compute_inline may take: every axis data-parallel (an injective block)."""
-    return all(iv.iter_type == tvm.tirx.IterVar.DataPar for iv in sch.get(block).iter_vars)
+    """A block compute_inline may take: every axis data-parallel (an injective block), not
+    annotated MATERIALIZE."""
+    sblock = sch.get(block)
+    if MATERIALIZE in (sblock.annotations or {}):
+        return False
+    return all(iv.iter_type == tvm.tirx.IterVar.DataPar for iv in sblock.iter_vars)
 
 
 def schedule_prim_func(func, name="main", strict=False):
