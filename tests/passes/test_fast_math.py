@@ -171,3 +171,31 @@ def test_tanh_is_rewritten_and_accurate():
     # a few float32 ulps of |tanh| <= 1 against float64 (TVM's fast_tanh: clamped rational
     # approximation, Eigen's)
     np.testing.assert_allclose(y, np.tanh(x.astype(np.float64)), rtol=2e-6, atol=1e-7)
+
+
+def test_constant_powers_become_products_with_their_gradient():
+    """x ** 3 (GPT-2's gelu_new) and x ** 2 (RMSNorm) were libm pow one element at a time;
+    FastGelu makes them products — also the gradient's x ** (3 - 1), whose exponent is a
+    difference of constants — and the values stay those of pow (to an ulp)."""
+    @I.ir_module
+    class Powers:
+        @R.function
+        def main(x: R.Tensor((64, 128), "float32")):
+            with R.dataflow():
+                e = R.subtract(R.const(3.0, "float32"), R.const(1.0, "float32"))
+                y = R.power(x, R.const(3.0, "float32"))
+                z = R.power(x, e)
+                w = R.power(x, R.const(2.5, "float32"))  # not a small integer: left as it is
+                R.output(y, z, w)
+            return (y, z, w)
+
+    out = FastGelu()(Powers)
+    assert _ops(out["main"]).count("relax.power") == 1
+    x = np.random.default_rng(0).uniform(0.1, 3.0, (64, 128)).astype("float32")
+    target = tvm.target.Target(device.host_target())
+    vm = relax.VirtualMachine(tvm.compile(out, target=target), tvm.cpu())
+    y, z, w = (t.numpy() for t in vm["main"](tvm.runtime.tensor(x)))
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(y, x64 ** 3, rtol=3e-7)
+    np.testing.assert_allclose(z, x64 ** 2, rtol=2e-7)
+    np.testing.assert_allclose(w, x64 ** 2.5, rtol=2e-7)

@@ -76,19 +76,14 @@ def test_rows_not_a_multiple_of_the_vector_run_as_parallel_rows_not_gathers():
     np.testing.assert_allclose(out, x * np.float32(0.9) + y, rtol=2.5e-7, atol=1e-7)
 
 
-def test_the_cpu_target_is_this_machines_cpu():
-    """Kernels are compiled for the host CPU (baseline x86-64 has no FMA, 4-float vectors and
-    floor as a libm call), and the build cache key holds it."""
-    from tvm.target import codegen
-
+def test_compile_step_llvm_is_this_machines_cpu():
+    """``compile_step(..., target="llvm")`` builds for the host CPU like the Trainer
+    (device.host_target): a bare "llvm" is baseline x86-64 (SSE2, no FMA, floor a libm call),
+    which made the kernel measurements taken through compile_step 5x slower than the step's."""
     from raf_dist.compiler.build import make_target
+    from raf_dist.device import host_target
 
-    target = make_target("llvm")
-    cpu = codegen.llvm_get_system_cpu()
-    assert target.kind.name == "llvm"
-    if cpu and cpu != "generic":
-        assert str(target.attrs["mcpu"]) == cpu
-        assert cpu in str(target)  # what compile_step's cache key is made of
+    assert str(make_target("llvm")) == str(tvm.target.Target(host_target()))
 
 
 def test_small_work_stays_serial():

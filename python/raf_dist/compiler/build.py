@@ -105,25 +105,11 @@ def make_target(target):
         if arch is None and tvm.cuda(0).exist:
             arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
         return tvm.target.Target({"kind": "cuda", "arch": arch or "sm_80"}, host="llvm")
-    if target == "llvm":
-        return host_target()
+    if target == "llvm":  # this machine's CPU, as the Trainer builds (device.host_target)
+        from ..device import host_target
+
+        return tvm.target.Target(host_target())
     return tvm.target.Target(target)
-
-
-def host_target():
-    """LLVM for the CPU of this machine (``mcpu`` = LLVM's name for it, e.g. znver4).
-
-    A bare "llvm" target generates baseline x86-64 code: SSE2 only, so 4-float vectors, no
-    FMA, and ``floor`` (in exp, the gelu and softmax kernels) a libm call per element —
-    measured: exp over 262k floats 0.59 ms, softmax of the GPT's attention 0.85 ms vs
-    PyTorch's 0.1 ms. Compiled steps are cached per target (the key holds ``mcpu``), so a
-    cache shared by hosts of different CPUs never hands one the other's machine code."""
-    from tvm.target import codegen
-
-    cpu = codegen.llvm_get_system_cpu()
-    if not cpu or cpu == "generic":
-        return tvm.target.Target("llvm")
-    return tvm.target.Target({"kind": "llvm", "mcpu": cpu})
 
 
 @tvm.transform.module_pass(opt_level=0, name="DropScopePragma")
