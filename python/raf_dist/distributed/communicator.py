@@ -224,7 +224,8 @@ class Communicator:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(
                         f"rank {self.rank}/{self.size}: {what} did not complete within "
-                        f"{timeout:g} s (RAF_DIST_BARRIER_TIMEOUT_S); a rank is stuck or dead")
+                        f"{timeout:g} s (RAF_DIST_BARRIER_TIMEOUT_S); a rank is stuck or dead."
+                        f"{_flight_recorder()}")
                 time.sleep(poll_seconds)
 
         if self.rank == 0:
@@ -245,7 +246,8 @@ class Communicator:
             who = "rank 0's message names the ranks that never arrived"
         return (f"rank {self.rank}/{self.size}: {what} did not complete within {timeout:g} s "
                 f"(RAF_DIST_BARRIER_TIMEOUT_S); {who}. A rank is stuck or dead in the work "
-                "before it (compiling, checkpoint I/O), or runs a different program")
+                f"before it (compiling, checkpoint I/O), or runs a different program."
+                f"{_flight_recorder()}")
 
     def __repr__(self):
         return (
@@ -400,3 +402,15 @@ def _install_abort_on_exception(comm):
 
     sys.excepthook = main_thread
     threading.excepthook = other_thread
+
+
+def _flight_recorder() -> str:
+    """This rank's last collectives for a barrier or agreement timeout, as a collective timeout
+    lists them (what the other ranks last did together says where the stuck one stopped)."""
+    from .collectives import recent_collectives  # collectives imports this module
+
+    try:
+        recent = recent_collectives()
+    except Exception:  # noqa: BLE001 - the native runtime not loaded: the message goes without
+        return ""
+    return f" This rank's last collectives (flight recorder):{recent or ' (none yet)'}"
