@@ -30,6 +30,7 @@ ScheduleFallbackError. Blocks too small to pay for the thread pool are serial by
 are not fallbacks.
 """
 import logging
+import math
 
 import tvm
 import tvm_ffi
@@ -81,6 +82,11 @@ def _extent(loop_rv, sch):
     return int(extent) if isinstance(extent, tvm.tirx.IntImm) else None
 
 
+def _fills_lanes(extent):
+    """True when ``extent`` splits into at least two whole vectors of _VECTOR lanes."""
+    return extent is not None and extent % _VECTOR == 0 and extent >= 2 * _VECTOR
+
+
 def _reduces_across_rows(sblock, lead):
     """True when the block reduces over leading axes of a buffer whose last index is the
     innermost data-parallel variable (a column sum such as a bias gradient): its reduction
@@ -104,9 +110,7 @@ def _schedule_column_reduction(sch, block, loops, lead, extents):
     """[spatial..., reduce...] -> [spatial outer (parallel), reduce..., band]: each thread
     owns bands of contiguous columns and walks the rows in order, a band's columns at a time
     (LLVM vectorises the band's loop)."""
-    columns = 1
-    for extent in extents[:lead]:
-        columns *= extent
+    columns = math.prod(extents[:lead])
     width = next((w for w in _BAND_WIDTHS if columns % w == 0 and columns // w >= _MIN_BANDS),
                  _VECTOR)
     spatial = sch.fuse(*loops[:lead]) if lead > 1 else loops[0]
@@ -135,8 +139,7 @@ def _is_row_reduction(sch, block):
         return False
     if any(kind != tvm.tirx.IterVar.DataPar for kind in kinds[:-1]):
         return False
-    extent = _extent(loops[-1], sch)
-    if extent is None or extent % _VECTOR or extent < 2 * _VECTOR:
+    if not _fills_lanes(_extent(loops[-1], sch)):
         return False
     return _reads_contiguous_in(sblock, sblock.iter_vars[-1].var)
 
@@ -160,7 +163,7 @@ def _vectorise_partials(sch, rf):
     return loops[-2]
 
 
-def _schedule_row_reduction(sch, block, loops, lead, work):
+def _schedule_row_reduction(sch, block, lead, work):
     """[rows..., k] -> parallel rows { 8 lanes of partial results over k / 8 steps; 8 adds }."""
     rf = _rfactor_lanes(sch, block)
     final = sch.get_loops(block)
@@ -205,7 +208,7 @@ def _schedule_block(sch, block):
         _schedule_column_reduction(sch, block, loops, lead, extents)
         return None
     if lead == len(loops) - 1 and _is_row_reduction(sch, block):
-        _schedule_row_reduction(sch, block, loops, lead, work)
+        _schedule_row_reduction(sch, block, lead, work)
         return None
     all_spatial = lead == len(loops)
     if all_spatial and lead > 1 and extents[-1] % _VECTOR:
@@ -219,10 +222,8 @@ def _schedule_block(sch, block):
             sch.parallel(outer)
         return None
     spatial = sch.fuse(*loops[:lead]) if lead > 1 else loops[0]
-    spatial_extent = 1
-    for e in extents[:lead]:
-        spatial_extent *= e
-    if all_spatial and spatial_extent % _VECTOR == 0 and spatial_extent >= 2 * _VECTOR:
+    spatial_extent = math.prod(extents[:lead])
+    if all_spatial and _fills_lanes(spatial_extent):
         outer, inner = sch.split(spatial, [None, _VECTOR])
         sch.vectorize(inner)
         spatial = outer
@@ -284,9 +285,7 @@ def _schedule_rows(sch):
     extents = [_extent(loop, sch) for loop in loops]
     if None in extents:
         raise _NotRowWise("loop extents are not all constants")
-    n_rows = 1
-    for extent in extents[:-1]:
-        n_rows *= extent
+    n_rows = math.prod(extents[:-1])
     if n_rows < _MIN_ROWS:
         raise _NotRowWise(f"{n_rows} rows")
     if extents[-1] % _VECTOR and extents[-1] != 1:
@@ -312,8 +311,7 @@ def _schedule_rows(sch):
         if len(inner) < 2 or any(iv.iter_type != tvm.tirx.IterVar.DataPar
                                  for iv in sch.get(block).iter_vars):
             continue  # a reduction of the 8 partial results, or one along a short row
-        extent = _extent(inner[-1], sch)
-        if extent is not None and extent % _VECTOR == 0 and extent >= 2 * _VECTOR:
+        if _fills_lanes(_extent(inner[-1], sch)):
             _, lanes = sch.split(inner[-1], [None, _VECTOR])
             sch.vectorize(lanes)
     if n_rows * extents[-1] >= _MIN_PARALLEL_WORK:
