@@ -16,6 +16,8 @@ import os
 import threadpoolctl
 import tvm
 
+from . import blas
+
 logger = logging.getLogger("raf_dist")
 
 
@@ -28,27 +30,46 @@ def available_cores() -> int:
 
 
 def set_num_threads(num_threads: int) -> None:
-    """Size TVM's pool (it defaults to one thread here) and numpy's BLAS to ``num_threads``.
+    """Size TVM's pool and numpy's BLAS to ``num_threads``, one pool for both where the BLAS
+    allows it (``blas.set_threads``).
 
-    Idle TVM workers sleep instead of spinning (TVM_THREAD_POOL_SPIN_COUNT=0 unless the user
-    set it): spinning workers steal the cores from the MPI communication thread, from BLAS and
-    from whatever runs between steps. Threads are not bound to cores (TVM_BIND_THREADS=0
-    unless the user set it; see the module docstring), and the calling thread's affinity is
-    restored in any case, so the process keeps every core it had.
+    TVM makes its pool once per thread, with ``TVM_NUM_THREADS`` workers (else half the
+    hardware threads: 1 on a 2-core machine), and runs every kernel on the calling thread alone
+    while that number is 1: ``config_threadpool``'s count only chooses how many of the made
+    workers to use (tvm/src/runtime/thread_pool.cc: ``ThreadPool()``, ``Configure``,
+    ``TVMBackendParallelLaunch``). So ``TVM_NUM_THREADS`` is set first; until it was, every
+    kernel here ran on one thread (the GPT step 51 -> 42 ms with it and the shared pool).
+
+    Idle TVM workers spin for a while before they sleep (TVM's default), as an OpenMP pool
+    does, when the BLAS runs its jobs on that pool; else they sleep at once
+    (TVM_THREAD_POOL_SPIN_COUNT=0): spinning next to the BLAS's own spinning threads took the
+    GPT step from 52 to 120 ms. A value the user set wins in both cases. Threads are not bound
+    to cores (TVM_BIND_THREADS=0 unless the user set it; see the module docstring), and the
+    calling thread's affinity is restored in any case, so the process keeps every core it had.
     """
-    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+    num_threads = max(1, int(num_threads))
+    if not blas.can_share_pool():
+        os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
     # TVM reads this each time it (re)configures its pool, also lazily at the first parallel
     # kernel, so it must stay in the environment rather than be set around one call
     os.environ.setdefault("TVM_BIND_THREADS", "0")
+    # read when the pool is made (below, unless a kernel made it before) and at every launch
+    os.environ["TVM_NUM_THREADS"] = str(num_threads)
     affinity = _affinity()
-    tvm.get_global_func("runtime.config_threadpool")(1, int(num_threads))
+    tvm.get_global_func("runtime.config_threadpool")(1, num_threads)
+    pool = tvm.get_global_func("runtime.NumThreads")()
+    if pool != num_threads:
+        logger.warning("TVM's thread pool has %d threads, not %d: it was made (by a kernel "
+                       "run before set_num_threads) with fewer; set TVM_NUM_THREADS=%d before "
+                       "the first kernel", pool, num_threads, num_threads)
     if affinity is not None and _affinity() != affinity:
         # only when the user asked for binding (TVM_BIND_THREADS=1): TVM's workers stay bound,
         # the user's thread gets its cores back
         logger.info("TVM bound the calling thread to cores %s; restoring %s",
                     sorted(_affinity()), sorted(affinity))
         os.sched_setaffinity(0, affinity)
-    threadpoolctl.threadpool_limits(limits=int(num_threads), user_api="blas")
+    threadpoolctl.threadpool_limits(limits=pool, user_api="blas")
+    blas.set_threads(pool)
 
 
 def _affinity():

@@ -1,0 +1,89 @@
+"""Host BLAS on TVM's thread pool (runtime/blas.py, src/blas/batched_gemm.cc): TVM's pool really
+has the threads set_num_threads asks for, numpy's OpenBLAS runs its parallel jobs there, and a
+batch of small products spread over the pool equals numpy's matmul in every layout."""
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+
+from raf_dist.runtime import available_cores, blas, set_num_threads
+
+needs_two_cores = pytest.mark.skipif(available_cores() < 2, reason="needs 2 cores")
+
+
+@pytest.fixture(scope="module")
+def two_threads():
+    set_num_threads(2)
+    if not blas.can_share_pool():
+        pytest.skip("numpy's BLAS is not an OpenBLAS with a threads callback")
+    return blas._native_funcs()
+
+
+@needs_two_cores
+def test_tvm_pool_runs_two_tasks_at_once(two_threads):
+    # config_threadpool alone left TVM_NUM_THREADS unset: one worker, every kernel on one thread
+    assert tvm.get_global_func("runtime.NumThreads")() == 2
+    assert two_threads["pool_tasks"](2) == 2
+
+
+@needs_two_cores
+def test_openblas_runs_its_jobs_on_the_tvm_pool(two_threads):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((512, 256)).astype(np.float32)
+    b = rng.standard_normal((256, 384)).astype(np.float32)
+    before = two_threads["openblas_launches"]()
+    out = a @ b  # 50M multiply-adds: OpenBLAS splits it over its threads
+    assert two_threads["openblas_launches"]() > before
+    np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
+
+
+# (a's shape, b's shape, transpose a, transpose b): the attention's products, a broadcast
+# weight, two batch axes, and every transpose combination
+LAYOUTS = [
+    ((64, 64, 64), (64, 64, 32), False, False),
+    ((64, 64, 32), (64, 64, 32), False, True),
+    ((64, 64, 64), (64, 64, 32), True, False),
+    ((64, 64, 64), (64, 32, 64), True, True),
+    ((4, 16, 64, 32), (32, 48), False, False),
+    ((16, 4, 64, 32), (16, 4, 32, 64), False, False),
+]
+
+
+@needs_two_cores
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape_a,shape_b,trans_a,trans_b", LAYOUTS)
+def test_batched_products_equal_numpy(two_threads, shape_a, shape_b, trans_a, trans_b, dtype):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(shape_a).astype(dtype)
+    b = rng.standard_normal(shape_b).astype(dtype)
+    a_view = a.swapaxes(-1, -2) if trans_a else a
+    b_view = b.swapaxes(-1, -2) if trans_b else b
+    expected = np.matmul(a_view.astype(np.float64), b_view.astype(np.float64))
+    out = np.full(expected.shape, np.nan, dtype)
+    assert blas._batched_matmul(a_view, b_view, out), "the batched path refused the layout"
+    np.testing.assert_allclose(out, expected, rtol=1e-4 if dtype == "float32" else 1e-12,
+                               atol=1e-4 if dtype == "float32" else 1e-12)
+    # and through raf_dist.blas.matmul as a compiled step calls it
+    out[...] = np.nan
+    blas.matmul(*(tvm_ffi.from_dlpack(x) for x in (a, b)), trans_a, trans_b,
+                tvm_ffi.from_dlpack(out))
+    np.testing.assert_allclose(out, expected, rtol=1e-4 if dtype == "float32" else 1e-12,
+                               atol=1e-4 if dtype == "float32" else 1e-12)
+
+
+@needs_two_cores
+def test_layouts_the_batched_path_refuses_go_to_numpy(two_threads):
+    rng = np.random.default_rng(2)
+    # batch axes no single stride walks: a broadcast against a broadcast, a transposed batch
+    a = rng.standard_normal((3, 1, 20, 8)).astype(np.float32)
+    b = rng.standard_normal((5, 8, 12)).astype(np.float32)
+    out = np.full((3, 5, 20, 12), np.nan, np.float32)
+    assert not blas._batched_matmul(a, b, out)
+    blas.matmul(tvm_ffi.from_dlpack(a), tvm_ffi.from_dlpack(b), False, False,
+                tvm_ffi.from_dlpack(out))
+    np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
+    swapped = rng.standard_normal((4, 8, 16, 16)).astype(np.float32).transpose(1, 0, 2, 3)
+    assert not blas._batched_matmul(swapped, swapped, np.empty((8, 4, 16, 16), np.float32))
+    # a product big enough for OpenBLAS's own split (more than 65536 x 4 multiply-adds)
+    big = rng.standard_normal((2, 128, 128)).astype(np.float32)
+    assert not blas._batched_matmul(big, big, np.empty((2, 128, 128), np.float32))
