@@ -24,12 +24,14 @@
  * The function addresses (TVM's TVMBackendParallelLaunch, the BLAS's gemm and callback
  * setter) come from Python, which knows which libraries the process loaded.
  */
+#include <pthread.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/reflection/registry.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -138,6 +140,12 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       // TVM's TVMBackendParallelLaunch and its pool size (set_num_threads): 0 forgets the pool
       .def("raf_dist.blas.use_pool",
            [](int64_t parallel_launch, int64_t threads) {
+             static std::once_flag once;
+             std::call_once(once, [] {
+               // a forked child (a data-loader worker) has none of TVM's workers: a launch
+               // there would wait for them forever, so its BLAS jobs use threads of their own
+               pthread_atfork(nullptr, nullptr, [] { launch = nullptr; });
+             });
              launch = reinterpret_cast<ParallelLaunch>(parallel_launch);
              pool_threads = static_cast<int>(threads);
            })

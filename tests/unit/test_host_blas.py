@@ -87,3 +87,33 @@ def test_layouts_the_batched_path_refuses_go_to_numpy(two_threads):
     # a product big enough for OpenBLAS's own split (more than 65536 x 4 multiply-adds)
     big = rng.standard_normal((2, 128, 128)).astype(np.float32)
     assert not blas._batched_matmul(big, big, np.empty((2, 128, 128), np.float32))
+
+
+@needs_two_cores
+def test_blas_in_a_forked_child_does_not_wait_for_the_parents_pool(two_threads):
+    import os
+    import signal
+    import time
+
+    a = np.full((512, 512), 0.5, np.float32)
+    small = np.full((8, 32, 32), 0.5, np.float32)
+    a @ a  # the parent's pool has run OpenBLAS's jobs
+    pid = os.fork()
+    if pid == 0:  # a data-loader worker: none of TVM's workers came along
+        try:
+            out = np.empty((8, 32, 32), np.float32)
+            ok = np.allclose(a @ a, 128.0) and blas._batched_matmul(small, small, out) \
+                and np.allclose(out, 8.0)
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("a BLAS call in a forked child hung (it waited for TVM's workers)")
