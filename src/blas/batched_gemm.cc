@@ -25,6 +25,7 @@
  * setter) come from Python, which knows which libraries the process loaded.
  */
 #include <pthread.h>
+#include <unistd.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/reflection/registry.h>
 
@@ -56,43 +57,86 @@ struct ParallelGroupEnv {
 using ParallelLambda = int (*)(int task_id, ParallelGroupEnv* env, void* cdata);
 using ParallelLaunch = int (*)(ParallelLambda flambda, void* cdata, int num_task);
 
-ParallelLaunch launch = nullptr;
-int pool_threads = 1;  // TVM's pool size, as set_num_threads configured it
-// set inside a pool task: TVM cannot launch from its own workers
+// The pool TVM made for the thread that called set_num_threads: TVM keeps a pool per thread,
+// cannot launch from its own workers, and raises when asked for more tasks than its pool uses
+std::atomic<ParallelLaunch> launch{nullptr};
+std::atomic<int> pool_threads{1};
+std::atomic<std::thread::id> pool_owner{};
+pid_t pool_pid = 0;  // the process whose pool it is: a forked child has none of its workers
+// set inside a pool task
 thread_local bool in_pool_task = false;
 
-// Runs body(task) for every task in [0, tasks) at once, each on its own thread: on TVM's pool
-// when it has room and this thread is not one of its tasks, else on threads of its own (the
-// tasks may wait on each other, as OpenBLAS's GEMM jobs do, so they may not run in turn).
+// body(task) for the tasks in [first, tasks) on threads of their own, task `first` on this one
 template <typename Body>
-void RunConcurrently(int tasks, Body body) {
+void RunOnThreads(int first, int tasks, Body& body) {
+  std::vector<std::thread> threads;
+  for (int task = first + 1; task < tasks; ++task) threads.emplace_back([&body, task] { body(task); });
+  body(first);
+  for (std::thread& thread : threads) thread.join();
+}
+
+// Runs body(task) for every task in [0, tasks) at once, each on its own thread: on TVM's pool
+// from the thread that owns it (outside its tasks), else on threads of its own. The tasks may
+// wait on each other, as OpenBLAS's GEMM jobs do, so they never run one after another.
+template <typename Body>
+void RunConcurrently(int tasks, Body& body) {
   if (tasks <= 1) {
     body(0);
     return;
   }
-  if (launch != nullptr && tasks <= pool_threads && !in_pool_task) {
-    auto lambda = [](int task, ParallelGroupEnv*, void* cdata) {
+  ParallelLaunch pool = launch.load();
+  if (pool != nullptr && tasks <= pool_threads.load() && !in_pool_task &&
+      std::this_thread::get_id() == pool_owner.load()) {
+    struct Closure {
+      Body* body;
+      int tasks;
+    } closure{&body, tasks};
+    auto lambda = [](int task, ParallelGroupEnv* env, void* cdata) {
+      auto* c = static_cast<Closure*>(cdata);
       in_pool_task = true;
-      (*static_cast<Body*>(cdata))(task);
+      if (task == 0 && env->num_task < c->tasks) {
+        // TVM ran fewer tasks than asked (it runs only task 0 while its TVM_NUM_THREADS is 1):
+        // the rest on threads of their own, at the same time
+        std::vector<std::thread> threads;
+        for (int t = env->num_task; t < c->tasks; ++t) {
+          threads.emplace_back([c, t] { (*c->body)(t); });
+        }
+        (*c->body)(0);
+        for (std::thread& thread : threads) thread.join();
+      } else {
+        (*c->body)(task);
+      }
       in_pool_task = false;
       return 0;
     };
-    if (launch(lambda, &body, tasks) == 0) return;
+    int rc = -1;
+    try {
+      rc = pool(lambda, &closure, tasks);  // TVM's checks throw before any task is queued
+    } catch (...) {
+    }
+    if (rc == 0) return;
   }
-  std::vector<std::thread> threads;
-  for (int task = 1; task < tasks; ++task) threads.emplace_back(body, task);
-  body(0);
-  for (std::thread& thread : threads) thread.join();
+  RunOnThreads(0, tasks, body);
 }
 
-// OpenBLAS's openblas_threads_callback: run dojob(i, &jobdata[i], dojob_data) for every job
+// OpenBLAS's openblas_threads_callback: run dojob(i, &jobdata[i], dojob_data) for every job.
+// One group at a time: the jobs' scratch is OpenBLAS's global blas_thread_buffer[i], which its
+// own server never hands to two groups at once either (level 2 has no lock of its own). An
+// exception (no thread could be made) cannot cross OpenBLAS's C frames: noexcept terminates.
 using DoJob = void (*)(int thread_num, void* jobdata, int dojob_data);
-std::atomic<int64_t> openblas_launches{0};  // for tests: OpenBLAS job groups run here
+std::atomic<int64_t> openblas_pool_launches{0};  // for tests: groups that ran on TVM's pool
 void OpenblasThreads(int sync, DoJob dojob, int numjobs, size_t jobdata_elsize, void* jobdata,
-                     int dojob_data) {
-  openblas_launches.fetch_add(1, std::memory_order_relaxed);
+                     int dojob_data) noexcept {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
   char* jobs = static_cast<char*>(jobdata);
-  RunConcurrently(numjobs, [&](int i) { dojob(i, jobs + i * jobdata_elsize, dojob_data); });
+  std::atomic<bool> on_pool{false};
+  auto body = [&](int i) {
+    if (in_pool_task) on_pool.store(true, std::memory_order_relaxed);
+    dojob(i, jobs + i * jobdata_elsize, dojob_data);
+  };
+  RunConcurrently(numjobs, body);
+  if (on_pool.load()) openblas_pool_launches.fetch_add(1, std::memory_order_relaxed);
 }
 
 template <typename I, typename T>
@@ -124,10 +168,12 @@ void Batched(int64_t fn, int64_t batch, bool trans_a, bool trans_b, int64_t m, i
       }
     }
   };
-  // on this thread alone without TVM's pool or inside one of its tasks (the tasks need not
-  // run at once: each takes what is left)
-  bool pooled = launch != nullptr && !in_pool_task;
-  RunConcurrently(pooled ? static_cast<int>(std::min<int64_t>(pool_threads, batch)) : 1, task);
+  // on this thread alone without TVM's pool (another thread, a forked child) or inside one of
+  // its tasks: the tasks need not run at once, each takes what is left
+  bool pooled = launch.load() != nullptr && !in_pool_task &&
+                std::this_thread::get_id() == pool_owner.load();
+  RunConcurrently(pooled ? static_cast<int>(std::min<int64_t>(pool_threads.load(), batch)) : 1,
+                  task);
 }
 
 using SetThreadsCallback = void (*)(decltype(&OpenblasThreads));
@@ -139,21 +185,26 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   refl::GlobalDef()
       // TVM's TVMBackendParallelLaunch and its pool size (set_num_threads): 0 forgets the pool
       .def("raf_dist.blas.use_pool",
-           [](int64_t parallel_launch, int64_t threads) {
+           [](int64_t parallel_launch, int64_t threads) -> bool {
              static std::once_flag once;
              std::call_once(once, [] {
+               pool_pid = getpid();
                // a forked child (a data-loader worker) has none of TVM's workers: a launch
                // there would wait for them forever, so its BLAS jobs use threads of their own
-               pthread_atfork(nullptr, nullptr, [] { launch = nullptr; });
+               pthread_atfork(nullptr, nullptr, [] { launch.store(nullptr); });
              });
-             launch = reinterpret_cast<ParallelLaunch>(parallel_launch);
-             pool_threads = static_cast<int>(threads);
+             if (getpid() != pool_pid) return false;  // set_num_threads in a forked child
+             pool_threads.store(static_cast<int>(threads));
+             pool_owner.store(std::this_thread::get_id());
+             launch.store(reinterpret_cast<ParallelLaunch>(parallel_launch));
+             return true;
            })
       // how many tasks a launch of `tasks` ran on the pool at once (a check that the pool
       // really has that many threads before OpenBLAS's jobs, which wait on each other, go there)
       .def("raf_dist.blas.pool_tasks",
            [](int64_t tasks) -> int64_t {
-             if (launch == nullptr) return 0;
+             ParallelLaunch pool = launch.load();
+             if (pool == nullptr) return 0;
              // [0]: tasks that started, [1]: the group size TVM gave them
              std::atomic<int> counters[2] = {0, 0};
              auto lambda = [](int, ParallelGroupEnv* env, void* cdata) {
@@ -166,7 +217,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                }
                return 0;
              };
-             if (launch(lambda, counters, static_cast<int>(tasks)) != 0) return 0;
+             if (pool(lambda, counters, static_cast<int>(tasks)) != 0) return 0;
              return std::min(counters[0].load(), counters[1].load());
            })
       // OpenBLAS's openblas_set_threads_callback_function: its jobs on TVM's pool, or (false)
@@ -175,7 +226,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            [](int64_t set_callback, bool on) {
              reinterpret_cast<SetThreadsCallback>(set_callback)(on ? &OpenblasThreads : nullptr);
            })
-      .def("raf_dist.blas.openblas_launches", []() { return openblas_launches.load(); })
+      .def("raf_dist.blas.openblas_pool_launches",
+           []() { return openblas_pool_launches.load(); })
       // (fn, ilp64, is_double, batch, trans_a, trans_b, m, n, k, a, lda, stride_a, b, ldb,
       //  stride_b, c, ldc, stride_c): fn a cblas_?gemm, pointers as integers, sizes in elements
       .def_packed("raf_dist.blas.batched_gemm",

@@ -31,9 +31,9 @@ def test_openblas_runs_its_jobs_on_the_tvm_pool(two_threads):
     rng = np.random.default_rng(0)
     a = rng.standard_normal((512, 256)).astype(np.float32)
     b = rng.standard_normal((256, 384)).astype(np.float32)
-    before = two_threads["openblas_launches"]()
+    before = two_threads["openblas_pool_launches"]()
     out = a @ b  # 50M multiply-adds: OpenBLAS splits it over its threads
-    assert two_threads["openblas_launches"]() > before
+    assert two_threads["openblas_pool_launches"]() > before
     np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
 
 
@@ -46,6 +46,7 @@ LAYOUTS = [
     ((64, 64, 64), (64, 32, 64), True, True),
     ((4, 16, 64, 32), (32, 48), False, False),
     ((16, 4, 64, 32), (16, 4, 32, 64), False, False),
+    ((8, 4, 32), (8, 16, 32), False, True),  # A B^T with few rows: no copy of B^T
 ]
 
 
@@ -117,3 +118,51 @@ def test_blas_in_a_forked_child_does_not_wait_for_the_parents_pool(two_threads):
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail("a BLAS call in a forked child hung (it waited for TVM's workers)")
+
+
+@needs_two_cores
+def test_rows_longer_than_the_matrix(two_threads):
+    # slices of wider rows: leading dimensions larger than the matrices' widths
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((8, 16, 64)).astype(np.float32)[:, :, 8:40]
+    b = rng.standard_normal((8, 48, 24)).astype(np.float32)[:, 4:36, :20]
+    out = np.empty((8, 16, 20), np.float32)
+    assert blas._batched_matmul(a, b, out)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
+
+
+@needs_two_cores
+def test_blas_from_another_thread_while_the_owner_computes(two_threads):
+    """TVM's pools are per thread: BLAS from a thread other than the one set_num_threads ran
+    on must neither launch on the owner's pool nor wait for it, and both results are right."""
+    import threading
+
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((384, 384)).astype(np.float32)
+    small = rng.standard_normal((16, 32, 32)).astype(np.float32)
+    expected, expected_small = a.astype(np.float64) @ a, small.astype(np.float64) @ small
+    results = {}
+
+    def other():
+        out = np.empty_like(small)
+        results["other"] = [np.allclose(a @ a, expected, rtol=1e-4, atol=1e-2)
+                            for _ in range(20)]
+        results["other_small"] = blas._batched_matmul(small, small, out) and \
+            np.allclose(out, expected_small, rtol=1e-4, atol=1e-4)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    mine = [np.allclose(a @ a, expected, rtol=1e-4, atol=1e-2) for _ in range(20)]
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "a BLAS call from a second thread hung"
+    assert all(mine) and all(results["other"]) and results["other_small"]
+
+
+@needs_two_cores
+def test_openblas_jobs_complete_when_tvm_runs_fewer_tasks(two_threads, monkeypatch):
+    # with TVM_NUM_THREADS=1 TVM's launch runs task 0 only; OpenBLAS's jobs wait on each other,
+    # so the missing ones must run beside it (they hung otherwise)
+    monkeypatch.setenv("TVM_NUM_THREADS", "1")
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((512, 512)).astype(np.float32)
+    np.testing.assert_allclose(a @ a, a.astype(np.float64) @ a, rtol=1e-4, atol=1e-2)

@@ -81,7 +81,10 @@ def set_threads(num_threads):
         return
     native = _native_funcs()
     launch = ctypes.cast(_tvm_runtime().TVMBackendParallelLaunch, ctypes.c_void_p).value
-    native["use_pool"](launch, _threads)
+    if not native["use_pool"](launch, _threads):
+        logger.warning("raf_dist.blas: set_num_threads in a forked child: TVM's pool belongs "
+                       "to the parent; BLAS jobs run on threads of their own")
+        return
     # OpenBLAS's GEMM jobs wait on each other: hand them over only to a pool that runs that
     # many tasks at once
     on_pool = _threads > 1 and native["pool_tasks"](_threads) == _threads
@@ -112,6 +115,9 @@ def _batched_matmul(a, b, out):
     if layout_a is None or layout_b is None:
         return False
     address, ilp64 = gemm
+    if not ilp64 and max(m, n, k, layout_a[0], layout_a[2], layout_b[0], layout_b[2],
+                         m * n) >= 2 ** 31:
+        return False  # a 32-bit BLAS interface cannot take these sizes and strides
     _native_funcs()["batched_gemm"](
         address, ilp64, out.dtype == np.float64, batch, layout_a[1], layout_b[1], m, n, k,
         a.ctypes.data, layout_a[0], layout_a[2], b.ctypes.data, layout_b[0], layout_b[2],
@@ -159,17 +165,34 @@ _OPENBLAS_AFFIXES = (("scipy_", "64_", True), ("scipy_", "", False), ("", "64_",
 def _openblas_symbol(name):
     """(address, ILP64) of OpenBLAS's ``name`` (unprefixed, e.g. "cblas_sgemm") in the BLAS
     numpy uses, or None when that is not an OpenBLAS or lacks it."""
+    path = _numpy_openblas()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(path)
+    for prefix, suffix, ilp64 in _OPENBLAS_AFFIXES:
+        symbol = f"{prefix}{name}{suffix}"
+        if hasattr(lib, symbol):
+            return ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value, ilp64
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_openblas():
+    """The file of the OpenBLAS numpy calls: the one inside numpy's installation (its wheels
+    bundle it), else the only OpenBLAS loaded; None when numpy's BLAS is another library or
+    several OpenBLAS builds are loaded (scipy's, torch's) and none is numpy's own."""
+    import os
+
     import threadpoolctl
 
-    for info in threadpoolctl.threadpool_info():
-        if info.get("user_api") != "blas" or info.get("internal_api") != "openblas":
-            continue
-        lib = ctypes.CDLL(info["filepath"])
-        for prefix, suffix, ilp64 in _OPENBLAS_AFFIXES:
-            symbol = f"{prefix}{name}{suffix}"
-            if hasattr(lib, symbol):
-                return ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value, ilp64
-    return None
+    paths = [info["filepath"] for info in threadpoolctl.threadpool_info()
+             if info.get("user_api") == "blas" and info.get("internal_api") == "openblas"]
+    root = os.path.dirname(os.path.dirname(os.path.realpath(np.__file__)))
+    own = [p for p in paths if os.path.basename(os.path.dirname(os.path.realpath(p)))
+           in ("numpy.libs", ".libs") and os.path.realpath(p).startswith(root)]
+    if len(own) == 1:
+        return own[0]
+    return paths[0] if len(paths) == 1 else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,9 +246,14 @@ def _native_funcs():
     from .. import _native
 
     _native.load()
-    return {name: tvm_ffi.get_global_func("raf_dist.blas." + name)
-            for name in ("use_pool", "pool_tasks", "openblas_on_pool", "openblas_launches",
-                         "batched_gemm")}
+    funcs = {name: tvm_ffi.get_global_func("raf_dist.blas." + name, allow_missing=True)
+             for name in ("use_pool", "pool_tasks", "openblas_on_pool",
+                          "openblas_pool_launches", "batched_gemm")}
+    missing = sorted(name for name, func in funcs.items() if func is None)
+    if missing:
+        raise ImportError("raf_dist's native library lacks raf_dist.blas." + missing[0] +
+                          ": it predates this package; rebuild it with `make install`")
+    return funcs
 
 
 
