@@ -15,7 +15,7 @@ from tvm.support import nvcc
 import raf_dist
 from models import make, raf_optimizer
 from raf_dist.compiler import compile_step
-from raf_dist.compiler import schedule
+from raf_dist.compiler import schedule_gpu
 from raf_dist.device import cuda_compiler
 from raf_dist.trainer import step_passes
 from raf_dist.training import build_train_step
@@ -69,7 +69,7 @@ def test_training_step_compiles_for_cuda(name, level, tmp_path):
 def test_every_kernel_gets_a_gpu_schedule(monkeypatch):
     from tvm.relax.backend.cuda import pipeline
     one_thread = []
-    monkeypatch.setattr(schedule, "run_on_one_gpu_thread",
+    monkeypatch.setattr(schedule_gpu, "run_on_one_gpu_thread",
                         lambda func: one_thread.append(func) or func)
     mod = _step("transformer")
     for p in step_passes(0, 1, 1000):
@@ -77,7 +77,7 @@ def test_every_kernel_gets_a_gpu_schedule(monkeypatch):
     with TARGET, tvm.transform.PassContext(opt_level=3):
         mod = tvm.transform.Sequential(pipeline.library_dispatch_passes(TARGET)
                                        + pipeline.legalize_passes(TARGET)[:-1])(mod)
-        scheduled = schedule.ScheduleGPU()(mod)
+        scheduled = schedule_gpu.ScheduleGPU()(mod)
     kernels = {gv.name_hint: f for gv, f in scheduled.functions_items()
                if isinstance(f, tvm.tirx.PrimFunc)}
     assert kernels and all(int(f.attrs["tirx.is_scheduled"]) == 1 for f in kernels.values())
@@ -96,7 +96,7 @@ def test_the_last_resort_runs_a_kernel_on_one_thread():
         mod = tvm.transform.Sequential(pipeline.library_dispatch_passes(TARGET)
                                        + pipeline.legalize_passes(TARGET)[:-1])(mod)
     extents = []
-    tvm_ffi.structural_walk(schedule.run_on_one_gpu_thread(mod["take_backward"]).body, [
+    tvm_ffi.structural_walk(schedule_gpu.run_on_one_gpu_thread(mod["take_backward"]).body, [
         (tvm.tirx.AttrStmt, lambda a: extents.append(int(a.value))
          if a.attr_key == "thread_extent" else None)])
     assert extents == [1, 1]  # one block of one thread

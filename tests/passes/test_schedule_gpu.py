@@ -9,7 +9,7 @@ from tvm import relax, tirx
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from raf_dist.compiler.schedule import schedule_scatter_add
+from raf_dist.compiler.schedule_gpu import schedule_scatter_add
 
 V, D, N = 37, 11, 50  # V*D = 407 elements: two blocks of 256 threads, the second one partial
 

@@ -29,7 +29,8 @@ from .. import __version__, env
 from .inplace_buckets import WriteGradientsIntoBuckets
 from .inplace_update import UpdateInPlace
 from .memory import planned_bytes
-from .schedule import ScheduleCPU, ScheduleGPU
+from .schedule import ScheduleCPU
+from .schedule_gpu import ScheduleGPU
 
 
 def _compiler_fingerprint():

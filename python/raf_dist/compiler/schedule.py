@@ -403,51 +403,12 @@ def _has_parallel_loop(func):
     return any(found)
 
 
-def _gpu_rules():
-    from tvm.s_tir import dlight as dl
-    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
-            dl.gpu.Fallback()]
-
-
-def run_on_one_gpu_thread(func):
-    """The last-resort GPU schedule, for a kernel neither schedule_scatter_add nor a dlight
-    rule takes (an opaque sequential block none of the test models produces): its whole body
-    on one GPU thread. Correct for any kernel, slow for big ones."""
-    body = func.body
-    for tag in ("threadIdx.x", "blockIdx.x"):
-        iv = tvm.tirx.IterVar(tvm.ir.Range(0, 1), tvm.tirx.Var(tag, "int32"), 1, tag)
-        body = tvm.tirx.AttrStmt(iv, "thread_extent", 1, body)
-    return func.with_body(body).with_attr(SCHEDULED, True)
-
-
-_GPU_THREADS = 256  # threads per block of a kernel made from an independent loop
+# TVM's scatter-add kernel (the embedding gradient): matched here, scheduled for the CPU below
+# and over GPU threads in schedule_gpu.py
 _SCATTER_ADD_BLOCKS = ("take_backward",)  # TVM's opaque scatter-add kernels (legalize_ops.grad)
 
 
-def _loop_on_gpu_threads(loop, bind=True):
-    """``for v in range(n): body`` as a grid of n GPU threads, thread v running ``body``:
-    blockIdx.x * 256 + threadIdx.x binds v, a guard drops the tail of the last block.
-    ``bind=False`` keeps the grid as two serial loops (the CPU tests run it that way)."""
-    extent = int(loop.extent)
-    threads = min(extent, _GPU_THREADS)
-    blocks = -(-extent // threads)
-    bx, tx = tvm.tirx.Var("bx", "int32"), tvm.tirx.Var("tx", "int32")
-    index = bx * threads + tx
-    v = loop.loop_var
-    body = loop.body if blocks * threads == extent else tvm.tirx.IfThenElse(
-        index < extent, loop.body, None)
-    body = tvm.tirx.SeqStmt([tvm.tirx.Bind(v, index.astype(str(v.ty))), body])
-
-    def bound(var, n, tag, stmt):
-        if not bind:
-            return tvm.tirx.For(var, 0, n, tvm.tirx.ForKind.SERIAL, stmt)
-        iv = tvm.tirx.IterVar(tvm.ir.Range(0, n), var, 1, tag)  # 1: thread index
-        return tvm.tirx.For(var, 0, n, tvm.tirx.ForKind.THREAD_BINDING, stmt, thread_binding=iv)
-
-    return bound(bx, blocks, "blockIdx.x", bound(tx, threads, "threadIdx.x", body))
-
-
-def _scatter_add_loops(func):
+def scatter_add_loops(func):
     """(realize, block, scope, loops) of TVM's take_backward kernel: one opaque block whose
     body (possibly under an AttrStmt) is a sequence of serial loops of constant extent; None
     for any other kernel."""
@@ -465,7 +426,7 @@ def _scatter_add_loops(func):
     return realize, block, scope, loops
 
 
-def _with_scatter_add_loops(func, matched, loops):
+def with_scatter_add_loops(func, matched, loops):
     """``func`` with the loops of its take_backward block (``matched``) replaced."""
     realize, block, scope, _ = matched
     seq = tvm.tirx.SeqStmt(loops)
@@ -476,21 +437,6 @@ def _with_scatter_add_loops(func, matched, loops):
                        block.init, block.alloc_buffers, block.match_buffers, block.annotations)
     body = sst.SBlockRealize(realize.iter_values, realize.predicate, block)
     return func.with_body(body).with_attr(SCHEDULED, True)
-
-
-def schedule_scatter_add(func, bind=True):
-    """TVM's take_backward (the embedding gradient) is one opaque block of two loops run in
-    sequence: zero the output, then for each (leading index, column) of the output walk the
-    indices and add rows. Every iteration of either loop touches its own output elements
-    (the second loop's iteration owns a column, its inner walk stays serial, so repeated
-    indices add in order, deterministically). Each loop becomes its own kernel over GPU
-    threads — one launch after the other on the stream, so the zeroing finishes first.
-    Returns None for any other kernel or shape; ``bind``: see _loop_on_gpu_threads."""
-    matched = _scatter_add_loops(func)
-    if matched is None:
-        return None
-    return _with_scatter_add_loops(func, matched,
-                                   [_loop_on_gpu_threads(l, bind) for l in matched[3]])
 
 
 def _column_bands(loop, width):
@@ -517,11 +463,11 @@ def _parallel(loop):
 
 
 def schedule_scatter_add_cpu(func):
-    """take_backward (see schedule_scatter_add) on the CPU: the zeroing loop in parallel, the
-    accumulation over bands of 16 (or 8) contiguous columns, the bands in parallel (each
-    walks the rows in order: deterministic, no atomics); the loops still run one after the
-    other. None for any other kernel."""
-    matched = _scatter_add_loops(func)
+    """take_backward (see schedule_gpu.schedule_scatter_add) on the CPU: the zeroing loop in
+    parallel, the accumulation over bands of 16 (or 8) contiguous columns, the bands in
+    parallel (each walks the rows in order: deterministic, no atomics); the loops still run
+    one after the other. None for any other kernel."""
+    matched = scatter_add_loops(func)
     if matched is None:
         return None
     loops = []
@@ -533,60 +479,4 @@ def schedule_scatter_add_cpu(func):
             if width is not None:
                 loop = _column_bands(loop, width)
         loops.append(_parallel(loop))
-    return _with_scatter_add_loops(func, matched, loops)
-
-
-def _lowers(func):
-    """True if the scheduled kernel survives TIR's cross-thread reduction lowering (dlight
-    can produce a cross-thread reduction of a combiner TVM then cannot lower)."""
-    from tvm.s_tir import transform as st
-    try:
-        st.LowerCrossThreadReduction()(tvm.IRModule({"main": func}))
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
-def schedule_gpu_prim_func(func, target, rules=None):
-    """``func`` scheduled by schedule_scatter_add if it is take_backward, else by the first of
-    dlight's GPU rules that applies to it and whose result lowers (every loop bound to GPU
-    threads), else run_on_one_gpu_thread. A rule
-    that raises on a kernel it claims is skipped — in TVM 0.27 dlight's Reduction asserts on
-    some training-step reductions (``detect_dominant_read``) and others yield cross-thread
-    reductions TVM cannot lower ("No matched reducer") — and the next rule tried."""
-    scatter_add = schedule_scatter_add(func)
-    if scatter_add is not None:
-        return scatter_add
-    for rule in rules or _gpu_rules():
-        try:
-            space = rule.apply(func, target, False)
-        except Exception:  # noqa: BLE001 - a rule's own bug: the next rule schedules it
-            continue
-        if space is None:
-            continue
-        sch = space[0] if isinstance(space, (list, tuple)) else space
-        scheduled = sch.mod["main"].with_attr(SCHEDULED, True)
-        if _lowers(scheduled):
-            return scheduled
-    return run_on_one_gpu_thread(func)
-
-
-@tvm.transform.module_pass(opt_level=0, name="ScheduleGPU")
-class ScheduleGPU:
-    """dlight's default GPU schedules (what TVM's CUDA pipeline applies), tolerant of a rule
-    that fails on one kernel: see ``schedule_gpu_prim_func``. Run under the CUDA target."""
-
-    def transform_module(self, mod, ctx):
-        target = tvm.target.Target.current(allow_none=False)
-        rules = _gpu_rules()
-        updated = {}
-        for gvar, func in mod.functions_items():
-            if not isinstance(func, tvm.tirx.PrimFunc):
-                continue
-            if func.attrs is not None and int(func.attrs.get(SCHEDULED, 0)) == 1:
-                continue
-            updated[gvar] = schedule_gpu_prim_func(func, target, rules)
-        mod = mod.clone()  # the caller's module stays as it was
-        for gvar, func in updated.items():
-            mod[gvar] = func
-        return mod
+    return with_scatter_add_loops(func, matched, loops)
