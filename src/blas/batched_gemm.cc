@@ -70,7 +70,9 @@ thread_local bool in_pool_task = false;
 template <typename Body>
 void RunOnThreads(int first, int tasks, Body& body) {
   std::vector<std::thread> threads;
-  for (int task = first + 1; task < tasks; ++task) threads.emplace_back([&body, task] { body(task); });
+  for (int task = first + 1; task < tasks; ++task) {
+    threads.emplace_back([&body, task] { body(task); });
+  }
   body(first);
   for (std::thread& thread : threads) thread.join();
 }
