@@ -8,7 +8,7 @@
  * the same cores: after a GEMM, OpenBLAS's workers spin (up to 2^28 cycles) while TVM's wake
  * from sleep for the next kernel, and the two take turns on a core (measured: a 64 x
  * 64x64x32 batched product split over two threads 0.11 ms alone, 0.19 ms right after a GEMM;
- * the bias add after a GEMM 60 -> 90 us). OpenBLAS >= 0.3.27 lets the application run its
+ * the bias add after a GEMM 70 -> 92 us). OpenBLAS >= 0.3.27 lets the application run its
  * jobs (`openblas_set_threads_callback_function`), so they run on TVM's workers, which
  * PyTorch's one OpenMP pool for ATen and MKL also gets by construction.
  *
@@ -66,14 +66,20 @@ pid_t pool_pid = 0;  // the process whose pool it is: a forked child has none of
 // set inside a pool task
 thread_local bool in_pool_task = false;
 
-// body(task) for the tasks in [first, tasks) on threads of their own, task `first` on this one
+// True on the thread that owns TVM's pool, outside its tasks: where a launch may go
+bool CanLaunchHere() {
+  return launch.load() != nullptr && !in_pool_task &&
+         std::this_thread::get_id() == pool_owner.load();
+}
+
+// body(own) on this thread while the tasks in [first, end) run on threads of their own
 template <typename Body>
-void RunOnThreads(int first, int tasks, Body& body) {
+void RunBesideThreads(int own, int first, int end, Body& body) {
   std::vector<std::thread> threads;
-  for (int task = first + 1; task < tasks; ++task) {
+  for (int task = first; task < end; ++task) {
     threads.emplace_back([&body, task] { body(task); });
   }
-  body(first);
+  body(own);
   for (std::thread& thread : threads) thread.join();
 }
 
@@ -86,9 +92,7 @@ void RunConcurrently(int tasks, Body& body) {
     body(0);
     return;
   }
-  ParallelLaunch pool = launch.load();
-  if (pool != nullptr && tasks <= pool_threads.load() && !in_pool_task &&
-      std::this_thread::get_id() == pool_owner.load()) {
+  if (CanLaunchHere() && tasks <= pool_threads.load()) {
     struct Closure {
       Body* body;
       int tasks;
@@ -99,12 +103,7 @@ void RunConcurrently(int tasks, Body& body) {
       if (task == 0 && env->num_task < c->tasks) {
         // TVM ran fewer tasks than asked (it runs only task 0 while its TVM_NUM_THREADS is 1):
         // the rest on threads of their own, at the same time
-        std::vector<std::thread> threads;
-        for (int t = env->num_task; t < c->tasks; ++t) {
-          threads.emplace_back([c, t] { (*c->body)(t); });
-        }
-        (*c->body)(0);
-        for (std::thread& thread : threads) thread.join();
+        RunBesideThreads(0, env->num_task, c->tasks, *c->body);
       } else {
         (*c->body)(task);
       }
@@ -112,13 +111,15 @@ void RunConcurrently(int tasks, Body& body) {
       return 0;
     };
     int rc = -1;
+    ParallelLaunch pool = launch.load();
     try {
-      rc = pool(lambda, &closure, tasks);  // TVM's checks throw before any task is queued
+      // TVM's checks throw before any task is queued
+      if (pool != nullptr) rc = pool(lambda, &closure, tasks);
     } catch (...) {
     }
     if (rc == 0) return;
   }
-  RunOnThreads(0, tasks, body);
+  RunBesideThreads(0, 1, tasks, body);
 }
 
 // OpenBLAS's openblas_threads_callback: run dojob(i, &jobdata[i], dojob_data) for every job.
@@ -172,10 +173,9 @@ void Batched(int64_t fn, int64_t batch, bool trans_a, bool trans_b, int64_t m, i
   };
   // on this thread alone without TVM's pool (another thread, a forked child) or inside one of
   // its tasks: the tasks need not run at once, each takes what is left
-  bool pooled = launch.load() != nullptr && !in_pool_task &&
-                std::this_thread::get_id() == pool_owner.load();
-  RunConcurrently(pooled ? static_cast<int>(std::min<int64_t>(pool_threads.load(), batch)) : 1,
-                  task);
+  RunConcurrently(
+      CanLaunchHere() ? static_cast<int>(std::min<int64_t>(pool_threads.load(), batch)) : 1,
+      task);
 }
 
 using SetThreadsCallback = void (*)(decltype(&OpenblasThreads));
@@ -185,7 +185,8 @@ using SetThreadsCallback = void (*)(decltype(&OpenblasThreads));
 TVM_FFI_STATIC_INIT_BLOCK() {
   namespace refl = tvm::ffi::reflection;
   refl::GlobalDef()
-      // TVM's TVMBackendParallelLaunch and its pool size (set_num_threads): 0 forgets the pool
+      // TVM's TVMBackendParallelLaunch and its pool size (set_num_threads), for this thread;
+      // false in a forked child of the process that first gave them
       .def("raf_dist.blas.use_pool",
            [](int64_t parallel_launch, int64_t threads) -> bool {
              static std::once_flag once;

@@ -1,12 +1,12 @@
-"""Host BLAS on TVM's thread pool (runtime/blas.py, src/blas/batched_gemm.cc): TVM's pool really
-has the threads set_num_threads asks for, numpy's OpenBLAS runs its parallel jobs there, and a
-batch of small products spread over the pool equals numpy's matmul in every layout."""
+"""Host BLAS on TVM's thread pool (runtime/openblas.py, src/blas/batched_gemm.cc): TVM's pool
+really has the threads set_num_threads asks for, numpy's OpenBLAS runs its parallel jobs there,
+and a batch of small products spread over the pool equals numpy's matmul in every layout."""
 import numpy as np
 import pytest
 import tvm
 import tvm_ffi
 
-from raf_dist.runtime import available_cores, blas, set_num_threads
+from raf_dist.runtime import available_cores, blas, openblas, set_num_threads
 
 needs_two_cores = pytest.mark.skipif(available_cores() < 2, reason="needs 2 cores")
 
@@ -14,9 +14,9 @@ needs_two_cores = pytest.mark.skipif(available_cores() < 2, reason="needs 2 core
 @pytest.fixture(scope="module")
 def two_threads():
     set_num_threads(2)
-    if not blas.can_share_pool():
+    if not openblas.can_share_pool():
         pytest.skip("numpy's BLAS is not an OpenBLAS with a threads callback")
-    return blas._native_funcs()
+    return openblas._native_funcs()
 
 
 @needs_two_cores
@@ -61,7 +61,7 @@ def test_batched_products_equal_numpy(two_threads, shape_a, shape_b, trans_a, tr
     b_view = b.swapaxes(-1, -2) if trans_b else b
     expected = np.matmul(a_view.astype(np.float64), b_view.astype(np.float64))
     out = np.full(expected.shape, np.nan, dtype)
-    assert blas._batched_matmul(a_view, b_view, out), "the batched path refused the layout"
+    assert openblas.batched_matmul(a_view, b_view, out), "the batched path refused the layout"
     np.testing.assert_allclose(out, expected, rtol=1e-4 if dtype == "float32" else 1e-12,
                                atol=1e-4 if dtype == "float32" else 1e-12)
     # and through raf_dist.blas.matmul as a compiled step calls it
@@ -79,15 +79,15 @@ def test_layouts_the_batched_path_refuses_go_to_numpy(two_threads):
     a = rng.standard_normal((3, 1, 20, 8)).astype(np.float32)
     b = rng.standard_normal((5, 8, 12)).astype(np.float32)
     out = np.full((3, 5, 20, 12), np.nan, np.float32)
-    assert not blas._batched_matmul(a, b, out)
+    assert not openblas.batched_matmul(a, b, out)
     blas.matmul(tvm_ffi.from_dlpack(a), tvm_ffi.from_dlpack(b), False, False,
                 tvm_ffi.from_dlpack(out))
     np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
     swapped = rng.standard_normal((4, 8, 16, 16)).astype(np.float32).transpose(1, 0, 2, 3)
-    assert not blas._batched_matmul(swapped, swapped, np.empty((8, 4, 16, 16), np.float32))
+    assert not openblas.batched_matmul(swapped, swapped, np.empty((8, 4, 16, 16), np.float32))
     # a product big enough for OpenBLAS's own split (more than 65536 x 4 multiply-adds)
     big = rng.standard_normal((2, 128, 128)).astype(np.float32)
-    assert not blas._batched_matmul(big, big, np.empty((2, 128, 128), np.float32))
+    assert not openblas.batched_matmul(big, big, np.empty((2, 128, 128), np.float32))
 
 
 @needs_two_cores
@@ -103,7 +103,7 @@ def test_blas_in_a_forked_child_does_not_wait_for_the_parents_pool(two_threads):
     if pid == 0:  # a data-loader worker: none of TVM's workers came along
         try:
             out = np.empty((8, 32, 32), np.float32)
-            ok = np.allclose(a @ a, 128.0) and blas._batched_matmul(small, small, out) \
+            ok = np.allclose(a @ a, 128.0) and openblas.batched_matmul(small, small, out) \
                 and np.allclose(out, 8.0)
             os._exit(0 if ok else 1)
         except BaseException:
@@ -127,7 +127,7 @@ def test_rows_longer_than_the_matrix(two_threads):
     a = rng.standard_normal((8, 16, 64)).astype(np.float32)[:, :, 8:40]
     b = rng.standard_normal((8, 48, 24)).astype(np.float32)[:, 4:36, :20]
     out = np.empty((8, 16, 20), np.float32)
-    assert blas._batched_matmul(a, b, out)
+    assert openblas.batched_matmul(a, b, out)
     np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
 
 
@@ -147,7 +147,7 @@ def test_blas_from_another_thread_while_the_owner_computes(two_threads):
         out = np.empty_like(small)
         results["other"] = [np.allclose(a @ a, expected, rtol=1e-4, atol=1e-2)
                             for _ in range(20)]
-        results["other_small"] = blas._batched_matmul(small, small, out) and \
+        results["other_small"] = openblas.batched_matmul(small, small, out) and \
             np.allclose(out, expected_small, rtol=1e-4, atol=1e-4)
 
     thread = threading.Thread(target=other)

@@ -16,7 +16,7 @@ import os
 import threadpoolctl
 import tvm
 
-from . import blas
+from . import openblas
 
 logger = logging.getLogger("raf_dist")
 
@@ -31,7 +31,7 @@ def available_cores() -> int:
 
 def set_num_threads(num_threads: int) -> None:
     """Size TVM's pool and numpy's BLAS to ``num_threads``, one pool for both where the BLAS
-    allows it (``blas.set_threads``).
+    allows it (``openblas.set_threads``).
 
     TVM makes its pool once per thread, with ``TVM_NUM_THREADS`` workers (else half the
     hardware threads: 1 on a 2-core machine), and runs every kernel on the calling thread alone
@@ -48,7 +48,7 @@ def set_num_threads(num_threads: int) -> None:
     calling thread's affinity is restored in any case, so the process keeps every core it had.
     """
     num_threads = max(1, int(num_threads))
-    if not blas.can_share_pool():
+    if not openblas.can_share_pool():
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
     # TVM reads this each time it (re)configures its pool, also lazily at the first parallel
     # kernel, so it must stay in the environment rather than be set around one call
@@ -69,7 +69,7 @@ def set_num_threads(num_threads: int) -> None:
                     sorted(_affinity()), sorted(affinity))
         os.sched_setaffinity(0, affinity)
     threadpoolctl.threadpool_limits(limits=pool, user_api="blas")
-    blas.set_threads(pool)
+    openblas.set_threads(pool)
 
 
 def _affinity():
