@@ -307,7 +307,7 @@ def single_process_reference(name, opt_name, global_batch, steps):
                        "pipeline_parallel_size": 1})
         module, x, y = make(name, global_batch, seed=0)
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
-                                   optimizer=raf_optimizer(opt_name))
+                                   optimizer=raf_optimizer(opt_name), local=True)
         losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(steps)]
         reference = (losses, trainer.state_dict(), trainer.optimizer_state_dict())
         config.update(saved)

@@ -48,7 +48,7 @@ class Trainer:
     """
 
     def __init__(self, model, loss="cross_entropy", optimizer=None, device="cpu", cache_dir=None,
-                 seed=0, nonfinite="raise", tensor_parallel_plan=None):
+                 seed=0, nonfinite="raise", tensor_parallel_plan=None, local=False):
         """``nonfinite``: what ``step`` does when the loss or a gradient is NaN or infinite:
         ``"raise"`` (default) raises FloatingPointError naming the step, ``"skip"`` returns the
         NaN loss and logs a warning on the ``raf_dist`` logger; either way the update is not
@@ -60,13 +60,22 @@ class Trainer:
 
         ``tensor_parallel_plan`` (with ``tensor_parallel_size`` > 1): {parameter or module
         name pattern: "colwise" | "rowwise" | "replicate"} instead of the plan the
-        tensor-parallel pass finds itself (``raf_dist.explain_parallel_plan`` prints either)."""
+        tensor-parallel pass finds itself (``raf_dist.explain_parallel_plan`` prints either).
+
+        ``local=True``: a Trainer of this rank alone (a reference or evaluation model built on
+        some ranks only): it takes part in no agreement and no collective, and refuses any
+        parallelism in the config. Otherwise, in a world of several ranks, every rank's
+        Trainer meets the others' at construction (``_agree``), so ranks that disagree on
+        the parallelism stop at once, naming the field, instead of waiting in a collective."""
         self._check_arguments(model, loss, optimizer, device, nonfinite)
         config = get_config()
         config.check()
         config.check_supported()
         self.config = config.as_dict()
         self.comm = get_communicator()
+        self.local = bool(local)
+        if self.local:
+            _check_local(config)
         # the mesh pp x dp x tp (DESIGN.md 1): sizes checked on every rank before any collective
         self.tp = int(config.tensor_parallel_size)
         dp_size = (check_mesh(self.comm.size, self.tp, config.pipeline_parallel_size,
@@ -78,7 +87,7 @@ class Trainer:
         # every rank builds this Trainer and compiles the same step (SPMD): data or tensor
         # parallel over several ranks. Otherwise a Trainer is a local object
         self.spmd = self.comm.size > 1 and (self.data_parallel or self.tp > 1)
-        if self.spmd:  # the ranks agree on what they build before any other collective
+        if self.comm.size > 1 and not self.local:  # before any other collective
             self._agree(model, loss, optimizer, device)
         self.mesh = get_mesh(config) if self.tp > 1 else None
         self.world = dp_size if self.data_parallel else 1
@@ -212,16 +221,24 @@ class Trainer:
 
     def _agree(self, model, loss, optimizer, device):
         """Before its first collective (the mesh's splits, the device check, the parameter
-        broadcast) a collective Trainer meets every rank: a barrier with a timeout whose
-        error names the ranks that never came (a rank that built its Trainer without data or
-        tensor parallelism takes part in nothing and would leave the others waiting
-        forever), then every rank's config, device, loss, optimizer and model (names, shapes,
-        dtypes) compared, so a mismatch is one ValueError naming the difference on every rank
-        instead of unrelated failures in the collectives that follow."""
+        broadcast) a Trainer in a world of several ranks meets every rank, whatever its own
+        config asks for: a barrier with a timeout whose error names the ranks that never
+        came, then every rank's parallelism settings compared (a rank with data parallelism
+        off would otherwise train alone and leave the others waiting in their first
+        collective), then, when the ranks build one job together, every rank's config,
+        device, loss, optimizer and model (names, shapes, dtypes), so a mismatch is one
+        ValueError naming the difference on every rank instead of unrelated failures in the
+        collectives that follow. Ranks that all ask for no parallelism train as independent
+        processes (each its own model) once they have agreed on that."""
         self.comm.idle_barrier(
-            "the agreement at Trainer construction (every rank must build its Trainer with "
-            "the same enable_data_parallel, zero_opt_level and tensor_parallel_size; a rank "
-            "with data parallelism off builds a local Trainer and never joins)")
+            "the agreement at Trainer construction (in a world of several ranks every rank "
+            "builds its Trainer, with the same parallelism settings; a Trainer of one rank "
+            "alone is built with Trainer(..., local=True))")
+        parallelism = {"config": {k: self.config[k] for k in _PARALLELISM_FIELDS}}
+        _raise_if_ranks_differ(self.comm.mpi_comm.allgather(parallelism),
+                               "asked for different parallelism")
+        if not self.spmd:  # every rank agreed to train on its own
+            return
         description = {
             "config": self.config, "device": device_lib.parse(device)[0], "loss": loss,
             "optimizer": [type(optimizer).__name__, optimizer.config()],
@@ -820,6 +837,25 @@ class Trainer:
             "comm_bytes_by_axis": dict(self._comm_by_axis),
             **device_lib.memory_stats(self._device),  # GPU: used / total (pynvml)
         }
+
+
+#: the settings that decide whether and how the ranks train together (checked by every
+#: Trainer of a world of several ranks, Trainer._agree)
+_PARALLELISM_FIELDS = ("enable_data_parallel", "zero_opt_level", "tensor_parallel_size",
+                       "pipeline_parallel_size")
+
+
+def _check_local(config):
+    """A ``local=True`` Trainer asks for no parallelism (it joins no collective)."""
+    alone = {"enable_data_parallel": False, "zero_opt_level": 0, "tensor_parallel_size": 1,
+             "pipeline_parallel_size": 1}
+    asked = {k: getattr(config, k) for k in _PARALLELISM_FIELDS if getattr(config, k) != alone[k]}
+    if asked:
+        raise ValueError(
+            f"Trainer(local=True) builds a Trainer of this rank alone, but the config asks "
+            f"for parallelism ({', '.join(f'{k}={v!r}' for k, v in asked.items())}). Reset "
+            "those fields (dist.get_config().update(...)) for the local Trainer, or build it "
+            "on every rank without local=True")
 
 
 def _raise_if_ranks_differ(descriptions, what):

@@ -52,7 +52,7 @@ from .loss import check_targets, num_classes
 from .pipeline import build_stage_functions, build_update_step
 from .step import TrainStepSignature
 # raf_dist.trainer imports this module only when it builds a PipelineTrainer
-from ..trainer import Trainer, _check_array, _nbytes, step_passes
+from ..trainer import Trainer, _check_array, _check_local, _nbytes, step_passes
 
 _LOG = logging.getLogger("raf_dist")
 
@@ -78,10 +78,13 @@ class PipelineTrainer(Trainer):
     ``profile`` and the per-batch-size step variants are not available under pipelining."""
 
     def __init__(self, model, loss="cross_entropy", optimizer=None, device="cpu", cache_dir=None,
-                 seed=0, nonfinite="raise", tensor_parallel_plan=None):
+                 seed=0, nonfinite="raise", tensor_parallel_plan=None, local=False):
 
         Trainer._check_arguments(model, loss, optimizer, device, nonfinite)
         config = get_config()
+        self.local = bool(local)
+        if self.local:
+            _check_local(config)  # raises: pipelining is parallelism
         config.check()
         config.check_supported()
         self.config = config.as_dict()
