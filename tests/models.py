@@ -66,6 +66,15 @@ class TransformerBlock(nn.Module):
         return self.head(x)
 
 
+class FlatLM(TransformerBlock):
+    """nanoGPT's interface: logits flattened to ``(batch * seq, vocab)`` against targets of
+    shape ``(batch * seq,)`` (the target's rows are not the input's rows)."""
+
+    def forward(self, idx):
+        logits = super().forward(idx)
+        return logits.reshape(-1, logits.shape[-1])
+
+
 class MHAClassifier(nn.Module):
     """torch.nn.MultiheadAttention, then mean pooling."""
 
@@ -202,6 +211,9 @@ def make(name, batch, seed=0):
     if name == "transformer4":  # 4 heads: splits over 2 and 4 tensor-parallel ranks
         return (TransformerBlock(heads=4), torch.randint(0, 24, (batch, 8), generator=gen),
                 torch.randint(0, 24, (batch, 8), generator=gen))
+    if name == "flat_lm":  # targets (batch * 8,): 8 target rows per input row
+        return (FlatLM(heads=4), torch.randint(0, 24, (batch, 8), generator=gen),
+                torch.randint(0, 24, (batch * 8,), generator=gen))
     if name == "tied":
         return (TiedLM(), torch.randint(0, 16, (batch, 5), generator=gen),
                 torch.randint(0, 16, (batch, 5), generator=gen))

@@ -131,6 +131,8 @@ class Trainer:
                                                    nonfinite_guard=self._nonfinite_guard(),
                                                    loss_weight=self._weighted_loss,
                                                    tensor_parallel=self.tp > 1)
+        batching.check_target_splits(self.signature.target_spec, model.batch_size,
+                                     self.microbatches, model.source)
         # for the target check: the model's classes (all of them under tensor parallelism)
         self._classes = num_classes((self.full_model if self.tp > 1 else model).forward, loss)
         self.skipped_steps = 0  # steps whose update nonfinite="skip" left out
@@ -327,8 +329,8 @@ class Trainer:
         rows = batching.leading_rows(inputs, self.signature.input_specs, self.batch_size)
         for i, (a, spec) in enumerate(zip(inputs, self.signature.input_specs)):
             _check_array(a, batching.batched_spec(spec, rows, self.batch_size), f"input {i}")
-        _check_array(y, batching.batched_spec(self.signature.target_spec, rows, self.batch_size),
-                     "target")
+        _check_array(y, batching.batched_target_spec(self.signature.target_spec, rows,
+                                                     self.batch_size), "target")
         if self._classes is not None:  # before any collective: the message names the value
             check_targets(y, self._classes)
         pieces = batching.microbatches(rows, self.microbatches)
@@ -416,8 +418,11 @@ class Trainer:
         args += [tvm.runtime.tensor(m, self._device) for m in self.dropout_masks(
             self.step_count + 1, rows, microbatch)]
         args += self._frozen
-        args.append(self._to_device(piece(y, self.signature.target_spec), signature.target_spec,
-                                    "target"))
+        target = y
+        if microbatch is not None:  # this microbatch's share of the target's rows
+            target = batching.target_piece(y, start, rows, batching.target_rows_per_row(
+                self.signature.target_spec, captured))
+        args.append(self._to_device(target, signature.target_spec, "target"))
         if signature.loss_weight_dtype is not None:  # this piece's share of the global batch
             weight = batching.loss_weight(rows, rows_per_rank)
             args.append(tvm.runtime.tensor(np.array(weight, dtype=signature.loss_weight_dtype),

@@ -16,7 +16,8 @@ def train(name, optimizer, microbatches, batches):
         module, x, y = make(name, 8)
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                    optimizer=raf_optimizer(optimizer))
-        losses = [trainer.step(x.numpy()[:rows], y.numpy()[:rows]) for rows in batches]
+        per_row = len(y) // len(x)  # target rows per input row (flat_lm: seq)
+        losses = [trainer.step(x.numpy()[:rows], y.numpy()[:rows * per_row]) for rows in batches]
         return losses, trainer
     finally:
         config.num_microbatches = 1
@@ -24,7 +25,9 @@ def train(name, optimizer, microbatches, batches):
 
 @pytest.mark.parametrize("name,optimizer,microbatches,batches", [
     ("mlp", "sgd_momentum", 3, [8, 8, 6]),  # 8 rows as 3 + 3 + 2; then another batch size
-    ("mlp", "adam", 2, [8, 7])])
+    ("mlp", "adam", 2, [8, 7]),
+    # targets of batch * seq rows (nanoGPT's flattened logits): each microbatch its share
+    ("flat_lm", "adamw", 2, [8, 5])])
 def test_microbatches_equal_one_step_on_the_whole_batch(name, optimizer, microbatches, batches):
     ref_losses, ref = train(name, optimizer, 1, batches)
     losses, trainer = train(name, optimizer, microbatches, batches)
@@ -46,6 +49,29 @@ def test_fewer_rows_than_microbatches_still_one_exact_step():
     assert rel_err(losses, ref_losses) <= 1e-6
     for key, value in ref.state_dict().items():
         assert rel_err(trainer.state_dict()[key], value) <= 1e-6, key
+
+
+def test_a_target_that_does_not_follow_the_batch_is_refused_under_microbatches():
+    """The target's leading dimension (3) is no multiple of the input's rows (4): no
+    microbatch can carry a share of it; refused when the Trainer is built."""
+    import torch
+
+    class Pooled(torch.nn.Module):  # the batch pooled away: 3 outputs whatever the rows
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(20, 3)
+
+        def forward(self, x):
+            return self.fc(x).sum(0)
+
+    config = dist.get_config()
+    config.num_microbatches = 2
+    try:
+        model = raf_dist.frontend.from_pytorch(Pooled(), (torch.randn(4, 20),))
+        with pytest.raises(ValueError, match="does not follow the batch"):
+            raf_dist.Trainer(model, loss="mse", optimizer=raf_optimizer("adamw"))
+    finally:
+        config.reset()
 
 
 def test_zero3_with_microbatches_is_refused_before_anything_runs():

@@ -43,6 +43,49 @@ def batched_spec(spec, rows: int, captured_rows: int):
     return shape, dtype
 
 
+def target_rows_per_row(target_spec, captured_rows: int):
+    """How many rows of the target each input row carries: 1 for a target of the batch's
+    rows, T for a flattened one (a language model's ``logits.reshape(B * T, V)`` against
+    targets of shape ``(B * T,)``); None when the target's leading dimension is not a
+    multiple of the captured rows (it does not follow the batch: a microbatch cannot carry a
+    share of it)."""
+    shape = tuple(int(d) for d in target_spec[0])
+    if not len(shape) or not captured_rows or shape[0] % int(captured_rows):
+        return None
+    return shape[0] // int(captured_rows)
+
+
+def batched_target_spec(target_spec, rows: int, captured_rows: int):
+    """The target's (shape, dtype) for a batch of ``rows`` input rows: its leading dimension
+    scaled with the batch (``target_rows_per_row`` target rows per input row), else
+    unchanged."""
+    shape, dtype = target_spec
+    shape = tuple(int(d) for d in shape)
+    per_row = target_rows_per_row(target_spec, captured_rows)
+    if per_row is None:
+        return shape, dtype
+    return (int(rows) * per_row,) + shape[1:], dtype
+
+
+def target_piece(target, start: int, rows: int, per_row: int):
+    """The target rows of input rows [start, start + rows) (``per_row`` target rows each)."""
+    return np.asarray(target)[start * per_row:(start + rows) * per_row]
+
+
+def check_target_splits(target_spec, captured_rows: int, microbatches: int, what: str) -> None:
+    """Microbatches (gradient accumulation or pipelining) carry the same share of the
+    target's rows as of the input's: refused at construction when the target's leading
+    dimension is not a multiple of the input's rows."""
+    if microbatches > 1 and target_rows_per_row(target_spec, captured_rows) is None:
+        raise ValueError(
+            f"{what}: the target's shape {tuple(int(d) for d in target_spec[0])} does not "
+            f"follow the batch ({captured_rows} input rows: its leading dimension must be a "
+            f"multiple of them), so num_microbatches={microbatches} cannot give each "
+            "microbatch its share of the target. Return outputs whose leading dimension is "
+            "the batch or a multiple of it (e.g. logits.reshape(B * T, V) with targets of "
+            "shape (B * T,)), or set num_microbatches=1")
+
+
 def leading_rows(arrays, specs, captured_rows: int) -> int:
     """The rows of this batch: the leading dimension of the first input whose captured
     leading dimension is the batch. Raises naming the input when the batched inputs disagree

@@ -120,6 +120,10 @@ class PipelineTrainer(Trainer):
             raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1")
         self._classes = num_classes(self.full_model.forward, loss)
         self.batch_size = model.batch_size
+        batching.check_target_splits(self._captured_target_spec(), self.batch_size,
+                                     self.microbatches, model.source)
+        self._target_per_row = batching.target_rows_per_row(self._captured_target_spec(),
+                                                            self.batch_size)
         self.split_points = config.pipeline_split_points
         self.activation_checkpointing = bool(config.activation_checkpointing)
         frozen = set(getattr(model, "frozen_params", ()))
@@ -224,8 +228,8 @@ class PipelineTrainer(Trainer):
             last = s == self.num_stages - 1
             fns = build_stage_functions(
                 s, last, func, masks, names, self._frozen_names, self.loss,
-                target_spec=batching.batched_spec(self._captured_target_spec(), rows,
-                                                  self.batch_size) if last else None,
+                target_spec=batching.batched_target_spec(self._captured_target_spec(), rows,
+                                                         self.batch_size) if last else None,
                 vocab_parallel=getattr(self.model, "output_split_classes", 0) > 1)
             compiled = compile_step(fns.mod, passes=passes, target=self._target,
                                     cache_dir=self._cache_dir)
@@ -273,8 +277,8 @@ class PipelineTrainer(Trainer):
         rows = batching.leading_rows(inputs, self.model.input_specs, self.batch_size)
         for i, (a, spec) in enumerate(zip(inputs, self.model.input_specs)):
             _check_array(a, batching.batched_spec(spec, rows, self.batch_size), f"input {i}")
-        _check_array(y, batching.batched_spec(self._captured_target_spec(), rows,
-                                              self.batch_size), "target")
+        _check_array(y, batching.batched_target_spec(self._captured_target_spec(), rows,
+                                                     self.batch_size), "target")
         if self._classes is not None:
             check_targets(y, self._classes)
         if rows % self.microbatches:
@@ -343,8 +347,8 @@ class PipelineTrainer(Trainer):
         seed = tvm.runtime.tensor(np.array(weight, dtype=self._hyper_dtype), dev)
         loss_sum = 0.0
 
-        def rows_of(array, m):
-            return np.ascontiguousarray(np.asarray(array)[m * mb:(m + 1) * mb])
+        def rows_of(array, m, per_row=1):
+            return np.ascontiguousarray(batching.target_piece(array, m * mb, mb, per_row))
 
         timeline = []  # (kind, stage, microbatch, start, end) of each F / B, this step
         sent = 0  # bytes of activations and gradients this rank sent
@@ -369,7 +373,7 @@ class PipelineTrainer(Trainer):
                 else:
                     data = [handoff.pop(("F", s, m))]
                 if fns.last:
-                    data.append(tvm.runtime.tensor(rows_of(y, m), dev))
+                    data.append(tvm.runtime.tensor(rows_of(y, m, self._target_per_row), dev))
                 params = [self._tensors[n] for n in fns.param_names]
                 if self.activation_checkpointing:
                     primary = stage.vm["forward_only"](*data, *params)

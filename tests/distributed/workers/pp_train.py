@@ -48,7 +48,9 @@ def main():
             p.data.normal_()
     local = GLOBAL_BATCH // dp
     rows = slice(mesh.dp_rank * local, (mesh.dp_rank + 1) * local)
-    xs, ys = x[rows].numpy(), y[rows].numpy()
+    per_row = len(y) // len(x)  # target rows per input row (flat_lm: its sequence)
+    xs = x[rows].numpy()
+    ys = y[rows.start * per_row:rows.stop * per_row].numpy()
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x[rows],)),
                                optimizer=raf_optimizer(opt_name))
     assert isinstance(trainer, raf_dist.Trainer) and trainer.num_stages >= pp
