@@ -353,11 +353,13 @@ def read_range(directory, meta, key, numel, begin, end, dtype, files=None):
 # ---- a Trainer's checkpoints ------------------------------------------------------------
 def _rank(trainer):
     """The rank whose file this process writes and whose ranges it reads."""
-    if not trainer.data_parallel and trainer.comm.size > 1:
+    if not trainer.data_parallel and trainer.comm.size > 1 and not getattr(trainer, "local",
+                                                                            False):
         raise ValueError(
             "save_checkpoint/load_checkpoint on a Trainer without data parallelism in a "
-            f"{trainer.comm.size}-rank job: every rank would use the same files. Enable "
-            "data parallelism, or give each rank its own directory")
+            f"{trainer.comm.size}-rank job: every rank would write the same files. Enable "
+            "data parallelism, or build the Trainer with Trainer(..., local=True) (a Trainer "
+            "of its rank alone, whose checkpoint directory is its own)")
     return trainer.comm.rank if trainer.world > 1 else 0
 
 

@@ -142,18 +142,21 @@ def trace_path(directory, rank: int) -> Path:
 
 
 class StepProfiler:
-    """Records ``steps`` consecutive Trainer steps on ``vm`` and writes the trace when the
-    last one ends (or when the process exits first)."""
+    """Records ``steps`` consecutive Trainer steps on the VMs ``vms`` (one VirtualMachine or
+    several: a step compiled per batch size, a pipeline's stages and update) and writes the
+    trace when the last one ends (or when the process exits first). A VM built while it
+    records (a new batch size) joins through ``attach``."""
 
-    def __init__(self, vm, rank: int, steps: int, directory):
+    def __init__(self, vms, rank: int, steps: int, directory):
         if int(steps) < 1:
             raise ValueError(f"profile(steps={steps!r}): give the number of steps to record (>= 1)")
-        self.vm = vm
+        self.vms = []
         self.remaining = int(steps)
         self.path = trace_path(directory, rank)
         self.recorder = TraceRecorder(rank)
         self.written = False
-        vm.set_instrument(self.recorder.instrument)
+        for vm in (vms if isinstance(vms, (list, tuple)) else [vms]):
+            self.attach(vm)
         atexit.register(self.finish)
         logger.info("profiling the next %d step(s) of rank %d into %s", self.remaining, rank,
                     self.path)
@@ -161,6 +164,12 @@ class StepProfiler:
     @property
     def active(self) -> bool:
         return self.remaining > 0
+
+    def attach(self, vm) -> None:
+        """Record ``vm``'s calls too, while steps remain to be recorded."""
+        if self.active and not any(v is vm for v in self.vms):
+            vm.set_instrument(self.recorder.instrument)
+            self.vms.append(vm)
 
     def step(self, run_step, step_number: int, *args):
         """``run_step(*args)`` recorded as one "step" event (with the VM calls inside it)."""
@@ -180,7 +189,8 @@ class StepProfiler:
             return
         self.written = True
         self.remaining = 0
-        self.vm.set_instrument(None)
+        for vm in self.vms:
+            vm.set_instrument(None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.recorder.trace()))

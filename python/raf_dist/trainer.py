@@ -147,6 +147,7 @@ class Trainer:
             self._step_passes = self._passes(config)  # again for each new batch size
             self.compiled = self._compile(config, cache_dir)
             self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
+            self._vms = [self._vm]  # every step VM, for profile (one per batch size seen)
             # one compiled step per batch size (rows on this rank) seen, the captured one first
             self.batch_size = model.batch_size
             self._variants = {self.batch_size: batching.StepVariant(
@@ -315,7 +316,7 @@ class Trainer:
         ``python -m raf_dist.tools.timeline path``."""
         if self._profiling is not None:
             self._profiling.finish()  # a trace already being recorded is written as it is
-        self._profiling = profiler.StepProfiler(self._vm, self.comm.rank, steps, path)
+        self._profiling = profiler.StepProfiler(list(self._vms), self.comm.rank, steps, path)
         return str(self._profiling.path)
 
     def _run_step(self, x, y):
@@ -616,8 +617,11 @@ class Trainer:
         passes = self._step_passes if kind != "partial" else self._passes(get_config(),
                                                                               local=True)
         compiled = compile_step(ir, passes=passes, target=self._target, cache_dir=self._cache_dir)
-        step_fn = relax.VirtualMachine(compiled.executable, self._device)["train_step"]
-        variant = batching.StepVariant(rows, model, signature, compiled, step_fn, kind)
+        vm = relax.VirtualMachine(compiled.executable, self._device)
+        self._vms.append(vm)
+        if self._profiling is not None:  # a size first seen while profiling is recorded too
+            self._profiling.attach(vm)
+        variant = batching.StepVariant(rows, model, signature, compiled, vm["train_step"], kind)
         self._variants[key] = variant
         return variant
 

@@ -299,6 +299,30 @@ def partition(graph, num_stages, split_points=None):
                 f"the model has {len(points)} single-tensor cut points; {num_stages} stages "
                 f"need {num_stages - 1}. Use fewer stages (pipeline_parallel_size)")
         cuts, how = _balance(graph, points, num_stages), "partitioner"
+    return _stage_plan(graph, cuts, how)
+
+
+def plan_like(plan, graph):
+    """``plan``'s stages on ``graph``, the same forward captured at another batch size (the
+    pipeline's steps for other microbatch rows): the same cuts, checked to be single-tensor
+    cut points of ``graph`` too, so every size runs the same stages with the same
+    parameters."""
+    if len(graph.data) != len(plan.graph.data):
+        raise ValueError(
+            f"the model captured at this batch size has {len(graph.data)} data bindings, the "
+            f"captured one {len(plan.graph.data)}: its pipeline stages cannot be the same. "
+            "Use the captured batch size")
+    points = {p.position for p in graph.cut_points()}
+    lost = [c for c in plan.cuts if c not in points]
+    if lost:
+        raise ValueError(
+            f"at this batch size the stage boundaries at bindings {lost} are crossed by more "
+            "than one value, so the captured stages do not apply; use the captured batch size")
+    return _stage_plan(graph, plan.cuts, plan.how)
+
+
+def _stage_plan(graph, cuts, how):
+    """The StagePlan of ``graph`` cut at ``cuts``: each stage's cost and parameters."""
     prefix = np.concatenate([[0.0], np.cumsum(graph.cost)])
     bounds = [0] + list(cuts) + [len(graph.data)]
     costs = [float(prefix[b] - prefix[a]) for a, b in zip(bounds[:-1], bounds[1:])]

@@ -37,12 +37,14 @@ from tvm import relax
 
 from .. import checkpoint as ckpt
 from .. import device as device_lib
+from .. import env, profiler
 from ..compiler import compile_step
 from ..distributed import collectives, get_communicator, get_config
 from ..distributed.communicator import raised_on_every_rank
 from ..distributed.mesh import check_mesh, get_mesh
 from ..passes import gradient_buckets
-from ..passes.pipeline import ForwardGraph, partition, split_forward, strip_stage_markers
+from ..passes.pipeline import (ForwardGraph, partition, plan_like, split_forward,
+                               strip_stage_markers)
 from ..passes.tp_ops import LowerTensorParallel
 from ..runtime import available_cores, set_num_threads
 from . import batch_size as batching
@@ -69,6 +71,18 @@ class _Stage:
     functions: object  # training.pipeline.StageFunctions
     vm: dict  # name -> VM function
     planned_peak_bytes: int
+    machine: object = None  # the relax.VirtualMachine (profile instruments it)
+
+
+@dataclasses.dataclass
+class _StageSet:
+    """This rank's stages compiled for microbatches of ``rows`` rows (one set per microbatch
+    size seen, as the Trainer keeps one step per batch size), and the boundary messages'
+    (shape, dtype) at that size."""
+
+    rows: int
+    stages: dict  # stage index -> _Stage
+    boundary_specs: list
 
 
 class PipelineTrainer(Trainer):
@@ -132,17 +146,11 @@ class PipelineTrainer(Trainer):
         self._cache_dir = cache_dir
         self.seed = int(seed)
 
-        # stages, at the captured microbatch size (pipelined steps take that size only): the
-        # plan, every stage's function (its output spec is the boundary's message) and this
-        # rank's stages compiled
-        rows = self.batch_size // self.microbatches
-        at_rows = model.at_batch(rows)
-        plan = self.plan = partition(
-            ForwardGraph(at_rows.forward, len(at_rows.input_specs), len(at_rows.dropout_specs),
-                         at_rows.param_names), self.num_stages, self.split_points)
-        stage_funcs = split_forward(plan)
-        self._boundary_specs = [(tuple(int(d) for d in f.ret_ty.shape), str(f.ret_ty.dtype))
-                                for f, _, _ in stage_funcs]
+        # the stage plan, cut on the forward at the captured microbatch size, and this rank's
+        # stages compiled at that size (other sizes: _stage_set, the same cuts)
+        rows = self._plan_rows = self.batch_size // self.microbatches
+        plan = self.plan = partition(self._forward_graph(rows), self.num_stages,
+                                     self.split_points)
         self.my_stages = [s for s in range(self.num_stages)
                           if schedules.stage_rank(s, self.pp) == self.pp_rank]
         held = set().union(*(plan.params[s] for s in self.my_stages))
@@ -150,7 +158,9 @@ class PipelineTrainer(Trainer):
         self.frozen_names = [n for n in model.param_names if n in held and n in frozen]
         specs = dict(zip(model.param_names, model.param_specs()))
         self.param_specs = [specs[n] for n in self.param_names]
-        self._stages = self._build_stages(stage_funcs, rows)
+        self._profiling = None  # a profiler.StepProfiler while Trainer.profile records
+        self._stage_sets = {}  # microbatch rows -> _StageSet
+        self._stage_set(rows)
         self.signature = TrainStepSignature(
             input_specs=list(model.input_specs), target_spec=self._captured_target_spec(),
             param_names=self.param_names, param_specs=self.param_specs,
@@ -168,8 +178,8 @@ class PipelineTrainer(Trainer):
                              overlap=config.overlap_comm, group=self.dp_group)
         self.compiled_update = compile_step(self.update_ir, passes=passes, target=self._target,
                                             cache_dir=cache_dir)
-        self._update_fn = relax.VirtualMachine(self.compiled_update.executable,
-                                               self._device)["train_step"]
+        self._update_vm = relax.VirtualMachine(self.compiled_update.executable, self._device)
+        self._update_fn = self._update_vm["train_step"]
         # parameters: world rank 0's initial values (whatever each rank's seed; under tensor
         # parallelism _split_model broadcast them already), this rank's stages' only
         init = {}
@@ -205,6 +215,10 @@ class PipelineTrainer(Trainer):
                              "fewer microbatches")
         schedules.check_actions(self.actions, self.num_stages, self.microbatches)
         Trainer._check_fingerprints(self)
+        self._buffers = []  # pipelined steps carry no buffers (BatchNorm is refused)
+        self._forwards = {}  # predict's compiled forwards by rows
+        if env.profile_dir() is not None:
+            self.profile(env.profile_steps(), env.profile_dir())
 
     # ---- building --------------------------------------------------------------------------
     def _fingerprint_description(self):
@@ -214,6 +228,34 @@ class PipelineTrainer(Trainer):
             "stages": self.num_stages, "cuts": list(self.plan.cuts)})
         description.pop("model")
         return description
+
+    def _forward_graph(self, rows):
+        """The forward at ``rows`` rows per microbatch, read for pipelining."""
+        at_rows = self.model.at_batch(rows)
+        return ForwardGraph(at_rows.forward, len(at_rows.input_specs),
+                            len(at_rows.dropout_specs), at_rows.param_names)
+
+    def _stage_set(self, rows):
+        """This rank's stages for microbatches of ``rows`` rows: built (the model captured
+        again at that size, cut where the captured plan cuts, compiled) the first time such a
+        microbatch comes. Local work, before any message of the step."""
+        found = self._stage_sets.get(rows)
+        if found is not None:
+            return found
+        plan = self.plan
+        if rows != self._plan_rows:
+            _LOG.info("microbatches of %d rows on rank %d (the stages were built for %d): "
+                      "compiling this rank's stages for that size", rows, self.comm.rank,
+                      self._plan_rows)
+            plan = plan_like(self.plan, self._forward_graph(rows))
+        funcs = split_forward(plan)
+        stage_set = _StageSet(rows, self._build_stages(funcs, rows), [
+            (tuple(int(d) for d in f.ret_ty.shape), str(f.ret_ty.dtype)) for f, _, _ in funcs])
+        self._stage_sets[rows] = stage_set
+        if self._profiling is not None:  # a size first seen while profiling is recorded too
+            for stage in stage_set.stages.values():
+                self._profiling.attach(stage.machine)
+        return stage_set
 
     def _build_stages(self, funcs, rows):
         """{stage index: _Stage} of this rank's stages (``funcs``: split_forward's functions
@@ -236,7 +278,7 @@ class PipelineTrainer(Trainer):
             vm = relax.VirtualMachine(compiled.executable, self._device)
             stages[s] = _Stage(s, fns, {k: vm[k] for k in ("forward", "backward", "recompute",
                                                            "forward_only")},
-                               compiled.planned_peak_bytes)
+                               compiled.planned_peak_bytes, vm)
         return stages
 
     def _captured_target_spec(self):
@@ -268,8 +310,33 @@ class PipelineTrainer(Trainer):
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, x, y):
-        """One optimizer step (module docstring); returns the global mean loss everywhere."""
+        """One optimizer step (module docstring); returns the global mean loss everywhere.
+        Any number of rows per data-parallel rank, at least num_microbatches: the rows split
+        into num_microbatches microbatches as evenly as they go (np.array_split's rule), each
+        size with its own compiled stages."""
+        if self._profiling is not None and self._profiling.active:
+            return self._profiling.step(self._run_step, self.step_count + 1, x, y)
+        return self._run_step(x, y)
 
+    def profile(self, steps: int, path) -> str:
+        """As Trainer.profile: every stage's and the update's VM calls, and each F / B of the
+        schedule as a "pipeline" event, of the next ``steps`` steps."""
+        if self._profiling is not None:
+            self._profiling.finish()
+        machines = [st.machine for ss in self._stage_sets.values() for st in ss.stages.values()]
+        self._profiling = profiler.StepProfiler(machines + [self._update_vm], self.comm.rank,
+                                                steps, path)
+        return str(self._profiling.path)
+
+    @property
+    def compiled_batch_sizes(self) -> list:
+        """The batch sizes (rows per data-parallel rank) whose microbatches have compiled
+        stages: num_microbatches x each microbatch size built (the rows of an uneven split
+        count under their largest microbatch)."""
+        return sorted(rows * self.microbatches for rows in self._stage_sets)
+
+    def _run_step(self, x, y):
+        """``step`` without the profiler."""
         inputs = x if isinstance(x, (tuple, list)) else (x,)
         if len(inputs) != len(self.model.input_specs):
             raise ValueError(f"step() got {len(inputs)} inputs; the model was captured with "
@@ -281,28 +348,28 @@ class PipelineTrainer(Trainer):
                                                      self.batch_size), "target")
         if self._classes is not None:
             check_targets(y, self._classes)
-        if rows % self.microbatches:
-            raise ValueError(f"a batch of {rows} rows does not split into num_microbatches="
-                             f"{self.microbatches} equal microbatches: pass a multiple of "
-                             f"{self.microbatches} rows per data-parallel rank")
-        mb = rows // self.microbatches
-        if mb != self.batch_size // self.microbatches:
-            raise ValueError(f"pipelined steps take the captured {self.batch_size} rows per "
-                             f"data-parallel rank, got {rows}")
+        if rows < self.microbatches:
+            raise ValueError(f"a batch of {rows} rows per data-parallel rank cannot fill "
+                             f"num_microbatches={self.microbatches} microbatches (the schedule "
+                             f"runs every one of them): pass at least {self.microbatches} rows")
+        pieces = batching.microbatches(rows, self.microbatches)
+        sets = {r: self._stage_set(r) for r in sorted(set(pieces))}  # local work first
         # from its first collective on, an exception on this rank ends the job
         with self.comm.collective_work(
                 f"step {self.step_count + 1} (last completed: {self.step_count})"):
-            loss = self._execute_schedule(inputs, y, rows, mb)
+            loss = self._execute_schedule(inputs, y, rows, pieces, sets)
         self.comm.activity = f"work between steps (last completed: {self.step_count})"
         return loss
 
-    def _execute_schedule(self, inputs, y, rows, mb):
+    def _execute_schedule(self, inputs, y, rows, pieces, sets):
         """The schedule, the update and the step's accounting on checked inputs; the loss."""
         rows_per_rank = (batching.allgather_rows(self.dp_comm, rows) if self.world > 1
                          else [rows])
-        weight = batching.loss_weight(mb, rows_per_rank)
+        batching.check_rows_per_rank(rows_per_rank, self.dp_rank)
+        # each microbatch's share of the global batch: the loss is a mean over all rows
+        weights = [batching.loss_weight(r, rows_per_rank) for r in pieces]
         before = collectives.comm_counters()
-        loss_sum, accs = self._run_schedule(inputs, y, mb, weight)
+        loss_sum, accs = self._run_schedule(inputs, y, pieces, sets, weights)
         finite = self._all_finite(loss_sum, accs)
         if not finite:
             return self._nonfinite_step(loss_sum)
@@ -316,22 +383,25 @@ class PipelineTrainer(Trainer):
         self.step_count += 1
         return loss
 
-    def _run_schedule(self, inputs, y, mb, weight):
-        """Execute this rank's actions; returns (weighted loss sum on the last stage, else 0;
-        {parameter name: accumulated gradient tensor})."""
+    def _run_schedule(self, inputs, y, pieces, sets, weights):
+        """Execute this rank's actions on microbatches of ``pieces`` rows (``sets``: the
+        compiled stages for each size, ``weights``: each microbatch's loss weight); returns
+        (weighted loss sum on the last stage, else 0; {parameter name: accumulated gradient
+        tensor})."""
         dev = self._device
         S = self.num_stages
         accs = {n: tvm.runtime.tensor(np.zeros(s, d), dev)
                 for n, (s, d) in zip(self.param_names, self.param_specs)}
-        out_specs = self._boundary_specs
+        starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]).astype(int).tolist()
         actions = self.actions[self.pp_rank]
         # every receive of the step, posted now (module docstring)
         recvs = {}
         for a in actions:
+            specs = sets[pieces[a.microbatch]].boundary_specs if a.kind.startswith("RECV") else None
             if a.kind == "RECV_F":
-                boundary, spec = a.stage - 1, out_specs[a.stage - 1]
+                boundary, spec = a.stage - 1, specs[a.stage - 1]
             elif a.kind == "RECV_B":
-                boundary, spec = a.stage, out_specs[a.stage]
+                boundary, spec = a.stage, specs[a.stage]
             else:
                 continue
             buf = np.empty(spec[0], dtype=spec[1])
@@ -344,11 +414,12 @@ class PipelineTrainer(Trainer):
         live = {s: 0 for s in self.my_stages}
         live_bytes = {s: 0 for s in self.my_stages}
         outputs = {}  # ("F"|"B", stage, m) -> tensor produced, waiting for its SEND
-        seed = tvm.runtime.tensor(np.array(weight, dtype=self._hyper_dtype), dev)
+        seeds = [tvm.runtime.tensor(np.array(w, dtype=self._hyper_dtype), dev) for w in weights]
         loss_sum = 0.0
 
         def rows_of(array, m, per_row=1):
-            return np.ascontiguousarray(batching.target_piece(array, m * mb, mb, per_row))
+            return np.ascontiguousarray(batching.target_piece(array, starts[m], pieces[m],
+                                                              per_row))
 
         timeline = []  # (kind, stage, microbatch, start, end) of each F / B, this step
         sent = 0  # bytes of activations and gradients this rank sent
@@ -366,7 +437,7 @@ class PipelineTrainer(Trainer):
                     a.kind[-1], boundary, m, S)), value))
                 sent += value.nbytes
             elif a.kind == "F":
-                stage = self._stages[s]
+                stage = sets[pieces[m]].stages[s]
                 fns = stage.functions
                 if s == 0:
                     data = [tvm.runtime.tensor(rows_of(v, m), dev) for v in inputs]
@@ -388,16 +459,16 @@ class PipelineTrainer(Trainer):
                 live_bytes[s] += sum(_nbytes(t) for t in keep)
                 self._peak_saved_bytes[s] = max(self._peak_saved_bytes[s], live_bytes[s])
                 if fns.last:
-                    loss_sum += weight * float(primary.numpy())
+                    loss_sum += weights[m] * float(primary.numpy())
                 else:
                     self._deliver("F", s + 1, m, primary, handoff, outputs, s)
             elif a.kind == "B":
-                stage = self._stages[s]
+                stage = sets[pieces[m]].stages[s]
                 fns = stage.functions
                 keep = saved.pop((s, m))
                 live[s] -= 1
                 live_bytes[s] -= sum(_nbytes(t) for t in keep)
-                grad_in = seed if fns.last else handoff.pop(("B", s, m))
+                grad_in = seeds[m] if fns.last else handoff.pop(("B", s, m))
                 params = [self._tensors[n] for n in fns.param_names]
                 mine = [accs[n] for n in fns.trainable]
                 fn = stage.vm["recompute" if self.activation_checkpointing else "backward"]
@@ -407,7 +478,12 @@ class PipelineTrainer(Trainer):
                 if s > 0:
                     self._deliver("B", s - 1, m, out[0], handoff, outputs, s)
             if a.kind in ("F", "B"):
-                timeline.append((a.kind, s, m, began, time.perf_counter()))
+                ended = time.perf_counter()
+                timeline.append((a.kind, s, m, began, ended))
+                if self._profiling is not None and self._profiling.active:
+                    self._profiling.recorder.add(f"{a.kind} stage {s} mb {m}", "pipeline",
+                                                 int(began * 1e9), int(ended * 1e9),
+                                                 stage=s, microbatch=m)
         self.last_timeline = timeline
         self._sent_last_step = sent
         for req, _ in sends:
@@ -417,7 +493,7 @@ class PipelineTrainer(Trainer):
     def _deliver(self, kind, to_stage, m, tensor, handoff, outputs, from_stage):
         """A stage's output for ``to_stage``: handed over when this rank holds it, else kept
         for the SEND action that follows."""
-        if to_stage in self._stages:
+        if to_stage in self.my_stages:
             handoff[(kind, to_stage, m)] = tensor
         else:
             outputs[(kind, from_stage, m)] = tensor
@@ -548,7 +624,8 @@ class PipelineTrainer(Trainer):
             "param_bytes": sum(_nbytes(p) for p in params),
             "grad_bytes": sum(_nbytes(self._tensors[n]) for n in self.param_names),
             "optimizer_state_bytes": sum(_nbytes(s) for s in self._states),
-            "planned_peak_bytes": max([st.planned_peak_bytes for st in self._stages.values()]
+            "planned_peak_bytes": max([st.planned_peak_bytes for ss in self._stage_sets.values()
+                                       for st in ss.stages.values()]
                                       + [self.compiled_update.planned_peak_bytes]),
             "comm_bytes_last_step": dict(self._comm_last_step),
             "pipeline": {
