@@ -138,6 +138,26 @@ class BatchNormCNN(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
+class ResidualBatchNormCNN(nn.Module):
+    """A ResNet basic block in miniature: BatchNorm after every convolution (no conv bias,
+    as ResNet), a residual connection, then pooling and a linear head."""
+
+    def __init__(self, channels=4, classes=10):
+        super().__init__()
+        self.stem = nn.Conv2d(1, channels, 3, padding=1, bias=False)
+        self.bn0 = nn.BatchNorm2d(channels)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.fc = nn.Linear(channels * 4 * 4, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn0(self.stem(x)))
+        x = F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+        return self.fc(torch.flatten(F.max_pool2d(x, 2), 1))
+
+
 class BatchNormMLP(nn.Module):
     """BatchNorm1d with the default momentum and one with momentum=None (cumulative average),
     and one without affine parameters."""
@@ -223,6 +243,9 @@ def make(name, batch, seed=0):
         return SDPAClassifier(), torch.randn(batch, 6, 16, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
     if name == "bn_cnn":
         return (BatchNormCNN(), torch.randn(batch, 1, 8, 8, generator=gen),
+                torch.randint(0, 10, (batch,), generator=gen))
+    if name == "res_bn":
+        return (ResidualBatchNormCNN(), torch.randn(batch, 1, 8, 8, generator=gen),
                 torch.randint(0, 10, (batch,), generator=gen))
     if name == "bn_mlp":
         return (BatchNormMLP(), torch.randn(batch, 20, generator=gen) * 2 + 1,

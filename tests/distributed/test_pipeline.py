@@ -36,6 +36,16 @@ def test_pipeline_equals_one_process(model, optimizer, pp, tp, zero, ranks, extr
     assert "pipeline stages" in out
 
 
+@pytest.mark.parametrize("ranks,sync", [(4, 0), (4, 1)],
+                         ids=["pp2xdp2", "pp2xdp2-sync-batch-norm"])
+def test_batch_norm_pipelined_equals_one_process_accumulating(ranks, sync, tmp_path):
+    """A residual CNN with BatchNorm after every convolution, 2 stages x 2 microbatches: each
+    microbatch normalised by its own statistics, running statistics updated once per
+    microbatch in order on the stage that owns them (workers/pp_bn_train.py)."""
+    out = check_mpi("pp_bn_train.py", ranks, sync, 3, tmp_path, timeout=300)
+    assert out.count("PP BN OK") == ranks, out
+
+
 def test_checkpoint_resumes_across_pp_and_dp(tmp_path):
     """Saved at dp 2 x pp 2 (ZeRO-1, 1F1B), resumed at dp 4 without pipelining and at pp 4
     (GPipe): each continues exactly as one process that never stopped."""

@@ -79,11 +79,37 @@ def test_every_binding_lands_in_exactly_one_stage(name, stages):
     # uneven layer counts drop nothing: every parameter is on some stage
     assert set().union(*map(set, plan.params)) == set(model.param_names)
     funcs = split_forward(plan)
-    data_ops = sum(1 for f, _, _ in funcs for b in f.body.blocks[0].bindings
+    data_ops = sum(1 for f in funcs for b in f.function.body.blocks[0].bindings
                    if not isinstance(b.value, relax.Var))
     assert data_ops >= len(graph.data)  # parameter-only bindings are cloned, none dropped
-    for (f, _, _), nxt in zip(funcs, funcs[1:]):
-        assert str(f.ret_ty) == str(nxt[0].params[0].ty)  # one activation crosses each cut
+    for f, nxt in zip(funcs, funcs[1:]):
+        # one activation crosses each cut
+        assert str(f.function.ret_ty) == str(nxt.function.params[0].ty)
+
+
+def test_batch_norm_buffers_stay_on_the_stage_that_normalises():
+    """Each running statistic is read and written by one stage (its BatchNorm's), which
+    returns the new values after its activation; no buffer value crosses a cut."""
+    from raf_dist.passes.batch_norm import decompose_forward
+
+    module, x, _ = make("res_bn", 4)
+    model = decompose_forward(from_pytorch(module, (x,)))
+    graph = ForwardGraph(model.forward, 1, 0, model.param_names, model.buffer_names)
+    plan = partition(graph, 2)
+    funcs = split_forward(plan)
+    written = [b for f in funcs for b in f.buffers_written]
+    assert sorted(written) == sorted(model.buffer_names)  # each exactly once
+    for s, f in enumerate(funcs):
+        assert list(f.buffer_names) == [b for b in model.buffer_names if b in f.buffers_written]
+        modules = {b.rpartition(".")[0] for b in f.buffers_written}
+        assert all(any(n.startswith(m + ".") for n in plan.params[s]) for m in modules
+                   if any(n.startswith(m + ".") for n in model.param_names)), (s, modules)
+        ret = f.function.ret_ty
+        if f.buffers_written:
+            assert len(ret.fields) == 1 + len(f.buffers_written)
+            ret = ret.fields[0]
+        if s + 1 < len(funcs):
+            assert str(ret) == str(funcs[s + 1].function.params[0].ty)
 
 
 def test_split_points_by_module_name():

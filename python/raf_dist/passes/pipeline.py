@@ -29,6 +29,7 @@ embeddings) gets one gradient per stage that holds it, summed across them before
 instead of an add binding that would straddle two stages.
 """
 import dataclasses
+import typing
 
 import numpy as np
 import tvm
@@ -136,7 +137,7 @@ class CutPoint:
 class ForwardGraph:
     """The forward's bindings read for pipelining (module docstring)."""
 
-    def __init__(self, forward, num_inputs, num_masks, param_names):
+    def __init__(self, forward, num_inputs, num_masks, param_names, buffer_names=()):
         if len(forward.body.blocks) != 1 or not isinstance(forward.body.blocks[0],
                                                            relax.DataflowBlock):
             raise ValueError("pipelining needs the forward as one dataflow block (as the "
@@ -146,16 +147,33 @@ class ForwardGraph:
         params = list(forward.params)
         self.data_inputs = params[:num_inputs]
         self.masks = params[num_inputs:num_inputs + num_masks]
-        self.param_vars = params[num_inputs + num_masks:num_inputs + num_masks
-                                 + len(param_names)]
-        if len(params) != num_inputs + num_masks + len(param_names):
-            raise NotImplementedError(
-                "pipelining a model whose forward updates buffers (BatchNorm running "
-                "statistics) is not supported: train it with data or tensor parallelism, or "
-                "use LayerNorm/GroupNorm")
+        first_buffer = num_inputs + num_masks + len(param_names)
+        self.param_vars = params[num_inputs + num_masks:first_buffer]
+        self.buffer_vars = params[first_buffer:]
+        if len(self.buffer_vars) != len(buffer_names):
+            raise ValueError(f"the forward takes {len(params)} arguments; {num_inputs} inputs, "
+                             f"{num_masks} masks, {len(param_names)} parameters and "
+                             f"{len(buffer_names)} buffers were named")
         self.param_names = list(param_names)
+        self.buffer_names = list(buffer_names)
         self.param_of = {v: n for v, n in zip(self.param_vars, param_names)}
+        self.param_of.update(zip(self.buffer_vars, buffer_names))  # reached like parameters
         self.output = forward.body.body
+        # a forward that writes buffers returns (output, *new buffer values): each new value
+        # leaves from the stage that computes it (its own output), never across a cut, so
+        # the aliases the importer binds last (``gv_1 = lv9``) are read through
+        self.buffer_roots = []
+        if self.buffer_vars:
+            fields = list(self.output.fields)
+            self.output = fields[0]
+            alias = {b.var: b.value for b in self.bindings if isinstance(b.value, relax.Var)}
+            skipped = set()
+            for field in fields[1:]:
+                while field in alias:
+                    skipped.add(field)
+                    field = alias[field]
+                self.buffer_roots.append(field)
+            self.bindings = [b for b in self.bindings if b.var not in skipped]
         defined = {b.var: i for i, b in enumerate(self.bindings)}
         self.defined = defined
         # a binding depends on the data when it reads a data input or a data-dependent value
@@ -169,7 +187,7 @@ class ForwardGraph:
         self.is_data = [b.var in data for b in self.bindings]
         self.data = [i for i, d in enumerate(self.is_data) if d]  # binding indices
         # the parameters each binding reaches through parameter-only bindings
-        reach = {v: {self.param_of[v]} for v in self.param_vars}
+        reach = {v: {self.param_of[v]} for v in self.param_vars + self.buffer_vars}
         self.params_of_binding = []
         for b, reads in zip(self.bindings, self.reads):
             names = set().union(*(reach.get(v, set()) for v in reads)) if reads else set()
@@ -181,7 +199,7 @@ class ForwardGraph:
         for i in self.data:
             new = self.params_of_binding[i] - seen
             seen |= new
-            numel = sum(_numel(self.param_vars[self.param_names.index(n)].ty) for n in new)
+            numel = sum(_numel(v.ty) for v in self.param_vars if self.param_of[v] in new)
             self.cost.append(TRAIN_FLOPS * binding_flops(self.bindings[i]) + PARAM_COST * numel)
 
     def markers(self):
@@ -211,6 +229,21 @@ class ForwardGraph:
             if len(live) == 1 and isinstance(live[0].ty, relax.TensorType):
                 points.append(CutPoint(position, live[0], total))
         return points
+
+    def buffer_stage(self, k, bounds):
+        """The stage (``bounds``: each stage's [begin, end) in ``data``) whose function
+        returns the new value of buffer ``k``: the stage of the data binding computing it, or
+        for a value computed from buffers alone (a BatchNorm's ``num_batches_tracked + 1``)
+        the stage of its module's first data binding (that of its running statistics)."""
+        root = self.buffer_roots[k]
+        i = self.defined.get(root)
+        if i is not None and self.is_data[i]:
+            position = self.data.index(i)
+        else:
+            module = self.buffer_names[k].rpartition(".")[0]
+            position = self.first_use(module) if module else None
+            position = 0 if position is None else position
+        return next(s for s, (a, b) in enumerate(bounds) if a <= position < b)
 
     def first_use(self, prefix):
         """Position (in ``data``) of the first binding that reads a parameter named
@@ -365,16 +398,31 @@ def _balance(graph, points, num_stages):
 
 
 # ---- writing the stage functions ------------------------------------------------------------
+class StageForward(typing.NamedTuple):
+    """One stage's forward function and what it reads and writes."""
+
+    function: relax.Function  # (input or data inputs, *masks, *params, *buffers) -> output
+    mask_indices: list  # the model's dropout masks it reads
+    param_names: list  # the parameters it reads, model order
+    buffer_names: tuple = ()  # the buffers it reads, model order
+    buffers_written: tuple = ()  # the buffers whose new values it returns after its output
+
+
 def split_forward(plan):
     """One Relax function per stage (module docstring): ``(input or data inputs, *masks used,
-    *parameters used) -> activation`` (the last: the forward's output). Returns
-    [(function, mask indices, parameter names)]."""
+    *parameters used, *buffers used) -> activation`` (the last: the forward's output), or
+    ``(activation, *new buffer values)`` for a stage that updates buffers (BatchNorm's running
+    statistics, on the stage that normalises). Returns [StageForward]."""
     graph = plan.graph
+    bounds = [plan.bounds(s) for s in range(plan.num_stages)]
+    owner = [graph.buffer_stage(k, bounds) for k in range(len(graph.buffer_vars))]
     stages = []
     for s in range(plan.num_stages):
-        lo, hi = plan.bounds(s)
+        lo, hi = bounds[s]
         own = [graph.data[k] for k in range(lo, hi)]
-        needed = set(own)
+        written = [k for k, o in enumerate(owner) if o == s]
+        needed = set(own) | {graph.defined[graph.buffer_roots[k]] for k in written
+                             if graph.buffer_roots[k] in graph.defined}
         for i in reversed(range(len(graph.bindings))):  # parameter-only values it reads
             if i in needed:
                 for v in graph.reads[i]:
@@ -383,10 +431,19 @@ def split_forward(plan):
                         needed.add(j)
         indices = sorted(needed)
         reads = set().union(*(graph.reads[i] for i in indices))
+        reads |= {graph.buffer_roots[k] for k in written}  # a buffer returned unchanged
         if s == plan.num_stages - 1:
             reads |= set(_free_vars(graph.output))
         masks = [k for k, m in enumerate(graph.masks) if m in reads]
         names = [graph.param_of[v] for v in graph.param_vars if v in reads]
+        buffers = [graph.param_of[v] for v in graph.buffer_vars if v in reads]
+        foreign = [b for b in buffers
+                   if owner[graph.buffer_names.index(b)] != s]
+        if foreign:  # its value would have to travel between stages every microbatch
+            raise NotImplementedError(
+                f"pipeline stage {s} reads the buffers {foreign}, which another stage updates; "
+                "a buffer must be read and written by one stage. Move the cut "
+                "(pipeline_split_points) so that one stage holds the module")
         if s == 0:
             inputs = list(graph.data_inputs)
             entry = []
@@ -398,18 +455,27 @@ def split_forward(plan):
         out = (graph.output if s == plan.num_stages - 1
                else graph.live_at(plan.cuts[s])[0])
         params = inputs + [graph.masks[k] for k in masks] + [
-            v for v in graph.param_vars if v in reads]
-        stages.append((emit_function(f"stage{s}", params,
-                                     entry + [graph.bindings[i] for i in indices],
-                                     lambda bb, sub, out=out: sub(out)), masks, names))
+            v for v in graph.param_vars if v in reads] + [
+            v for v in graph.buffer_vars if v in reads]
+        roots = [graph.buffer_roots[k] for k in written]
+
+        def result(bb, sub, out=out, roots=roots):
+            return relax.Tuple([sub(out), *map(sub, roots)]) if roots else sub(out)
+
+        stages.append(StageForward(
+            emit_function(f"stage{s}", params, entry + [graph.bindings[i] for i in indices],
+                          result, tuple_fields=True), masks, names, buffers,
+            [graph.buffer_names[k] for k in written]))
     return stages
 
 
-def emit_function(name, params, bindings, result):
+def emit_function(name, params, bindings, result, tuple_fields=False):
     """``name(*params)``: ``bindings`` (taken from another function, reading ``params`` and
     each other) emitted again with fresh variables, so the function stands alone; ``result(bb,
     sub)`` builds its output, ``sub`` rewriting an expression over the old variables into one
-    over the new. Stage markers become identities (a stage's own function has none left)."""
+    over the new. Stage markers become identities (a stage's own function has none left).
+    ``tuple_fields``: a tuple result is returned as a tuple of its fields' variables (what
+    AppendLoss needs to tell the backbone's first output from the rest)."""
     bb = relax.BlockBuilder()
     remap = {p: relax.Var(p.name, p.ty) for p in params}
 
@@ -423,6 +489,10 @@ def emit_function(name, params, bindings, result):
                 if is_stage_marker(value):
                     value = value.args[0]
                 remap[b.var] = bb.emit(value, name_hint=b.var.name)
-            out = bb.emit_output(result(bb, sub))
+            out = result(bb, sub)
+            if tuple_fields and isinstance(out, relax.Tuple):
+                out = relax.Tuple([bb.emit_output(field) for field in out.fields])
+            else:
+                out = bb.emit_output(out)
         bb.emit_func_output(out)
     return bb.get()[name]

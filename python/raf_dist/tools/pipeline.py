@@ -46,6 +46,7 @@ BACKWARD_COST = 2.0
 def _stage_plan(model, num_stages, microbatches, split_points):
     """The StagePlan of ``model`` in ``num_stages`` stages at the microbatch's rows (as
     PipelineTrainer._plan_at)."""
+    from ..passes.batch_norm import decompose_forward, has_training_batch_norm
     from ..passes.pipeline import ForwardGraph, partition
 
     rows = model.batch_size
@@ -54,7 +55,10 @@ def _stage_plan(model, num_stages, microbatches, split_points):
                          "microbatches do not divide; capture it with a multiple of "
                          "--microbatches rows")
     at = model.at_batch(rows // microbatches) if microbatches > 1 else model
-    graph = ForwardGraph(at.forward, len(at.input_specs), len(at.dropout_specs), at.param_names)
+    if has_training_batch_norm(at.mod):  # as the PipelineTrainer reads it
+        at = decompose_forward(at)
+    graph = ForwardGraph(at.forward, len(at.input_specs), len(at.dropout_specs), at.param_names,
+                         list(getattr(at, "buffer_names", ())))
     return partition(graph, num_stages, list(split_points) if split_points else None)
 
 

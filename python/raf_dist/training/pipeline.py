@@ -57,6 +57,8 @@ class StageFunctions:
     input_grad: bool  # backward's dx is the stage input's gradient (else a 0-d placeholder)
     seed_spec: tuple  # (shape, dtype) of backward's seed (the dy, or the 0-d weight)
     target_spec: tuple = None  # the last stage's target
+    buffer_names: list = dataclasses.field(default_factory=list)  # read, after the params
+    buffers_written: list = dataclasses.field(default_factory=list)  # returned by forward
 
 
 def _objective(last, loss, pred_ty, target_spec, vocab_parallel):
@@ -77,16 +79,22 @@ def _objective(last, loss, pred_ty, target_spec, vocab_parallel):
 
 
 def build_stage_functions(index, last, forward, mask_indices, param_names, frozen, loss,
-                          target_spec=None, vocab_parallel=False):
+                          target_spec=None, vocab_parallel=False, buffer_names=(),
+                          buffers_written=()):
     """The StageFunctions of stage ``index`` (module docstring). ``forward`` is the stage's
-    function from passes.pipeline.split_forward: ``(*inputs, *masks, *params) -> output``."""
-    n_in = len(forward.params) - len(mask_indices) - len(param_names)
+    function from passes.pipeline.split_forward: ``(*inputs, *masks, *params, *buffers) ->
+    output``, or ``(output, *new values of buffers_written)`` (batch norm already
+    decomposed: passes/batch_norm.py). Such a stage's ``forward`` and ``forward_only`` return
+    the new buffer values last (once per microbatch, in order); ``recompute`` reads the
+    buffers and leaves them alone."""
+    n_buf = len(buffer_names)
+    n_in = len(forward.params) - len(mask_indices) - len(param_names) - n_buf
     missing = missing_gradients(forward)
     if missing:
         ops = ", ".join(f"{op} (computing {var})" for op, var in missing)
         raise NotImplementedError(f"pipeline stage {index}: no gradient is registered for "
                                   f"{ops}; register one or avoid the op")
-    out_ty = forward.ret_ty
+    out_ty = forward.ret_ty.fields[0] if buffers_written else forward.ret_ty
     if not isinstance(out_ty, relax.TensorType) or out_ty.shape is None:
         raise ValueError(f"pipeline stage {index} must return one tensor of known shape, got "
                          f"{out_ty}")
@@ -95,7 +103,7 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
     mod = relax.training.AppendLoss("main", objective, num_backbone_outputs=1)(mod)
     main = mod["main_loss"]
     n_fwd = len(forward.params)
-    stage_params = list(main.params[n_in + len(mask_indices):n_fwd])
+    stage_params = list(main.params[n_in + len(mask_indices):n_fwd - n_buf])
     trainable = [n for n in param_names if n not in frozen]
     require = [v for v, n in zip(stage_params, param_names) if n not in frozen]
     input_grad = index > 0 and n_in == 1 and "float" in str(main.params[0].ty.dtype)
@@ -108,10 +116,11 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
     adjoint = mod["main_loss_adjoint"]
     args = list(adjoint.params)
     inputs, masks = args[:n_in], args[n_in:n_in + len(mask_indices)]
-    params = args[n_in + len(mask_indices):n_fwd]
+    params = args[n_in + len(mask_indices):n_fwd - n_buf]
+    buffers = args[n_fwd - n_buf:n_fwd]
     extra = args[n_fwd:]  # the objective's own arguments: [target,] seed
     seed, target = extra[-1], (extra[0] if last else None)
-    _, grads, _ = _loss_and_grads(adjoint)
+    _, grads, new_buffers = _loss_and_grads(adjoint)
     bindings = [b for block in adjoint.body.blocks for b in block.bindings]
     value = {b.var: b.value for b in bindings}
     grads = [_follow(g, value) for g in grads]
@@ -130,7 +139,7 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
                            "was not found after Gradient")
     defined = {b.var: i for i, b in enumerate(bindings)}
     in_forward = set()
-    stack = [primary]
+    stack = [primary, *new_buffers]
     while stack:
         var = stack.pop()
         i = defined.get(var)
@@ -141,7 +150,8 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
     fwd_bindings = [b for i, b in enumerate(bindings) if i in in_forward]
     bwd_bindings = [b for i, b in enumerate(bindings) if i not in in_forward]
     fwd_vars = {b.var for b in fwd_bindings}
-    data_args = set(inputs) | set(masks) | ({target} if target is not None else set())
+    data_args = (set(inputs) | set(masks) | set(buffers)
+                 | ({target} if target is not None else set()))
     saved = []
     for b in bwd_bindings:
         for var in relax.analysis.free_vars(b.value):
@@ -171,19 +181,23 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
         sums = [bb.emit(relax.op.add(sub(a), sub(g))) for a, g in zip(accs, grads)]
         return relax.Tuple([first, *sums])
 
-    function("forward", data + params, fwd_bindings,
-             lambda bb, sub: relax.Tuple([sub(primary), *[sub(v) for v in saved]]))
+    function("forward", data + params + buffers, fwd_bindings,
+             lambda bb, sub: relax.Tuple([sub(primary), *[sub(v) for v in saved],
+                                          *[sub(v) for v in new_buffers]]))
     function("backward", saved + [seed] + params + accs, bwd_bindings, backward_outputs,
              accumulates=True)
-    function("recompute", data + [seed] + params + accs, bindings, backward_outputs,
+    function("recompute", data + [seed] + params + buffers + accs, bindings, backward_outputs,
              accumulates=True)
-    function("forward_only", data + params, fwd_bindings, lambda bb, sub: sub(primary))
+    function("forward_only", data + params + buffers, fwd_bindings,
+             lambda bb, sub: (relax.Tuple([sub(primary), *[sub(v) for v in new_buffers]])
+                              if new_buffers else sub(primary)))
     return StageFunctions(
         index=index, last=last, mod=out_mod,
         input_specs=[_spec(v.ty) for v in inputs], mask_indices=list(mask_indices),
         param_names=list(param_names), trainable=trainable, output_spec=_spec(primary.ty),
         num_saved=len(saved), input_grad=input_grad, seed_spec=_spec(seed.ty),
-        target_spec=tuple(target_spec) if target_spec is not None else None)
+        target_spec=tuple(target_spec) if target_spec is not None else None,
+        buffer_names=list(buffer_names), buffers_written=list(buffers_written))
 
 
 def _spec(ty):

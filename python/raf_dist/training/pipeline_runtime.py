@@ -19,6 +19,9 @@ group. A step then runs this rank's action list (training/pipeline_schedule.py):
   stage: the microbatch's share of the global batch, ``rows_m * dp / global rows``, so the
   loss is a mean over rows, not a mean of means) and adds the parameter gradients into the
   rank's accumulators;
+- buffers (BatchNorm's running statistics) live on the stage whose function updates them:
+  its ``F`` takes their current values and returns the new ones (once per microbatch, in
+  order); after the update dp rank 0's are broadcast over dp (DDP's ``broadcast_buffers``);
 - ``UPDATE``: a parameter held by several stages on different ranks (tied embeddings) has its
   accumulated gradient summed over those ranks; then the compiled update (gradients averaged
   over dp, ZeRO-1 shards) runs once. The loss, known on the last stage, is broadcast over pp.
@@ -45,6 +48,8 @@ from ..distributed.mesh import check_mesh, get_mesh
 from ..passes import gradient_buckets
 from ..passes.pipeline import (ForwardGraph, partition, plan_like, split_forward,
                                strip_stage_markers)
+from ..passes.batch_norm import decompose_forward, has_training_batch_norm
+from ..passes.lower_allreduce import LowerAllReduce
 from ..passes.tp_ops import LowerTensorParallel
 from ..runtime import available_cores, set_num_threads
 from . import batch_size as batching
@@ -148,6 +153,9 @@ class PipelineTrainer(Trainer):
 
         # the stage plan, cut on the forward at the captured microbatch size, and this rank's
         # stages compiled at that size (other sizes: _stage_set, the same cuts)
+        # synchronized batch norm: each microbatch's statistics over the dp group
+        self.sync_batch_norm_world = (self.world if config.sync_batch_norm and self.data_parallel
+                                      else 1)
         rows = self._plan_rows = self.batch_size // self.microbatches
         plan = self.plan = partition(self._forward_graph(rows), self.num_stages,
                                      self.split_points)
@@ -165,7 +173,9 @@ class PipelineTrainer(Trainer):
             input_specs=list(model.input_specs), target_spec=self._captured_target_spec(),
             param_names=self.param_names, param_specs=self.param_specs,
             state_names=list(optimizer.state_names), hyper_names=list(optimizer.hyper_names),
-            frozen_names=self.frozen_names, frozen_specs=[specs[n] for n in self.frozen_names])
+            frozen_names=self.frozen_names, frozen_specs=[specs[n] for n in self.frozen_names],
+            buffer_names=list(getattr(model, "buffer_names", ())),
+            buffer_specs=model.buffer_specs() if getattr(model, "buffer_names", ()) else [])
         # the update: this rank's parameters, reduced over dp (ZeRO-1: sharded states)
         if not self.param_names:
             raise ValueError(f"pipeline rank {self.pp_rank} holds no trainable parameter; use "
@@ -215,7 +225,16 @@ class PipelineTrainer(Trainer):
                              "fewer microbatches")
         schedules.check_actions(self.actions, self.num_stages, self.microbatches)
         Trainer._check_fingerprints(self)
-        self._buffers = []  # pipelined steps carry no buffers (BatchNorm is refused)
+        # the buffers this rank's stages write (BatchNorm running statistics), rank 0's
+        # initial values; buffers_dict gathers every stage's
+        written = {b for ss in self._stage_sets.values() for st in ss.stages.values()
+                   for b in st.functions.buffers_written}
+        self._buffer_tensors = {}
+        for name in getattr(model, "buffer_names", ()):
+            value = np.array(model.init_buffers[name], order="C")
+            collectives.broadcast(value.reshape(-1), root=0)  # every rank, every buffer
+            if name in written:
+                self._buffer_tensors[name] = tvm.runtime.tensor(value, self._device)
         self._forwards = {}  # predict's compiled forwards by rows
         if env.profile_dir() is not None:
             self.profile(env.profile_steps(), env.profile_dir())
@@ -230,10 +249,14 @@ class PipelineTrainer(Trainer):
         return description
 
     def _forward_graph(self, rows):
-        """The forward at ``rows`` rows per microbatch, read for pipelining."""
+        """The forward at ``rows`` rows per microbatch, read for pipelining (training batch
+        norm decomposed first, synchronized over dp with sync_batch_norm)."""
         at_rows = self.model.at_batch(rows)
+        if has_training_batch_norm(at_rows.mod):
+            at_rows = decompose_forward(at_rows, self.sync_batch_norm_world)
         return ForwardGraph(at_rows.forward, len(at_rows.input_specs),
-                            len(at_rows.dropout_specs), at_rows.param_names)
+                            len(at_rows.dropout_specs), at_rows.param_names,
+                            list(getattr(at_rows, "buffer_names", ())))
 
     def _stage_set(self, rows):
         """This rank's stages for microbatches of ``rows`` rows: built (the model captured
@@ -250,7 +273,9 @@ class PipelineTrainer(Trainer):
             plan = plan_like(self.plan, self._forward_graph(rows))
         funcs = split_forward(plan)
         stage_set = _StageSet(rows, self._build_stages(funcs, rows), [
-            (tuple(int(d) for d in f.ret_ty.shape), str(f.ret_ty.dtype)) for f, _, _ in funcs])
+            (tuple(int(d) for d in ty.shape), str(ty.dtype)) for ty in (
+                f.function.ret_ty.fields[0] if f.buffers_written else f.function.ret_ty
+                for f in funcs)])
         self._stage_sets[rows] = stage_set
         if self._profiling is not None:  # a size first seen while profiling is recorded too
             for stage in stage_set.stages.values():
@@ -264,15 +289,18 @@ class PipelineTrainer(Trainer):
         passes = []
         if self.tp > 1:
             passes.append(LowerTensorParallel(self.mesh.tp_group))
+        if self.sync_batch_norm_world > 1:  # the statistics' allreduce ops, after autodiff
+            passes.append(LowerAllReduce(self.dp_group))
         passes += step_passes(0, 1, self.bucket_bytes)[1:]  # no gradient collective here
         for s in self.my_stages:
-            func, masks, names = funcs[s]
             last = s == self.num_stages - 1
             fns = build_stage_functions(
-                s, last, func, masks, names, self._frozen_names, self.loss,
+                s, last, funcs[s].function, funcs[s].mask_indices, funcs[s].param_names,
+                self._frozen_names, self.loss,
                 target_spec=batching.batched_target_spec(self._captured_target_spec(), rows,
                                                          self.batch_size) if last else None,
-                vocab_parallel=getattr(self.model, "output_split_classes", 0) > 1)
+                vocab_parallel=getattr(self.model, "output_split_classes", 0) > 1,
+                buffer_names=funcs[s].buffer_names, buffers_written=funcs[s].buffers_written)
             compiled = compile_step(fns.mod, passes=passes, target=self._target,
                                     cache_dir=self._cache_dir)
             vm = relax.VirtualMachine(compiled.executable, self._device)
@@ -284,6 +312,8 @@ class PipelineTrainer(Trainer):
     def _captured_target_spec(self):
         """The target's spec at the captured batch (from the full model's output)."""
         out = self.full_model.forward.ret_ty
+        if getattr(self.full_model, "buffer_names", ()):  # (output, *new buffer values)
+            out = out.fields[0]
         shape = [int(d) for d in out.shape]
         if self.loss == "cross_entropy":
             return tuple(shape[:-1]), "int64"
@@ -374,6 +404,7 @@ class PipelineTrainer(Trainer):
         if not finite:
             return self._nonfinite_step(loss_sum)
         loss = self._update(accs, loss_sum)
+        self._keep_rank0_buffers()
         after = collectives.comm_counters()
         self._comm_last_step = {k: after[k]["bus_bytes"] - before.get(k, {}).get("bus_bytes", 0)
                                 for k in after
@@ -446,13 +477,18 @@ class PipelineTrainer(Trainer):
                 if fns.last:
                     data.append(tvm.runtime.tensor(rows_of(y, m, self._target_per_row), dev))
                 params = [self._tensors[n] for n in fns.param_names]
+                params += [self._buffer_tensors[n] for n in fns.buffer_names]
+                written = fns.buffers_written
                 if self.activation_checkpointing:
-                    primary = stage.vm["forward_only"](*data, *params)
+                    out = stage.vm["forward_only"](*data, *params)
+                    primary, first_new = (out[0], 1) if written else (out, None)
                     keep = data
                 else:
                     out = stage.vm["forward"](*data, *params)
-                    primary = out[0]
+                    primary, first_new = out[0], 1 + fns.num_saved
                     keep = [out[1 + i] for i in range(fns.num_saved)]
+                for i, name in enumerate(written):  # once per microbatch, in order
+                    self._buffer_tensors[name] = out[first_new + i]
                 saved[(s, m)] = keep
                 live[s] += 1
                 self._peak_saved[s] = max(self._peak_saved[s], live[s])
@@ -470,6 +506,8 @@ class PipelineTrainer(Trainer):
                 live_bytes[s] -= sum(_nbytes(t) for t in keep)
                 grad_in = seeds[m] if fns.last else handoff.pop(("B", s, m))
                 params = [self._tensors[n] for n in fns.param_names]
+                if self.activation_checkpointing:  # recompute reads the buffers too
+                    params += [self._buffer_tensors[n] for n in fns.buffer_names]
                 mine = [accs[n] for n in fns.trainable]
                 fn = stage.vm["recompute" if self.activation_checkpointing else "backward"]
                 out = fn(*keep, grad_in, *params, *mine)
@@ -489,6 +527,17 @@ class PipelineTrainer(Trainer):
         for req, _ in sends:
             _wait(req, f"a send of pp rank {self.pp_rank}")
         return loss_sum, accs
+
+    def _keep_rank0_buffers(self):
+        """DDP's broadcast_buffers over the dp group: every dp rank normalised its microbatches
+        with their own statistics; dp rank 0's running statistics are kept (with
+        sync_batch_norm they are equal already; the broadcast keeps them bit-identical)."""
+        if self.world == 1:
+            return
+        for name, tensor in self._buffer_tensors.items():
+            host = np.array(tensor.numpy(), order="C")
+            collectives.broadcast(host.reshape(-1), root=0, group=self.dp_group)
+            self._buffer_tensors[name] = tvm.runtime.tensor(host, self._device)
 
     def _deliver(self, kind, to_stage, m, tensor, handoff, outputs, from_stage):
         """A stage's output for ``to_stage``: handed over when this rank holds it, else kept
@@ -569,6 +618,14 @@ class PipelineTrainer(Trainer):
         merged = self._gather_pp(self._held())
         return {n: merged[n] for n in self.full_model.param_names}
 
+    def buffers_dict(self) -> dict:
+        """Every buffer by name, as ``module.named_buffers()`` lists them: the running
+        statistics of every stage (gathered over pp: every rank calls it) and the constants."""
+        carried = self._gather_pp({n: t.numpy() for n, t in self._buffer_tensors.items()})
+        order = self.full_model.buffer_order or list(carried)
+        return {n: carried[n] if n in carried else self.full_model.constant_buffers[n]
+                for n in order}
+
     def optimizer_state_dict(self):
         """{param: {state: full array}} of every parameter: every rank calls it."""
         mine = Trainer.optimizer_state_dict(self)
@@ -595,13 +652,18 @@ class PipelineTrainer(Trainer):
         full = self.state_dict()
         params = [tvm.runtime.tensor(np.ascontiguousarray(full[n]), self._device)
                   for n in self.full_model.param_names]
-        self._forwards = getattr(self, "_forwards", {})
+        # BatchNorm: the evaluation forward with every stage's running statistics
+        buffers = self.buffers_dict()
+        buffers = [tvm.runtime.tensor(np.array(buffers[n], order="C"), self._device)
+                   for n in getattr(self.full_model, "buffer_names", ())]
         outputs, batch = [], shape[0]
         for start in range(0, len(x), batch):
             piece = x[start:start + batch]
             rows = len(piece) if self.full_model.respecialize is not None else batch
             if rows not in self._forwards:
-                forward = strip_stage_markers(self.full_model.at_batch(rows).forward).with_attr(
+                at_rows = self.full_model.at_batch(rows)
+                forward = strip_stage_markers(at_rows.forward_eval if at_rows.forward_eval
+                                              is not None else at_rows.forward).with_attr(
                     "global_symbol", "forward")
                 compiled = compile_step(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward}),
                                         passes=[PropagateNaN(), DispatchToBLAS()],
@@ -612,7 +674,7 @@ class PipelineTrainer(Trainer):
                 piece = np.concatenate([piece, np.zeros((rows - len(piece),) + piece.shape[1:],
                                                         dtype)])
             out = self._forwards[rows](tvm.runtime.tensor(np.ascontiguousarray(piece),
-                                                          self._device), *params)
+                                                          self._device), *params, *buffers)
             outputs.append(out.numpy()[:min(batch, len(x) - start)])
         return np.concatenate(outputs)
 
@@ -645,12 +707,15 @@ class PipelineTrainer(Trainer):
                   for s, v in d.items()}
         view = tp_lib.CheckpointView(self, full)
         return ckpt.save(view, path, [full[n] for n in view.signature.param_names], states,
-                         extra, keep, buffers={})
+                         extra, keep, buffers=self.buffers_dict())
 
     def load_checkpoint(self, path):
         """Load a checkpoint of any layout; this rank keeps the parameters it holds."""
         view = tp_lib.CheckpointView(self, {})
-        params, states, _, frozen, meta = ckpt.load(view, path)
+        params, states, buffers, frozen, meta = ckpt.load(view, path)
+        for name in self._buffer_tensors:
+            self._buffer_tensors[name] = tvm.runtime.tensor(
+                np.array(buffers[name], order="C"), self._device)
         full = dict(zip(view.signature.param_names, params))
         full.update(frozen)
         for name in self.param_names + self.frozen_names:
@@ -689,10 +754,6 @@ def _check_pipeline_config(config, model):
         raise NotImplementedError(
             f"{model.source}: pipelining a model with dropout is not supported yet (the masks "
             "would have to follow the stages); set the dropout rates to 0")
-    if getattr(model, "buffer_names", ()):
-        raise NotImplementedError(
-            f"{model.source}: pipelining a model whose forward updates buffers (BatchNorm "
-            "running statistics) is not supported; use data or tensor parallelism")
     rows = model.batch_size
     if rows is None or rows % M:
         raise ValueError(
