@@ -29,7 +29,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from . import decompositions
+from . import decompositions, in_place
 
 
 @dataclasses.dataclass
@@ -147,12 +147,10 @@ def import_program(exported, module, convert_map, state_names=None):
     # PyTorch's table with its CPU attention decomposition corrected; a failure names PyTorch
     program = decompositions.run_decompositions(exported, type(module).__name__)
     signature = program.graph_signature
-    unsupported = [f"{s.kind.name} {s.target}" for s in signature.output_specs
+    unsupported = [s for s in signature.output_specs
                    if s.kind not in (OutputKind.USER_OUTPUT, OutputKind.BUFFER_MUTATION)]
     if unsupported:
-        raise NotImplementedError(
-            f"the forward mutates {', '.join(unsupported)}; raf_dist carries only buffers "
-            "between steps: do not write to inputs or parameters in forward")
+        raise NotImplementedError(_describe_mutations(exported, unsupported))
     mutated = [s.target for s in signature.output_specs if s.kind is OutputKind.BUFFER_MUTATION]
     if state_names is None:
         state_names = list(mutated)
@@ -191,6 +189,23 @@ def import_program(exported, module, convert_map, state_names=None):
             values[b].detach().cpu().numpy()) for b in constants})
     func = func.with_attr("num_input", len(inputs))
     return ImportedProgram(func, inputs, params, list(state_names), constants)
+
+
+def _describe_mutations(exported, specs) -> str:
+    """The refusal of a forward writing its inputs or parameters (``specs``: those outputs of the
+    decomposed program), naming the in-place operators that write them (``exported``: the
+    program before decomposition)."""
+    placeholder = {s.target: s.arg.name for s in exported.graph_signature.input_specs
+                   if s.target is not None}
+    kinds = {"USER_INPUT_MUTATION": "input", "PARAMETER_MUTATION": "parameter"}
+    written = []
+    for spec in specs:
+        writers = in_place.describe_writes(exported, placeholder.get(spec.target, spec.target))
+        written.append(f"{kinds.get(spec.kind.name, spec.kind.name)} {spec.target}"
+                       + (f" (by {writers})" if writers else ""))
+    return (f"the forward writes its {'; '.join(written)} in place, and raf_dist carries only "
+            "buffers from one step to the next. Use the out-of-place form there "
+            "(inplace=False, y = x.relu() for x.relu_(), x = x + y for x += y)")
 
 
 def _reorder_outputs(func, order):

@@ -1,6 +1,7 @@
 """The decomposition to core ATen operators that ``import_program`` asks torch.export for
 (``ExportedProgram.run_decompositions``), with PyTorch's own table corrected where it is wrong,
-and its failures reported as PyTorch's.
+and its failures reported as PyTorch's. In-place dropout is made out-of-place first, so that it
+decomposes as dropout does (``frontend/in_place.py``).
 
 CPU scaled-dot-product attention (PyTorch 2.13). On CPU, ``F.scaled_dot_product_attention``
 is exported as ``aten._scaled_dot_product_flash_attention_for_cpu``. Its meta function, against
@@ -26,6 +27,7 @@ the output the layout the meta function promised: the query's, computed with the
 decomposition. The values are untouched (a permute, a contiguous copy, the inverse permute);
 the Relax importer never sees strides.
 """
+from . import in_place
 
 
 class DecompositionError(ValueError):
@@ -61,11 +63,13 @@ def _sdpa_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, at
 
 
 def run_decompositions(exported, what: str):
-    """``exported.run_decompositions`` with ``decomposition_table()``; a failure raises
-    DecompositionError naming PyTorch's decomposition as the failing layer. ``what``: the
-    module being captured, for the message."""
+    """``exported.run_decompositions`` with ``decomposition_table()``, after rewriting each
+    in-place dropout of ``exported`` (in place) as its out-of-place form
+    (``in_place.functional_dropout``); a failure raises DecompositionError naming PyTorch's
+    decomposition as the failing layer. ``what``: the module being captured, for the message."""
     import torch
 
+    in_place.functional_dropout(exported)
     try:
         return exported.run_decompositions(decomposition_table())
     except Exception as err:

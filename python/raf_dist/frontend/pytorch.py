@@ -136,8 +136,9 @@ def _dropout_converters(dropouts):
         out = convert(node, importer)
         return importer.block_builder.emit(relax.Tuple([out, out]))
 
-    return {"dropout.default": convert, "dropout_.default": convert,
-            "native_dropout.default": convert_native}
+    # in-place dropout never reaches the importer: it is decomposed as dropout (in_place.py)
+    return {"dropout.default": torch_ops.seeded(convert),
+            "native_dropout.default": torch_ops.seeded(convert_native)}
 
 
 def _rename(mod, old, new):

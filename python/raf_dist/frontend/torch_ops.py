@@ -19,8 +19,20 @@ check made to name the aten operator and where it occurs (``install_unsupported_
   the importer takes an outer product where PyTorch picks one element per position
   (``frontend/indexing.py``).
 
+- ``add`` / ``sub`` with ``alpha`` (``x.add_(y, alpha=a)``, ``torch.sub(x, y, alpha=a)``, and
+  ``rsub``, which decomposes to them): the importer drops ``alpha``; the second operand is
+  scaled by it here.
+- ``elu`` with ``scale`` / ``input_scale`` (``F.selu`` decomposes to ``elu(x, alpha, scale)``):
+  the importer drops both; computed as PyTorch's ``scale * (x > 0 ? x : alpha * (exp(input_scale
+  * x) - 1))``.
+
 A converter that fails (TVM's or one of these) raises ``ConversionError`` naming the aten
-operator, its graph node and module path (``install_unsupported_op_check``).
+operator, its graph node and module path (``install_unsupported_op_check``). Operators that
+draw random numbers (PyTorch's tag ``nondeterministic_seeded``: ``bernoulli``, ``randn``,
+``rand_like``, ``normal``, ``exponential``, ...) are refused by the same check unless their
+converter is marked ``seeded`` (dropout, captured as the Trainer's seeded masks): TVM's
+importer converts them to a fixed tensor (``bernoulli.p`` returns its input, ``randn`` a
+constant drawn once at import, ``exponential`` zeros), which would change training silently.
 """
 from tvm import relax
 
@@ -156,6 +168,48 @@ def _cat(node, importer) -> relax.Var:
     return importer.block_builder.emit(op.concat(kept, axis=dim))
 
 
+def _alpha(node, importer) -> relax.Var:
+    """``add`` / ``sub`` (Tensor or Scalar) with ``alpha``: ``a op alpha * b``. TVM's converter
+    ignores ``alpha``; it is given the scaled operand."""
+    import operator
+
+    relax_op, python_op = ((op.add, operator.add) if node.target.__name__.startswith("add")
+                           else (op.subtract, operator.sub))
+    convert = importer._binary_op(relax_op, python_op)
+    alpha = _arg(node, 2, "alpha", 1)  # keyword-only in the Tensor overloads
+    other = node.args[1]
+    if alpha != 1 and hasattr(other, "op"):  # a graph node: its tensor, scaled in its dtype
+        other = importer.env[other]
+        other = importer.block_builder.emit(op.multiply(other, relax.const(alpha, str(
+            other.ty.dtype))))
+    elif alpha != 1:  # a Python number
+        other = other * alpha
+    return convert(_Node((node.args[0], other)))  # TVM's converter reads exactly two args
+
+
+def _elu(node, importer) -> relax.Var:
+    """aten.elu(x, alpha=1, scale=1, input_scale=1) = scale * (x if x > 0 else
+    alpha * (exp(input_scale * x) - 1)); TVM's converter ignores scale and input_scale."""
+    alpha, scale = _arg(node, 1, "alpha", 1.0), _arg(node, 2, "scale", 1.0)
+    input_scale = _arg(node, 3, "input_scale", 1.0)
+    if scale == 1 and input_scale == 1:
+        return importer._elu(node)
+    if not input_scale > 0:  # the relu form below needs exp(input_scale * x) < 1 for x < 0
+        raise ValueError(f"input_scale={input_scale} is not supported (only > 0, as in every "
+                         "PyTorch module)")
+    x = importer.env[node.args[0]]
+    dtype = str(x.ty.dtype)
+
+    def const(value):
+        return relax.const(float(value), dtype)
+
+    # the negative branch as TVM writes elu: -alpha * relu(1 - exp(input_scale * x)), whose
+    # gradient is defined through relu and exp
+    negative = op.multiply(const(-alpha), op.nn.relu(op.subtract(
+        const(1.0), op.exp(op.multiply(const(input_scale), x)))))
+    return importer.block_builder.emit(op.multiply(const(scale), op.add(op.nn.relu(x), negative)))
+
+
 def converters() -> dict:
     """The ``custom_convert_map`` entries of this module."""
     from .pipeline_split import CONVERTERS as pipeline_converters
@@ -167,7 +221,9 @@ def converters() -> dict:
             "div.Tensor_mode": _div, "div.Scalar_mode": _div,
             "floor_divide.default": lambda node, importer: _div(_FloorNode(node), importer),
             # x[:, rows, cols]: TVM's converter takes an outer product (frontend/indexing.py)
-            "index.Tensor": indexing.index_tensor}
+            "index.Tensor": indexing.index_tensor,
+            "add.Tensor": _alpha, "add.Scalar": _alpha, "sub.Tensor": _alpha,
+            "sub.Scalar": _alpha, "elu.default": _elu}
 
 
 class _FloorNode:
@@ -178,7 +234,15 @@ class _FloorNode:
         self.kwargs = {}
 
 
-def _module_path(node) -> str:
+class _Node:
+    """A graph node as TVM's converters read it (``args``, ``kwargs``), with other arguments."""
+
+    def __init__(self, args, kwargs=None):
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs or {})
+
+
+def module_path(node) -> str:
     """The dotted path of the innermost module ``node`` was traced in ("" for the root)."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
@@ -192,14 +256,33 @@ def _check_unsupported_func_type(self, nodes):
     """Replaces BaseFXGraphImporter._check_unsupported_func_type, whose AssertionError names
     the operators but not where they are: raise UnsupportedOperatorError naming each
     unsupported aten operator and the module paths it occurs at. It runs before any node is
-    converted: it also makes every converter's failure a ConversionError naming the operator."""
-    where = {}
+    converted: it also makes every converter's failure a ConversionError naming the operator.
+    Operators drawing random numbers are refused unless their converter is ``seeded``."""
+    where, random = {}, {}
     for node in nodes:
-        if node.op == "call_function" and node.target.__name__ not in self.convert_map:
-            paths = where.setdefault(node.target.__name__, [])
-            path = _module_path(node) or "the top-level module's forward"
-            if path not in paths:
-                paths.append(path)
+        if node.op != "call_function":
+            continue
+        name = node.target.__name__
+        if _draws_random_numbers(node.target) and not getattr(
+                self.convert_map.get(name), "seeded", False):
+            found = random
+        elif name not in self.convert_map:
+            found = where
+        else:
+            continue
+        paths = found.setdefault(name, [])
+        path = module_path(node) or "the top-level module's forward"
+        if path not in paths:
+            paths.append(path)
+    if random:
+        found = "; ".join(f"aten.{name} at {', '.join(paths)}" for name, paths in random.items())
+        raise UnsupportedOperatorError(
+            f"{found} draws random numbers: raf_dist captures only element-wise dropout "
+            "(nn.Dropout, F.dropout, in place or not) as masks the Trainer draws every step, and "
+            "TVM's importer would make any other random operator a fixed tensor (a constant, "
+            "zeros or its input) or fail on it. Use nn.Dropout / F.dropout in that module "
+            "(nn.Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout and RReLU are not "
+            "supported), or pass the random tensor in as an input")
     if where:
         found = "; ".join(f"aten.{name} at {', '.join(paths)}" for name, paths in where.items())
         raise UnsupportedOperatorError(
@@ -207,6 +290,19 @@ def _check_unsupported_func_type(self, nodes):
             "or register a converter for it in raf_dist/frontend/torch_ops.py")
     self.convert_map = {name: _naming_failures(name, convert)
                         for name, convert in self.convert_map.items()}
+
+
+def _draws_random_numbers(target) -> bool:
+    import torch
+
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+def seeded(convert):
+    """Mark ``convert`` (a converter of an operator that draws random numbers) as capturing the
+    randomness as seeded inputs, so the check above lets the operator through."""
+    convert.seeded = True
+    return convert
 
 
 class ConversionError(ValueError):
@@ -226,7 +322,7 @@ def _naming_failures(name, convert):
         except (NotImplementedError, ConversionError):
             raise  # raf_dist's own, already naming the problem
         except Exception as err:
-            path = _module_path(node) or "the top-level module's forward"
+            path = module_path(node) or "the top-level module's forward"
             raise ConversionError(
                 f"the Relax importer failed to convert aten.{name} (graph node {node.name}) at "
                 f"{path}: {str(err).strip() or type(err).__name__}. torch.export and its "
