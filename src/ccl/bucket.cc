@@ -19,6 +19,9 @@
  *       holds rank r's flat padded dim-0 shard (s_i = ceil(n_i / N) elements, zeros past n_i)
  *       of t_1, then of t_2, ...; S = sum s_i. One reduce_scatter of it leaves every rank its
  *       shards. Destination-passing, so the memory planner places `out` like any temporary.
+ *       No pass emits it any more: ShardZeRO reduce-scatters a bucket's gradients where they
+ *       live (raf_dist.ccl.reduce_scatter of several tensors, collective.h), which leaves the
+ *       same shards without this [N * S] copy.
  *
  * Before memory planning, compiler/inplace_buckets.py turns every pack whose gradients it can
  * trace to their allocation into `empty` plus views: the kernels that compute the gradients

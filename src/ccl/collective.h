@@ -11,6 +11,11 @@
  *    flat, padded dim-0 shard of DESIGN.md section 3 without materialising the padding.
  *  - allgather: send holds C = ceil(R / N) elements of an R-element recv; recv is the
  *    concatenation of every rank's shard truncated to R (so padding never reaches the user).
+ *  - Several tensors in one call (ZeRO's buckets, `parts`): a reduce_scatter of full tensors
+ *    t_1..t_k leaves in recv this rank's shard of t_1 (C_1 = ceil(n_1 / N) elements, as
+ *    above), then of t_2, and so on; an allgather of such a shard buffer writes every full
+ *    tensor t_i in place. Each tensor is exchanged where it lives: no packed copy of the
+ *    bucket exists on either side. One tensor is exactly the single-tensor form.
  */
 #ifndef RAF_DIST_CCL_COLLECTIVE_H_
 #define RAF_DIST_CCL_COLLECTIVE_H_
@@ -70,6 +75,9 @@ struct CollectiveCall {
   ffi::Tensor recv;        // undefined for barrier and send
   int64_t send_count = 0;  // elements
   int64_t recv_count = 0;  // elements
+  // reduce_scatter of several full tensors (send undefined) or allgather into several full
+  // tensors (recv undefined); the counts above are then their total elements and the shards'
+  std::vector<ffi::Tensor> parts;
   int peer = 0;            // root for broadcast, peer for send/recv
 };
 
@@ -140,6 +148,16 @@ inline int64_t ValidCount(int64_t total, int64_t shard, int r) {
   int64_t begin = shard * r;
   if (begin >= total) return 0;
   return std::min<int64_t>(shard, total - begin);
+}
+/*! \brief The full tensors of a reduce_scatter (inputs) or allgather (outputs): `parts`, or
+ *         the one send / recv. */
+inline std::vector<ffi::Tensor> FullTensors(const CollectiveCall& c) {
+  if (!c.parts.empty()) return c.parts;
+  return {c.kind == CollectiveKind::kReduceScatter ? c.send : c.recv};
+}
+/*! \brief The shard buffer of a reduce_scatter (its output) or allgather (its input). */
+inline const ffi::Tensor& ShardTensor(const CollectiveCall& c) {
+  return c.kind == CollectiveKind::kReduceScatter ? c.recv : c.send;
 }
 
 }  // namespace ccl

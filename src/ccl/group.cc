@@ -114,6 +114,10 @@ void Group::Validate(CollectiveCall* c) const {
                               << ": input and output live on different devices; move both to "
                                  "the host or both to the same GPU";
   }
+  if (!c->parts.empty()) {
+    ValidateParts(c);
+    return;
+  }
   switch (c->kind) {
     case CollectiveKind::kAllReduce:
     case CollectiveKind::kBroadcast:
@@ -153,6 +157,45 @@ void Group::Validate(CollectiveCall* c) const {
     TVM_FFI_THROW(ValueError) << name << ": rank " << rank_
                               << " cannot exchange a message with itself";
   }
+}
+
+void Group::ValidateParts(CollectiveCall* c) const {
+  const char* name = KindName(c->kind);
+  const bool scatter = c->kind == CollectiveKind::kReduceScatter;
+  if (!scatter && c->kind != CollectiveKind::kAllGather) {
+    TVM_FFI_THROW(InternalError) << name << " takes one tensor each way, not several";
+  }
+  const ffi::Tensor& shard = ShardTensor(*c);
+  if (!shard.defined() || (scatter ? c->send.defined() : c->recv.defined())) {
+    TVM_FFI_THROW(InternalError) << name << " of several tensors needs the shard buffer only";
+  }
+  int64_t total = 0, shards = 0;
+  for (size_t i = 0; i < c->parts.size(); ++i) {
+    const ffi::Tensor& t = c->parts[i];
+    std::string what =
+        std::string(name) + (scatter ? " input " : " output ") + std::to_string(i);
+    const int64_t numel = ContiguousNumel(t, what.c_str());
+    if (ToElemType(t.dtype(), what.c_str()) != c->elem) {
+      TVM_FFI_THROW(TypeError) << what << " is " << ffi::DLDataTypeToString(t.dtype())
+                               << " but the shard buffer is " << ElemTypeName(c->elem)
+                               << "; every tensor of the call must have the shard's dtype";
+    }
+    if (t.device().device_type != shard.device().device_type ||
+        t.device().device_id != shard.device().device_id) {
+      TVM_FFI_THROW(ValueError) << what << " lives on another device than the shard buffer; "
+                                   "keep every tensor of the call on one device";
+    }
+    total += numel;
+    shards += ShardCount(numel, size_);
+  }
+  const int64_t have = scatter ? c->recv_count : c->send_count;
+  if (have != shards) {
+    TVM_FFI_THROW(ValueError) << name << ": the shard buffer has " << have
+                              << " elements, expected " << shards << " (the sum of ceil(n_i / "
+                              << size_ << ") over the " << c->parts.size()
+                              << " full tensors: this rank's shard of each, back to back)";
+  }
+  (scatter ? c->send_count : c->recv_count) = total;
 }
 
 void Group::CheckSignature(const CollectiveCall& c) {

@@ -50,6 +50,8 @@ class Group {
 
  private:
   void Validate(CollectiveCall* call) const;
+  /*! \brief Validate a reduce_scatter / allgather of several full tensors (`parts`). */
+  void ValidateParts(CollectiveCall* call) const;
   void CheckSignature(const CollectiveCall& call);
   Backend* BackendFor(const CollectiveCall& call);
   /*! \brief Validate, pick the backend, check the signature and count: everything that

@@ -292,38 +292,50 @@ MPI_Request MpiBackend::Run(const CollectiveCall& c) {
       break;
     }
     case CollectiveKind::kReduceScatter: {
+      // one MPI reduce-scatter per full tensor, each into its place in the shard buffer
       char* recv = static_cast<char*>(DataPtr(c.recv));
-      int64_t shard = c.recv_count;
       MPI_Op op = ToMpiOp(c.op, c.elem);
-      if (shard * size_ == c.send_count) {
-        CheckMpi(MPI_Reduce_scatter_block(DataPtr(c.send), recv, ToInt(shard), dtype, op, comm_),
-                 "Reduce_scatter_block");
-      } else {
-        std::vector<int> counts(size_);
-        for (int r = 0; r < size_; ++r) counts[r] = ToInt(ValidCount(c.send_count, shard, r));
-        CheckMpi(MPI_Reduce_scatter(DataPtr(c.send), recv, counts.data(), dtype, op, comm_),
-                 "Reduce_scatter");
-        int64_t valid = counts[rank_];
-        std::memset(recv + valid * esize, 0, (shard - valid) * esize);  // the padding
+      int64_t offset = 0;
+      for (const ffi::Tensor& t : FullTensors(c)) {
+        const int64_t total = t.numel(), shard = ShardCount(total, size_);
+        char* out = recv + offset * esize;
+        if (shard * size_ == total) {
+          CheckMpi(MPI_Reduce_scatter_block(DataPtr(t), out, ToInt(shard), dtype, op, comm_),
+                   "Reduce_scatter_block");
+        } else {
+          std::vector<int> counts(size_);
+          for (int r = 0; r < size_; ++r) counts[r] = ToInt(ValidCount(total, shard, r));
+          CheckMpi(MPI_Reduce_scatter(DataPtr(t), out, counts.data(), dtype, op, comm_),
+                   "Reduce_scatter");
+          int64_t valid = counts[rank_];
+          std::memset(out + valid * esize, 0, (shard - valid) * esize);  // the padding
+        }
+        offset += shard;
       }
-      if (c.op == ReduceOp::kAvg) DivideInPlace(recv, shard, c.elem, size_);
+      if (c.op == ReduceOp::kAvg) DivideInPlace(recv, c.recv_count, c.elem, size_);
       break;
     }
     case CollectiveKind::kAllGather: {
-      int64_t shard = c.send_count;
-      if (shard * size_ == c.recv_count) {
-        CheckMpi(MPI_Allgather(DataPtr(c.send), ToInt(shard), dtype, DataPtr(c.recv),
-                               ToInt(shard), dtype, comm_),
-                 "Allgather");
-      } else {
-        std::vector<int> counts(size_), displs(size_);
-        for (int r = 0; r < size_; ++r) {
-          counts[r] = ToInt(ValidCount(c.recv_count, shard, r));
-          displs[r] = ToInt(shard * r);
+      // one MPI allgather per full tensor, straight into it, from its place in the shards
+      const char* send = static_cast<const char*>(DataPtr(c.send));
+      int64_t offset = 0;
+      for (const ffi::Tensor& t : FullTensors(c)) {
+        const int64_t total = t.numel(), shard = ShardCount(total, size_);
+        const char* in = send + offset * esize;
+        if (shard * size_ == total) {
+          CheckMpi(MPI_Allgather(in, ToInt(shard), dtype, DataPtr(t), ToInt(shard), dtype, comm_),
+                   "Allgather");
+        } else {
+          std::vector<int> counts(size_), displs(size_);
+          for (int r = 0; r < size_; ++r) {
+            counts[r] = ToInt(ValidCount(total, shard, r));
+            displs[r] = ToInt(shard * r);
+          }
+          CheckMpi(MPI_Allgatherv(in, counts[rank_], dtype, DataPtr(t), counts.data(),
+                                  displs.data(), dtype, comm_),
+                   "Allgatherv");
         }
-        CheckMpi(MPI_Allgatherv(DataPtr(c.send), counts[rank_], dtype, DataPtr(c.recv),
-                                counts.data(), displs.data(), dtype, comm_),
-                 "Allgatherv");
+        offset += shard;
       }
       break;
     }

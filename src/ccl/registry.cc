@@ -6,6 +6,9 @@
  * Outputs come last, so each collective serves both Relax forms:
  *  - destination passing: R.call_dps_packed("raf_dist.ccl.allreduce", (x, "sum", 0), out_sinfo)
  *  - in place: R.call_packed("raf_dist.ccl.allreduce", g, "sum", 0, g) (input aliases output)
+ * reduce_scatter takes several inputs and allgather several outputs (a ZeRO bucket's tensors,
+ * exchanged where they live; collective.h): reduce_scatter(t_1, ..., t_k, op, group, shards),
+ * allgather(shards, group, t_1, ..., t_k).
  * `<name>_start` takes the same arguments and returns an int64 handle; `raf_dist.ccl.wait`
  * completes it. Extra arguments to wait are ignored: passing the in-flight buffers there keeps
  * them named until the wait, so a memory planner cannot reuse their storage (DESIGN.md s.5).
@@ -15,6 +18,7 @@
 #include <tvm/ffi/reflection/registry.h>
 
 #include <unordered_map>
+#include <utility>
 
 #include "group.h"
 
@@ -91,11 +95,37 @@ CollectiveCall MakeCall(CollectiveKind kind, ffi::Optional<ffi::Tensor> send,
 CollectiveCall AllReduceCall(ffi::Tensor send, ffi::String op, ffi::Tensor recv) {
   return MakeCall(CollectiveKind::kAllReduce, send, recv, ParseReduceOp(op));
 }
-CollectiveCall ReduceScatterCall(ffi::Tensor send, ffi::String op, ffi::Tensor recv) {
-  return MakeCall(CollectiveKind::kReduceScatter, send, recv, ParseReduceOp(op));
+/*! \brief reduce_scatter(t_1, ..., t_k, op, group, out): the group and the call. One tensor
+ *         is the plain form; several are a bucket reduced where its tensors live
+ *         (collective.h). */
+std::pair<int64_t, CollectiveCall> ReduceScatterCall(ffi::PackedArgs args) {
+  const int k = args.size() - 3;
+  if (k < 1) {
+    TVM_FFI_THROW(TypeError) << "raf_dist.ccl.reduce_scatter(t_1, ..., t_k, op, group, out)";
+  }
+  CollectiveCall call = MakeCall(CollectiveKind::kReduceScatter, std::nullopt,
+                                 args[k + 2].cast<ffi::Tensor>(),
+                                 ParseReduceOp(args[k].cast<ffi::String>()));
+  for (int i = 0; i < k; ++i) call.parts.push_back(args[i].cast<ffi::Tensor>());
+  if (k == 1) {  // the plain form
+    call.send = std::move(call.parts[0]);
+    call.parts.clear();
+  }
+  return {args[k + 1].cast<int64_t>(), std::move(call)};
 }
-CollectiveCall AllGatherCall(ffi::Tensor send, ffi::Tensor recv) {
-  return MakeCall(CollectiveKind::kAllGather, send, recv);
+/*! \brief allgather(shards, group, t_1, ..., t_k): every full tensor written in place from
+ *         every rank's shards (collective.h). */
+std::pair<int64_t, CollectiveCall> AllGatherCall(ffi::PackedArgs args) {
+  const int k = args.size() - 2;
+  if (k < 1) TVM_FFI_THROW(TypeError) << "raf_dist.ccl.allgather(shards, group, t_1, ..., t_k)";
+  CollectiveCall call =
+      MakeCall(CollectiveKind::kAllGather, args[0].cast<ffi::Tensor>(), std::nullopt);
+  for (int i = 0; i < k; ++i) call.parts.push_back(args[i + 2].cast<ffi::Tensor>());
+  if (k == 1) {  // the plain form
+    call.recv = std::move(call.parts[0]);
+    call.parts.clear();
+  }
+  return {args[1].cast<int64_t>(), std::move(call)};
 }
 CollectiveCall BroadcastCall(ffi::Tensor send, int64_t root, ffi::Tensor recv) {
   return MakeCall(CollectiveKind::kBroadcast, send, recv, ReduceOp::kSum, static_cast<int>(root));
@@ -199,22 +229,26 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            [](ffi::Tensor send, ffi::String op, int64_t g, ffi::Tensor recv) {
              return StartCall(g, AllReduceCall(send, op, recv));
            })
-      .def("raf_dist.ccl.reduce_scatter",
-           [](ffi::Tensor send, ffi::String op, int64_t g, ffi::Tensor recv) {
-             RunCall(g, ReduceScatterCall(send, op, recv));
-           })
-      .def("raf_dist.ccl.reduce_scatter_start",
-           [](ffi::Tensor send, ffi::String op, int64_t g, ffi::Tensor recv) {
-             return StartCall(g, ReduceScatterCall(send, op, recv));
-           })
-      .def("raf_dist.ccl.allgather",
-           [](ffi::Tensor send, int64_t g, ffi::Tensor recv) {
-             RunCall(g, AllGatherCall(send, recv));
-           })
-      .def("raf_dist.ccl.allgather_start",
-           [](ffi::Tensor send, int64_t g, ffi::Tensor recv) {
-             return StartCall(g, AllGatherCall(send, recv));
-           })
+      .def_packed("raf_dist.ccl.reduce_scatter",
+                  [](ffi::PackedArgs args, ffi::Any*) {
+                    auto [g, call] = ReduceScatterCall(args);
+                    RunCall(g, std::move(call));
+                  })
+      .def_packed("raf_dist.ccl.reduce_scatter_start",
+                  [](ffi::PackedArgs args, ffi::Any* rv) {
+                    auto [g, call] = ReduceScatterCall(args);
+                    *rv = StartCall(g, std::move(call));
+                  })
+      .def_packed("raf_dist.ccl.allgather",
+                  [](ffi::PackedArgs args, ffi::Any*) {
+                    auto [g, call] = AllGatherCall(args);
+                    RunCall(g, std::move(call));
+                  })
+      .def_packed("raf_dist.ccl.allgather_start",
+                  [](ffi::PackedArgs args, ffi::Any* rv) {
+                    auto [g, call] = AllGatherCall(args);
+                    *rv = StartCall(g, std::move(call));
+                  })
       .def("raf_dist.ccl.broadcast",
            [](ffi::Tensor send, int64_t root, int64_t g, ffi::Tensor recv) {
              RunCall(g, BroadcastCall(send, root, recv));

@@ -4,7 +4,8 @@ was given (as torch.optim does), so a step holds one copy of them, not two.
 Runs after CallTIRRewrite (and WriteGradientsIntoBuckets) and before StaticPlanBlockMemory, on
 functions with the ``raf_dist.updated_arguments`` attribute (``build_train_step`` sets it,
 ShardZeRO rewrites it): output field 1 + i is the new value of argument
-``updated_arguments[i]``. For each such output:
+``updated_arguments[i]``. For each such output that is not the argument itself already
+(ShardZeRO's allgather writes the updated parameters into their arguments):
   - trace it through aliases and tuple items to the ``R.builtin.alloc_tensor`` its kernel
     writes into (CallTIRRewrite's output allocation), and find that kernel (the first call
     taking the allocation);
@@ -76,6 +77,14 @@ def _allocation(info, out):
     if isinstance(value, relax.Call) and value.op == _ALLOC_TENSOR:
         return var
     return None
+
+
+def _is_argument(info, field, argument):
+    """Whether output ``field`` is ``argument`` itself (through variable aliases): its new
+    value was written into the argument's buffer by a call that names it (a collective)."""
+    while isinstance(field, relax.Var) and isinstance(info.value.get(field), relax.Var):
+        field = info.value[field]
+    return isinstance(field, relax.Var) and field.same_as(argument)
 
 
 def _blocks(sch, block):
@@ -157,6 +166,8 @@ def _rewrite(builder, mod, func, name):
             logger.warning("UpdateInPlace: %s: %s gets a new buffer each step (one more copy "
                            "in the planned memory): %s", name, argument.name, reason)
 
+        if _is_argument(info, field, argument):
+            continue  # already written in place (ShardZeRO's allgather into the parameters)
         alloc = _allocation(info, field) if isinstance(field, relax.Var) else None
         if alloc is None:
             refuse("its new value is not computed into an allocation of its own")

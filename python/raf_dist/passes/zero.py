@@ -7,28 +7,33 @@ Arguments: ``level`` (1–3), ``world_size`` N, ``bucket_bytes``, ``overlap``, `
 
 Sharding. Every tensor of n elements is cut into N flat, padded dim-0 shards of
 s = ceil(n / N) elements; rank r owns elements [r*s, (r+1)*s) of the flattened tensor, the
-tail past n being zeros. A bucket of tensors is exchanged as one chunk-interleaved buffer of
-N * S elements (S = sum of the tensors' s): chunk r holds rank r's shard of each tensor, back
-to back, so one reduce_scatter leaves every rank its shard of each gradient and one allgather
-rebuilds every full tensor. Nothing in the IR names a rank: reduce_scatter and allgather pick
-the chunk at run time, and ``raf_dist.ccl.local_shard`` cuts this rank's shard of a full
+tail past n being zeros. A bucket's shards live back to back in one [S] buffer (S = sum of the
+tensors' s). A bucket is exchanged where its tensors live, with no packed copy of it:
+``reduce_scatter(g_1, ..., g_k, "avg", group, shards)`` reads every gradient in its own buffer
+and leaves this rank's [S] shards; ``allgather(shards, group, p_1, ..., p_k)`` writes every
+updated tensor straight into its parameter's buffer, as DeepSpeed's flat buffers do (one
+collective call per bucket either way). Nothing in the IR names a rank: the collectives pick
+the shard at run time, and ``raf_dist.ccl.local_shard`` cuts this rank's shard of a full
 parameter. The IR is the same on every rank.
 
 What each level emits (gradients averaged in the reduce_scatter; loss averaged as in DP):
   1  optimizer state arguments become one flat [S] shard per gradient bucket and state
      (bucket-major: the layout ``state_layout`` describes); after backward, every gradient bucket is
      reduce-scattered; each rank updates its parameter shard (cut by local_shard) and its
-     state shard; the updated shards are all-gathered per bucket into full parameters.
+     state shard; the updated shards are all-gathered per bucket into the parameters, in
+     place (the step returns the parameter arguments themselves). Planned temporaries: level
+     0's (every full gradient is alive when backward ends) plus the [S] shards.
   2  as 1, but each bucket is reduce-scattered as soon as its last gradient exists; with
      overlap the collective runs while backward continues and is waited on (and the bucket's
-     shards updated) when the next bucket is complete, before that one is packed, so one
-     packed gradient bucket is alive at a time (the planner sees the gradients die at their
-     reduce_scatter). The updated shards are all-gathered once backward is done (as
-     DeepSpeed does): a gathered bucket is as large as a gradient bucket.
+     shards updated) when the next bucket is complete, before that one's reduce_scatter
+     starts, so the planner sees each bucket's gradients die at their reduce_scatter. The
+     updated shards are all-gathered into the parameters once backward is done (as DeepSpeed
+     does): backward may still read a parameter after its bucket's gradients exist.
   3  as 2, and parameters themselves are shard arguments: parameters are gathered in buckets
-     (forward order) just before their first forward use, the next bucket's gather started
-     one ahead; the gathered tensors die after their last forward use; backward gathers the
-     parameters it reads again, in backward order; the update outputs shards.
+     (forward order) just before their first forward use, each straight into a full buffer
+     of its own (``allgather(shards, group, full_1, ..., full_k)``), the next bucket's gather
+     started one ahead; the gathered tensors die after their last forward use; backward
+     gathers the parameters it reads again, in backward order; the update outputs shards.
 The optimizer region must be elementwise (SGD, Adam, AdamW are): it is re-emitted on shards.
 
 ``guard=True`` (Trainer(nonfinite="skip") under ZeRO): no bucket is updated before every
@@ -45,7 +50,6 @@ from .bucketing import Segments, assemble, assign_buckets, collective, marker_bu
 from .gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                                UPDATED_ARGUMENTS, SubstituteVars, find_markers, tensor_numel)
 
-PACK_CHUNKS = "raf_dist.bucket.pack_chunks"
 ELEMENTWISE_OPS = frozenset(f"relax.{name}" for name in (
     "add", "subtract", "multiply", "divide", "sqrt", "rsqrt", "negative", "power", "maximum",
     "minimum", "abs", "sign", "exp", "log", "square", "where", "greater", "less",
@@ -150,47 +154,6 @@ class _Rewriter:
         return self.bind(name, relax.op.builtin.alloc_tensor(relax.ShapeExpr([numel]), dtype,
                                                              relax.prim_value(0)))
 
-    def pack_chunks(self, name, bucket, tensors):
-        """[N*S] chunk-interleaved buffer of full tensors (the reduce_scatter input), packed by
-        the runtime (``raf_dist.bucket.pack_chunks``, memcpy, destination-passing so the
-        planner places the buffer): TVM's fused pad/concat kernel for it ran at ~0.5 GB/s
-        (8.2 ms for the 3.7 MB GPT bucket, the largest cost ZeRO-2 added to the step)."""
-        ty = relax.TensorType([self.n * bucket.shard_total], bucket.dtype)
-        return self.bind(name, relax.call_dps_packed(
-            PACK_CHUNKS, relax.Tuple([*tensors, relax.prim_value(self.n)]),
-            ty))
-
-    def unpack_chunks(self, name, bucket, gathered, into_params=False):
-        """Full tensors from an [N*S] chunk-interleaved buffer (the allgather output);
-        ``into_params``: they are the step's new parameters."""
-        n = self.n
-        rows = self.bind(f"{name}_rows", relax.op.reshape(gathered, [n, bucket.shard_total]))
-        pieces = [rows]
-        if len(bucket.keys) > 1 and not into_params:
-            parts = self.bind(f"{name}_parts", relax.op.split(rows, bucket.split_offsets, axis=1))
-            pieces = [self.bind(f"{name}_part{i}", relax.TupleGetItem(parts, i))
-                      for i in range(len(bucket.keys))]
-        elif len(bucket.keys) > 1:
-            # one slice per tensor, not a split: each fuses with its reshapes into one kernel
-            # that copies from the gathered buffer straight into the parameter's buffer (no
-            # [N*S] intermediate copy of the whole bucket). Not for ZeRO-3's gathers, whose
-            # tensors feed compute: there the planner placed the slices worse (bench MLP,
-            # N=4, one bucket: 19.0 MB planned instead of 14.8 MB)
-            starts = [0] + bucket.split_offsets
-            pieces = [self.bind(f"{name}_part{i}", relax.op.strided_slice(
-                rows, axes=[1], begin=[start], end=[start + s]))
-                for i, (start, s) in enumerate(zip(starts, bucket.shards))]
-        out = []
-        for key, piece, ty, numel, s in zip(bucket.keys, pieces, bucket.types, bucket.numels,
-                                            bucket.shards):
-            flat = self.bind(f"{name}_flat{key}", relax.op.reshape(piece, [n * s]))
-            if n * s != numel:
-                flat = self.bind(f"{name}_trim{key}", relax.op.strided_slice(
-                    flat, axes=[0], begin=[0], end=[numel]))
-            out.append(self.bind(f"{name}_full{key}",
-                                 relax.op.reshape(flat, [int(d) for d in ty.shape])))
-        return out
-
     def split_shards(self, name, bucket, packed, dataflow=True):
         """Per-tensor shards [s_i] of a packed [S] shard buffer."""
         if len(bucket.keys) == 1:
@@ -203,10 +166,12 @@ class _Rewriter:
     def concat_shards(self, name, shards):
         return shards[0] if len(shards) == 1 else self.bind(name, relax.op.concat(shards, axis=0))
 
-    def start(self, kind, name, send, out):
-        """Blocking collective (overlap off) or start; returns the handle or None."""
-        args = [send] + ([tvm.ir.StringImm("avg")] if kind == "reduce_scatter" else []) + [
-            self.group, out]
+    def start(self, kind, name, sends, outs):
+        """Blocking collective (overlap off) or start; returns the handle or None.
+        reduce_scatter: several full inputs, one [S] shard output; allgather: one shard
+        input, one or several full outputs (src/ccl/collective.h)."""
+        avg = [tvm.ir.StringImm("avg")] if kind == "reduce_scatter" else []
+        args = [*sends, *avg, self.group, *outs]
         if not self.overlap:
             self.bind(name, collective(f"raf_dist.ccl.{kind}", *args), dataflow=False)
             return None
@@ -248,25 +213,27 @@ class _Rewriter:
                     relax.TensorType([bucket.shard_total], bucket.dtype))
         closes = {marker_pos[b.keys[-1]]: b for b in grad_buckets}
 
-        in_flight = {}  # reduce_scatters: bucket index -> (bucket, handle, packed, out)
-        gathering = []  # allgathers of updated shards: (bucket, handle, packed, out)
+        in_flight = {}  # reduce_scatters: bucket index -> (bucket, handle, gradients, out)
+        gathering = []  # allgathers of updated shards: (bucket, handle, updated shards)
         full = {}  # parameter index -> its updated full value (levels 1-2)
         shard_out = {}  # (bucket, state slot) -> updated flat state; (param, -1): param shard
         deferred = []  # level 2: updated shards gathered once backward is done
 
         def reduce_scatter(bucket):
-            packed = self.pack_chunks(f"grad_bucket{bucket.index}", bucket,
-                                      [grads[k] for k in bucket.keys])
+            """Start reducing a bucket's gradients, read where backward computed them (no
+            packed copy: the planner keeps each alive until the wait, which names it)."""
+            bucket_grads = [grads[k] for k in bucket.keys]
             out = self._alloc(f"grad_shard{bucket.index}", bucket.shard_total, bucket.dtype)
-            handle = self.start("reduce_scatter", f"reduce_scatter{bucket.index}", packed, out)
-            in_flight[bucket.index] = (bucket, handle, packed, out)
+            handle = self.start("reduce_scatter", f"reduce_scatter{bucket.index}",
+                                bucket_grads, [out])
+            in_flight[bucket.index] = (bucket, handle, bucket_grads, out)
 
         pending = []  # guarded: (bucket, reduced shard) until every rank's verdict is known
         verdict = {}
 
         def finish_reduce(index):
-            bucket, handle, packed, out = in_flight.pop(index)
-            self.wait(f"wait_reduce_scatter{index}", handle, packed, out)
+            bucket, handle, bucket_grads, out = in_flight.pop(index)
+            self.wait(f"wait_reduce_scatter{index}", handle, *bucket_grads, out)
             if self.guard:
                 pending.append((bucket, out))
             else:
@@ -278,10 +245,10 @@ class _Rewriter:
 
         def finish_gathers(keep):
             while len(gathering) > keep:
-                bucket, handle, packed, out = gathering.pop(0)
-                self.wait(f"wait_allgather_updated{bucket.index}", handle, packed, out)
-                full.update(zip(bucket.keys, self.unpack_chunks(f"updated{bucket.index}",
-                                                                 bucket, out, into_params=True)))
+                bucket, handle, new_param = gathering.pop(0)
+                targets = [params[k] for k in bucket.keys]
+                self.wait(f"wait_allgather_updated{bucket.index}", handle, new_param, *targets)
+                full.update(zip(bucket.keys, targets))  # updated in place
 
         def update(bucket, grad_shard):
             """The optimizer on one bucket's flat shards: parameter k0's update chain (the
@@ -322,20 +289,19 @@ class _Rewriter:
                 pieces = self.split_shards(f"new_param{b}", bucket, new_param, dataflow=False)
                 for k, piece in zip(keys, pieces):
                     shard_out[(k, -1)] = piece
-            elif level == 2:  # a gathered bucket is full-sized: not during backward
+            elif level == 2:  # backward may still read the parameters: gather after it
                 deferred.append((bucket, new_param))
             else:
                 gather_updated(bucket, new_param)
 
         def gather_updated(bucket, new_param):
-            """Allgather a bucket's updated shards: level 1 while the next bucket is updated;
-            level 2, after backward, one bucket at a time (two gathered buckets in flight
-            would need a second bucket-sized buffer, and the planner cannot reuse the blocks
-            the updated shards sit in; the unpack they would overlap is a memcpy)."""
-            out = self._alloc(f"updated{bucket.index}", n * bucket.shard_total, bucket.dtype)
+            """Allgather a bucket's updated shards straight into its parameters' buffers (no
+            gathered copy of the bucket, no unpacking): level 1 while the next bucket is
+            updated, level 2 after backward, one gather in flight behind the next."""
+            targets = [params[k] for k in bucket.keys]
             gathering.append((bucket, self.start("allgather", f"allgather_updated{bucket.index}",
-                                                 new_param, out), new_param, out))
-            finish_gathers(1 if self.overlap and level == 1 else 0)
+                                                 [new_param], targets), new_param))
+            finish_gathers(1 if self.overlap else 0)
 
         # ---- level 3 parameter gathers
         gathers = {}
@@ -509,8 +475,12 @@ class _Rewriter:
         bucket = region["buckets"][b]
         name = f"{region['name']}_gather{b}"
         packed = self.concat_shards(f"{name}_shards", [region["shards"][k] for k in bucket.keys])
-        out = self._alloc(name, self.n * bucket.shard_total, bucket.dtype)
-        region["started"][b] = (self.start("allgather", name, packed, out), packed, out)
+        # every parameter gathered straight into a full buffer of its own shape, which the
+        # forward (backward) then reads: no [N*S] gathered bucket to unpack by copies
+        outs = [self.bind(f"{name}_full{k}", relax.op.builtin.alloc_tensor(
+            relax.ShapeExpr([int(d) for d in ty.shape]), bucket.dtype, relax.prim_value(0)))
+            for k, ty in zip(bucket.keys, bucket.types)]
+        region["started"][b] = (self.start("allgather", name, [packed], outs), packed, outs)
 
     def _prefetch(self, region, b):
         """With overlap, start bucket b's gather ahead of its first use."""
@@ -523,11 +493,10 @@ class _Rewriter:
         if bucket.index not in region["full"]:
             if bucket.index not in region["started"]:
                 self._start_gather(region, bucket.index)
-            handle, packed, out = region["started"][bucket.index]
-            self.wait(f"wait_{region['name']}_gather{bucket.index}", handle, packed, out)
+            handle, packed, outs = region["started"][bucket.index]
+            self.wait(f"wait_{region['name']}_gather{bucket.index}", handle, packed, *outs)
             self._prefetch(region, bucket.index + 1)  # the next bucket, one ahead
-            region["full"][bucket.index] = dict(zip(bucket.keys, self.unpack_chunks(
-                f"{region['name']}_params{bucket.index}", bucket, out)))
+            region["full"][bucket.index] = dict(zip(bucket.keys, outs))
         return region["full"][bucket.index][region["param_pos"][param]]
 
 

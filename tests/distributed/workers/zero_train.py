@@ -7,9 +7,10 @@ rank then trains each ZeRO level on its slice and compares losses, parameters an
 state (norm-relative <= 2e-5), and checks what stats() reports:
   param_bytes           4 Psi (levels 0-2), 4 Psi/N padded (level 3)
   optimizer_state_bytes K * 4 Psi (level 0), K * 4 Psi/N padded (levels 1-3)
-  comm_bytes_last_step  reduce_scatter and allgather (N-1)/N * 4 Psi each (levels 1-2); level 3
-                        gathers the parameters again for backward: allgather between 1x and 2x
-                        that, total <= 3 Psi (N-1)/N * 4; allreduce only the loss scalar
+  comm_bytes_last_step  reduce_scatter and allgather (N-1)/N * 4 Psi each (levels 1-2; every
+                        tensor travels where it lives, so its shards' padding never does);
+                        level 3 gathers the parameters again for backward: allgather between
+                        1x and 2x that, total <= 3 Psi (N-1)/N * 4; allreduce only the loss
   reduce_scatter calls  one per gradient bucket per step
   peak                  params + optimizer state + planned temporaries falls from level to
                         level when level 0 is in LEVEL (the cases that ask for it use a model
@@ -86,15 +87,19 @@ def check(name, opt_name, bucket_mb, overlap, levels, steps):
             assert psi <= padded < psi + 16 * len(numels), (psi, padded)
             assert abs(comm_bytes["allreduce"] - 2 * (n - 1) / n * 4 * (padded + 1)) < 1e-6, (what, stats)
         else:
-            one_pass = (n - 1) * 4 * shard  # = (N-1)/N * 4 Psi, padding aside
+            one_pass = (n - 1) / n * 4 * psi
             assert abs(comm_bytes.get("allreduce", 0.0) - loss_bytes) < 1e-6, (what, stats)
-            assert comm_bytes.get("reduce_scatter", 0.0) == one_pass, (what, stats, one_pass)
+            # 1e-9: the counters sum one float per collective call
+            assert abs(comm_bytes.get("reduce_scatter", 0.0) - one_pass) <= 1e-9 * one_pass, (
+                what, stats, one_pass)
             gathered = comm_bytes.get("allgather", 0.0)
             if level < 3:
-                assert gathered == one_pass, (what, stats, one_pass)
+                assert abs(gathered - one_pass) <= 1e-9 * one_pass, (what, stats, one_pass)
             else:
-                assert (one_pass < gathered or n == 1) and gathered <= 2 * one_pass, (what, stats)
-                assert sum(comm_bytes.values()) - loss_bytes <= 3 * one_pass
+                bound = 1 + 1e-9  # as above
+                assert (one_pass < gathered or n == 1) and gathered <= 2 * one_pass * bound, (
+                    what, stats)
+                assert sum(comm_bytes.values()) - loss_bytes <= 3 * one_pass * bound
             rs_calls = after["reduce_scatter"]["calls"] - before["reduce_scatter"]["calls"]
             assert rs_calls == steps * trainer.num_grad_buckets, (what, rs_calls)
             assert trainer.num_grad_buckets >= 2 or n == 1, "the case should have several buckets"
