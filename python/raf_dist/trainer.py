@@ -553,7 +553,8 @@ class Trainer:
         piece = np.ascontiguousarray(piece)
         flat = collectives.allgather(piece.reshape(-1), group=self.mesh.tp_group)
         return np.concatenate(np.split(flat.reshape((self.tp,) + piece.shape), self.tp),
-                              axis=-1).reshape(piece.shape[:-1] + (piece.shape[-1] * self.tp,))
+                              axis=-1).reshape(piece.shape[:-1] + (piece.shape[-1] * self.tp,))[
+            ..., :self.tp_plan.output_classes]  # a padded vocabulary's padding cut off
 
     def _forward_at(self, rows):
         """(compiled forward, model) for a batch of ``rows`` rows: the evaluation-mode forward

@@ -1,5 +1,6 @@
 """Tensor parallelism on real processes (workers/tp_train.py): T ranks (and dp x T with ZeRO)
-train like one process on the global batch, with the plan's bus bytes on the tp group;
+train like one process on the global batch (a vocabulary T does not divide, padded, too),
+with the plan's bus bytes on the tp group;
 checkpoints reshard across tp x dp x ZeRO; bad layouts are refused on every rank before any
 collective (workers/tp_errors.py)."""
 import pytest
@@ -17,14 +18,20 @@ def _ok(out, ranks):
     ("mlp", "sgd_momentum", 2, 0, 4, ("--microbatches", 3)),
     ("transformer4", "adamw", 4, 0, 4, ()),          # heads over 4 ranks, vocab-parallel head
     ("transformer4", "sgd_momentum", 2, 3, 4, ()),   # dp 2 x tp 2, ZeRO-3 over dp
-    ("hf_gpt2", "hf_adamw", 2, 0, 2, ()),            # fused qkv, tied vocab-parallel embedding
-    ("hf_llama", "hf_adamw", 2, 0, 2, ()),           # grouped-query attention, rotary, SwiGLU
-], ids=["mlp-dp2xtp2-microbatches", "transformer-tp4", "transformer-dp2xtp2-zero3", "gpt2-tp2",
-        "llama-tp2"])
+    # fused qkv, tied vocab-parallel embedding; a vocabulary of 37 (as GPT-2's 50257, odd):
+    # padded to 38, the padded logits masked (divisible vocabularies: the cases above)
+    ("hf_gpt2", "hf_adamw", 2, 0, 2, ("--vocab", 37)),
+    # grouped-query attention, rotary, SwiGLU; an untied table (103 rows > the 64 ids a step
+    # looks up: split) and head, each padded to 104
+    ("hf_llama", "hf_adamw", 2, 0, 2, ("--vocab", 103)),
+], ids=["mlp-dp2xtp2-microbatches", "transformer-tp4", "transformer-dp2xtp2-zero3",
+        "gpt2-tp2-vocab37", "llama-tp2-vocab103"])
 def test_tensor_parallel_equals_one_process(model, optimizer, tp, zero, ranks, extra):
     out = check_mpi("tp_train.py", ranks, model, optimizer, tp, zero, 3, *extra, timeout=420)
     _ok(out, ranks)
     assert "colwise" in out and "rowwise" in out
+    if "--vocab" in extra:  # tp_train.py checked shapes and values; the plan says it padded
+        assert "the vocabulary of %s is padded" % extra[extra.index("--vocab") + 1] in out, out
 
 
 def test_checkpoint_reshards_across_tp_dp_and_zero(tmp_path):

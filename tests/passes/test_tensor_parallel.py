@@ -13,6 +13,7 @@ import raf_dist
 from raf_dist.passes.tensor_parallel import (Placement, TensorParallelPlan, plan_tensor_parallel,
                                              shard_forward)
 from raf_dist.passes.tp_ops import TP_COPY, TP_REDUCE, LowerTensorParallel, tp_copy, tp_reduce
+from raf_dist.passes.tp_padding import Padding
 from raf_dist.training.tensor_parallel import make_plan, shard_model
 
 from models import MLP, TransformerBlock
@@ -219,6 +220,20 @@ def test_explicit_colwise_on_indivisible_dimension_raises():
     with pytest.raises(ValueError, match=r"layers\.0\.weight.*30"):
         plan_tensor_parallel(before, 4, MLP_NAMES, MLP_NAMES,
                              plan={"layers.0": "colwise", "layers.1": "rowwise"})
+
+
+def test_an_inner_layer_is_not_padded_only_an_output_head():
+    """A vocabulary (here a head of 9 classes at T = 4) is padded to a multiple of T:
+    its padded logits are masked and never reach a real value. An inner layer's would feed
+    the next layer (its padded activations there get gradients), so hidden 30 stays whole."""
+    before = mlp_forward(hidden=30, d_out=9)
+    plan = plan_tensor_parallel(before, 4, MLP_NAMES, MLP_NAMES, split_output=True)
+    assert plan.padding == {"layers.1.weight": Padding(0, 9, 12),
+                            "layers.1.bias": Padding(0, 9, 12)}
+    assert {n: p.role for n, p in plan.placements.items()} == {
+        "layers.1.weight": "colwise", "layers.1.bias": "bias"}
+    assert "30" in plan.replicated["layers.0.weight"]
+    assert plan.output_split and plan.output_classes == 9
 
 
 def test_later_layer_splits_when_the_first_does_not_divide():

@@ -1,10 +1,12 @@
 """Vocabulary parallelism (DESIGN.md 3b): the token table split along its rows and the tied
 output head along its classes (plan_tensor_parallel / shard_forward with ``split_output``;
-Before / Expected, structural equality), the rows > ids rule for an untied table, the IR of
-the vocabulary-parallel cross-entropy (build_loss(..., vocab_parallel=True)), and its numerics
-(and those of the whole sharded tied LM), run for T ranks in one process: the SPMD function
-is simulated in lockstep (each binding emitted once per rank, each collective computed from
-all ranks' values) and compared with PyTorch. Single process, no MPI."""
+Before / Expected, structural equality), the rows > ids rule for an untied table, a
+vocabulary T does not divide padded to a multiple of T (passes/tp_padding.py: zero rows, the
+padded logits masked), the IR of the vocabulary-parallel cross-entropy (build_loss(...,
+vocab_parallel=True)), and its numerics (and those of the whole sharded LM, padded or not),
+run for T ranks in one process: the SPMD function is simulated in lockstep (each binding
+emitted once per rank, each collective computed from all ranks' values) and compared with
+PyTorch. Single process, no MPI."""
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from raf_dist.passes.gradient_markers import SubstituteVars
 from raf_dist.passes.tensor_parallel import Placement, plan_tensor_parallel, shard_forward
 from raf_dist.passes.tp_ops import (TP_COPY, TP_MAX, TP_RANK, TP_REDUCE, is_tp_op, tp_copy,
                                     tp_rank, tp_reduce)
+from raf_dist.passes.tp_padding import Padding, masked_logit
 from raf_dist.training.loss import build_loss
 
 F32 = "float32"
@@ -60,8 +63,17 @@ def _vocab_lookup(bb, table, ids, rows):
     return op.where(keep, looked_up, relax.const(0.0, F32))
 
 
+def _masked(bb, logits, local, classes):
+    """What shard_forward appends to padded logits, written out: the columns of this rank's
+    slice [r local, (r+1) local) from ``classes`` on set to the masked logit."""
+    column = bb.emit(op.arange(0, local, 1, "int64"))
+    start = bb.emit(op.multiply(tp_rank(column), relax.const(local, "int64")))
+    keep = bb.emit(op.less(op.add(column, start), relax.const(classes, "int64")))
+    return op.where(keep, logits, relax.const(masked_logit(F32), F32))
+
+
 def lm_forward(batch=BATCH, seq=SEQ, vocab=VOCAB, d=DIM, tied=True, tp=1, sharded=False,
-               split_head=True):
+               split_head=True, padded=None):
     """ids -> embedding (as from_pytorch emits nn.Embedding: astype int32, flatten, take,
     reshape) -> layer_norm -> head (the table itself when ``tied``, else its own weight, as
     nn.Linear: permute_dims, matmul) -> logits, the output.
@@ -69,9 +81,12 @@ def lm_forward(batch=BATCH, seq=SEQ, vocab=VOCAB, d=DIM, tied=True, tp=1, sharde
     ``sharded``: what shard_forward should make of it at ``tp`` ranks: the table's rows
     split, the lookup vocabulary parallel followed by g (tp_reduce); with ``split_head`` the
     head's classes split too (column parallel, the logits stay split for the vocabulary-
-    parallel cross-entropy) and f (tp_copy) on the normalized hidden state it reads."""
-    rows = vocab // tp if sharded else vocab
-    classes = vocab // tp if sharded and split_head else vocab
+    parallel cross-entropy) and f (tp_copy) on the normalized hidden state it reads.
+    ``padded``: the vocabulary's size once padded to a multiple of ``tp`` (the table's and
+    a split head's rows; the split logits' padded classes masked)."""
+    padded = padded or vocab
+    rows = padded // tp if sharded else vocab
+    classes = padded // tp if sharded and split_head else vocab
     ids = tensor("x", batch, seq, dtype="int64")
     params = [tensor("p_wte", rows, d), tensor("p_ln_weight", d), tensor("p_ln_bias", d)]
     if not tied:
@@ -93,7 +108,10 @@ def lm_forward(batch=BATCH, seq=SEQ, vocab=VOCAB, d=DIM, tied=True, tp=1, sharde
             if sharded and split_head:
                 h = bb.emit(tp_copy(h))
             logits = bb.emit(op.matmul(h, wt, out_dtype=F32))
-            gv = bb.emit_output(logits)
+            if sharded and split_head and padded != vocab:  # the output binding, masked
+                gv = bb.emit_output(_masked(bb, bb.emit(logits), classes, vocab))
+            else:
+                gv = bb.emit_output(logits)
         bb.emit_func_output(gv)
     return bb.get()["forward"]
 
@@ -193,6 +211,74 @@ def test_explicit_plan_splits_an_untied_table_and_head():
                                "head.weight": Placement(0, 1, "colwise")}
 
 
+# ---- 1b. a vocabulary T does not divide: padded to a multiple of T -------------------------
+ODD = 13  # 14 rows at T = 2 (one zero row), 16 at T = 4 (three)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tied_vocabulary_tp_does_not_divide_is_padded_and_its_logits_masked(tp):
+    """Megatron's make-vocab-size-divisible-by: the table gets zero rows up to a multiple of
+    T and splits as one that divides; the padded classes of the logits are masked before
+    they leave the forward; the plan keeps the true shape and says so."""
+    before = lm_forward(vocab=ODD)
+    plan = vocab_plan(before, tp, TIED)
+    padded = -(-ODD // tp) * tp
+    assert plan.placements == {"wte": Placement(0, 1, "vocab+colwise")}
+    assert plan.padding == {"wte": Padding(0, ODD, padded)}
+    assert plan.shapes["wte"] == (ODD, DIM) and plan.padded_shape("wte") == (padded, DIM)
+    assert plan.output_split and plan.output_classes == ODD
+    tokens = BATCH * SEQ  # the collectives are those of a vocabulary that divides
+    assert plan.forward_reduces == [tokens * DIM] and plan.backward_reduces == [tokens * DIM]
+    assert plan.loss_reduces == [tokens] * 3
+    after = shard_forward(before, tp, TIED, TIED, plan)
+    tvm.ir.assert_structural_equal(after, lm_forward(vocab=ODD, tp=tp, sharded=True,
+                                                     padded=padded))
+    assert shape_of(after.params[1]) == (padded // tp, DIM)
+    assert shape_of(after.body.body) == (BATCH, SEQ, padded // tp)
+    text = plan.explain()
+    assert f"padded to {padded} ({padded - ODD} zero row" in text, text
+    assert f"the vocabulary of {ODD} is padded to {padded}" in text, text
+    assert "masked out of the loss and predict" in text, text
+
+
+def test_untied_vocabulary_pads_the_table_and_the_head_apart():
+    before = lm_forward(vocab=ODD, tied=False)
+    plan = vocab_plan(before, 2, UNTIED)
+    assert plan.placements == {"wte": Placement(0, 1, "vocab"),
+                               "head.weight": Placement(0, 1, "colwise")}
+    assert plan.padding == {"wte": Padding(0, ODD, 14), "head.weight": Padding(0, ODD, 14)}
+    after = shard_forward(before, 2, UNTIED, UNTIED, plan)
+    tvm.ir.assert_structural_equal(after, lm_forward(vocab=ODD, tied=False, tp=2, sharded=True,
+                                                     padded=14))
+
+
+def test_padded_table_without_split_output_has_no_mask():
+    """Without a vocabulary-parallel loss the untied head stays whole (its reason is the
+    output, not the vocabulary's size) and its logits have V classes; only the table, read by
+    ids < V alone, is padded. A tied table cannot split at all, whatever its size."""
+    before = lm_forward(vocab=ODD, tied=False)
+    plan = vocab_plan(before, 2, UNTIED, split_output=False)
+    assert plan.placements == {"wte": Placement(0, 1, "vocab")}
+    assert plan.padding == {"wte": Padding(0, ODD, 14)} and not plan.output_split
+    assert "output of the forward" in plan.replicated["head.weight"]
+    after = shard_forward(before, 2, UNTIED, UNTIED, plan)
+    tvm.ir.assert_structural_equal(after, lm_forward(vocab=ODD, tied=False, tp=2, sharded=True,
+                                                     split_head=False, padded=14))
+    assert "masked" not in plan.explain()
+    tied = vocab_plan(lm_forward(vocab=ODD), 2, TIED, split_output=False)
+    assert tied.placements == {} and tied.padding == {}
+    assert "output of the forward" in tied.replicated["wte"], tied.replicated
+
+
+def test_padded_pieces_hold_zero_rows_and_assemble_to_the_true_shape():
+    plan = vocab_plan(lm_forward(vocab=ODD), 4, TIED)
+    full = np.arange(ODD * DIM, dtype=F32).reshape(ODD, DIM)
+    pieces = [plan.local_shard("wte", full, r) for r in range(4)]
+    assert all(p.shape == (4, DIM) for p in pieces)
+    np.testing.assert_array_equal(pieces[3][1:], 0)  # rows 13..15: the padding
+    np.testing.assert_array_equal(plan.assemble("wte", pieces), full)
+
+
 # ---- 2. vocabulary-parallel cross-entropy, IR ---------------------------------------------
 @pytest.mark.parametrize("shape", [(6, 3), (2, 3, 4)], ids=["rows", "batch-seq"])
 def test_vocab_parallel_cross_entropy_ir(shape):
@@ -280,6 +366,9 @@ def loss_of_forward(forward, loss):
 ROWS, CLASSES = 6, 12
 CE_TPS = (1, 2, 4)
 LM_TPS = (2, 4)
+# padded vocabularies: (V, T, tied); 5 at T = 4 is 8 rows, the last rank's two all padding
+PADDED_LMS = {"pad_tied_13_tp2": (ODD, 2, True), "pad_tied_5_tp4": (5, 4, True),
+              "pad_untied_13_tp2": (ODD, 2, False)}
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +386,14 @@ def vm():
                              vocab_parallel=True)
         step = adjoint(loss_of_forward(forward, loss), [1, 2, 3])
         funcs[f"lm_{tp}"] = simulate(step, tp, f"lm_{tp}")
+    for key, (vocab, tp, tied) in PADDED_LMS.items():
+        names = TIED if tied else UNTIED
+        before = lm_forward(vocab=vocab, tied=tied)
+        forward = shard_forward(before, tp, names, names, vocab_plan(before, tp, names))
+        loss, _ = build_loss("cross_entropy", (BATCH, SEQ, -(-vocab // tp)), F32,
+                             vocab_parallel=True)
+        step = adjoint(loss_of_forward(forward, loss), list(range(1, 1 + len(names))))
+        funcs[key] = simulate(step, tp, key)
     mod = tvm.IRModule(funcs)
     for func in mod.functions.values():  # no collective is left to lower
         for name in (TP_COPY, TP_REDUCE, TP_MAX, TP_RANK):
@@ -364,3 +461,45 @@ def test_sharded_tied_lm_matches_torch(vm, tp):
         pieces.append(g_wte.numpy())
     np.testing.assert_allclose(plan.assemble("wte", pieces), tw.grad.numpy(), rtol=1e-4,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("case", list(PADDED_LMS))
+def test_padded_lm_matches_torch_and_its_padding_gets_no_gradient(vm, case):
+    """A vocabulary T does not divide, padded: every rank's loss is the unpadded model's
+    (the masked classes add nothing to the sum of exponentials, even on a rank holding only
+    padding), the real rows' gradients are PyTorch's and the padded rows' exactly zero, so no
+    optimizer ever moves them."""
+    vocab, tp, tied = PADDED_LMS[case]
+    names = TIED if tied else UNTIED
+    plan = vocab_plan(lm_forward(vocab=vocab, tied=tied), tp, names)
+    assert set(plan.padding) == set(plan.placements) == {"wte"} | (set() if tied else
+                                                                  {"head.weight"})
+    rng = np.random.default_rng(vocab + tp)
+    ids = rng.integers(0, vocab, (BATCH, SEQ)).astype("int64")
+    target = rng.integers(0, vocab, (BATCH, SEQ)).astype("int64")
+    ids[0, 0] = target[0, 0] = vocab - 1  # the last real class, next to the padding
+    full = {"wte": rng.standard_normal((vocab, DIM)).astype(F32),
+            "ln.weight": (1 + 0.1 * rng.standard_normal(DIM)).astype(F32),
+            "ln.bias": (0.1 * rng.standard_normal(DIM)).astype(F32),
+            "head.weight": rng.standard_normal((vocab, DIM)).astype(F32)}
+    args = []
+    for r in range(tp):
+        args += [ids, *(plan.local_shard(n, full[n], r) for n in names), target]
+    out = _run(vm, case, args)
+
+    t = {n: torch.tensor(full[n], requires_grad=True) for n in names}
+    h = F.layer_norm(t["wte"][torch.tensor(ids)], (DIM,), t["ln.weight"], t["ln.bias"])
+    logits = h @ t["wte" if tied else "head.weight"].T
+    loss = F.cross_entropy(logits.reshape(-1, vocab), torch.tensor(target).reshape(-1))
+    loss.backward()
+    grads = [out[r][1] for r in range(tp)]
+    for r in range(tp):
+        np.testing.assert_allclose(out[r][0].numpy(), loss.item(), rtol=1e-5)
+    for i, name in enumerate(names):
+        pieces = [g[i].numpy() for g in grads]
+        if name in plan.padding:
+            np.testing.assert_array_equal(np.concatenate(pieces)[vocab:], 0)
+            got = plan.assemble(name, pieces)
+        else:
+            got = pieces[0]
+        np.testing.assert_allclose(got, t[name].grad.numpy(), rtol=1e-4, atol=1e-6)

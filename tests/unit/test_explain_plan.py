@@ -66,6 +66,25 @@ def test_explain_is_the_plans_text_and_takes_an_explicit_plan(block):
         raf_dist.explain_parallel_plan(TransformerBlock(), 2)
 
 
+def test_explain_says_a_vocabulary_tp_does_not_divide_is_padded():
+    """37 classes at T = 2: the table, the head and its bias hold 38 rows (19 per rank), the
+    text names the padding and where it goes; with mse the head stays whole, the table alone
+    is padded (no logits to mask)."""
+    torch.manual_seed(0)
+    model = raf_dist.frontend.from_pytorch(TransformerBlock(vocab=37, heads=4),
+                                           (torch.zeros(2, 8, dtype=torch.long),))
+    text = raf_dist.explain_parallel_plan(model, 2)
+    for name in ("tok.weight", "head.weight", "head.bias"):
+        assert "padded to 38 (1 zero row)" in placement(text, name), text
+    assert "[37, 16]" in placement(text, "head.weight"), text
+    assert "the vocabulary of 37 is padded to 38, a multiple of T = 2 (19 rows per rank" in text
+    assert "masked out of the loss and predict" in text, text
+    text = raf_dist.explain_parallel_plan(model, 2, loss="mse")
+    assert "padded to 38" in placement(text, "tok.weight"), text
+    assert "replicated" in placement(text, "head.weight"), text
+    assert "masked" not in text, text
+
+
 def run_cli(*args):
     # the tests' models are importable as `models` (a module spec)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(

@@ -9,18 +9,22 @@ graph: elementwise ops, reshapes and transposes (attention heads), the column la
 its input features on request (row parallel) and its partial result is summed by g. Whatever
 the propagation cannot keep split (a norm over the split dimension, a split value leaving the
 region, dimensions that do not divide by T, ...) makes the candidate fail and stay
-replicated, with the reason kept for ``explain``. An explicit plan (torchtitan style,
-``{"blocks.*.qkv": "colwise", "blocks.*.proj": "rowwise", "head": "replicate"}``, patterns
+replicated, with the reason kept for ``explain``. A vocabulary that T does not divide (the
+token table, an untied head, their bias) is padded first to a multiple of T (tp_padding.py:
+zero rows, their logits masked, invisible outside the ranks). An explicit plan (torchtitan
+style, ``{"blocks.*.qkv": "colwise", "blocks.*.proj": "rowwise", "head": "replicate"}``, patterns
 over module or parameter names) replaces the search and must come out exactly as written.
 
 ``shard_forward(func, tp, placements)`` rewrites the function: split parameters take their
 local shapes, shapes in reshape / broadcast_to / split become the local ones, f (tp_copy)
 wraps each replicated value a split region reads when a gradient flows through it, g
-(tp_reduce) follows each row-parallel matmul. Only tensor shapes change; the function stays
+(tp_reduce) follows each row-parallel matmul, and the padded classes of a padded vocabulary
+are masked where the logits leave the forward. Only tensor shapes change; the function stays
 SPMD (which slice a rank holds is decided when the Trainer loads parameters).
 """
 import dataclasses
 import fnmatch
+import logging
 
 import numpy as np
 from tvm import relax
@@ -29,8 +33,11 @@ from .gradient_markers import SubstituteVars
 from .tp_layout import (PARTIAL, Request, Resegment, Unsplittable, field_shapes,
                         local_shape, propagate, static_shape)
 from .tp_ops import tp_copy, tp_rank, tp_reduce
+from .tp_padding import (Padding, mask_padded_classes, pad_forward, padded_size,
+                         vocabulary_problem)
 
 PLAN_VALUES = ("colwise", "rowwise", "replicate")
+_LOG = logging.getLogger("raf_dist")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +61,29 @@ class TensorParallelPlan:
     # whose allreduces (max, sum of exponentials, target logit: one value per row) these are
     output_split: bool = False
     loss_reduces: list = dataclasses.field(default_factory=list)
+    # a vocabulary T does not divide, padded to a multiple of T (tp_padding.py):
+    # {param name: Padding}; the classes of the output (those of the full model: predict's)
+    padding: dict = dataclasses.field(default_factory=dict)
+    output_classes: int = 0
+
+    def padded_shape(self, name):
+        """The shape the tp ranks hold ``name`` in, together: its full shape, padded."""
+        shape, pad = list(self.shapes[name]), self.padding.get(name)
+        if pad is not None:
+            shape[pad.dim] = pad.padded
+        return tuple(shape)
 
     def local_shard(self, name, array, rank):
-        """This tp rank's piece of parameter ``name`` (the whole array when replicated)."""
+        """This tp rank's piece of parameter ``name`` (the whole array when replicated; a
+        padded one's padding is zeros)."""
         p = self.placements.get(name)
         if p is None:
             return array
+        pad = self.padding.get(name)
+        if pad is not None:
+            widths = [(0, 0)] * array.ndim
+            widths[pad.dim] = (0, pad.padded - array.shape[pad.dim])
+            array = np.pad(array, widths)
         shape = array.shape
         seg = array.reshape(shape[:p.dim] + (p.segments, self.tp,
                                               shape[p.dim] // p.segments // self.tp)
@@ -75,8 +99,11 @@ class TensorParallelPlan:
         shape = pieces[0].shape
         split = [q.reshape(shape[:p.dim] + (p.segments, 1, shape[p.dim] // p.segments)
                            + shape[p.dim + 1:]) for q in pieces]
-        full = np.concatenate(split, axis=p.dim + 1)
-        return full.reshape(self.shapes[name])
+        full = np.concatenate(split, axis=p.dim + 1).reshape(self.padded_shape(name))
+        pad = self.padding.get(name)
+        if pad is not None:  # the padded rows are no part of the model
+            full = full[(slice(None),) * pad.dim + (slice(0, pad.size),)]
+        return full
 
     def explain(self, itemsize=4):
         """The plan as text: each parameter's placement (or why it is replicated) and the
@@ -88,8 +115,19 @@ class TensorParallelPlan:
             what = (f"{p.role:8s} split dim {p.dim}" + (f" ({p.segments} segments)"
                                                         if p.segments > 1 else "")
                     if p else f"replicated: {self.replicated.get(name, '')}")
+            pad = self.padding.get(name)
+            if pad is not None:
+                extra = pad.padded - pad.size
+                what += f", padded to {pad.padded} ({extra} zero row{'s' * (extra > 1)})"
             lines.append(f"  {name:{width}s} {str(list(shape)):16s} {what}")
         bus = 2 * (self.tp - 1) / self.tp * itemsize
+        for size, padded in sorted({(p.size, p.padded) for p in self.padding.values()}):
+            masked = self.output_split and self.output_classes == size
+            lines.append(f"  the vocabulary of {size} is padded to {padded}, a multiple of "
+                         f"T = {self.tp} ({padded // self.tp} rows per rank; the added rows "
+                         "are zeros" + ("; their logits are masked out of the loss and "
+                                        "predict" if masked else "")
+                         + "); state_dict() and checkpoints keep the true shapes")
         if self.output_split:
             lines.append("  the output stays split along its classes: vocabulary-parallel "
                          "cross-entropy")
@@ -106,7 +144,81 @@ def plan_tensor_parallel(func, tp, param_names, trained, plan=None, split_output
     """Find the placements (see the module docstring). ``param_names``: names of ``func``'s
     parameter arguments (the last ``len(param_names)`` arguments before any buffers, in
     order: ``vars_by_name`` below); ``trained``: names of those that get gradients;
-    ``split_output``: the loss takes logits split along their classes (cross-entropy)."""
+    ``split_output``: the loss takes logits split along their classes (cross-entropy).
+    A vocabulary T does not divide is padded (tp_padding.py) when the search then splits it;
+    a padded parameter the search keeps whole is planned again unpadded, with its group."""
+    by_name = vars_by_name(func, param_names)
+    groups, unpaddable = _vocabulary_padding(func, tp, by_name, trained, split_output)
+    while True:
+        padding = {n: p for group in groups for n, p in group.items()}
+        padded = pad_forward(func, {by_name[n]: p for n, p in padding.items()},
+                             split_output) if padding else func
+        out = _search(padded, tp, param_names, trained, plan, split_output)
+        whole = {n for n, p in padding.items()
+                 if n not in out.placements or out.placements[n].dim != p.dim}
+        if not whole:
+            break
+        groups = [g for g in groups if not whole & set(g)]
+    out.shapes = {n: static_shape(by_name[n]) for n in param_names}
+    out.padding = padding
+    if plan is None:  # why it would stay whole even if T divided it, rather than that T does not
+        out.replicated.update({n: why for n, why in unpaddable.items() if n in out.replicated})
+    if out.output_split:
+        out.output_classes = static_shape(_first_output(func))[-1]
+    return out
+
+
+def _first_output(func):
+    """The forward's output (the first field when it returns (output, *buffers))."""
+    out = func.body.body
+    return out.fields[0] if isinstance(out, relax.Tuple) else out
+
+
+def _vocabulary_padding(func, tp, by_name, trained, split_output):
+    """([{param name: Padding}], {param name: why not}): one group per vocabulary T does not
+    divide that padding can split (tp_padding.py): an embedding table the search would split
+    (with the head tied to it and its bias), a head whose classes leave the forward split
+    (vocabulary-parallel cross-entropy) with its bias; each found by propagating its split at
+    T = V. Why not: the split fails even then."""
+    names = {v: n for n, v in by_name.items()}
+    params = set(by_name.values())
+    needs_grad = _needs_grad(func, [by_name[n] for n in trained if n in by_name])
+    candidates, _ = _column_candidates(func, params)
+    groups, seen, unpaddable = [], set(), {}
+    for param, dim, root in candidates:
+        size = static_shape(param)[dim]
+        if param in seen or size % tp == 0:
+            seen.add(param)
+            continue
+        seen.add(param)
+        placements, why = _try(func, size, {}, [(param, dim)], by_name, needs_grad, {},
+                               split_output)
+        if placements is None:
+            unpaddable[names[param]] = why
+            continue
+        if any(names[p] in g for g in groups for p in placements):
+            continue
+        result = propagate(func, size, placements, params, needs_grad, split_output)
+        # an inner layer's padded activations would feed the next layer's real outputs: only
+        # a lookup (ids < V) and masked output classes keep the padding apart
+        if not (root.same_as(param) or result.output_split):
+            continue
+        if vocabulary_problem(func, placements, result) is None:
+            groups.append({names[p]: Padding(d, s, padded_size(s, tp))
+                           for p, (d, s) in placements.items()})
+    if len(groups) > 1:  # vocabularies of different sizes must not meet
+        try:
+            pad_forward(func, {by_name[n]: p for g in groups for n, p in g.items()},
+                        split_output)
+        except (ValueError, Unsplittable, Request) as err:
+            _LOG.warning("tensor parallel: vocabularies %s not padded: %s",
+                         sorted(n for g in groups for n in g), err)
+            return [], unpaddable
+    return groups, unpaddable
+
+
+def _search(func, tp, param_names, trained, plan, split_output):
+    """plan_tensor_parallel on ``func`` as it is (its shapes padded already)."""
     by_name = vars_by_name(func, param_names)
     names = {v: n for n, v in by_name.items()}
     needs_grad = _needs_grad(func, [by_name[n] for n in trained if n in by_name])
@@ -363,6 +475,15 @@ def _weight_param(expr, bound):
 # ---- the rewrite ------------------------------------------------------------------------
 def shard_forward(func, tp, param_names, trained, plan):
     """``func`` with the placements of ``plan`` (a TensorParallelPlan) applied."""
+    classes = None  # the true classes of a padded output, whose padding is masked
+    if plan.padding:
+        by_name = vars_by_name(func, param_names)
+        true_classes = static_shape(_first_output(func))[-1]
+        func = pad_forward(func, {by_name[n]: p for n, p in plan.padding.items()},
+                           plan.output_split)
+        if plan.output_split and static_shape(_first_output(func))[-1] != true_classes:
+            classes = true_classes
+    masked = _first_output(func) if classes is not None else None  # the binding to mask
     by_name = vars_by_name(func, param_names)
     placements = {}
     for name, p in plan.placements.items():
@@ -384,21 +505,32 @@ def shard_forward(func, tp, param_names, trained, plan):
             var_map[p] = p
         new_params.append(var_map[p])
     bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+    if masked is not None and masked not in bound:
+        raise AssertionError("the padded output classes are not bound in the forward")
     bb = relax.BlockBuilder()
     attrs = dict(func.attrs) if func.attrs is not None else {}
     name = str(attrs.pop("global_symbol", "forward"))
+
+    def emit(b, copies, output=False):
+        if masked is None or not b.var.same_as(masked):
+            return _rewrite(bb, b, tp, layouts, copies, var_map, vocab, output=output)
+        logits = mask_padded_classes(bb, _rewrite(bb, b, tp, layouts, copies, var_map, vocab),
+                                     classes)
+        var_map[b.var] = (bb.emit_output(logits, name_hint=b.var.name) if output else
+                          bb.emit(logits, name_hint=b.var.name))
+        return var_map[b.var]
+
     with bb.function(name, new_params, attrs=attrs, pure=True):
         for block in func.body.blocks:
             if isinstance(block, relax.DataflowBlock):
                 with bb.dataflow():
                     copies = _Copies(bb, result.copies, var_map, bound)
                     for b in block.bindings:
-                        _rewrite(bb, b, tp, layouts, copies, var_map, vocab,
-                                 output=not isinstance(b.var, relax.DataflowVar))
+                        emit(b, copies, output=not isinstance(b.var, relax.DataflowVar))
             else:
                 copies = _Copies(bb, result.copies, var_map, bound)
                 for b in block.bindings:
-                    _rewrite(bb, b, tp, layouts, copies, var_map, vocab)
+                    emit(b, copies)
         bb.emit_func_output(_substitute(func.body.body, var_map))
     return bb.get()[name]
 

@@ -10,7 +10,8 @@ returns ``(torch_module, example_input[, target])`` (``example_input`` a tensor 
 its batch size that of one data-parallel rank). The model is captured with
 ``raf_dist.frontend.from_pytorch`` and the plan printed: for every parameter its placement
 (colwise / rowwise / bias / split, the split dimension and segments) or why it stays
-replicated, then the allreduces over tp per step. ``plan.json`` holds an explicit plan,
+replicated, a vocabulary T does not divide padded to a multiple of T (GPT-2's 50257 rows at
+T = 2: 50258, 25129 per rank), then the allreduces over tp per step. ``plan.json`` holds an explicit plan,
 ``{"pattern": "colwise" | "rowwise" | "replicate"}`` over module or parameter names (fnmatch
 patterns), as ``Trainer(..., tensor_parallel_plan=...)`` takes it.
 

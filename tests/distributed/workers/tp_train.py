@@ -2,6 +2,7 @@
 batch.
 
 Usage: tp_train.py MODEL OPTIMIZER TP ZERO STEPS [--save DIR] [--load DIR] [--microbatches M]
+                   [--vocab V]
 World = dp x TP. Every rank passes the slice of the global batch of its data-parallel index;
 after STEPS steps losses, full parameters (state_dict) and optimizer state must equal a
 single-process run on the global batch (norm-relative <= 5e-5), and the bus bytes on the tp
@@ -10,10 +11,15 @@ group must be the plan's: per step one allreduce per g (forward) and per f with 
 (one float) when the step has one. ``predict`` on 3 rows equals PyTorch's forward with the
 trained parameters.
 --microbatches M accumulates the gradients of M microbatches per step (one update, the
-collectives once). --load resumes from a checkpoint (written at any layout) first; the reference then covers
-the loaded steps too. --save writes a checkpoint at the end. Prints 'rank R: TP OK'."""
+collectives once). --load resumes from a checkpoint (written at any layout) first; the
+reference then covers the loaded steps too. --save writes a checkpoint at the end.
+--vocab V: the Hugging Face models (tests/hf.py) with a vocabulary of V; one TP does not
+divide is padded: the split parameters hold ceil(V / TP) rows each, predict() and
+state_dict() show V, a checkpoint holds V rows and loads back into zero-padded pieces.
+Prints 'rank R: TP OK'."""
 import sys
 
+import numpy as np
 import torch
 
 import raf_dist
@@ -37,6 +43,11 @@ def main():
                    "zero_opt_level": zero,
                    "num_microbatches": int(flags.get("--microbatches", 1))})
     mesh = dist.get_mesh()
+    if "--vocab" in flags:  # the reference (models.make on rank 0) builds the same model
+        import hf
+
+        assert name.startswith("hf_"), "--vocab is for the Hugging Face models"
+        hf.VOCAB = int(flags["--vocab"])
     module, x, y = make(name, GLOBAL_BATCH, seed=0)
     if comm.rank > 0:  # the Trainer must start every rank from rank 0's parameters
         for p in module.parameters():
@@ -62,7 +73,9 @@ def main():
     module.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()}, strict=False)
     with torch.no_grad():
         expected = module(x[:3]).numpy()
-    assert rel_err(trainer.predict(x[:3].numpy()), expected) <= 1e-5
+    predicted = trainer.predict(x[:3].numpy())
+    assert predicted.shape == expected.shape, (predicted.shape, expected.shape)
+    assert rel_err(predicted, expected) <= 1e-5
 
     plan = trainer.tp_plan
     if dp > 1 and zero == 0:  # gradient buckets + the loss, once per step whatever M
@@ -77,16 +90,53 @@ def main():
         assert abs(tp_bytes - expected) < 1e-6, (tp_bytes, expected, plan.explain())
         by_axis = trainer.stats()["comm_bytes_by_axis"]  # the last step's share, on tp
         assert abs(by_axis["tp"] - expected / steps) < 1e-6, (by_axis, expected)
-        # the split parameters are held as 1/T pieces
+        # the split parameters are held as 1/T pieces (of their padded shape, when padded)
         full = sum(v.nbytes for v in ref_params.values())
         held = trainer.stats()["param_bytes"]
         split = sum(ref_params[n].nbytes for n in plan.placements)
-        assert held * (1 if zero < 3 else dp) == full - split + split // tp, (held, full, split)
+        pieces = sum(np.prod(plan.padded_shape(n)) * ref_params[n].itemsize // tp
+                     for n in plan.placements)
+        assert held * (1 if zero < 3 else dp) == full - split + pieces, (held, full, split)
+        if "--vocab" in flags and int(flags["--vocab"]) % tp:
+            assert plan.padding and "padded to" in plan.explain(), plan.explain()
+            check_padded_checkpoint(trainer, comm, params)
     if "--save" in flags:
         trainer.save_checkpoint(flags["--save"])
     if comm.rank == 0 and tp > 1:
         print(plan.explain())
     print(f"rank {comm.rank}: TP OK")
+
+
+def check_padded_checkpoint(trainer, comm, params):
+    """A checkpoint of a padded vocabulary holds the true shapes; loaded back, every rank holds
+    its padded pieces again (zero padding) and the full state is what it was."""
+    import shutil
+    import tempfile
+
+    from raf_dist import checkpoint as ckpt
+
+    states = trainer.optimizer_state_dict()
+    root = comm.mpi_comm.bcast(tempfile.mkdtemp(prefix="tp_pad_") if comm.rank == 0 else None)
+    try:
+        directory = trainer.save_checkpoint(root)
+        saved = {d["name"]: d["shape"] for d in ckpt.read_meta(ckpt.resolve(root))["model"]}
+        assert saved == {n: list(params[n].shape) for n in saved}, saved
+        trainer.load_checkpoint(directory)
+    finally:
+        comm.idle_barrier()
+        if comm.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    for name, value in trainer.state_dict().items():
+        assert np.array_equal(value, params[name]), name
+    for name, by_state in trainer.optimizer_state_dict().items():
+        for state, value in by_state.items():
+            assert np.array_equal(value, states[name][state]), (name, state)
+    plan, held = trainer.tp_plan, trainer._local_params()
+    for name, pad in plan.padding.items():  # this rank's rows of the padding are zeros
+        rank_rows = pad.padded // plan.tp
+        first = dist.get_mesh().tp_rank * rank_rows
+        mine = held[name].take(range(max(pad.size - first, 0), rank_rows), axis=pad.dim)
+        assert not mine.any(), name
 
 
 if __name__ == "__main__":
