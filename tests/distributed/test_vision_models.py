@@ -1,8 +1,9 @@
-"""Distributed tier for a real vision model: torchvision's ResNet (BatchNorm) with synchronized
-batch norm on 2 ranks, under plain data parallelism and ZeRO-3, equals one PyTorch process on
-the global batch (parameters and running statistics); its ZeRO-3 checkpoint, written by 2
-ranks, resumes on 3 ranks (ZeRO-2) as if training had never stopped
-(workers/vision_train.py)."""
+"""Distributed tier for a real vision model: torchvision's ResNet (BatchNorm; GELU and average
+pooling, so that the comparison is smooth: tests/vision.py) with synchronized batch norm on 2
+ranks, under plain data parallelism and ZeRO-3, equals one float64 PyTorch process on the
+global batch (parameters and running statistics); its ZeRO-3 checkpoint, written by 2 ranks,
+resumes on 3 ranks (ZeRO-2) as if training had never stopped (workers/vision_train.py, whose
+TOL says where its tolerance comes from)."""
 import re
 
 from mpi_launch import check_mpi
