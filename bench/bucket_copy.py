@@ -21,7 +21,7 @@ import step_time  # noqa: E402
 
 import raf_dist  # noqa: E402
 from raf_dist.compiler import inplace_buckets  # noqa: E402
-from raf_dist.trainer import step_passes  # noqa: E402
+from raf_dist.compiler.step_passes import step_passes  # noqa: E402
 
 
 def build(module, x, in_place, cache_dir):

@@ -27,20 +27,20 @@ def main():
     args = parser.parse_args()
 
     import raf_dist
-    import raf_dist.trainer as trainer_module
-    from raf_dist.trainer import step_passes
+    import raf_dist.runtime.spmd as trainer_module  # the executor the Trainer runs
+    from raf_dist.compiler.step_passes import step_passes
 
     module, x, y = step_time.make(args.model)
     half = x.shape[0] // 2
     xs, ys = x[:half].numpy(), y[:half].numpy()
     model = raf_dist.frontend.from_pytorch(module, (x[:half],))
     checked = trainer_module.nonfinite_guard
-    trainer_module.Trainer._passes = lambda self, config: step_passes(
+    trainer_module.SPMDExecutor._passes = lambda self, local=False: step_passes(
         0, 2, 25 * 2**20, overlap=True, group=self.comm.group)
     trainers = {}
     for name, guard in (("checked", checked), ("unchecked", lambda *a, **k: None)):
         trainer_module.nonfinite_guard = guard
-        trainers[name] = trainer_module.Trainer(model, optimizer=raf_dist.optim.AdamW(lr=1e-3))
+        trainers[name] = raf_dist.Trainer(model, optimizer=raf_dist.optim.AdamW(lr=1e-3))
     trainer_module.nonfinite_guard = checked
     times = {name: [] for name in trainers}
     for _ in range(args.steps + 5):

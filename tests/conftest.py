@@ -17,3 +17,15 @@ def strict_schedules(monkeypatch):
     running unscheduled (raf_dist.env). Processes a test starts (mpiexec ranks) inherit it.
     A test about the non-strict behaviour passes ``strict=False`` to ScheduleCPU."""
     monkeypatch.setenv("RAF_DIST_STRICT_SCHEDULE", "1")
+
+
+@pytest.fixture
+def dist_config():
+    """``raf_dist.distributed.get_config()`` at its defaults, and back at its defaults after the
+    test whatever it set (or raised). For tests that set the config in this process; worker
+    scripts under mpiexec run in processes of their own and set theirs themselves."""
+    from raf_dist import distributed as dist
+
+    config = dist.get_config().reset()
+    yield config
+    config.reset()

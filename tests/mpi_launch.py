@@ -2,8 +2,11 @@
 
 The launcher runs in a process session of its own; on timeout that session — the launcher and
 the ranks it started, nothing else — is killed and the test fails with the output so far.
+assert_ranks_ok checks that every rank printed its "rank R: ALL OK" (or another marker).
 """
+import collections
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,3 +60,36 @@ def check_mpi(script, nprocs, *args, **kwargs):
     code, out, _ = run_mpi(script, nprocs, *args, **kwargs)
     assert code == 0, f"{script} on {nprocs} ranks exited {code}:\n{out}"
     return out
+
+
+def assert_ranks_ok(out, ranks, marker="ALL OK", detail="", prefixed=False, tail=6000):
+    """Every rank printed ``rank R: <marker><detail>`` exactly once, and no other rank did.
+
+    ``ranks``: the world size (ranks 0 .. ranks-1) or the exact ranks expected (an iterable).
+    ``marker`` is literal text; ``detail``, a regular expression that must follow it on the
+    same report (its groups are kept). ``prefixed``: the line came through raf_dist.run's
+    output prefix, ``[rank R]: rank R: ...``, the same R twice. Ranks share one stdout, so
+    two reports may land on one line: reports are found anywhere, not line by line.
+    Returns {rank: match} (group 1 is the rank, ``detail``'s groups follow). On failure the
+    message names the ranks missing or repeated and shows the last ``tail`` characters of
+    ``out``."""
+    expected = list(range(ranks)) if isinstance(ranks, int) else sorted(ranks)
+    head = r"\[rank (\d+)\]: rank \1: " if prefixed else r"rank (\d+): "
+    matches = list(re.finditer(head + re.escape(marker) + detail, out))
+    seen = collections.Counter(int(m.group(1)) for m in matches)
+    problems = []
+    missing = [r for r in expected if r not in seen]
+    if missing:
+        problems.append(f"rank(s) {missing} did not print it")
+    repeated = sorted(r for r, n in seen.items() if n > 1)
+    if repeated:
+        problems.append(f"rank(s) {repeated} printed it more than once")
+    extra = sorted(set(seen) - set(expected))
+    if extra:
+        problems.append(f"rank(s) {extra} printed it but only {expected} were expected")
+    if problems:
+        shown = out if len(out) <= tail else f"[... {len(out) - tail} characters before]\n" \
+            + out[-tail:]
+        raise AssertionError(f"{marker!r}{' + ' + repr(detail) if detail else ''}: "
+                             f"{'; '.join(problems)}. Output:\n{shown}")
+    return {int(m.group(1)): m for m in matches}

@@ -8,7 +8,7 @@
 """
 import importlib
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402,F401
 
 from . import distributed  # noqa: F401,E402
 

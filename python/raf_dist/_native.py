@@ -7,7 +7,6 @@ It is looked up next to this file (``pip install -e .`` puts it there), then und
 """
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 _LIB_NAME = "libraf_dist.so"
@@ -15,9 +14,11 @@ _LIB_NAME = "libraf_dist.so"
 
 def _candidates():
     here = Path(__file__).resolve().parent
-    env = os.environ.get("RAF_DIST_LIBRARY_PATH")
-    if env:
-        yield Path(env) / _LIB_NAME if Path(env).is_dir() else Path(env)
+    from .env import library_path
+
+    given = library_path()
+    if given:
+        yield Path(given) / _LIB_NAME if Path(given).is_dir() else Path(given)
     yield here / _LIB_NAME
     yield here.parent.parent / "build" / _LIB_NAME
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from .distributed.communicator import raised_on_every_rank
+from .layout.sharding import shard_size, slice_range  # noqa: F401  (slice_range: part of this module's API)
 
 FORMAT = "raf_dist-checkpoint-1"
 LATEST = "latest"
@@ -47,13 +48,6 @@ LATEST = "latest"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this Trainer (the message says why)."""
-
-
-def slice_range(numel, world_size, rank):
-    """Elements [begin, end) of a flattened tensor that ``rank`` of ``world_size`` stores."""
-    shard = -(-int(numel) // int(world_size))
-    begin = min(int(numel), rank * shard)
-    return begin, min(int(numel), begin + shard)
 
 
 def host_array(tensor):
@@ -402,7 +396,7 @@ def save(trainer, path, params, states, extra=None, keep=2, buffers=None):
 
 def _write(trainer, root, name, tmp, path, params, states, json_extra, keep, buffers):
     """save's collective part: every rank's file, then rank 0's finalize."""
-    from . import __version__
+    from ._version import __version__
 
     rank, world = _rank(trainer), trainer.world
     if rank == 0:
@@ -491,7 +485,6 @@ def _check_frozen(meta, signature):
 def _reads(trainer, meta):
     """What this rank reads: (kind, name, key, shape, dtype, begin, end, shard_numel) per
     tensor; shard_numel is None for a full tensor, else its padded shard's size."""
-    from .passes import shard_size
 
     rank, world, signature = _rank(trainer), trainer.world, trainer.signature
     reads = []

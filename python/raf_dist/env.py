@@ -22,19 +22,19 @@ the allowed values instead of being read as "off".
 
 The five failure-handling settings (timeouts, collective checks, watchdog) are also fields of
 ``dist.get_config()`` (collective_timeout_s, ...); the environment variable, when set,
-overrides the field.
+overrides the field (``raf_dist.distributed.settings`` reads them with ``seconds`` and
+``switch`` below, the config's values as defaults).
 
 The README lists every RAF_DIST_* variable, including the few read elsewhere (launcher
 variables set by ``raf_dist.run``, build settings).
 """
 import os
 
-from .distributed.config import DistConfig, get_config
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
-def _flag(name: str, default: bool = False) -> bool:
+def switch(name: str, default: bool = False) -> bool:
     value = os.environ.get(name, "").strip().lower()
     if not value:
         return default
@@ -48,17 +48,48 @@ def _flag(name: str, default: bool = False) -> bool:
 
 def strict_schedules() -> bool:
     """RAF_DIST_STRICT_SCHEDULE: a scheduling fallback raises instead of logging."""
-    return _flag("RAF_DIST_STRICT_SCHEDULE")
+    return switch("RAF_DIST_STRICT_SCHEDULE")
 
 
 def skip_schedules() -> bool:
     """RAF_DIST_NO_SCHEDULE: leave every generated kernel unscheduled."""
-    return _flag("RAF_DIST_NO_SCHEDULE")
+    return switch("RAF_DIST_NO_SCHEDULE")
 
 
 def profile_dir() -> "str | None":
     """RAF_DIST_PROFILE: the directory every Trainer writes its per-rank trace to, or None."""
     value = os.environ.get("RAF_DIST_PROFILE", "").strip()
+    return value or None
+
+
+def cache_dir() -> str:
+    """RAF_DIST_CACHE_DIR: where compiled steps are cached (default
+    ``$XDG_CACHE_HOME/raf_dist``, ``~/.cache/raf_dist``)."""
+    value = os.environ.get("RAF_DIST_CACHE_DIR", "").strip()
+    if value:
+        return value
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(
+        os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "raf_dist")
+
+
+def dump_ir_dir() -> "str | None":
+    """RAF_DIST_DUMP_IR: a directory each compilation writes the IR after every pass to."""
+    value = os.environ.get("RAF_DIST_DUMP_IR", "").strip()
+    return value or None
+
+
+def cuda_arch() -> "str | None":
+    """RAF_DIST_CUDA_ARCH (e.g. sm_90): the GPU architecture to compile for when this
+    machine has no GPU to ask."""
+    value = os.environ.get("RAF_DIST_CUDA_ARCH", "").strip()
+    return value or None
+
+
+def library_path() -> "str | None":
+    """RAF_DIST_LIBRARY_PATH: the native library (``libraf_dist.so``) or its directory,
+    instead of the one built into the package."""
+    value = os.environ.get("RAF_DIST_LIBRARY_PATH", "").strip()
     return value or None
 
 
@@ -76,18 +107,10 @@ def profile_steps() -> int:
     return int(value)
 
 
-# Ten minutes, as torch's NCCL default. Collectives run only inside steps, after the compile
-# barriers, so the wait is the slowest rank's compute between two collectives of one step plus
-# the transfer: seconds, not minutes. Compilation and checkpoint I/O sit behind idle barriers,
-# which have their own, longer limit (below), so a slow compile on one rank cannot trip this.
-DEFAULT_COLLECTIVE_TIMEOUT_S = DistConfig.collective_timeout_s  # 600
-# An hour: the idle barriers wait for one rank's compile (minutes for a large model on a busy
-# host) or its checkpoint file (1/N of the model, to possibly slow shared storage).
-DEFAULT_BARRIER_TIMEOUT_S = DistConfig.barrier_timeout_s  # 3600
 _NO_TIMEOUT = ("0", "none", "off", "inf")
 
 
-def _seconds(name: str, default: float) -> "float | None":
+def seconds(name: str, default: float) -> "float | None":
     value = os.environ.get(name, "").strip().lower()
     if not value:
         return default or None  # a config field of 0: forever
@@ -101,29 +124,3 @@ def _seconds(name: str, default: float) -> "float | None":
         raise ValueError(f"{name}={os.environ[name]!r} is not a timeout: give a number of seconds "
                          f"(default {default:g}), or 0 / none to wait forever")
     return seconds
-
-
-def collective_timeout_s() -> "float | None":
-    """RAF_DIST_COLLECTIVE_TIMEOUT_S: how long a collective may wait, None = forever."""
-    return _seconds("RAF_DIST_COLLECTIVE_TIMEOUT_S", get_config().collective_timeout_s)
-
-
-def barrier_timeout_s() -> "float | None":
-    """RAF_DIST_BARRIER_TIMEOUT_S: how long Communicator.idle_barrier may wait, None = forever."""
-    return _seconds("RAF_DIST_BARRIER_TIMEOUT_S", get_config().barrier_timeout_s)
-
-
-def check_collectives() -> bool:
-    """RAF_DIST_CHECK_COLLECTIVES: every collective's signature compared across ranks first."""
-    return _flag("RAF_DIST_CHECK_COLLECTIVES", default=get_config().check_collectives)
-
-
-def watchdog_enabled() -> bool:
-    """RAF_DIST_WATCHDOG (default on): a per-rank watchdog process names a silently dead rank."""
-    return _flag("RAF_DIST_WATCHDOG", default=get_config().watchdog)
-
-
-def watchdog_grace_s() -> float:
-    """RAF_DIST_WATCHDOG_GRACE_S (default 10): how long the watchdog lets the launcher end its
-    rank after a failure elsewhere."""
-    return _seconds("RAF_DIST_WATCHDOG_GRACE_S", get_config().watchdog_grace_s) or 10.0

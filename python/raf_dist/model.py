@@ -2,7 +2,7 @@
 
 ``mod["forward"]`` is a Relax function ``forward(*inputs, *dropout_masks, *params) -> output``
 (one tensor); ``param_names`` gives the parameter order, ``init_params`` their initial values,
-``dropout_specs`` the (shape, dtype, rate) of each dropout mask input (see passes/dropout.py).
+``dropout_specs`` the (shape, dtype, rate) of each dropout mask input (see frontend/dropout.py).
 
 Buffers (frontend/buffers.py): the ones the forward writes (BatchNorm running statistics),
 ``buffer_names``, are forward's last arguments, ``forward(*inputs, *masks, *params, *buffers)``,

@@ -2,6 +2,7 @@
  * \file collective.cc
  * \brief Names, dtype mapping and the Work handle shared by all backends.
  */
+#include <atomic>
 #include "collective.h"
 
 #include <array>
@@ -186,13 +187,15 @@ std::string TimeoutMessage(const CollectiveCall& call, double timeout) {
   return out.str();
 }
 
-double WaitTimeoutSeconds() {
-  static double timeout = [] {
-    const char* env = std::getenv("RAF_DIST_COLLECTIVE_TIMEOUT_S");
-    return env ? std::atof(env) : 0.0;
-  }();
-  return timeout;
-}
+namespace {
+// Set by Python (raf_dist.env reads RAF_DIST_COLLECTIVE_TIMEOUT_S / the config, validated)
+// before the first group is made; 0: wait forever.
+std::atomic<double> wait_timeout_s{0.0};
+}  // namespace
+
+void SetWaitTimeoutSeconds(double seconds) { wait_timeout_s.store(seconds > 0 ? seconds : 0.0); }
+
+double WaitTimeoutSeconds() { return wait_timeout_s.load(); }
 
 void Work::Wait() {
   std::unique_lock<std::mutex> lock(mu_);

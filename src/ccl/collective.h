@@ -83,6 +83,8 @@ struct CollectiveCall {
 
 /*! \brief Seconds a wait may block before raising; RAF_DIST_COLLECTIVE_TIMEOUT_S, 0 = none. */
 double WaitTimeoutSeconds();
+/*! \brief Set the wait timeout (seconds; <= 0: none), before the first group is made. */
+void SetWaitTimeoutSeconds(double seconds);
 /*! \brief The error of a wait that timed out: the call, the limit, the flight recorder. */
 std::string TimeoutMessage(const CollectiveCall& call, double timeout);
 

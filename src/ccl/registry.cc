@@ -177,6 +177,14 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            })
       .def("raf_dist.ccl.group_rank", GroupRank)
       .def("raf_dist.ccl.group_size", GroupSize)
+      .def("raf_dist.ccl.set_timeout", [](double seconds) { SetWaitTimeoutSeconds(seconds); })
+      // the sharding rule the collectives use, for raf_dist.layout's test that pins the two
+      .def("raf_dist.ccl.shard_count",
+           [](int64_t total, int world) { return ShardCount(total, world); })
+      .def("raf_dist.ccl.valid_count",
+           [](int64_t total, int world, int rank) {
+             return ValidCount(total, ShardCount(total, world), rank);
+           })
       .def("raf_dist.ccl.shutdown",
            []() {
              State& s = GetState();

@@ -4,7 +4,7 @@ it included — and a rank that builds no Trainer while the others do is named b
 barrier's timeout instead of leaving them waiting forever."""
 import pytest
 
-from mpi_launch import check_mpi, run_mpi
+from mpi_launch import assert_ranks_ok, check_mpi, run_mpi
 
 
 @pytest.mark.parametrize("case,field", [("loss", "in loss"),
@@ -14,12 +14,13 @@ from mpi_launch import check_mpi, run_mpi
 def test_different_trainers_are_refused_on_every_rank(case, field):
     # the default barrier timeout (an hour): a refusal must come from the agreement itself
     out = check_mpi("agree_worker.py", 2, case, timeout=120)
+    assert_ranks_ok(out, 2, "refused:")
     assert out.count("refused:") == 2 and out.count(field) == 2, out
 
 
 def test_ranks_that_all_ask_for_no_parallelism_train_independently():
     out = check_mpi("agree_worker.py", 2, "independent", timeout=120)
-    assert out.count("built a Trainer (spmd=False)") == 2, out
+    assert_ranks_ok(out, 2, "built a Trainer (spmd=False)")
 
 
 def test_a_local_trainer_on_one_rank_trains_alone():

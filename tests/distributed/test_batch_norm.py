@@ -3,10 +3,10 @@ batch norm equals one process on the global batch; the default keeps rank 0's st
 DDP's broadcast_buffers does. The worker (workers/bn_train.py) compares against PyTorch."""
 import pytest
 
-from mpi_launch import check_mpi
+from mpi_launch import assert_ranks_ok, check_mpi
 
 
 @pytest.mark.parametrize("model", ["bn_mlp", "bn_cnn"])
 def test_batch_norm_on_two_ranks(model):
     out = check_mpi("bn_train.py", 2, model, 3, timeout=300)
-    assert out.count("ALL OK") == 2, out
+    assert_ranks_ok(out, 2)

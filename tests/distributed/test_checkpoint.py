@@ -7,18 +7,13 @@ import time
 
 import pytest
 
-from mpi_launch import check_mpi, run_mpi
-
-
-def _all_ok(out, nprocs):
-    oks = re.findall(r"rank (\d+): ALL OK", out)
-    assert sorted(int(r) for r in oks) == list(range(nprocs)), out
+from mpi_launch import assert_ranks_ok, check_mpi, run_mpi
 
 
 @pytest.mark.parametrize("nprocs, level", [(2, 3), (3, 2)])
 def test_resume_is_bitwise_exact(tmp_path, nprocs, level):
-    _all_ok(check_mpi("ckpt_train.py", nprocs, "resume", tmp_path / "ckpt", level, timeout=300),
-            nprocs)
+    assert_ranks_ok(check_mpi("ckpt_train.py", nprocs, "resume", tmp_path / "ckpt", level,
+                              timeout=300), nprocs)
 
 
 @pytest.mark.parametrize("saved, loaded", [((4, 3), (2, 1)), ((2, 0), (3, 2))],
@@ -26,8 +21,8 @@ def test_resume_is_bitwise_exact(tmp_path, nprocs, level):
 def test_reshard_on_load(tmp_path, saved, loaded):
     directory = tmp_path / "ckpt"
     check_mpi("ckpt_train.py", saved[0], "save", directory, saved[1], timeout=300)
-    _all_ok(check_mpi("ckpt_train.py", loaded[0], "load", directory, loaded[1], timeout=300),
-            loaded[0])
+    assert_ranks_ok(check_mpi("ckpt_train.py", loaded[0], "load", directory, loaded[1],
+                              timeout=300), loaded[0])
 
 
 def test_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
@@ -36,7 +31,7 @@ def test_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
     assert code != 0, out
     assert (directory / "latest").read_text().strip() == "step-00000002"
     assert list(directory.glob(".tmp-step-00000003.*"))  # the interrupted save, ignored
-    _all_ok(check_mpi("ckpt_train.py", 3, "check_saved", directory, 3, timeout=300), 3)
+    assert_ranks_ok(check_mpi("ckpt_train.py", 3, "check_saved", directory, 3, timeout=300), 3)
 
 
 def test_ranks_with_different_steps_refuse_to_start(tmp_path):

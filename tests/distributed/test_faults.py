@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from mpi_launch import run_mpi
+from mpi_launch import assert_ranks_ok, run_mpi
 
 NPROCS = 2
 LAST = NPROCS - 1
@@ -81,13 +81,12 @@ def _expected_message(how, rank, when, doing, out):
 
 def _loads_bitwise(directory):
     """A fresh single process loads the newest checkpoint (step 2, saved by 2 ranks under
-    ZeRO-2): every parameter and optimizer state equals what rank 0 recorded at the save."""
+    ZeRO-2): every parameter and optimizer state equals what rank 0 recorded at the save.
+    This process's config: the test's dist_config, at its defaults (no data parallelism)."""
     import raf_dist
-    from raf_dist import distributed as dist
     from models import make, raf_optimizer
 
     module, x, _ = make("mlp", 8, seed=0)
-    dist.get_config().update({"enable_data_parallel": False, "zero_opt_level": 0})
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                optimizer=raf_optimizer("adamw"))
     trainer.load_checkpoint(directory)
@@ -102,7 +101,7 @@ def _loads_bitwise(directory):
 
 
 @pytest.mark.parametrize("how, rank, when", _cases())
-def test_a_fault_ends_the_job_and_keeps_the_checkpoint(tmp_path, how, rank, when):
+def test_a_fault_ends_the_job_and_keeps_the_checkpoint(tmp_path, dist_config, how, rank, when):
     directory = tmp_path / "ckpt"
     code, out, _ = run_mpi("fault_worker.py", NPROCS, directory, rank, how, when, timeout=240,
                            env=ENV)
@@ -126,9 +125,8 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_the_job_goes_on(tmp_path):
     code, out, _ = run_mpi("fault_worker.py", NPROCS, directory, LAST, "enospc", "save:write",
                            timeout=240, env=ENV)
     assert code == 0, out
-    refusals = re.findall(r"rank (\d+): refused: save_checkpoint\(.*\) failed, nothing was saved "
-                          rf"and the previous checkpoints are intact: rank {LAST} could not write "
-                          r".*No space left on device", out)
-    assert sorted(map(int, refusals)) == list(range(NPROCS)), out
-    assert sorted(map(int, re.findall(r"rank (\d+): survived", out))) == list(range(NPROCS)), out
+    assert_ranks_ok(out, NPROCS, "refused: save_checkpoint(",
+                    detail=r".*\) failed, nothing was saved and the previous checkpoints are "
+                    rf"intact: rank {LAST} could not write .*No space left on device")
+    assert_ranks_ok(out, NPROCS, "survived")
     assert (directory / "latest").read_text().strip() == "step-00000005"

@@ -4,11 +4,7 @@ batch under every schedule; checkpoints saved at pp x dp resume at dp and at ano
 layouts are refused on every rank before any collective."""
 import pytest
 
-from mpi_launch import check_mpi
-
-
-def _ok(out, ranks):
-    assert out.count("PP OK") == ranks, out
+from mpi_launch import assert_ranks_ok, check_mpi
 
 
 @pytest.mark.parametrize("model,optimizer,pp,tp,zero,ranks,extra", [
@@ -32,7 +28,7 @@ def _ok(out, ranks):
 def test_pipeline_equals_one_process(model, optimizer, pp, tp, zero, ranks, extra):
     out = check_mpi("pp_train.py", ranks, model, optimizer, pp, tp, zero, 3, *extra,
                     timeout=480)
-    _ok(out, ranks)
+    assert_ranks_ok(out, ranks, "PP OK")
     assert "pipeline stages" in out
 
 
@@ -43,16 +39,17 @@ def test_batch_norm_pipelined_equals_one_process_accumulating(ranks, sync, tmp_p
     microbatch normalised by its own statistics, running statistics updated once per
     microbatch in order on the stage that owns them (workers/pp_bn_train.py)."""
     out = check_mpi("pp_bn_train.py", ranks, sync, 3, tmp_path, timeout=300)
-    assert out.count("PP BN OK") == ranks, out
+    assert_ranks_ok(out, ranks, "PP BN OK")
 
 
 def test_checkpoint_resumes_across_pp_and_dp(tmp_path):
     """Saved at dp 2 x pp 2 (ZeRO-1, 1F1B), resumed at dp 4 without pipelining and at pp 4
     (GPipe): each continues exactly as one process that never stopped."""
     ckpt = tmp_path / "ckpt"
-    _ok(check_mpi("pp_train.py", 4, "transformer", "adamw", 2, 1, 1, 2, "--microbatches", 2,
-                  "--save", ckpt, timeout=300), 4)
-    assert check_mpi("tp_train.py", 4, "transformer", "adamw", 1, 1, 2, "--load", ckpt,
-                     timeout=300).count("TP OK") == 4
-    _ok(check_mpi("pp_train.py", 4, "transformer", "adamw", 4, 1, 0, 2, "--schedule", "gpipe",
-                  "--microbatches", 2, "--load", ckpt, timeout=300), 4)
+    assert_ranks_ok(check_mpi("pp_train.py", 4, "transformer", "adamw", 2, 1, 1, 2,
+                              "--microbatches", 2, "--save", ckpt, timeout=300), 4, "PP OK")
+    assert_ranks_ok(check_mpi("tp_train.py", 4, "transformer", "adamw", 1, 1, 2, "--load", ckpt,
+                              timeout=300), 4, "TP OK")
+    assert_ranks_ok(check_mpi("pp_train.py", 4, "transformer", "adamw", 4, 1, 0, 2, "--schedule",
+                              "gpipe", "--microbatches", 2, "--load", ckpt, timeout=300),
+                    4, "PP OK")

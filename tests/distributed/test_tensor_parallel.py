@@ -5,11 +5,7 @@ checkpoints reshard across tp x dp x ZeRO; bad layouts are refused on every rank
 collective (workers/tp_errors.py)."""
 import pytest
 
-from mpi_launch import check_mpi
-
-
-def _ok(out, ranks):
-    assert out.count("TP OK") == ranks, out
+from mpi_launch import assert_ranks_ok, check_mpi
 
 
 @pytest.mark.parametrize("model,optimizer,tp,zero,ranks,extra", [
@@ -28,7 +24,7 @@ def _ok(out, ranks):
         "gpt2-tp2-vocab37", "llama-tp2-vocab103"])
 def test_tensor_parallel_equals_one_process(model, optimizer, tp, zero, ranks, extra):
     out = check_mpi("tp_train.py", ranks, model, optimizer, tp, zero, 3, *extra, timeout=420)
-    _ok(out, ranks)
+    assert_ranks_ok(out, ranks, "TP OK")
     assert "colwise" in out and "rowwise" in out
     if "--vocab" in extra:  # tp_train.py checked shapes and values; the plan says it padded
         assert "the vocabulary of %s is padded" % extra[extra.index("--vocab") + 1] in out, out
@@ -38,12 +34,12 @@ def test_checkpoint_reshards_across_tp_dp_and_zero(tmp_path):
     """Saved at dp 2 x tp 2 (ZeRO-1), resumed at dp 4 (ZeRO-2, no tp) and at tp 4: each
     continues exactly as one process that never stopped."""
     ckpt = tmp_path / "ckpt"
-    _ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 2, 1, 2, "--save", ckpt,
-                  timeout=300), 4)
-    _ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 1, 2, 2, "--load", ckpt,
-                  timeout=300), 4)
-    _ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 4, 0, 2, "--load", ckpt,
-                  timeout=300), 4)
+    assert_ranks_ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 2, 1, 2, "--save", ckpt,
+                              timeout=300), 4, "TP OK")
+    assert_ranks_ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 1, 2, 2, "--load", ckpt,
+                              timeout=300), 4, "TP OK")
+    assert_ranks_ok(check_mpi("tp_train.py", 4, "transformer4", "adamw", 4, 0, 2, "--load", ckpt,
+                              timeout=300), 4, "TP OK")
 
 
 @pytest.mark.parametrize("case,ranks,message", [
@@ -52,4 +48,5 @@ def test_checkpoint_reshards_across_tp_dp_and_zero(tmp_path):
 ])  # an explicit plan that cannot split: tests/passes/test_tensor_parallel.py (one process)
 def test_bad_layouts_are_refused_on_every_rank(case, ranks, message):
     out = check_mpi("tp_errors.py", ranks, case, timeout=120)
+    assert_ranks_ok(out, ranks, "refused:")
     assert out.count("refused:") == ranks and out.count(message) >= ranks, out

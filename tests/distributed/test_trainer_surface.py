@@ -4,10 +4,10 @@ trains like one process on the same global batches (workers/surface_worker.py wa
 surface read from the class, so a member added later must be walked too)."""
 import pytest
 
-from mpi_launch import check_mpi
+from mpi_launch import assert_ranks_ok, check_mpi
 
 
 @pytest.mark.parametrize("layout", ["plain", "dp", "tp", "pp"])
 def test_every_public_member_works_on_every_layout(layout, tmp_path):
     out = check_mpi("surface_worker.py", 2, layout, tmp_path, timeout=300)
-    assert out.count(f"SURFACE OK {layout}") == 2, out
+    assert_ranks_ok(out, 2, f"SURFACE OK {layout}")

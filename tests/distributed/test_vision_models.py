@@ -4,15 +4,12 @@ ranks, under plain data parallelism and ZeRO-3, equals one float64 PyTorch proce
 global batch (parameters and running statistics); its ZeRO-3 checkpoint, written by 2 ranks,
 resumes on 3 ranks (ZeRO-2) as if training had never stopped (workers/vision_train.py, whose
 TOL says where its tolerance comes from)."""
-import re
-
-from mpi_launch import check_mpi
+from mpi_launch import assert_ranks_ok, check_mpi
 
 
 def _all_ok(out, nprocs):
     print("\n".join(line for line in out.splitlines() if " apart" in line))  # measured errors
-    oks = re.findall(r"rank (\d+): ALL OK", out)
-    assert sorted(int(r) for r in oks) == list(range(nprocs)), out
+    assert_ranks_ok(out, nprocs)
 
 
 def test_resnet_sync_batch_norm_zero3_and_checkpoint_on_2_then_3_ranks(tmp_path):

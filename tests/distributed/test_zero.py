@@ -2,11 +2,9 @@
 parameters and optimizer state of one process on the global batch, and stats() reports the
 memory and traffic of DESIGN.md section 3. Real mpiexec runs under hard timeouts; see
 workers/zero_train.py for what each run asserts."""
-import re
-
 import pytest
 
-from mpi_launch import check_mpi
+from mpi_launch import assert_ranks_ok, check_mpi
 
 # (model, ranks, bucket MB, overlap): small buckets so every model gets several (tensors
 # whose size does not divide by N and tensors smaller than N included); overlap on and off,
@@ -20,22 +18,17 @@ CASES = [
 ]
 
 
-def _all_ok(out, nprocs):
-    oks = re.findall(r"rank (\d+): ALL OK", out)
-    assert sorted(int(r) for r in oks) == list(range(nprocs)), out
-
-
 @pytest.mark.parametrize("model, nprocs, bucket_mb, overlap", CASES,
                          ids=[f"{m}-n{n}-{'overlap' if o else 'serial'}" for m, n, _, o in CASES])
 def test_every_zero_level_matches_single_process(model, nprocs, bucket_mb, overlap):
     out = check_mpi("zero_train.py", nprocs, model, "sgd_momentum,adamw", bucket_mb, overlap,
                     "1,2,3", timeout=480)
-    _all_ok(out, nprocs)
+    assert_ranks_ok(out, nprocs)
 
 
 def test_world_of_one_runs_every_level():
     out = check_mpi("zero_train.py", 1, "mlp", "adamw", 0.001, 1, "1,2,3", timeout=240)
-    _all_ok(out, 1)
+    assert_ranks_ok(out, 1)
 
 
 @pytest.mark.parametrize("nprocs", [4])  # at 2 ranks the same falls, only smaller
@@ -44,5 +37,5 @@ def test_memory_falls_level_by_level(nprocs):
     planned temporaries fall at every level from 0 to 3 (asserted in the worker)."""
     out = check_mpi("zero_train.py", nprocs, "wide_mlp", "adamw", 0.1, 1, "0,1,2,3", 2,
                     timeout=360)
-    _all_ok(out, nprocs)
+    assert_ranks_ok(out, nprocs)
     assert "peak bytes by level" in out, out

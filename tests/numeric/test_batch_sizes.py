@@ -27,7 +27,7 @@ def test_sizes_8_5_1_match_pytorch_one_step_per_size(tmp_path, monkeypatch, capl
     module, x, y = make("mlp", 8)
     model = raf_dist.frontend.from_pytorch(module, (x,))
     compiles = []
-    trainer_module = importlib.import_module("raf_dist.trainer")
+    trainer_module = importlib.import_module("raf_dist.runtime.spmd")
     real_compile = trainer_module.compile_step
 
     def counting_compile(*args, **kwargs):
@@ -58,10 +58,10 @@ def test_sizes_8_5_1_match_pytorch_one_step_per_size(tmp_path, monkeypatch, capl
     logged = [r for r in caplog.records if "compiling a step for this size" in r.getMessage()]
     assert len(logged) == 2
     # every size's step was built here, and a second Trainer finds them all in the cache
-    assert not any(v.compiled.cache_hit for v in trainer._variants.values())
+    assert not any(v.compiled.cache_hit for v in trainer.executor._variants.values())
     again = raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), cache_dir=cache)
     again.step(*(a.numpy() for a in _rows(data_x, data_y, 5, 0)))
-    assert again._variants[5].compiled.cache_hit and again.compiled.cache_hit
+    assert again.executor._variants[5].compiled.cache_hit and again.compiled.cache_hit
 
 
 def test_predict_on_any_number_of_rows():
@@ -75,7 +75,7 @@ def test_predict_on_any_number_of_rows():
         expected = module(data[:rows]).detach().numpy()
         np.testing.assert_allclose(trainer.predict(data[:rows].numpy()), expected, rtol=1e-5,
                                    atol=1e-6)
-    assert sorted(trainer._forwards) == [1, 3, 5, 8]  # one forward per piece size
+    assert sorted(trainer.executor._forwards) == [1, 3, 5, 8]  # one forward per piece size
 
 
 def test_dropout_masks_follow_the_batch_size():

@@ -13,7 +13,6 @@ import torch
 import raf_dist
 from models import make, raf_optimizer
 from raf_dist import checkpoint as ckpt
-from raf_dist import distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,16 +33,9 @@ def _tree_digest(path):
     return digest.hexdigest()
 
 
-@pytest.fixture
-def zero_config():
-    config = dist.get_config()
-    yield config
-    config.update({"enable_data_parallel": False, "zero_opt_level": 0})
-
-
 @pytest.mark.parametrize("level", [0, 2, 3])
-def test_resume_is_bitwise_exact(tmp_path, zero_config, level):
-    zero_config.update({"enable_data_parallel": level > 0, "zero_opt_level": level})
+def test_resume_is_bitwise_exact(tmp_path, dist_config, level):
+    dist_config.update({"enable_data_parallel": level > 0, "zero_opt_level": level})
     trainer, _, x, y = _trainer()
     for _ in range(3):
         trainer.step(x, y)
@@ -276,13 +268,13 @@ def test_load_opens_each_file_once(tmp_path, monkeypatch):
 def test_the_activity_names_the_running_step_and_the_last_completed(tmp_path):
     trainer, _, x, y = _trainer()
     seen = []
-    step_fn = trainer._step_fn
+    step_fn = trainer.executor._step_fn
 
     def watching(*args):
         seen.append(trainer.comm.activity)
         return step_fn(*args)
 
-    trainer._step_fn = watching
+    trainer.executor._step_fn = watching
     trainer.step(x, y)
     trainer.step(x, y)
     assert seen == ["step 1 (last completed: 0)", "step 2 (last completed: 1)"]

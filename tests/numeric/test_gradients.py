@@ -7,6 +7,7 @@ import tvm
 from tvm import relax
 
 import raf_dist.training.gradients  # noqa: F401  (registers the gradients)
+import raf_dist.training.gradients_spatial  # noqa: F401
 
 op = relax.op
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import raf_dist
-from raf_dist import distributed as dist
 from models import make, rel_err, torch_loss, torch_step
 
 STEPS = 3
@@ -91,18 +90,14 @@ def test_tied_checkpoint_consolidates_into_a_strict_torch_load(tied_run, tmp_pat
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])
-def test_tied_zero_world_of_one_equals_plain(tied_run, level):
+def test_tied_zero_world_of_one_equals_plain(tied_run, dist_config, level):
     trainer, x, y, ref_losses = tied_run
     module, _, _ = make("tied", 4)
-    config = dist.get_config()
-    config.update({"enable_data_parallel": True, "zero_opt_level": level,
-                   "bucket_size_mb": 0.0005})
-    try:
-        zero = _trainer(module, x)
-        losses = [zero.step(x.numpy(), y.numpy()) for _ in range(STEPS)]
-        params = zero.state_dict()
-    finally:
-        config.update({"enable_data_parallel": False, "zero_opt_level": 0, "bucket_size_mb": 25})
+    dist_config.update({"enable_data_parallel": True, "zero_opt_level": level,
+                        "bucket_size_mb": 0.0005})
+    zero = _trainer(module, x)
+    losses = [zero.step(x.numpy(), y.numpy()) for _ in range(STEPS)]
+    params = zero.state_dict()
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert list(params) == list(trainer.state_dict())
     for name, value in trainer.state_dict().items():
@@ -132,17 +127,14 @@ def test_frozen_parameter_is_not_trained():
     assert stats["grad_bytes"] == 4 * trained
 
 
-def test_frozen_parameter_under_zero_is_not_sharded():
+def test_frozen_parameter_under_zero_is_not_sharded(dist_config):
     module, x, y = make("mlp", 8)
     module.layers[1].bias.requires_grad_(False)
-    config = dist.get_config()
-    config.update({"enable_data_parallel": True, "zero_opt_level": 3, "bucket_size_mb": 0.001})
-    try:
-        trainer = _trainer(module, x)
-        losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(2)]
-        params = trainer.state_dict()
-    finally:
-        config.update({"enable_data_parallel": False, "zero_opt_level": 0, "bucket_size_mb": 25})
+    dist_config.update({"enable_data_parallel": True, "zero_opt_level": 3,
+                        "bucket_size_mb": 0.001})
+    trainer = _trainer(module, x)
+    losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(2)]
+    params = trainer.state_dict()
     assert rel_err(losses, _torch_steps(module, x, y, 2)) <= TOL
     # the gradient buckets (and ZeRO's shards) hold the trained parameters only
     assert "layers.1.bias" not in trainer.signature.param_names
@@ -217,28 +209,24 @@ def test_nan_reaches_the_loss_through_relu():
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])
-def test_skip_mode_under_zero_leaves_parameters_and_state_as_they_were(level):
+def test_skip_mode_under_zero_leaves_parameters_and_state_as_they_were(dist_config, level):
     """ShardZeRO's guard (nonfinite="skip"): no bucket is updated until every gradient is
     known finite; good, NaN (skipped), good ends where good, good does, at every level."""
     module, x, y = make("mlp", 8)
-    config = dist.get_config()
-    config.update({"enable_data_parallel": True, "zero_opt_level": level,
-                   "bucket_size_mb": 0.001})  # several buckets
-    try:
-        skipping = _trainer(module, x, nonfinite="skip")
-        plain = _trainer(module, x)
-        assert skipping.update_guarded and not plain.update_guarded
-        skipping.step(x.numpy(), y.numpy())
-        assert math.isnan(skipping.step(_nan_batch(x), y.numpy()))
-        skipping.step(x.numpy(), y.numpy())
-        plain.step(x.numpy(), y.numpy())
-        plain.step(x.numpy(), y.numpy())
-        for name, value in plain.state_dict().items():
-            np.testing.assert_allclose(skipping.state_dict()[name], value, rtol=1e-6, atol=0)
-        for name, by_state in plain.optimizer_state_dict().items():
-            for state, value in by_state.items():
-                np.testing.assert_allclose(skipping.optimizer_state_dict()[name][state], value,
-                                           rtol=1e-6, atol=0)
-        assert skipping.skipped_steps == 1 and skipping.step_count == 3
-    finally:
-        config.update({"enable_data_parallel": False, "zero_opt_level": 0, "bucket_size_mb": 25})
+    dist_config.update({"enable_data_parallel": True, "zero_opt_level": level,
+                        "bucket_size_mb": 0.001})  # several buckets
+    skipping = _trainer(module, x, nonfinite="skip")
+    plain = _trainer(module, x)
+    assert skipping.update_guarded and not plain.update_guarded
+    skipping.step(x.numpy(), y.numpy())
+    assert math.isnan(skipping.step(_nan_batch(x), y.numpy()))
+    skipping.step(x.numpy(), y.numpy())
+    plain.step(x.numpy(), y.numpy())
+    plain.step(x.numpy(), y.numpy())
+    for name, value in plain.state_dict().items():
+        np.testing.assert_allclose(skipping.state_dict()[name], value, rtol=1e-6, atol=0)
+    for name, by_state in plain.optimizer_state_dict().items():
+        for state, value in by_state.items():
+            np.testing.assert_allclose(skipping.optimizer_state_dict()[name][state], value,
+                                       rtol=1e-6, atol=0)
+    assert skipping.skipped_steps == 1 and skipping.step_count == 3

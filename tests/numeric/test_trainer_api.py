@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import raf_dist
-from raf_dist import distributed as dist
 from models import make
 
 
@@ -69,14 +68,10 @@ def test_unsupported_op_names_op_and_source():
         raf_dist.Trainer(model, optimizer=raf_dist.optim.SGD(lr=0.1))
 
 
-def test_zero_without_data_parallel_is_refused(mlp_model):
-    config = dist.get_config()
-    try:
-        config.zero_opt_level = 1
-        with pytest.raises(ValueError, match="requires enable_data_parallel=True"):
-            raf_dist.Trainer(mlp_model[0], optimizer=raf_dist.optim.SGD(lr=0.1))
-    finally:
-        config.reset()
+def test_zero_without_data_parallel_is_refused(mlp_model, dist_config):
+    dist_config.zero_opt_level = 1
+    with pytest.raises(ValueError, match="requires enable_data_parallel=True"):
+        raf_dist.Trainer(mlp_model[0], optimizer=raf_dist.optim.SGD(lr=0.1))
 
 
 def test_ir_dump_and_compile_cache(mlp_model, tmp_path, monkeypatch):

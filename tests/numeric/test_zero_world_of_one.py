@@ -27,4 +27,4 @@ def test_every_level_equals_the_plain_trainer(level):
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-6)
     assert trainer.num_grad_buckets >= 2
     if level == 3:  # parameters are held flat
-        assert all(len(p.shape) == 1 for p in trainer._params)
+        assert all(len(p.shape) == 1 for p in trainer.executor._params)

@@ -17,7 +17,7 @@ from models import make, raf_optimizer
 from raf_dist.compiler import compile_step
 from raf_dist.compiler import schedule_gpu
 from raf_dist.device import cuda_compiler
-from raf_dist.trainer import step_passes
+from raf_dist.compiler.step_passes import step_passes
 from raf_dist.training import build_train_step
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on PATH")

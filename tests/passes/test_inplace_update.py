@@ -14,7 +14,7 @@ import raf_dist
 from models import make, raf_optimizer
 from raf_dist.compiler.build import _plan
 from raf_dist.compiler.inplace_update import UpdateInPlace
-from raf_dist.trainer import step_passes
+from raf_dist.compiler.step_passes import step_passes
 from raf_dist.training import build_train_step
 
 UPDATED = "raf_dist.updated_arguments"

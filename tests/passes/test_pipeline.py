@@ -10,11 +10,12 @@ import tvm
 from tvm import relax
 
 import raf_dist
-from raf_dist import distributed as dist
 from raf_dist.frontend import from_pytorch
 from raf_dist.passes.pipeline import (STAGE_MARKER_GRAD, ForwardGraph, partition,
                                       split_forward, stage_boundary, strip_stage_markers)
-from raf_dist.training.pipeline_runtime import PipelineTrainer
+from raf_dist.distributed import get_communicator, get_config
+from raf_dist.runtime.pipeline import PipelineExecutor
+from raf_dist.runtime.plan import build_mesh, plan_run
 
 from models import make, rel_err
 
@@ -127,28 +128,29 @@ def test_split_points_by_module_name():
         partition(tgraph, 3, ["qkv", "proj"])  # the residual stream and the attention
 
 
-@pytest.fixture
-def config():
-    cfg = dist.get_config().reset()
-    yield cfg
-    cfg.reset()
+def _pipeline_executor(model, optimizer):
+    """The pipeline executor at pp = 1 (every stage on this rank: interleaved stages), which
+    the Trainer never picks itself (it runs pp = 1 on the SPMD executor)."""
+    config, comm = get_config(), get_communicator()
+    plan = plan_run(config, comm.size)
+    return PipelineExecutor(model, "cross_entropy", optimizer, "cpu", plan,
+                            build_mesh(plan, config, comm.size), comm)
 
 
-def _run(name, stages, microbatches, steps=3, checkpointing=False):
+def _run(config, name, stages, microbatches, steps=3, checkpointing=False):
     module, x, y = make(name, 8)
     model = from_pytorch(module, (x,))
     reference = raf_dist.Trainer(model, optimizer=raf_dist.optim.Adam(lr=1e-2))
-    cfg = dist.get_config()
-    cfg.update({"pipeline_schedule": "interleaved_1f1b", "pipeline_stages_per_rank": stages,
-                "num_microbatches": microbatches, "activation_checkpointing": checkpointing})
-    trainer = PipelineTrainer(model, optimizer=raf_dist.optim.Adam(lr=1e-2))
+    config.update({"pipeline_schedule": "interleaved_1f1b", "pipeline_stages_per_rank": stages,
+                   "num_microbatches": microbatches, "activation_checkpointing": checkpointing})
+    trainer = _pipeline_executor(model, raf_dist.optim.Adam(lr=1e-2))
     pairs = [(reference.step(x.numpy(), y.numpy()), trainer.step(x.numpy(), y.numpy()))
              for _ in range(steps)]
     return pairs, reference.state_dict(), trainer.state_dict(), trainer
 
 
-def test_stages_in_sequence_equal_the_unsplit_step_bitwise(config):
-    pairs, want, got, trainer = _run("transformer", 3, 1)
+def test_stages_in_sequence_equal_the_unsplit_step_bitwise(dist_config):
+    pairs, want, got, trainer = _run(dist_config, "transformer", 3, 1)
     assert all(a == b for a, b in pairs), pairs
     assert all(np.array_equal(want[k], got[k]) for k in want)
     assert trainer.stats()["pipeline"]["peak_saved_microbatches"] == {0: 1, 1: 1, 2: 1}
@@ -158,9 +160,10 @@ def test_stages_in_sequence_equal_the_unsplit_step_bitwise(config):
     ("transformer", 2, 4, False),   # microbatch losses weighted by rows, gradients accumulated
     ("tied", 2, 2, True),           # tok.weight on both stages; activations recomputed
 ])
-def test_stages_with_microbatches_equal_one_step(config, name, stages, microbatches,
+def test_stages_with_microbatches_equal_one_step(dist_config, name, stages, microbatches,
                                                  checkpointing):
-    pairs, want, got, _ = _run(name, stages, microbatches, checkpointing=checkpointing)
+    pairs, want, got, _ = _run(dist_config, name, stages, microbatches,
+                                checkpointing=checkpointing)
     assert rel_err([b for _, b in pairs], [a for a, _ in pairs]) <= 1e-6, pairs
     for key in want:
         assert rel_err(got[key], want[key]) <= 1e-5, key
@@ -173,10 +176,11 @@ def test_stages_with_microbatches_equal_one_step(config, name, stages, microbatc
      "multiple of pipeline_parallel_size=2"),
     ({"num_microbatches": 3}, ValueError, "does not divide into equal microbatches"),
 ])
-def test_unsupported_pipelines_are_refused_before_any_collective(config, fields, error, match):
+def test_unsupported_pipelines_are_refused_before_any_collective(dist_config, fields, error,
+                                                                 match):
     module, x, _ = make("mlp", 8)
     model = from_pytorch(module, (x,))
-    config.update(dict({"pipeline_parallel_size": 2}, **fields))
+    dist_config.update(dict({"pipeline_parallel_size": 2}, **fields))
     with pytest.raises(error, match=match):
         raf_dist.Trainer(model, optimizer=raf_dist.optim.SGD(lr=0.1))
 
@@ -194,7 +198,7 @@ class _MarkedNet(torch.nn.Module):
         return self.c(torch.tanh(self.b(x)))
 
 
-def test_a_pytorch_marker_cuts_there_and_trains_like_the_unmarked_model(config):
+def test_a_pytorch_marker_cuts_there_and_trains_like_the_unmarked_model(dist_config):
     torch.manual_seed(0)
     net, x = _MarkedNet(), torch.randn(4, 6)
     y = torch.randint(0, 3, (4,))
@@ -204,7 +208,7 @@ def test_a_pytorch_marker_cuts_there_and_trains_like_the_unmarked_model(config):
     plan = partition(_graph(model), 2)
     assert plan.how == "markers" and plan.params[0] == ["a.weight", "a.bias"]
     plain = raf_dist.Trainer(model, optimizer=raf_dist.optim.SGD(lr=0.1))  # marker stripped
-    config.update({"pipeline_schedule": "interleaved_1f1b", "pipeline_stages_per_rank": 2})
-    staged = PipelineTrainer(model, optimizer=raf_dist.optim.SGD(lr=0.1))
+    dist_config.update({"pipeline_schedule": "interleaved_1f1b", "pipeline_stages_per_rank": 2})
+    staged = _pipeline_executor(model, raf_dist.optim.SGD(lr=0.1))
     for _ in range(2):
         assert plain.step(x.numpy(), y.numpy()) == staged.step(x.numpy(), y.numpy())

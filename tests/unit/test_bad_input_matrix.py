@@ -477,13 +477,7 @@ def ctx(tmp_path_factory, request):
         write_doc(context)
 
 
-@pytest.fixture(autouse=True)
-def fresh_config():
-    dist.get_config().reset()
-    yield
-    dist.get_config().reset()
-
-
+@pytest.mark.usefixtures("dist_config")  # tests/conftest.py: the defaults before and after
 @pytest.mark.parametrize("case", [
     pytest.param(c, id=c.id,
                  marks=[pytest.mark.xfail(strict=True, reason=c.poor)] if c.poor else [])
@@ -493,7 +487,7 @@ def test_bad_input_names_problem_and_fix(case, ctx, monkeypatch):
         trainer = ctx.trainer
         steps_before = trainer.step_count
     compiles = []
-    trainer_module = importlib.import_module("raf_dist.trainer")
+    trainer_module = importlib.import_module("raf_dist.runtime.spmd")
     real_compile = trainer_module.compile_step
     monkeypatch.setattr(trainer_module, "compile_step",
                         lambda *a, **k: compiles.append(1) or real_compile(*a, **k))

@@ -5,10 +5,8 @@ from raf_dist import distributed as dist
 
 
 @pytest.fixture
-def cfg():
-    config = dist.get_config().reset()
-    yield config
-    config.reset()
+def cfg(dist_config):
+    return dist_config  # tests/conftest.py: the defaults, restored after each test
 
 
 def test_defaults(cfg):

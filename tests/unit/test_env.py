@@ -2,7 +2,7 @@
 instead of silently meaning "no timeout") and are on by default."""
 import pytest
 
-from raf_dist import env
+from raf_dist.distributed import settings as env  # the config-backed RAF_DIST_* settings
 
 
 @pytest.mark.parametrize("reader, name, default", [
@@ -23,31 +23,26 @@ def test_timeouts_parse_strictly(monkeypatch, reader, name, default):
             reader()
 
 
-def test_the_runtime_settings_are_config_fields_the_environment_overrides(monkeypatch):
+def test_the_runtime_settings_are_config_fields_the_environment_overrides(monkeypatch,
+                                                                          dist_config):
     from raf_dist.distributed import config as config_module
-    from raf_dist.distributed import get_config
 
     for name in ("RAF_DIST_COLLECTIVE_TIMEOUT_S", "RAF_DIST_WATCHDOG", "RAF_DIST_CHECK_COLLECTIVES"):
         monkeypatch.delenv(name, raising=False)
-    config = get_config()
+    config = dist_config  # its reset() afterwards restores these fields even once started
     monkeypatch.setattr(config_module, "_STARTED", False)
-    saved = {n: getattr(config, n) for n in config_module.RUNTIME_FIELDS}
-    try:
-        config.collective_timeout_s, config.watchdog, config.check_collectives = 30, False, True
-        assert (env.collective_timeout_s(), env.watchdog_enabled(), env.check_collectives()) == (
-            30.0, False, True)
-        config.collective_timeout_s = 0  # forever
-        assert env.collective_timeout_s() is None
-        monkeypatch.setenv("RAF_DIST_COLLECTIVE_TIMEOUT_S", "7")  # the environment wins
-        assert env.collective_timeout_s() == 7.0
-        with pytest.raises(ValueError, match="collective_timeout_s must be a number of seconds"):
-            config.collective_timeout_s = -1
-        with pytest.raises(TypeError, match="watchdog must be True or False"):
-            config.watchdog = "no"
-        monkeypatch.setattr(config_module, "_STARTED", True)  # the process joined the job
-        with pytest.raises(ValueError, match="set dist.get_config\\(\\).watchdog_grace_s before the "
-                                             "first get_communicator"):
-            config.watchdog_grace_s = 3
-    finally:
-        for name, value in saved.items():
-            object.__setattr__(config, name, value)
+    config.collective_timeout_s, config.watchdog, config.check_collectives = 30, False, True
+    assert (env.collective_timeout_s(), env.watchdog_enabled(), env.check_collectives()) == (
+        30.0, False, True)
+    config.collective_timeout_s = 0  # forever
+    assert env.collective_timeout_s() is None
+    monkeypatch.setenv("RAF_DIST_COLLECTIVE_TIMEOUT_S", "7")  # the environment wins
+    assert env.collective_timeout_s() == 7.0
+    with pytest.raises(ValueError, match="collective_timeout_s must be a number of seconds"):
+        config.collective_timeout_s = -1
+    with pytest.raises(TypeError, match="watchdog must be True or False"):
+        config.watchdog = "no"
+    monkeypatch.setattr(config_module, "_STARTED", True)  # the process joined the job
+    with pytest.raises(ValueError, match="set dist.get_config\\(\\).watchdog_grace_s before the "
+                                         "first get_communicator"):
+        config.watchdog_grace_s = 3

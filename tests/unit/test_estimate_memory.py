@@ -9,7 +9,6 @@ import torch
 
 import raf_dist
 from models import MLP, make, raf_optimizer
-from raf_dist import distributed as dist
 from raf_dist.tools.estimate_memory import model_state_bytes
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
@@ -28,18 +27,14 @@ def test_model_state_formulas_with_padding():
 
 
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
-def test_estimate_matches_stats_in_one_process(level):
+def test_estimate_matches_stats_in_one_process(dist_config, level):
     module, x, y = make("mlp", 8)
     model = raf_dist.frontend.from_pytorch(module, (x,))
-    config = dist.get_config()
-    config.update({"enable_data_parallel": level > 0, "zero_opt_level": level,
-                   "bucket_size_mb": 0.001})
-    try:
-        trainer = raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"))
-        trainer.step(x.numpy(), y.numpy())
-        measured = trainer.stats()
-    finally:
-        config.update({"enable_data_parallel": False, "zero_opt_level": 0, "bucket_size_mb": 25})
+    dist_config.update({"enable_data_parallel": level > 0, "zero_opt_level": level,
+                        "bucket_size_mb": 0.001})
+    trainer = raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"))
+    trainer.step(x.numpy(), y.numpy())
+    measured = trainer.stats()
     estimate = raf_dist.estimate_memory(model, raf_optimizer("adamw"), 1, level,
                                         bucket_size_mb=0.001)
     # the estimator plans the module the Trainer compiles (only the process-group id in the

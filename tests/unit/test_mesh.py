@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from raf_dist import distributed as dist
-from raf_dist.distributed.mesh import Mesh, check_mesh, mesh_coordinates
+from raf_dist.distributed.mesh import ProcessMesh, check_mesh, mesh_coordinates
+from raf_dist.layout import Mesh
 
 
 def test_coordinates_world8_pp2_dp2_tp2_follow_the_formula():
@@ -66,8 +67,10 @@ def test_check_mesh_rejects_bad_sizes(bad):
 
 
 def test_axis_ranks_world8():
-    mesh = Mesh(rank=5, world_size=8, tp_size=2, dp_size=2, pp_size=2, tp_rank=1, dp_rank=0,
-                pp_rank=1, tp_group=1, dp_group=2, pp_group=3)
+    mesh = ProcessMesh(rank=5, world_size=8, tp_size=2, dp_size=2, pp_size=2, tp_rank=1,
+                       dp_rank=0, pp_rank=1, tp_group=1, dp_group=2, pp_group=3)
+    assert Mesh.of(5, 8, tp=2, pp=2) == Mesh(rank=5, world_size=8, tp_size=2, dp_size=2,
+                                             pp_size=2, tp_rank=1, dp_rank=0, pp_rank=1)
     assert mesh.axis_ranks("tp") == [4, 5]
     assert mesh.axis_ranks("dp") == [5, 7]
     assert mesh.axis_ranks("pp") == [1, 5]

@@ -25,7 +25,8 @@ import tvm
 import tvm_ffi
 from tvm.relax.backend.cpu_generic import pipeline as cpu_pipeline
 
-from .. import __version__, env
+from .. import env
+from .._version import __version__
 from .inplace_buckets import WriteGradientsIntoBuckets
 from .inplace_update import UpdateInPlace
 from .memory import planned_bytes
@@ -90,9 +91,7 @@ def module_key_text(mod):
 
 
 def default_cache_dir():
-    return Path(os.environ.get("RAF_DIST_CACHE_DIR",
-                               Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-                               / "raf_dist"))
+    return Path(env.cache_dir())
 
 
 def make_target(target):
@@ -102,7 +101,7 @@ def make_target(target):
     if isinstance(target, tvm.target.Target):
         return target
     if target == "cuda":
-        arch = os.environ.get("RAF_DIST_CUDA_ARCH")
+        arch = env.cuda_arch()
         if arch is None and tvm.cuda(0).exist:
             arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
         return tvm.target.Target({"kind": "cuda", "arch": arch or "sm_80"}, host="llvm")
@@ -169,7 +168,7 @@ def plan_memory(mod, passes=(), target="llvm"):
 def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
     """Run ``passes`` then the target's pipeline on ``mod`` and build it (or load it from
     cache). ``target``: see ``make_target``."""
-    dump_dir = dump_dir if dump_dir is not None else os.environ.get("RAF_DIST_DUMP_IR")
+    dump_dir = dump_dir if dump_dir is not None else env.dump_ir_dir()
     instruments = [DumpIR(dump_dir)] if dump_dir else []
     target = make_target(target)
     with tvm.transform.PassContext(opt_level=3, instruments=instruments):

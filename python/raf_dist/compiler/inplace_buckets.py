@@ -28,7 +28,7 @@ view's data pointer points into the bucket and its byte_offset is 0.
 import tvm
 from tvm import relax
 
-from ..passes.gradient_markers import tensor_numel
+from ..ir.utils import tensor_numel
 
 BUCKET_PACK = "raf_dist.bucket.pack"
 BUCKET_VIEW = "raf_dist.bucket.view"

@@ -31,7 +31,7 @@ import tvm_ffi
 from tvm import relax
 from tvm.s_tir import Schedule
 
-from ..passes.gradient_markers import UPDATED_ARGUMENTS
+from ..ir.attrs import UPDATED_ARGUMENTS
 from .inplace_buckets import _Function, _static
 
 logger = logging.getLogger("raf_dist")

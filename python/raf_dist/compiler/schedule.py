@@ -38,6 +38,7 @@ from tvm.s_tir import Schedule
 from tvm.s_tir.schedule import ScheduleError
 
 from .. import env
+from ..ir.attrs import MATERIALIZE  # a block kept of its own (passes/fast_math.py)
 
 logger = logging.getLogger("raf_dist")
 
@@ -238,11 +239,6 @@ def _work_of_loops(loops, sch):
         extent = _extent(loop, sch)
         work *= extent if extent is not None else _MIN_PARALLEL_WORK
     return work
-
-
-#: block annotation: keep this injective block a block of its own (an expensive value that
-#: several blocks read, or one that a reduction would read unvectorised: softmax's exp)
-MATERIALIZE = "raf_dist.materialize"
 
 
 def _inlinable(sch, block):

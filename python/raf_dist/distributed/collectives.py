@@ -171,9 +171,9 @@ def wait_request(request, what: str, cause: str, sleep_s: float = 0.0005) -> Non
     rank's last collectives, instead of hanging."""
     import time
 
-    from .. import env
+    from . import settings
 
-    timeout = env.collective_timeout_s()
+    timeout = settings.collective_timeout_s()
     deadline = None if timeout is None else time.monotonic() + timeout
     polls = 0
     while not request.Test():

@@ -26,7 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
-from .. import _native, env
+from .. import _native
+from . import settings
 from . import config, rendezvous, watchdog
 
 logger = logging.getLogger("raf_dist")
@@ -185,7 +186,7 @@ class Communicator:
         It raises TimeoutError naming ``what`` after ``timeout_s`` seconds (default:
         RAF_DIST_BARRIER_TIMEOUT_S; None: wait forever). Every rank also tells rank 0 that it
         arrived (a small message), so rank 0's error names the ranks that never did."""
-        timeout = env.barrier_timeout_s() if timeout_s == -1.0 else timeout_s
+        timeout = settings.barrier_timeout_s() if timeout_s == -1.0 else timeout_s
         if self.rank == 0:
             arrivals = {r: self.mpi_comm.irecv(source=r, tag=_BARRIER_TAG)
                         for r in range(1, self.size)}
@@ -208,7 +209,7 @@ class Communicator:
         stalled one (mpi4py's object collectives have no nonblocking form to time out)."""
         if self.size == 1:
             return [value]
-        timeout = env.barrier_timeout_s()
+        timeout = settings.barrier_timeout_s()
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def finish(requests):
@@ -313,17 +314,15 @@ def get_communicator():
     global _COMM
     with _LOCK:
         if _COMM is None:
-            timeout = env.collective_timeout_s()  # a bad value fails here, before any MPI call
+            timeout = settings.collective_timeout_s()  # a bad value fails here, before any MPI call
             config.runtime_started()  # from here on the runtime settings are in force
-            # the native runtime reads the variable once, at its first wait: hand it the
-            # validated value (0 = none). With a timeout, blocking collectives also run on the
-            # communication thread (src/ccl/mpi_backend.cc: a wait can give up, an MPI call
-            # cannot)
-            os.environ["RAF_DIST_COLLECTIVE_TIMEOUT_S"] = repr(timeout) if timeout else "0"
-            _native.load()
+            # the native runtime takes the validated value (0 = none) before any group. With a
+            # timeout, blocking collectives also run on the communication thread
+            # (src/ccl/mpi_backend.cc: a wait can give up, an MPI call cannot)
+            _native.func("set_timeout")(float(timeout or 0))
             from mpi4py import MPI
 
-            check = env.check_collectives()
+            check = settings.check_collectives()
             placement = rendezvous.placement_from_environment()
             if placement is not None and MPI.COMM_WORLD.Get_size() > 1:
                 # raf_dist.run's variables inherited into an mpirun job: MPI's world wins
@@ -337,8 +336,8 @@ def get_communicator():
                 _COMM = Communicator(world, check, placement, reach_address)
             atexit.register(_shutdown)
             _install_abort_on_exception(_COMM)
-            if _COMM.size > 1 and env.watchdog_enabled():
-                _COMM.start_watchdog(env.watchdog_grace_s())
+            if _COMM.size > 1 and settings.watchdog_enabled():
+                _COMM.start_watchdog(settings.watchdog_grace_s())
         return _COMM
 
 
@@ -407,10 +406,8 @@ def _install_abort_on_exception(comm):
 def _flight_recorder() -> str:
     """This rank's last collectives for a barrier or agreement timeout, as a collective timeout
     lists them (what the other ranks last did together says where the stuck one stopped)."""
-    from .collectives import recent_collectives  # collectives imports this module
-
-    try:
-        recent = recent_collectives()
+    try:  # what collectives.recent_collectives returns (collectives imports this module)
+        recent = str(_native.func("recent_collectives")())
     except Exception:  # noqa: BLE001 - the native runtime not loaded: the message goes without
         return ""
     return f" This rank's last collectives (flight recorder):{recent or ' (none yet)'}"

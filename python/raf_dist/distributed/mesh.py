@@ -1,8 +1,5 @@
-"""The device mesh: the world as pp x dp x tp, tp innermost (DESIGN.md section 1).
-
-``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``, with ``dp = world / (tp * pp)``. Each axis
-has one process group per combination of the other two coordinates: this rank's tp group is
-the ``tp`` consecutive ranks that share its pp and dp coordinates, and so on.
+"""The device mesh's process groups: the world as pp x dp x tp, tp innermost (DESIGN.md
+section 1; the coordinates are raf_dist.layout.mesh, pure arithmetic).
 
 ``get_mesh()`` builds the groups once per (tensor_parallel_size, pipeline_parallel_size) and
 registers each with the native collective runtime. A group is named by its native id (an int,
@@ -13,83 +10,23 @@ indices into ``Mesh.axis_ranks(axis)``, not world ranks.
 """
 import dataclasses
 import threading
-from typing import Any, List, Tuple
+from typing import Any, Dict, Tuple
 
 from .. import _native
+from ..layout.mesh import AXES, Mesh, axis_ranks, check_mesh, mesh_coordinates
 from .communicator import get_communicator
 from .config import get_config
 
-AXES = ("tp", "dp", "pp")
+__all__ = ["AXES", "Mesh", "ProcessMesh", "check_mesh", "get_mesh", "local_mesh",
+           "mesh_coordinates", "axis_ranks"]
 
 
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
+@dataclasses.dataclass(frozen=True, repr=False)
+class ProcessMesh(Mesh):
+    """A :class:`raf_dist.layout.Mesh` (this rank's coordinates) with the process groups of
+    its axes.
 
-
-def _working_worlds(tp, pp, enable_data_parallel, count=4):
-    """-np values that split into tp x pp (and into dp > 1 only with data parallelism)."""
-    unit = tp * pp
-    if not enable_data_parallel:
-        return [unit]
-    return [unit * k for k in range(1, count + 1)]
-
-
-def check_mesh(world: int, tp: int, pp: int, enable_data_parallel: bool) -> int:
-    """The data-parallel size ``world / (tp * pp)``; raises ValueError, naming the problem and
-    the fix, when the world does not split into pp x dp x tp or when dp > 1 without
-    ``enable_data_parallel``. Pure: no communication."""
-    _positive_int("world size", world)
-    _positive_int("tensor_parallel_size", tp)
-    _positive_int("pipeline_parallel_size", pp)
-    unit = tp * pp
-    if world % unit != 0:
-        works = ", ".join(str(n) for n in _working_worlds(tp, pp, enable_data_parallel))
-        more = "" if not enable_data_parallel else ", ..."
-        raise ValueError(
-            f"a world of {world} ranks does not split into pp x dp x tp with "
-            f"tensor_parallel_size={tp} and pipeline_parallel_size={pp}: the world size must "
-            f"be a multiple of tensor_parallel_size * pipeline_parallel_size = {unit}. "
-            f"Launch with -np {works}{more}, or choose sizes whose product divides {world}")
-    dp = world // unit
-    if dp > 1 and not enable_data_parallel:
-        raise ValueError(
-            f"a world of {world} ranks with tensor_parallel_size={tp} and "
-            f"pipeline_parallel_size={pp} leaves a data-parallel axis of {dp} ranks, but data "
-            f"parallelism is off; set dist.get_config().enable_data_parallel = True, or make "
-            f"tensor_parallel_size * pipeline_parallel_size == world ({world}), e.g. launch "
-            f"with -np {unit}")
-    return dp
-
-
-def mesh_coordinates(rank: int, world: int, tp: int, pp: int) -> Tuple[int, int, int]:
-    """``(pp_rank, dp_rank, tp_rank)`` of world rank ``rank``:
-    ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank`` with ``dp = world / (tp * pp)``."""
-    dp = check_mesh(world, tp, pp, enable_data_parallel=True)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"rank must be an int in 0..{world - 1}, got {rank!r}")
-    return rank // (dp * tp), (rank // tp) % dp, rank % tp
-
-
-def _axis_ranks(axis, pp_rank, dp_rank, tp_rank, pp, dp, tp) -> List[int]:
-    if axis == "tp":
-        return [(pp_rank * dp + dp_rank) * tp + t for t in range(tp)]
-    if axis == "dp":
-        return [(pp_rank * dp + d) * tp + tp_rank for d in range(dp)]
-    if axis == "pp":
-        return [(p * dp + dp_rank) * tp + tp_rank for p in range(pp)]
-    raise ValueError(f"unknown mesh axis {axis!r}; the axes are {', '.join(map(repr, AXES))}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Mesh:
-    """This rank's place in the pp x dp x tp mesh.
-
-    Attributes:
-        rank, world_size: position in and size of the world.
-        tp_size, dp_size, pp_size: the axes' sizes (world = pp * dp * tp).
-        tp_rank, dp_rank, pp_rank: this rank's coordinates (its position in each axis group).
+    Attributes (beyond Mesh's):
         tp_group, dp_group, pp_group: native process-group ids of this rank's group along each
             axis (the ``group`` argument of ``raf_dist.ccl.*`` and of the collectives in
             ``raf_dist.distributed``); an axis spanning the whole world uses the world group.
@@ -97,41 +34,23 @@ class Mesh:
             messages (not part of equality).
     """
 
-    rank: int
-    world_size: int
-    tp_size: int
-    dp_size: int
-    pp_size: int
-    tp_rank: int
-    dp_rank: int
-    pp_rank: int
-    tp_group: int
-    dp_group: int
-    pp_group: int
+    tp_group: int = -1
+    dp_group: int = -1
+    pp_group: int = -1
     tp_comm: Any = dataclasses.field(default=None, compare=False, repr=False)
     dp_comm: Any = dataclasses.field(default=None, compare=False, repr=False)
     pp_comm: Any = dataclasses.field(default=None, compare=False, repr=False)
 
-    def axis_ranks(self, axis: str) -> List[int]:
-        """World ranks of this rank's group along ``axis`` ("tp", "dp" or "pp"), in group-rank
-        order (this rank is at index ``<axis>_rank``)."""
-        return _axis_ranks(axis, self.pp_rank, self.dp_rank, self.tp_rank,
-                           self.pp_size, self.dp_size, self.tp_size)
-
-    def __repr__(self):
-        return (f"Mesh(rank {self.rank}/{self.world_size}: pp {self.pp_rank}/{self.pp_size}, "
-                f"dp {self.dp_rank}/{self.dp_size}, tp {self.tp_rank}/{self.tp_size})")
-
 
 _LOCK = threading.Lock()
-_MESHES = {}  # (tp, pp) -> Mesh
+_MESHES: Dict[Tuple[int, int], ProcessMesh] = {}  # (tp, pp) -> mesh
 
 
 def _check_collectives():
     # the same switch get_communicator() hands the world group
-    from .. import env
+    from . import settings
 
-    return env.check_collectives()
+    return settings.check_collectives()
 
 
 def _split(world_comm, world_group, color, size, rank, check):
@@ -145,8 +64,8 @@ def _split(world_comm, world_group, color, size, rank, check):
     return int(_native.func("init_group")(MPI._addressof(sub), check)), sub
 
 
-def get_mesh(config=None) -> Mesh:
-    """This rank's :class:`Mesh` for ``config`` (default ``dist.get_config()``; any object with
+def get_mesh(config: Any = None) -> ProcessMesh:
+    """This rank's :class:`ProcessMesh` for ``config`` (default ``dist.get_config()``; any object with
     ``tensor_parallel_size``, ``pipeline_parallel_size`` and ``enable_data_parallel``).
 
     Collective the first time for each (tensor_parallel_size, pipeline_parallel_size): every
@@ -190,7 +109,15 @@ def _build(comm, tp, dp, pp):
         if (sub.Get_size(), sub.Get_rank()) != (size, position):  # pragma: no cover
             raise RuntimeError(f"rank {rank}: its {axis} group has it as rank {sub.Get_rank()} "
                                f"of {sub.Get_size()}, expected {position} of {size}")
-    return Mesh(rank=rank, world_size=world, tp_size=tp, dp_size=dp, pp_size=pp,
+    return ProcessMesh(rank=rank, world_size=world, tp_size=tp, dp_size=dp, pp_size=pp,
                 tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
                 tp_group=tp_group, dp_group=dp_group, pp_group=pp_group,
                 tp_comm=tp_comm, dp_comm=dp_comm, pp_comm=pp_comm)
+
+
+def local_mesh() -> ProcessMesh:
+    """The mesh of a rank working alone (a world of one: ``Trainer(local=True)``, or ranks
+    that all train independently): every axis of size 1, no process group (a collective on
+    one of its groups is an error, and none is made)."""
+    return ProcessMesh(rank=0, world_size=1, tp_size=1, dp_size=1, pp_size=1, tp_rank=0,
+                       dp_rank=0, pp_rank=0)

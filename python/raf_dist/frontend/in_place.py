@@ -11,7 +11,7 @@ exceptions:
 
 1. **In-place dropout.** PyTorch decomposes ``aten.dropout`` through a Python kernel of
    ``torch._decomp`` into ``native_dropout``, which ``from_pytorch`` captures as a seeded mask
-   (``passes/dropout.py``). ``aten.dropout_`` (``nn.Dropout(p, inplace=True)``, the classifier
+   (``frontend/dropout.py``). ``aten.dropout_`` (``nn.Dropout(p, inplace=True)``, the classifier
    of torchvision's MobileNetV2/V3 and EfficientNet, and ``F.dropout(..., inplace=True)``) has
    no such kernel: ATen's composite ``_dropout_impl<inplace=true>`` runs instead,
    ``empty_like(x).bernoulli_(1 - p).div_(1 - p)`` multiplied into x. TVM 0.27 converts

@@ -15,7 +15,7 @@ survive TVM's importer (``_pipe_split.default`` is unknown to it), hence an op o
 """
 import torch
 
-from ..passes.pipeline import stage_boundary
+from ..ir.ops import stage_boundary
 
 
 @torch.library.custom_op("raf::stage_boundary", mutates_args=())

@@ -12,7 +12,7 @@ from tvm import relax
 
 from ..model import Model
 from . import buffers, decompositions, parameters, torch_ops
-from ..passes.dropout import dropout_marker, dropout_masks_as_inputs
+from .dropout import dropout_marker, dropout_masks_as_inputs
 
 
 def from_pytorch(module, example_inputs):
@@ -25,7 +25,7 @@ def from_pytorch(module, example_inputs):
     parameters and optimizer state; ``Model.at_batch``). Under data parallelism the ranks
     may hold different numbers of rows (an uneven last batch): the loss is weighted so the
     result is the mean over the global batch's rows. The training graph is captured: each dropout becomes a multiply by a mask the
-    Trainer draws every step from a seeded generator (``passes/dropout.py``). Buffers nothing
+    Trainer draws every step from a seeded generator (``frontend/dropout.py``). Buffers nothing
     writes become IR constants; buffers the forward writes (BatchNorm running statistics) become
     state the step carries and updates as PyTorch's train mode does (``frontend/buffers.py``),
     and the evaluation-mode forward is captured too, for ``Trainer.predict``.
@@ -121,7 +121,7 @@ def _batch_norm_converters(exported, cumulative):
 
 
 def _dropout_converters(dropouts):
-    """Importer hooks: dropout (p > 0, training) becomes a marker; see passes/dropout.py."""
+    """Importer hooks: dropout (p > 0, training) becomes a marker; see frontend/dropout.py."""
 
     def convert(node, importer):
         x = importer.env[node.args[0]]

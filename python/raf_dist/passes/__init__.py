@@ -5,7 +5,8 @@ from .data_parallel import AllReduceGradients
 from .dispatch_blas import DispatchToBLAS
 from .fast_math import FastExp, FastGelu
 from .pool_gradient import MaxPoolGradient
-from .zero import ShardZeRO, shard_size
+from ..layout import shard_size
+from .zero import ShardZeRO
 from .gradient_markers import StripGradientMarkers
 
 __all__ = ["AllReduceGradients", "DispatchToBLAS", "FastExp", "FastGelu", "MaxPoolGradient",

@@ -26,7 +26,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.relax.op.base import register_gradient
 
-from .mutate import mutate_functions
+from ..ir.utils import mutate_functions
 
 _BATCH_NORM = tvm.ir.Op.get("relax.nn.batch_norm")
 _ALLREDUCE = tvm.ir.Op.get("relax.ccl.allreduce")

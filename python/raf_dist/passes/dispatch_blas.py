@@ -19,7 +19,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .mutate import mutate_functions
+from ..ir.utils import mutate_functions
 
 BLAS_MATMUL = "raf_dist.blas.matmul"
 BLAS_CONV2D = "raf_dist.blas.conv2d"

@@ -21,8 +21,8 @@ import tvm
 from tvm import relax, te, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..compiler.schedule import MATERIALIZE
-from .mutate import mutate_functions
+from ..ir.attrs import MATERIALIZE
+from ..ir.utils import mutate_functions
 
 _GELU = tvm.ir.Op.get("relax.nn.gelu")
 _ERF = tvm.ir.Op.get("relax.erf")

@@ -14,36 +14,16 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .mutate import is_packed_marker, mutate_functions
+from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
+                        UPDATED_ARGUMENTS)
+from ..ir.ops import MARK_GRADIENT, is_gradient_marker, mark_gradient
+from ..ir.utils import mutate_functions, tensor_numel
 
-MARK_GRADIENT = "raf_dist.mark_gradient"
+__all__ = ["LAYOUT_NUM_PARAMS", "LAYOUT_PARAM_OFFSET", "LAYOUT_STATES_PER_PARAM",
+           "MARK_GRADIENT", "UPDATED_ARGUMENTS", "Marker", "StripGradientMarkers",
+           "SubstituteVars", "find_markers", "is_marker", "mark_gradient", "tensor_numel"]
 
-# train_step's attributes saying where parameters and optimizer states sit among its
-# arguments: (inputs..., target, params..., states (per parameter, in order)..., scalars...)
-LAYOUT_PARAM_OFFSET = "raf_dist.param_offset"  # index of the first parameter argument
-LAYOUT_NUM_PARAMS = "raf_dist.num_params"
-LAYOUT_STATES_PER_PARAM = "raf_dist.states_per_param"
-# output field 1 + i of train_step is the new value of argument UPDATED_ARGUMENTS[i] (the
-# parameters, then the optimizer states): compiler.UpdateInPlace makes the step write it into
-# that argument's buffer
-UPDATED_ARGUMENTS = "raf_dist.updated_arguments"
-
-
-def mark_gradient(grad, param_index):
-    return relax.call_pure_packed(MARK_GRADIENT, grad, relax.prim_value(int(param_index)),
-                                  ty_args=grad.ty)
-
-
-def is_marker(expr):
-    return is_packed_marker(expr, MARK_GRADIENT)
-
-
-def tensor_numel(ty):
-    """Element count of a statically shaped TensorType."""
-    n = 1
-    for d in ty.shape:
-        n *= int(d)
-    return n
+is_marker = is_gradient_marker
 
 
 @dataclasses.dataclass

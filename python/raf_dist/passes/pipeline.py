@@ -34,50 +34,16 @@ import typing
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.ir import _ffi_api as _ir_api
-from tvm.relax.op.base import register_gradient
 
+from ..ir.ops import (STAGE_MARKER, STAGE_MARKER_GRAD, is_stage_marker,  # noqa: F401
+                      stage_boundary)
 from .gradient_markers import SubstituteVars
-
-STAGE_MARKER = "raf_dist.pipeline_stage"
-STAGE_MARKER_GRAD = "raf_dist.pipeline_stage_grad"
 
 #: cost of one parameter element in the stage balance (its gradient accumulation, the
 #: optimizer's read-modify-write of it and its state: Adam touches ~16 values per element)
 PARAM_COST = 16.0
 #: forward + backward FLOPs per forward FLOP
 TRAIN_FLOPS = 3.0
-
-
-def _register(name, description):
-    if name in _ir_api.ListOpNames():
-        return tvm.ir.Op.get(name)
-    _ir_api.RegisterOp(name, description)
-    op = tvm.ir.Op.get(name)
-    op.set_num_inputs(1)
-    op.add_argument("x", "Tensor", "the activation crossing the stage boundary")
-    tvm.ir.register_op_attr(name, "FInferType", lambda call, ctx: call.args[0].ty)
-    tvm.ir.register_op_attr(name, "FPurity", True)
-    tvm.ir.register_op_attr(name, "TScriptPrinterName", name)
-    return op
-
-
-_MARKER = _register(STAGE_MARKER, "pipeline stage boundary (identity)")
-_MARKER_GRAD = _register(STAGE_MARKER_GRAD, "the stage boundary in the backward (identity)")
-register_gradient(STAGE_MARKER, lambda var, call, grad, ctx: [relax.Call(_MARKER_GRAD, [grad])],
-                  level=11)
-register_gradient(STAGE_MARKER_GRAD, lambda var, call, grad, ctx: [relax.Call(_MARKER, [grad])],
-                  level=11)
-
-
-def stage_boundary(x):
-    """A stage boundary after ``x`` (a Relax expression): the next stage starts here."""
-    return relax.Call(_MARKER, [x])
-
-
-def is_stage_marker(expr, backward=False):
-    op = _MARKER_GRAD if backward else _MARKER
-    return isinstance(expr, relax.Call) and expr.op.same_as(op)
 
 
 @relax.expr_functor.mutator

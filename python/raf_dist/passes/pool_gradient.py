@@ -16,7 +16,7 @@ import tvm
 from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .mutate import mutate_functions
+from ..ir.utils import mutate_functions
 
 _MAX_POOL2D_BACKWARD = tvm.ir.Op.get("relax.grad.max_pool2d_backward")
 

@@ -22,7 +22,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .mutate import mutate_functions
+from ..ir.utils import mutate_functions
 
 _RELU = tvm.ir.Op.get("relax.nn.relu")
 _MAXIMUM = tvm.ir.Op.get("relax.maximum")

@@ -46,6 +46,7 @@ longer overlap backward's reductions (only with the guard).
 import tvm
 from tvm import relax
 
+from ..layout import shard_size, state_layout
 from .bucketing import Segments, assemble, assign_buckets, collective, marker_buckets
 from .gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                                UPDATED_ARGUMENTS, SubstituteVars, find_markers, tensor_numel)
@@ -54,11 +55,6 @@ ELEMENTWISE_OPS = frozenset(f"relax.{name}" for name in (
     "add", "subtract", "multiply", "divide", "sqrt", "rsqrt", "negative", "power", "maximum",
     "minimum", "abs", "sign", "exp", "log", "square", "where", "greater", "less",
     "greater_equal", "less_equal", "clip", "astype", "floor_divide"))
-
-
-def shard_size(numel, world_size):
-    """Elements of one rank's flat padded shard of a tensor of ``numel`` elements."""
-    return -(-int(numel) // int(world_size))
 
 
 def _nbytes(ty):
@@ -198,19 +194,24 @@ class _Rewriter:
 
         # new arguments: parameter shards (level 3); optimizer state as one flat [S] shard
         # per bucket and state (bucket-major), the layout the update runs on, so no copy
-        # gathers or scatters it around each step
-        def shard_var(var):
-            return relax.Var(var.name, relax.TensorType([shard_size(tensor_numel(var.ty), n)],
-                                                        var.ty.dtype))
-        new_params = [shard_var(p) for p in params] if level == 3 else list(params)
+        # gathers or scatters it around each step: raf_dist.layout's StateLayout, which the
+        # executors, checkpoints and stats read too
+        layout = state_layout([str(i) for i in range(len(params))],
+                              [([int(d) for d in p.ty.shape], str(p.ty.dtype)) for p in params],
+                              [str(j) for j in range(per_param)], level, n, 0,
+                              [b.keys for b in grad_buckets])
+
+        def shard_var(i, var):
+            return relax.Var(var.name, relax.TensorType([layout.shard_numel(i)], var.ty.dtype))
+        new_params = ([shard_var(i, p) for i, p in enumerate(params)] if layout.params_sharded
+                      else list(params))
         flat_states = {}
-        for bucket in grad_buckets:
-            for j in range(per_param):
-                name = states[bucket.keys[0] * per_param + j].name
-                suffix = name.rsplit("__", 1)[-1] if "__" in name else f"state{j}"
-                flat_states[(bucket.index, j)] = relax.Var(
-                    f"bucket{bucket.index}__{suffix}",
-                    relax.TensorType([bucket.shard_total], bucket.dtype))
+        for buffer in layout.state_buffers():
+            j = int(buffer.state)
+            name = states[buffer.params[0] * per_param + j].name
+            suffix = name.rsplit("__", 1)[-1] if "__" in name else f"state{j}"
+            flat_states[(buffer.bucket, j)] = relax.Var(
+                f"bucket{buffer.bucket}__{suffix}", relax.TensorType([buffer.numel], buffer.dtype))
         closes = {marker_pos[b.keys[-1]]: b for b in grad_buckets}
 
         in_flight = {}  # reduce_scatters: bucket index -> (bucket, handle, gradients, out)

@@ -21,22 +21,20 @@ import sys
 
 import numpy as np
 
+from ..layout import state_layout
+
 _STATES_PER_PARAM = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 
 
-def _shard(numel, world_size):
-    return -(-int(numel) // int(world_size))
-
-
 def model_state_bytes(numels, world_size, zero_opt_level, states_per_param, elem_bytes=4):
-    """Parameters, gradients and optimizer state this rank holds, from the tensor sizes."""
-    full = sum(int(n) for n in numels)
-    sharded = sum(_shard(n, world_size) for n in numels)
-    return {
-        "param_bytes": elem_bytes * (sharded if zero_opt_level == 3 else full),
-        "grad_bytes": elem_bytes * (sharded if zero_opt_level >= 2 else full),
-        "optimizer_state_bytes": elem_bytes * states_per_param * (sharded if zero_opt_level else full),
-    }
+    """Parameters, gradients and optimizer state this rank holds, from the tensor sizes (the
+    StateLayout the Trainer holds them under: raf_dist.layout)."""
+    layout = state_layout([f"p{i}" for i in range(len(numels))],
+                          [((int(n),), f"float{8 * int(elem_bytes)}") for n in numels],
+                          [f"state{j}" for j in range(int(states_per_param))],
+                          zero_opt_level, int(world_size), 0, [tuple(range(len(numels)))])
+    return {"param_bytes": layout.param_bytes(), "grad_bytes": layout.grad_bytes(),
+            "optimizer_state_bytes": layout.state_bytes()}
 
 
 def estimate_memory(model, optimizer, world_size, zero_opt_level, bucket_size_mb=25.0,
@@ -46,7 +44,7 @@ def estimate_memory(model, optimizer, world_size, zero_opt_level, bucket_size_mb
     ``planned_peak_bytes`` from TVM's memory planner and their sum ``peak_bytes``."""
     from ..compiler import plan_memory
     from ..optim import Optimizer
-    from ..trainer import nonfinite_guard, step_passes
+    from ..compiler.step_passes import nonfinite_guard, step_passes
     from ..training import build_train_step
 
     if zero_opt_level not in (0, 1, 2, 3):

@@ -18,7 +18,6 @@ import dataclasses
 
 import numpy as np
 
-from ..distributed.communicator import raised_on_every_rank
 
 
 @dataclasses.dataclass
@@ -106,20 +105,6 @@ def leading_rows(arrays, specs, captured_rows: int) -> int:
     return captured_rows if rows is None else rows
 
 
-def allgather_rows(mpi_comm, rows: int) -> list:
-    """Every rank's row count (an mpi4py communicator's Iallgather). It polls, sleeping
-    after the first hundred tests: a rank still compiling the step for a new size must not
-    have its core taken by the others' busy-waiting (MPICH's blocking calls spin)."""
-    from ..distributed.collectives import wait_request
-
-    send, received = np.array([rows], np.int64), np.zeros(mpi_comm.Get_size(), np.int64)
-    # a rank that never comes must not hang the others
-    wait_request(mpi_comm.Iallgather(send, received),
-                 "the exchange of every rank's batch rows before the step",
-                 "a peer rank has probably died, stalled or is running a different program")
-    return [int(r) for r in received]
-
-
 def microbatches(rows: int, count: int) -> list:
     """The rows of each of ``count`` microbatches of a batch of ``rows`` rows, as even as they
     go (the first ones one row more: np.array_split's rule); fewer when the batch has fewer
@@ -134,18 +119,6 @@ def loss_weight(local_rows: int, rows_per_rank) -> float:
     """local_rows * N / global_rows: the factor that turns this rank's mean loss into its
     share of the global batch's mean once the step averages over the N ranks."""
     return local_rows * len(rows_per_rank) / sum(rows_per_rank)
-
-
-def check_rows_per_rank(rows_per_rank, rank: int) -> None:
-    """Every rank needs at least one row (a step of zero rows has no mean); raised on every
-    rank together, since every rank sees the same counts."""
-    empty = [r for r, rows in enumerate(rows_per_rank) if rows == 0]
-    if empty:
-        raise raised_on_every_rank(ValueError(
-            f"ranks {empty} got no rows in this step (rows per rank: {list(rows_per_rank)}; "
-            f"this is rank {rank}): every rank needs at least one row of the global batch. "
-            "Use a global batch of at least as many rows as ranks, e.g. "
-            "raf_dist.data.shard(..., drop_last=True) to drop a shorter tail"))
 
 
 def check_same_state(captured, variant, rows: int) -> None:

@@ -12,16 +12,10 @@ from tvm import relax
 from tvm.relax.op import grad as grad_ops
 from tvm.relax.op.base import register_gradient
 
-_LEVEL = 11
+from ..ir.ops import GRADIENT_LEVEL as _LEVEL
+from ..ir.ops import gradient as _register
+
 op = relax.op
-
-
-def _register(name):
-    def wrap(fn):
-        register_gradient(name, fn, level=_LEVEL)
-        return fn
-
-    return wrap
 
 
 def _const(value, like):
@@ -391,6 +385,3 @@ def _attention_grad(orig_var, orig_call, output_grad, ctx):
     if bias is not None:
         partials.append(op.collapse_sum_to(dscores, _shape_of(bias)))
     return partials
-
-
-from . import gradients_spatial  # noqa: E402,F401  (conv3d, 3-D / adaptive pooling, group_norm)

@@ -12,7 +12,8 @@ from tvm.relax.op import grad as grad_ops
 from tvm.relax.op.base import register_gradient
 
 # one registration level for every gradient raf_dist adds
-from .gradients import _LEVEL, _register
+from ..ir.ops import GRADIENT_LEVEL as _LEVEL
+from ..ir.ops import gradient as _register
 
 op = relax.op
 

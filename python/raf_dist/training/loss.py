@@ -74,7 +74,7 @@ def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=Non
 
 def _vocab_parallel_cross_entropy(bb, logits, target):
     """Mean cross-entropy of (rows, C/T) logits, this rank's classes [r C/T, (r+1) C/T)."""
-    from ..passes.tp_ops import tp_max, tp_rank, tp_reduce
+    from ..ir.ops import tp_max, tp_rank, tp_reduce
 
     op = relax.op
     local = int(logits.ty.shape[-1])

@@ -58,7 +58,7 @@ def finite_flag(bb: relax.BlockBuilder, grads: list, loss: relax.Expr = None,
         finite = bb.emit(op.isfinite(term))
         flag = finite if flag is None else bb.emit(op.logical_and(flag, finite))
     if across_tp and flag is not None:
-        from ..passes.tp_ops import tp_reduce
+        from ..ir.ops import tp_reduce
 
         bad = bb.emit(op.where(flag, relax.const(0.0, "float32"), relax.const(1.0, "float32")))
         flag = bb.emit(op.less(bb.emit(tp_reduce(bad)), relax.const(0.5, "float32")))

@@ -32,11 +32,11 @@ import dataclasses
 import tvm
 from tvm import relax
 
-from ..passes.gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET,
-                                        LAYOUT_STATES_PER_PARAM, UPDATED_ARGUMENTS,
-                                        mark_gradient)
+from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
+                        UPDATED_ARGUMENTS)
+from ..ir.ops import mark_gradient
 from ..passes.pipeline import emit_function
-from . import gradients  # noqa: F401  (registers the gradients TVM 0.27 lacks)
+from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from .loss import build_loss
 from .step import _emit_update, _follow, _ident, _loss_and_grads, missing_gradients
 

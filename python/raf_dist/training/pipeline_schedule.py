@@ -33,6 +33,8 @@ and ``draw`` read the results.
 """
 import dataclasses
 
+from ..layout.mesh import stage_rank  # noqa: F401  (placement: where each stage runs)
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "UPDATE")
@@ -91,13 +93,6 @@ def _check_int(name, value, minimum):
 def _check_schedule(schedule):
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
-
-
-def stage_rank(stage, pp_size):
-    """The pp rank holding ``stage`` under the loop placement: ``stage % pp_size``."""
-    _check_int("pp_size", pp_size, 1)
-    _check_int("stage", stage, 0)
-    return stage % pp_size
 
 
 def num_stages(schedule, pp_size, stages_per_rank=1):

@@ -26,12 +26,12 @@ import dataclasses
 import tvm
 from tvm import relax
 
-from ..passes.gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET,
-                                        LAYOUT_STATES_PER_PARAM, UPDATED_ARGUMENTS,
-                                        mark_gradient)
+from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
+                        UPDATED_ARGUMENTS)
+from ..ir.ops import mark_gradient
 from ..passes.batch_norm import DecomposeBatchNorm, has_training_batch_norm
 from ..passes.pipeline import strip_stage_markers
-from . import gradients  # noqa: F401  (registers the gradients TVM 0.27 lacks)
+from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from . import nonfinite
 from .loss import build_loss
 
@@ -136,7 +136,7 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
             "tvm.relax.op.base.register_gradient or avoid the op")
     mod = tvm.IRModule({tvm.ir.GlobalVar("main"): forward.with_attr("global_symbol", "main")})
     mod = relax.training.AppendLoss("main", loss_func, num_backbone_outputs=1)(mod)
-    # the function's inputs: the data, then one mask per dropout (passes/dropout.py)
+    # the function's inputs: the data, then one mask per dropout (frontend/dropout.py)
     n_in = len(model.input_specs) + len(model.dropout_specs)
     trainable, frozen = _split_frozen(model)
     n_all = len(model.param_names)

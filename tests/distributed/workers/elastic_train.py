@@ -28,14 +28,14 @@ def main():
     if (directory / "ckpt" / "latest").exists():
         t.load_checkpoint(directory / "ckpt")
         resumed = t.step_count
-    step_fn = t._step_fn
+    step_fn = t.executor._step_fn
 
     def step(*args):
         if comm.rank == 1 and attempt == 0 and t.step_count + 1 == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         return step_fn(*args)
 
-    t._step_fn = step
+    t.executor._step_fn = step
     while t.step_count < STEPS:
         t.step(xs, ys)
         t.save_checkpoint(directory / "ckpt")

@@ -154,17 +154,19 @@ def main():
         t.step(xs, ys)
         assert t.save_checkpoint(directory).name == "step-00000005"
     elif when == "compile":
-        real_compile = raf_dist.trainer.compile_step
+        import raf_dist.runtime.spmd as spmd  # the SPMD executor compiles the step
+
+        real_compile = spmd.compile_step
 
         def compile_step(*args, **kwargs):
             armed.hit()
             return real_compile(*args, **kwargs)
 
-        raf_dist.trainer.compile_step = compile_step
+        spmd.compile_step = compile_step
         attempt(lambda: build(1))
     elif when in ("step", "collective"):
         if when == "step":
-            variant = t._variants[t.batch_size]
+            variant = t.executor._variants[t.batch_size]
             real_step = variant.step_fn
 
             def step_fn(*args):

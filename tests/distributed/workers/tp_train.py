@@ -83,7 +83,7 @@ def main():
         assert calls == steps * (trainer.num_grad_buckets + 1), (calls, trainer.num_grad_buckets)
     if tp > 1:  # every tp allreduce is per row: microbatches sum to the same bytes
         assert plan.placements, plan.explain()
-        guard = 1 if trainer._nonfinite_guard() else 0
+        guard = 1 if trainer.executor._nonfinite_guard() else 0
         numel = (sum(plan.forward_reduces) + sum(plan.backward_reduces)
                  + sum(plan.loss_reduces) + guard)
         expected = steps * 2 * (tp - 1) / tp * 4 * numel
@@ -131,7 +131,7 @@ def check_padded_checkpoint(trainer, comm, params):
     for name, by_state in trainer.optimizer_state_dict().items():
         for state, value in by_state.items():
             assert np.array_equal(value, states[name][state]), (name, state)
-    plan, held = trainer.tp_plan, trainer._local_params()
+    plan, held = trainer.tp_plan, trainer.executor._local_params()
     for name, pad in plan.padding.items():  # this rank's rows of the padding are zeros
         rank_rows = pad.padded // plan.tp
         first = dist.get_mesh().tp_rank * rank_rows

@@ -1,4 +1,5 @@
-"""DropoutMasksAsInputs: dropout with seeded masks that the host supplies each step.
+"""DropoutMasksAsInputs: dropout with seeded masks that the host supplies each step (applied by
+the frontends when they capture a model).
 
 The PyTorch frontend imports every dropout with rate p > 0 as a marker
 ``R.call_pure_packed("raf_dist.dropout", x, R.prim_value(i), ty_args=x.ty)`` (i: the i-th
@@ -13,14 +14,8 @@ ordinary gradient of multiply.
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .mutate import is_packed_marker
-
-DROPOUT_MARKER = "raf_dist.dropout"
-
-
-def dropout_marker(x, index):
-    return relax.call_pure_packed(DROPOUT_MARKER, x, relax.prim_value(int(index)), ty_args=x.ty)
-
+from ..ir.ops import DROPOUT_MARKER, dropout_marker
+from ..ir.utils import is_packed_marker
 
 @mutator
 class _Rewrite(PyExprMutator):

@@ -1,7 +1,7 @@
 """The pipeline-parallel Trainer: stages on the pp axis of the mesh, a schedule executed with
 tagged asynchronous point-to-point messages (DESIGN.md section 3c).
 
-``Trainer(...)`` returns a ``PipelineTrainer`` when ``pipeline_parallel_size`` > 1. Every
+``raf_dist.Trainer`` runs a ``PipelineExecutor`` when ``pipeline_parallel_size`` > 1. Every
 rank captures the same model, cuts it into S stages (passes/pipeline.py: markers, named split
 points or the cost partitioner), builds and compiles the functions of the stages it holds
 (training/pipeline.py: forward, backward, recompute, forward_only) at the microbatch's rows
@@ -38,36 +38,34 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .._version import __version__
 from .. import checkpoint as ckpt
 from .. import device as device_lib
-from .. import env, profiler
+from .. import profiler
 from ..compiler import compile_step
-from ..distributed import collectives, get_communicator, get_config
+from ..compiler.step_passes import forward_passes, function_passes, step_passes
+from ..distributed import collectives
 from ..distributed.communicator import raised_on_every_rank
-from ..distributed.mesh import check_mesh, get_mesh
+from ..layout import stage_rank, state_layout
 from ..passes import gradient_buckets
 from ..passes.pipeline import (ForwardGraph, partition, plan_like, split_forward,
                                strip_stage_markers)
 from ..passes.batch_norm import decompose_forward, has_training_batch_norm
 from ..passes.lower_allreduce import LowerAllReduce
 from ..passes.tp_ops import LowerTensorParallel
-from ..runtime import available_cores, set_num_threads
-from . import batch_size as batching
-from . import pipeline_schedule as schedules
-from . import tensor_parallel as tp_lib
-from .loss import check_targets, num_classes
-from .pipeline import build_stage_functions, build_update_step
-from .step import TrainStepSignature
-# raf_dist.trainer imports this module only when it builds a PipelineTrainer
-from ..trainer import Trainer, _check_array, _check_local, _nbytes, step_passes
+from ..training import batch_size as batching
+from ..training import pipeline_schedule as schedules
+from ..training.loss import check_targets, num_classes
+from ..training.pipeline import build_stage_functions, build_update_step
+from ..training.step import TrainStepSignature
+from . import agreement, batches
+from . import state as held
+from .checkpoint_view import CheckpointView
+from .plan import RunPlan
+from .tensors import check_array, nbytes
+from .transport import PipelineTransport
 
 _LOG = logging.getLogger("raf_dist")
-
-
-def _tag(kind, stage_boundary, microbatch, num_stages):
-    """The MPI tag of the message crossing boundary ``stage_boundary`` (between stages b and
-    b + 1) for ``microbatch``: activations even, gradients odd."""
-    return (microbatch * num_stages + stage_boundary) * 2 + (1 if kind == "B" else 0)
 
 
 @dataclasses.dataclass
@@ -90,51 +88,36 @@ class _StageSet:
     boundary_specs: list
 
 
-class PipelineTrainer(Trainer):
-    """Trainer for ``pipeline_parallel_size`` > 1 (module docstring): ``raf_dist.Trainer(...)``
-    builds one then. It overrides the Trainer's loop and state (step, predict, state_dict,
-    optimizer_state_dict, stats, checkpoints) and borrows its checks and sharding helpers;
-    ``profile`` and the per-batch-size step variants are not available under pipelining."""
+class PipelineExecutor:
+    """The executor for ``pipeline_parallel_size`` > 1 (module docstring): the whole Trainer
+    surface over this rank's stages (``profile``, ``buffers_dict``, ``predict``,
+    checkpoints, any batch size of at least ``num_microbatches`` rows)."""
 
-    def __init__(self, model, loss="cross_entropy", optimizer=None, device="cpu", cache_dir=None,
-                 seed=0, nonfinite="raise", tensor_parallel_plan=None, local=False):
-
-        Trainer._check_arguments(model, loss, optimizer, device, nonfinite)
-        config = get_config()
-        self.local = bool(local)
-        if self.local:
-            _check_local(config)  # raises: pipelining is parallelism
-        config.check()
-        config.check_supported()
-        self.config = config.as_dict()
-        self.pp = int(config.pipeline_parallel_size)
-        self.tp = int(config.tensor_parallel_size)
-        self.zero_level = int(config.zero_opt_level)
-        _check_pipeline_config(config, model)  # before any collective
-        self.comm = get_communicator()
-        dp_size = check_mesh(self.comm.size, self.tp, self.pp, config.enable_data_parallel)
-        self.schedule = config.pipeline_schedule
-        self.stages_per_rank = (int(config.pipeline_stages_per_rank)
-                                if self.schedule == "interleaved_1f1b" else 1)
+    def __init__(self, model, loss, optimizer, device, plan: RunPlan, mesh, comm,
+                 cache_dir=None, seed=0, nonfinite="raise", tensor_parallel_plan=None):
+        """See raf_dist.Trainer: the arguments are checked, the pipeline config too
+        (``check_pipeline_config``) and the ranks agreed (the front did all three)."""
+        self.run_plan, self.config, self.comm, self.mesh = plan, plan.config, comm, mesh
+        self.local = False
+        self.pp, self.tp, self.zero_level = plan.pp, plan.tp, plan.zero_level
+        self.schedule = plan.schedule
+        self.stages_per_rank = plan.stages_per_rank
         self.num_stages = schedules.num_stages(self.schedule, self.pp, self.stages_per_rank)
-        self.microbatches = int(config.num_microbatches)
+        self.microbatches = plan.microbatches
         self.nonfinite = nonfinite
-        self.data_parallel = config.enable_data_parallel and (dp_size > 1 or self.zero_level > 0)
-        self.spmd = True
-        Trainer._agree(self, model, loss, optimizer, device)
-        self.mesh = get_mesh(config)
-        self.world = dp_size if self.data_parallel else 1
-        self.dp_group, self.dp_comm = self.mesh.dp_group, self.mesh.dp_comm
-        self.dp_rank = self.mesh.dp_rank if self.world > 1 else 0
-        self.pp_rank, self.pp_comm = self.mesh.pp_rank, self.mesh.pp_comm
+        self.data_parallel, self.world, self.spmd = plan.data_parallel, plan.world, True
+        self.dp_group, self.dp_comm = mesh.dp_group, mesh.dp_comm
+        self.dp_rank = mesh.dp_rank if self.world > 1 else 0
+        self.pp_rank, self.pp_comm = mesh.pp_rank, mesh.pp_comm
         self.model, self.loss, self.optimizer, self.device = model, loss, optimizer, device
-        self._device = device_lib.select(device, self.comm, collective=True)
+        self._device = device_lib.select(device, comm, collective=True)
         self._target = device_lib.target_for(self._device)
-        set_num_threads(max(1, available_cores() // max(1, self.comm.local_size)))
         self.full_model = model
         self.tp_plan = None
         if self.tp > 1:
-            model = self.model = Trainer._split_model(self, model, tensor_parallel_plan)
+            self.tp_plan, model = held.split_model(model, self.tp, tensor_parallel_plan, loss,
+                                                   comm, mesh.tp_rank)
+            self.model = model
         elif tensor_parallel_plan is not None:
             raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1")
         self._classes = num_classes(self.full_model.forward, loss)
@@ -143,30 +126,29 @@ class PipelineTrainer(Trainer):
                                      self.microbatches, model.source)
         self._target_per_row = batching.target_rows_per_row(self._captured_target_spec(),
                                                             self.batch_size)
-        self.split_points = config.pipeline_split_points
-        self.activation_checkpointing = bool(config.activation_checkpointing)
+        self.split_points = plan.split_points
+        self.activation_checkpointing = plan.activation_checkpointing
         frozen = set(getattr(model, "frozen_params", ()))
         self._frozen_names = frozen
-        self.bucket_bytes = max(1, int(config.bucket_size_mb * 2**20))
+        self.bucket_bytes = plan.bucket_bytes
         self._cache_dir = cache_dir
         self.seed = int(seed)
 
         # the stage plan, cut on the forward at the captured microbatch size, and this rank's
         # stages compiled at that size (other sizes: _stage_set, the same cuts)
         # synchronized batch norm: each microbatch's statistics over the dp group
-        self.sync_batch_norm_world = (self.world if config.sync_batch_norm and self.data_parallel
-                                      else 1)
+        self.sync_batch_norm_world = plan.sync_batch_norm_world
         rows = self._plan_rows = self.batch_size // self.microbatches
-        plan = self.plan = partition(self._forward_graph(rows), self.num_stages,
-                                     self.split_points)
+        stage_plan = self.plan = partition(self._forward_graph(rows), self.num_stages,
+                                           self.split_points)
         self.my_stages = [s for s in range(self.num_stages)
-                          if schedules.stage_rank(s, self.pp) == self.pp_rank]
-        held = set().union(*(plan.params[s] for s in self.my_stages))
-        self.param_names = [n for n in model.param_names if n in held and n not in frozen]
-        self.frozen_names = [n for n in model.param_names if n in held and n in frozen]
-        specs = dict(zip(model.param_names, model.param_specs()))
+                          if stage_rank(s, self.pp) == self.pp_rank]
+        mine = set().union(*(stage_plan.params[s] for s in self.my_stages))
+        self.param_names = [n for n in model.param_names if n in mine and n not in frozen]
+        self.frozen_names = [n for n in model.param_names if n in mine and n in frozen]
+        specs = self._specs = dict(zip(model.param_names, model.param_specs()))
         self.param_specs = [specs[n] for n in self.param_names]
-        self._profiling = None  # a profiler.StepProfiler while Trainer.profile records
+        self._profiling = None  # a profiler.StepProfiler while profile records
         self._stage_sets = {}  # microbatch rows -> _StageSet
         self._stage_set(rows)
         self.signature = TrainStepSignature(
@@ -183,15 +165,18 @@ class PipelineTrainer(Trainer):
         self.update_ir = build_update_step(self.param_names, self.param_specs, optimizer)
         self.grad_buckets = (gradient_buckets(self.update_ir, self.bucket_bytes)
                              if self.data_parallel else [])
+        self.layout = state_layout(self.param_names, self.param_specs, optimizer.state_names,
+                                   self.zero_level if self.data_parallel else 0, self.world,
+                                   self.dp_rank, self.grad_buckets)
         passes = step_passes(self.zero_level if self.data_parallel else 0,
                              self.world if self.data_parallel else 1, self.bucket_bytes,
-                             overlap=config.overlap_comm, group=self.dp_group)
+                             overlap=plan.overlap_comm, group=self.dp_group)
         self.compiled_update = compile_step(self.update_ir, passes=passes, target=self._target,
                                             cache_dir=cache_dir)
         self._update_vm = relax.VirtualMachine(self.compiled_update.executable, self._device)
         self._update_fn = self._update_vm["train_step"]
         # parameters: world rank 0's initial values (whatever each rank's seed; under tensor
-        # parallelism _split_model broadcast them already), this rank's stages' only
+        # parallelism split_model broadcast them already), this rank's stages' only
         init = {}
         for name in model.param_names:
             value = np.ascontiguousarray(model.init_params[name]).copy()
@@ -200,10 +185,8 @@ class PipelineTrainer(Trainer):
             if name in self.param_names or name in self.frozen_names:
                 init[name] = value
         self._tensors = {n: tvm.runtime.tensor(v, self._device) for n, v in init.items()}
-        self._states = Trainer._pack_states(self, {
-            (p, st): (self._local_shard(np.zeros_like(init[p])) if self.zero_level
-                      else np.zeros_like(init[p])) for p, st in self.signature.state_keys()})
-        self._tied_comms = self._tied_groups(plan)
+        self._states = [tvm.runtime.tensor(a, self._device) for a in self.layout.zero_states()]
+        self._tied = self._tied_parameters(stage_plan)
         self.step_count = 0
         self.skipped_steps = 0
         # the last step's F / B actions on this rank: (kind, stage, microbatch, start, end)
@@ -215,16 +198,9 @@ class PipelineTrainer(Trainer):
         self._peak_saved_bytes = {s: 0 for s in self.my_stages}
         self.actions = schedules.rank_actions(self.schedule, self.pp, self.microbatches,
                                               self.stages_per_rank)
-        self._sent_last_step = 0
-        from mpi4py import MPI
-
-        tag_limit = self.pp_comm.Get_attr(MPI.TAG_UB)
-        if _tag("B", self.num_stages, self.microbatches, self.num_stages) > tag_limit:
-            raise ValueError(f"{self.microbatches} microbatches x {self.num_stages} stages need "
-                             f"more message tags than this MPI offers ({tag_limit}); use "
-                             "fewer microbatches")
+        self.transport = PipelineTransport(mesh, comm, self.num_stages, self.microbatches)
         schedules.check_actions(self.actions, self.num_stages, self.microbatches)
-        Trainer._check_fingerprints(self)
+        agreement.check_fingerprints(comm, *self.fingerprint())
         # the buffers this rank's stages write (BatchNorm running statistics), rank 0's
         # initial values; buffers_dict gathers every stage's
         written = {b for ss in self._stage_sets.values() for st in ss.stages.values()
@@ -236,17 +212,37 @@ class PipelineTrainer(Trainer):
             if name in written:
                 self._buffer_tensors[name] = tvm.runtime.tensor(value, self._device)
         self._forwards = {}  # predict's compiled forwards by rows
-        if env.profile_dir() is not None:
-            self.profile(env.profile_steps(), env.profile_dir())
 
     # ---- building --------------------------------------------------------------------------
-    def _fingerprint_description(self):
-        """Trainer's, with the stage plan instead of the parameters (each pp rank holds
-        other ones; the agreement at construction compared the whole model already)."""
-        description = dict(super()._fingerprint_description(), pipeline={
-            "stages": self.num_stages, "cuts": list(self.plan.cuts)})
-        description.pop("model")
-        return description
+    def fingerprint(self):
+        """(digest, description) as the SPMD executor's, with the stage plan instead of the
+        parameters (each pp rank holds other ones; the agreement at construction compared
+        the whole model already)."""
+        return agreement.fingerprint({
+            "inputs": [[list(map(int, s)), str(d)] for s, d in self.signature.input_specs],
+            "target": [list(map(int, self.signature.target_spec[0])),
+                       str(self.signature.target_spec[1])],
+            "loss": self.loss, "optimizer": type(self.optimizer).__name__,
+            "device": device_lib.parse(self.device)[0],
+            "optimizer_config": self.optimizer.config(), "config": self.config,
+            "world_size": self.world, "tensor_parallel_size": self.tp,
+            "versions": [__version__, tvm.__version__],
+            "pipeline": {"stages": self.num_stages, "cuts": list(self.plan.cuts)}})
+
+    # the surface the SPMD executor has too
+    @property
+    def num_grad_buckets(self):
+        """Collectives per step for gradients (0 without data parallelism)."""
+        return len(self.grad_buckets)
+
+    @property
+    def update_guarded(self) -> bool:
+        """Always: the update runs only once every rank's gradients are known finite."""
+        return True
+
+    def dropout_masks(self, step, rows=None, microbatch=None):
+        """None: pipelining refuses models with dropout (check_pipeline_config)."""
+        return []
 
     def _forward_graph(self, rows):
         """The forward at ``rows`` rows per microbatch, read for pipelining (training batch
@@ -286,12 +282,12 @@ class PipelineTrainer(Trainer):
         """{stage index: _Stage} of this rank's stages (``funcs``: split_forward's functions
         at ``rows`` rows per microbatch), compiled."""
         stages = {}
-        passes = []
+        passes = []  # no gradient collective here: the update reduces over dp
         if self.tp > 1:
             passes.append(LowerTensorParallel(self.mesh.tp_group))
         if self.sync_batch_norm_world > 1:  # the statistics' allreduce ops, after autodiff
             passes.append(LowerAllReduce(self.dp_group))
-        passes += step_passes(0, 1, self.bucket_bytes)[1:]  # no gradient collective here
+        passes += function_passes()
         for s in self.my_stages:
             last = s == self.num_stages - 1
             fns = build_stage_functions(
@@ -319,24 +315,15 @@ class PipelineTrainer(Trainer):
             return tuple(shape[:-1]), "int64"
         return tuple(shape), str(out.dtype)
 
-    def _tied_groups(self, plan):
-        """{parameter name: mpi4py communicator of the pp ranks holding it} for each
-        parameter held on more than one pp rank (tied embeddings); collective over pp."""
-        from mpi4py import MPI
-
+    def _tied_parameters(self, stage_plan):
+        """The trained parameters held on more than one pp rank (tied embeddings), sorted:
+        their gradients are summed over the pp group before the update."""
         holders = {}
         for s in range(self.num_stages):
-            for name in plan.params[s]:
-                holders.setdefault(name, set()).add(schedules.stage_rank(s, self.pp))
-        comms = {}
-        for name in sorted(n for n, ranks in holders.items() if len(ranks) > 1):
-            if name in self._frozen_names:
-                continue
-            mine = self.pp_rank in holders[name]
-            comm = self.pp_comm.Split(0 if mine else MPI.UNDEFINED, self.pp_rank)
-            if mine:
-                comms[name] = comm
-        return comms
+            for name in stage_plan.params[s]:
+                holders.setdefault(name, set()).add(stage_rank(s, self.pp))
+        return sorted(n for n, ranks in holders.items()
+                      if len(ranks) > 1 and n not in self._frozen_names)
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, x, y):
@@ -349,7 +336,7 @@ class PipelineTrainer(Trainer):
         return self._run_step(x, y)
 
     def profile(self, steps: int, path) -> str:
-        """As Trainer.profile: every stage's and the update's VM calls, and each F / B of the
+        """As the SPMD executor's: every stage's and the update's VM calls, and each F / B of the
         schedule as a "pipeline" event, of the next ``steps`` steps."""
         if self._profiling is not None:
             self._profiling.finish()
@@ -373,8 +360,8 @@ class PipelineTrainer(Trainer):
                              f"{len(self.model.input_specs)}")
         rows = batching.leading_rows(inputs, self.model.input_specs, self.batch_size)
         for i, (a, spec) in enumerate(zip(inputs, self.model.input_specs)):
-            _check_array(a, batching.batched_spec(spec, rows, self.batch_size), f"input {i}")
-        _check_array(y, batching.batched_target_spec(self._captured_target_spec(), rows,
+            check_array(a, batching.batched_spec(spec, rows, self.batch_size), f"input {i}")
+        check_array(y, batching.batched_target_spec(self._captured_target_spec(), rows,
                                                      self.batch_size), "target")
         if self._classes is not None:
             check_targets(y, self._classes)
@@ -393,9 +380,9 @@ class PipelineTrainer(Trainer):
 
     def _execute_schedule(self, inputs, y, rows, pieces, sets):
         """The schedule, the update and the step's accounting on checked inputs; the loss."""
-        rows_per_rank = (batching.allgather_rows(self.dp_comm, rows) if self.world > 1
+        rows_per_rank = (batches.allgather_rows(self.dp_comm, rows) if self.world > 1
                          else [rows])
-        batching.check_rows_per_rank(rows_per_rank, self.dp_rank)
+        batches.check_rows_per_rank(rows_per_rank, self.dp_rank)
         # each microbatch's share of the global batch: the loss is a mean over all rows
         weights = [batching.loss_weight(r, rows_per_rank) for r in pieces]
         before = collectives.comm_counters()
@@ -409,8 +396,8 @@ class PipelineTrainer(Trainer):
         self._comm_last_step = {k: after[k]["bus_bytes"] - before.get(k, {}).get("bus_bytes", 0)
                                 for k in after
                                 if after[k]["calls"] > before.get(k, {}).get("calls", 0)}
-        if self._sent_last_step:  # the pipeline's point-to-point messages (mpi4py)
-            self._comm_last_step["send"] = self._sent_last_step
+        if self.transport.sent_bytes:  # the pipeline's point-to-point messages
+            self._comm_last_step["send"] = self.transport.sent_bytes
         self.step_count += 1
         return loss
 
@@ -420,7 +407,6 @@ class PipelineTrainer(Trainer):
         (weighted loss sum on the last stage, else 0; {parameter name: accumulated gradient
         tensor})."""
         dev = self._device
-        S = self.num_stages
         accs = {n: tvm.runtime.tensor(np.zeros(s, d), dev)
                 for n, (s, d) in zip(self.param_names, self.param_specs)}
         starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]).astype(int).tolist()
@@ -436,10 +422,9 @@ class PipelineTrainer(Trainer):
             else:
                 continue
             buf = np.empty(spec[0], dtype=spec[1])
-            req = self.pp_comm.Irecv(buf, source=a.peer,
-                                     tag=_tag(a.kind[-1], boundary, a.microbatch, S))
+            req = self.transport.post_recv(buf, a.peer, a.kind[-1], boundary, a.microbatch)
             recvs[(a.kind, a.stage, a.microbatch)] = (req, buf)
-        sends = []
+        self.transport.start_step()
         handoff = {}  # ("F"|"B", stage, m) -> tensor for that stage's F / B
         saved = {}  # (stage, m) -> saved tensors
         live = {s: 0 for s in self.my_stages}
@@ -453,20 +438,17 @@ class PipelineTrainer(Trainer):
                                                               per_row))
 
         timeline = []  # (kind, stage, microbatch, start, end) of each F / B, this step
-        sent = 0  # bytes of activations and gradients this rank sent
         for a in actions:
             s, m = a.stage, a.microbatch
             began = time.perf_counter()
             if a.kind in ("RECV_F", "RECV_B"):
                 req, buf = recvs.pop((a.kind, s, m))
-                _wait(req, f"{a} (pp rank {self.pp_rank})")
+                self.transport.wait(req, str(a))
                 handoff[(a.kind[-1], s, m)] = tvm.runtime.tensor(buf, dev)
             elif a.kind in ("SEND_F", "SEND_B"):
                 value = np.ascontiguousarray(outputs.pop((a.kind[-1], s, m)).numpy())
                 boundary = s if a.kind == "SEND_F" else s - 1
-                sends.append((self.pp_comm.Isend(value, dest=a.peer, tag=_tag(
-                    a.kind[-1], boundary, m, S)), value))
-                sent += value.nbytes
+                self.transport.send(value, a.peer, a.kind[-1], boundary, m)
             elif a.kind == "F":
                 stage = sets[pieces[m]].stages[s]
                 fns = stage.functions
@@ -492,7 +474,7 @@ class PipelineTrainer(Trainer):
                 saved[(s, m)] = keep
                 live[s] += 1
                 self._peak_saved[s] = max(self._peak_saved[s], live[s])
-                live_bytes[s] += sum(_nbytes(t) for t in keep)
+                live_bytes[s] += sum(nbytes(t) for t in keep)
                 self._peak_saved_bytes[s] = max(self._peak_saved_bytes[s], live_bytes[s])
                 if fns.last:
                     loss_sum += weights[m] * float(primary.numpy())
@@ -503,7 +485,7 @@ class PipelineTrainer(Trainer):
                 fns = stage.functions
                 keep = saved.pop((s, m))
                 live[s] -= 1
-                live_bytes[s] -= sum(_nbytes(t) for t in keep)
+                live_bytes[s] -= sum(nbytes(t) for t in keep)
                 grad_in = seeds[m] if fns.last else handoff.pop(("B", s, m))
                 params = [self._tensors[n] for n in fns.param_names]
                 if self.activation_checkpointing:  # recompute reads the buffers too
@@ -523,9 +505,7 @@ class PipelineTrainer(Trainer):
                                                  int(began * 1e9), int(ended * 1e9),
                                                  stage=s, microbatch=m)
         self.last_timeline = timeline
-        self._sent_last_step = sent
-        for req, _ in sends:
-            _wait(req, f"a send of pp rank {self.pp_rank}")
+        self.transport.finish_sends()
         return loss_sum, accs
 
     def _keep_rank0_buffers(self):
@@ -549,16 +529,12 @@ class PipelineTrainer(Trainer):
 
     def _all_finite(self, loss_sum, accs):
         """Whether the loss and every gradient are finite on every rank (one allreduce)."""
-        from mpi4py import MPI
-
         ok = math.isfinite(loss_sum) and all(np.isfinite(t.numpy()).all() for t in accs.values())
-        return bool(self.comm.mpi_comm.allreduce(int(ok), op=MPI.MIN))
+        return self.transport.all_ranks(ok)
 
     def _nonfinite_step(self, loss_sum):
-        from mpi4py import MPI
-
-        loss = self.pp_comm.bcast(loss_sum, root=self.pp - 1)
-        loss = self.dp_comm.allreduce(loss, op=MPI.SUM) / max(1, self.world)
+        loss = self.transport.broadcast_from_last_stage(loss_sum)
+        loss = self.transport.dp_sum(loss) / max(1, self.world)
         step = self.step_count + 1
         if self.nonfinite == "skip":
             self.skipped_steps += 1
@@ -574,12 +550,11 @@ class PipelineTrainer(Trainer):
     def _update(self, accs, loss_sum):
         """Tied gradients summed over their pp ranks, then the compiled update; returns the
         global mean loss (broadcast from the last stage)."""
-        from mpi4py import MPI
-
-        for name, comm in self._tied_comms.items():
-            host = np.ascontiguousarray(accs[name].numpy())
-            comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
-            accs[name] = tvm.runtime.tensor(host, self._device)
+        if self._tied:
+            summed = self.transport.sum_tied({n: accs[n].numpy() for n in self._tied
+                                              if n in accs}, self._tied, self._specs)
+            for name, host in summed.items():
+                accs[name] = tvm.runtime.tensor(host, self._device)
         hypers = self.optimizer.hyper_values(self.step_count + 1 - self.skipped_steps)
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype),
                                          self._device) for h in self.signature.hyper_names]
@@ -592,7 +567,7 @@ class PipelineTrainer(Trainer):
             self._tensors[name] = out[1 + i]
         self._states = [out[1 + n + i] for i in range(len(self._states))]
         loss = float(out[0].numpy())  # averaged over dp on the last stage
-        return float(self.pp_comm.bcast(loss, root=self.pp - 1))
+        return self.transport.broadcast_from_last_stage(loss)
 
     # ---- state ------------------------------------------------------------------------------
     def _held(self):
@@ -601,7 +576,7 @@ class PipelineTrainer(Trainer):
         for name in self.param_names + self.frozen_names:
             value = self._tensors[name].numpy()
             if self.tp > 1:
-                value = tp_lib.full_parameter(self.tp_plan, name, value, self.mesh.tp_group,
+                value = held.full_parameter(self.tp_plan, name, value, self.mesh.tp_group,
                                               self.tp)
             out[name] = value
         return out
@@ -628,7 +603,8 @@ class PipelineTrainer(Trainer):
 
     def optimizer_state_dict(self):
         """{param: {state: full array}} of every parameter: every rank calls it."""
-        mine = Trainer.optimizer_state_dict(self)
+        mine = held.full_optimizer_states(self.layout, self._states, self.dp_group,
+                                          self.tp_plan, self.mesh.tp_group, self.tp)
         merged = {}
         for part in self.pp_comm.allgather(mine):
             merged.update(part)
@@ -638,9 +614,6 @@ class PipelineTrainer(Trainer):
         """The model's output on the rows ``x`` (any number): the whole forward on every rank
         with the full parameters (gathered over pp and tp: every rank calls it), in pieces of
         the captured batch size. Evaluation, not the pipelined training step."""
-        from ..passes import DispatchToBLAS
-        from ..passes.propagate_nan import PropagateNaN
-
         spec = self.full_model.input_specs
         if len(spec) != 1:
             raise ValueError("predict() supports single-input models")
@@ -666,7 +639,7 @@ class PipelineTrainer(Trainer):
                                               is not None else at_rows.forward).with_attr(
                     "global_symbol", "forward")
                 compiled = compile_step(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward}),
-                                        passes=[PropagateNaN(), DispatchToBLAS()],
+                                        passes=forward_passes(),
                                         target=self._target, cache_dir=self._cache_dir)
                 self._forwards[rows] = relax.VirtualMachine(compiled.executable,
                                                             self._device)["forward"]
@@ -679,13 +652,13 @@ class PipelineTrainer(Trainer):
         return np.concatenate(outputs)
 
     def stats(self):
-        """As Trainer.stats, plus ``pipeline``: this rank's stages, the most microbatches (and
+        """As the SPMD executor's, plus ``pipeline``: this rank's stages, the most microbatches (and
         bytes) of saved activations each stage held at once, and the stage plan's costs."""
         params = [self._tensors[n] for n in self.param_names + self.frozen_names]
         return {
-            "param_bytes": sum(_nbytes(p) for p in params),
-            "grad_bytes": sum(_nbytes(self._tensors[n]) for n in self.param_names),
-            "optimizer_state_bytes": sum(_nbytes(s) for s in self._states),
+            "param_bytes": sum(nbytes(p) for p in params),
+            "grad_bytes": sum(nbytes(self._tensors[n]) for n in self.param_names),
+            "optimizer_state_bytes": sum(nbytes(s) for s in self._states),
             "planned_peak_bytes": max([st.planned_peak_bytes for ss in self._stage_sets.values()
                                        for st in ss.stages.values()]
                                       + [self.compiled_update.planned_peak_bytes]),
@@ -700,18 +673,18 @@ class PipelineTrainer(Trainer):
         }
 
     def save_checkpoint(self, path, extra=None, keep=2):
-        """The full tensors written as any layout writes them (tp_lib.CheckpointView), so a
+        """The full tensors written as any layout writes them (CheckpointView), so a
         checkpoint saved at pp x dp resumes at any pp x dp x tp: every rank calls it."""
         full = self.state_dict()
         states = {(p, s): v for p, d in self.optimizer_state_dict().items()
                   for s, v in d.items()}
-        view = tp_lib.CheckpointView(self, full)
+        view = CheckpointView(self, full)
         return ckpt.save(view, path, [full[n] for n in view.signature.param_names], states,
                          extra, keep, buffers=self.buffers_dict())
 
     def load_checkpoint(self, path):
         """Load a checkpoint of any layout; this rank keeps the parameters it holds."""
-        view = tp_lib.CheckpointView(self, {})
+        view = CheckpointView(self, {})
         params, states, buffers, frozen, meta = ckpt.load(view, path)
         for name in self._buffer_tensors:
             self._buffer_tensors[name] = tvm.runtime.tensor(
@@ -727,14 +700,14 @@ class PipelineTrainer(Trainer):
         if self.tp > 1:
             mine = {k: self.tp_plan.local_shard(k[0], np.asarray(v), self.mesh.tp_rank)
                     for k, v in mine.items()}
-        if self.zero_level:
-            mine = {k: self._local_shard(v) for k, v in mine.items()}
-        self._states = Trainer._pack_states(self, mine)
+        if self.layout.states_sharded:
+            mine = {k: self.layout.shard(v) for k, v in mine.items()}
+        self._states = [tvm.runtime.tensor(a, self._device) for a in self.layout.pack_states(mine)]
         self.step_count, self.seed = int(meta["step"]), int(meta["seed"])
         return meta.get("extra")
 
 
-def _check_pipeline_config(config, model):
+def check_pipeline_config(config, model):
     """What pipelining cannot run, refused from the config and model alone (no collective)."""
     pp, zero = int(config.pipeline_parallel_size), int(config.zero_opt_level)
     if zero > 1:
@@ -760,11 +733,3 @@ def _check_pipeline_config(config, model):
             f"{model.source} was captured with {rows} rows per data-parallel rank, which "
             f"num_microbatches={M} does not divide into equal microbatches; capture it with "
             f"a multiple of {M} rows")
-
-
-def _wait(request, what):
-    """A pipeline message's request, waited under the collective timeout
-    (collectives.wait_request, polling so that a waiting rank keeps off the cores)."""
-    collectives.wait_request(request, f"pipeline message {what}",
-                             "the peer rank has probably died, stalled or runs a different "
-                             "schedule", sleep_s=0.0002)

@@ -1,6 +1,6 @@
-"""What the rewriting passes here share: running a PyExprMutator over each Relax function of a
-module, and recognising the ``call_pure_packed`` markers the frontends and the step builder
-leave for passes to rewrite."""
+"""Small IR utilities the layers share: running a PyExprMutator over each Relax function of a
+module, recognising the ``call_pure_packed`` markers the frontends and the step builder leave
+for passes to rewrite, element counts of static tensor types."""
 import tvm
 from tvm import relax
 
@@ -20,3 +20,11 @@ def mutate_functions(mod, mutator):
         if isinstance(func, relax.Function):
             mutator.builder_.update_func(gvar, mutator.visit_expr(func))
     return mutator.builder_.get()
+
+
+def tensor_numel(ty):
+    """Element count of a statically shaped TensorType."""
+    n = 1
+    for d in ty.shape:
+        n *= int(d)
+    return n

@@ -1,0 +1,50 @@
+"""Which raf_dist passes a compiled function goes through, from explicit arguments (the
+executors decide them once from the run's plan; no pass reads the config)."""
+from ..passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, MaxPoolGradient,
+                      ShardZeRO, StripGradientMarkers)
+from ..passes.lower_allreduce import LowerAllReduce
+from ..passes.propagate_nan import PropagateNaN
+from ..passes.tp_ops import LowerTensorParallel
+
+
+def nonfinite_guard(zero_level: int, world_size: int, nonfinite: str = "raise"):
+    """What a step checks for non-finite values before it updates (training/nonfinite.py):
+    the reduced gradients (the same on every rank) under data parallelism, the loss too on one
+    process; nothing under ZeRO (each bucket is updated as soon as it is reduced)."""
+    if zero_level > 0:  # the ZeRO pass guards its own updates (nonfinite="skip" only)
+        return None
+    return "gradients" if world_size > 1 else "gradients_and_loss"
+
+
+def step_passes(zero_level: int, world_size: int, bucket_bytes: int, overlap: bool = True,
+                group: int = 0, guard: bool = False, tp_group=None, sync_batch_norm_group=None):
+    """The raf_dist passes a training step goes through (before TVM's lowering): the
+    distribution pass for the ZeRO level (0: data parallel allreduce; world size 1 at level 0:
+    none), then the lowering of tensor-parallel ops (``tp_group``) and of synchronized batch
+    norm's allreduces (``sync_batch_norm_group``), library dispatch and fast math. ``guard``:
+    under ZeRO, no update unless every rank's gradients are finite (nonfinite="skip";
+    passes/zero.py)."""
+    if zero_level:
+        distribute = ShardZeRO(zero_level, world_size, bucket_bytes, overlap=overlap, group=group,
+                               guard=guard)
+    elif world_size > 1:
+        distribute = AllReduceGradients(world_size, bucket_bytes, overlap=overlap, group=group)
+    else:
+        distribute = StripGradientMarkers()
+    lowering = []
+    if tp_group is not None:  # f and g (passes/tp_ops.py), after autodiff
+        lowering.append(LowerTensorParallel(tp_group))
+    if sync_batch_norm_group is not None:  # the statistics' allreduce ops, after autodiff
+        lowering.append(LowerAllReduce(sync_batch_norm_group))
+    return [distribute, *lowering, *function_passes()]
+
+
+def function_passes():
+    """The passes of any compiled function after its collectives are in place."""
+    return [PropagateNaN(), DispatchToBLAS(), FastGelu(), FastExp(), MaxPoolGradient()]
+
+
+def forward_passes(tp_group=None):
+    """The passes of an evaluation forward (``predict``)."""
+    return ([LowerTensorParallel(tp_group)] if tp_group is not None else []) + [
+        PropagateNaN(), DispatchToBLAS()]

@@ -1,0 +1,14 @@
+"""IR attributes raf_dist sets on functions and TIR blocks, read by other layers."""
+
+# train_step's attributes saying where parameters and optimizer states sit among its
+# arguments: (inputs..., target, params..., states (per parameter, in order)..., scalars...)
+LAYOUT_PARAM_OFFSET = "raf_dist.param_offset"  # index of the first parameter argument
+LAYOUT_NUM_PARAMS = "raf_dist.num_params"
+LAYOUT_STATES_PER_PARAM = "raf_dist.states_per_param"
+# output field 1 + i of train_step is the new value of argument UPDATED_ARGUMENTS[i] (the
+# parameters, then the optimizer states): compiler.UpdateInPlace makes the step write it into
+# that argument's buffer
+UPDATED_ARGUMENTS = "raf_dist.updated_arguments"
+# a TIR block annotated with it is never inlined by the CPU schedule (compiler/schedule.py):
+# a value computed once and read many times (passes/fast_math.py)
+MATERIALIZE = "raf_dist.materialize"

@@ -1,0 +1,146 @@
+"""raf_dist's custom Relax ops and markers (DESIGN.md sections 3b, 3c).
+
+Registered ops (identity-like, one tensor in, with a gradient, so TVM's Gradient pass emits
+the backward by itself):
+
+- ``raf_dist.tp_copy`` (Megatron's f, ``copy_to_tensor_model_parallel_region``): identity
+  forward; its gradient is ``tp_reduce`` of the output gradient.
+- ``raf_dist.tp_reduce`` (Megatron's g): allreduce (sum) over the tp group forward, identity
+  backward.
+- ``raf_dist.tp_max``: allreduce (max) over the tp group, no gradient (the softmax's shift of
+  the vocabulary-parallel cross-entropy).
+- ``raf_dist.tp_rank(x)``: this rank's position in the tp group, a 0-d int64 tensor (the
+  IR stays the same on every rank; the runtime answers, ``TP_RANK_FUNC``).
+- ``raf_dist.pipeline_stage`` / ``raf_dist.pipeline_stage_grad``: a pipeline stage boundary
+  in the forward and its mirror in the backward (identity; each the other's gradient).
+
+Markers (``R.call_pure_packed(symbol, x, R.prim_value(i))``, rewritten by a pass before
+lowering):
+
+- ``raf_dist.dropout`` (the i-th dropout, in execution order; frontend/dropout.py);
+- ``raf_dist.mark_gradient`` ("this is the gradient of parameter i": the contract between the
+  step builder and the distribution passes; passes/gradient_markers.py).
+"""
+import tvm
+from tvm import relax
+from tvm.ir import _ffi_api as _ir_api
+from tvm.relax.op.base import register_gradient
+
+from .utils import is_packed_marker
+
+TP_COPY = "raf_dist.tp_copy"
+TP_REDUCE = "raf_dist.tp_reduce"
+TP_MAX = "raf_dist.tp_max"
+TP_RANK = "raf_dist.tp_rank"
+#: the runtime function a lowered tp_rank calls: (like, group) -> 0-d int64 tensor
+TP_RANK_FUNC = "raf_dist.tp_rank_tensor"
+STAGE_MARKER = "raf_dist.pipeline_stage"
+STAGE_MARKER_GRAD = "raf_dist.pipeline_stage_grad"
+DROPOUT_MARKER = "raf_dist.dropout"
+MARK_GRADIENT = "raf_dist.mark_gradient"
+
+#: the level raf_dist registers gradients at: above TVM's own registrations (level 10)
+GRADIENT_LEVEL = 11
+
+
+def gradient(name, level=GRADIENT_LEVEL):
+    """Decorator: register the function as the gradient of the Relax op ``name``
+    (``fn(orig_var, orig_call, output_grad, ctx) -> [one partial per argument]``)."""
+    def wrap(fn):
+        register_gradient(name, fn, level=level)
+        return fn
+
+    return wrap
+
+
+def register_op(name, description, gradient=None, infer=None, argument="the tensor"):
+    """Register the one-tensor Relax op ``name`` (pure; type: ``infer(call, ctx)``, default
+    its input's) with ``gradient(var, call, grad, ctx) -> [input gradient]``. Registering
+    again (a module reloaded) returns the op already there."""
+    if name in _ir_api.ListOpNames():
+        return tvm.ir.Op.get(name)
+    _ir_api.RegisterOp(name, description)
+    op = tvm.ir.Op.get(name)
+    op.set_num_inputs(1)
+    op.add_argument("x", "Tensor", argument)
+    tvm.ir.register_op_attr(name, "FInferType", infer or (lambda call, ctx: call.args[0].ty))
+    tvm.ir.register_op_attr(name, "FPurity", True)
+    tvm.ir.register_op_attr(name, "TScriptPrinterName", name)
+    if gradient is not None:
+        register_gradient(name, gradient, level=GRADIENT_LEVEL)
+    return op
+
+
+def _op(name):
+    return tvm.ir.Op.get(name)
+
+
+register_op(TP_COPY, "identity forward, allreduce(sum) over the tp group backward",
+            gradient=lambda var, call, grad, ctx: [relax.Call(_op(TP_REDUCE), [grad])])
+register_op(TP_REDUCE, "allreduce(sum) over the tp group forward, identity backward",
+            gradient=lambda var, call, grad, ctx: [grad])
+register_op(TP_MAX, "allreduce(max) over the tp group forward, no gradient",
+            gradient=lambda var, call, grad, ctx: [relax.op.zeros_like(grad)])
+register_op(TP_RANK, "this rank's index in the tp group (0-d int64)",
+            infer=lambda call, ctx: relax.TensorType((), "int64"),
+            gradient=lambda var, call, grad, ctx: [relax.op.zeros_like(call.args[0])])
+register_op(STAGE_MARKER, "pipeline stage boundary (identity)",
+            gradient=lambda var, call, grad, ctx: [relax.Call(_op(STAGE_MARKER_GRAD), [grad])],
+            argument="the activation crossing the stage boundary")
+register_op(STAGE_MARKER_GRAD, "the stage boundary in the backward (identity)",
+            gradient=lambda var, call, grad, ctx: [relax.Call(_op(STAGE_MARKER), [grad])],
+            argument="the activation crossing the stage boundary")
+
+
+# ---- tensor parallelism -------------------------------------------------------------------
+def tp_copy(x):
+    """f: the replicated input ``x`` of a tensor-parallel region."""
+    return relax.Call(_op(TP_COPY), [x])
+
+
+def tp_reduce(x):
+    """g: the sum over the tp ranks of their partial results ``x``."""
+    return relax.Call(_op(TP_REDUCE), [x])
+
+
+def tp_max(x):
+    """The elementwise max over the tp ranks of ``x`` (no gradient)."""
+    return relax.Call(_op(TP_MAX), [x])
+
+
+def tp_rank(like):
+    """This rank's index in the tp group, a 0-d int64 tensor on ``like``'s device."""
+    return relax.Call(_op(TP_RANK), [like])
+
+
+def is_tp_op(expr, which=None):
+    """True for a call of one of the tp ops (or of ``which`` only)."""
+    names = (TP_COPY, TP_REDUCE, TP_MAX, TP_RANK) if which is None else (which,)
+    return isinstance(expr, relax.Call) and any(expr.op.same_as(_op(n)) for n in names)
+
+
+# ---- pipeline stages ----------------------------------------------------------------------
+def stage_boundary(x):
+    """A stage boundary after ``x`` (a Relax expression): the next stage starts here."""
+    return relax.Call(_op(STAGE_MARKER), [x])
+
+
+def is_stage_marker(expr, backward=False):
+    op = _op(STAGE_MARKER_GRAD if backward else STAGE_MARKER)
+    return isinstance(expr, relax.Call) and expr.op.same_as(op)
+
+
+# ---- markers ------------------------------------------------------------------------------
+def dropout_marker(x, index):
+    """The ``index``-th dropout of the forward, applied to ``x``."""
+    return relax.call_pure_packed(DROPOUT_MARKER, x, relax.prim_value(int(index)), ty_args=x.ty)
+
+
+def mark_gradient(grad, param_index):
+    """``grad`` is the gradient of parameter ``param_index``; the optimizer reads the result."""
+    return relax.call_pure_packed(MARK_GRADIENT, grad, relax.prim_value(int(param_index)),
+                                  ty_args=grad.ty)
+
+
+def is_gradient_marker(expr):
+    return is_packed_marker(expr, MARK_GRADIENT)

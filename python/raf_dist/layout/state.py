@@ -1,0 +1,192 @@
+"""What one rank holds of a training step's parameters and optimizer state: the
+``StateLayout``, built by one pure function (``state_layout``) and read by every layer that
+packs, shards, saves or counts that state.
+
+Under ZeRO (DESIGN.md section 3) over a data-parallel axis of N ranks:
+
+- level 0: every parameter and state whole;
+- levels 1-2: parameters whole; optimizer state as one flat buffer per gradient bucket and
+  state name, **bucket-major** (bucket 0's first state, bucket 0's second state, ...,
+  bucket 1's first state, ...), each buffer the concatenation of the bucket's parameters'
+  flat padded shards (``sharding.shard_size``), in the bucket's order. This is the layout the
+  compiled update runs on (passes/zero.py builds its arguments from ``state_buffers``), so
+  no step gathers or scatters state around it;
+- level 3: parameters held as their flat padded shards too.
+
+The checkpoint format, ``Trainer.stats()`` and ``tools.estimate_memory`` read the same object,
+so the rule is written once.
+"""
+import dataclasses
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from .sharding import local_shard, shard_size, slice_range
+
+Shape = Tuple[int, ...]
+StateKey = Tuple[str, str]  # (parameter name, state name)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a TVM dtype name ("float32", "bfloat16", "int64", ...)."""
+    bits = int("".join(c for c in str(dtype) if c.isdigit()) or 0)
+    if bits % 8 or not bits:
+        raise ValueError(f"no whole byte count for dtype {dtype!r}")
+    return bits // 8
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBuffer:
+    """One optimizer-state argument of the compiled step: ``state`` of the parameters
+    ``params`` (indices), at ``offsets`` in a flat buffer of ``numel`` elements (ZeRO), or
+    of one parameter whole (level 0: ``offsets`` (0,), ``numel`` the parameter's)."""
+
+    bucket: int  # gradient bucket (ZeRO), or the parameter index (level 0)
+    state: str
+    params: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    numel: int
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Parameters (trainable, in the step's order) and optimizer state as this rank holds
+    them (module docstring). ``dp_size`` / ``dp_rank``: the axis ZeRO shards over (1 / 0
+    without it); ``buckets``: the gradient buckets (parameter indices, backward order)."""
+
+    param_names: Tuple[str, ...]
+    param_shapes: Tuple[Shape, ...]
+    param_dtypes: Tuple[str, ...]
+    state_names: Tuple[str, ...]
+    zero_level: int
+    dp_size: int
+    dp_rank: int
+    buckets: Tuple[Tuple[int, ...], ...]
+
+    # ---- what is held ---------------------------------------------------------------------
+    @property
+    def params_sharded(self) -> bool:
+        """Parameters held as flat padded shards between steps (ZeRO-3)."""
+        return self.zero_level == 3
+
+    @property
+    def states_sharded(self) -> bool:
+        """Optimizer state held as flat padded shards, bucket-major (ZeRO-1/2/3)."""
+        return self.zero_level > 0
+
+    def numel(self, index: int) -> int:
+        return int(np.prod(self.param_shapes[index], dtype=np.int64))
+
+    def shard_numel(self, index: int) -> int:
+        """Elements of this rank's flat padded shard of parameter ``index``."""
+        return shard_size(self.numel(index), self.dp_size)
+
+    def held_param_shape(self, index: int) -> Shape:
+        """The shape this rank holds parameter ``index`` at between steps."""
+        return (self.shard_numel(index),) if self.params_sharded else self.param_shapes[index]
+
+    def slice_range(self, index: int) -> Tuple[int, int]:
+        """``[begin, end)`` of parameter ``index``'s flat elements this rank's shard holds."""
+        return slice_range(self.numel(index), self.dp_size, self.dp_rank)
+
+    def shard(self, array: np.ndarray) -> np.ndarray:
+        """This rank's flat padded shard of a full ``array``."""
+        return local_shard(array, self.dp_size, self.dp_rank)
+
+    def state_keys(self) -> List[StateKey]:
+        """(parameter, state) in the step's per-parameter order (level 0's arguments)."""
+        return [(p, s) for p in self.param_names for s in self.state_names]
+
+    def state_buffers(self) -> List[StateBuffer]:
+        """The step's optimizer-state arguments, in order."""
+        dtypes = self.param_dtypes
+        if not self.states_sharded:
+            return [StateBuffer(i, s, (i,), (0,), self.numel(i), dtypes[i])
+                    for i in range(len(self.param_names)) for s in self.state_names]
+        out = []
+        for b, bucket in enumerate(self.buckets):
+            offsets, total = [], 0
+            for k in bucket:
+                offsets.append(total)
+                total += self.shard_numel(k)
+            for state in self.state_names:
+                out.append(StateBuffer(b, state, tuple(bucket), tuple(offsets), total,
+                                       dtypes[bucket[0]]))
+        return out
+
+    # ---- packing --------------------------------------------------------------------------
+    def pack_states(self, by_key: Dict[StateKey, np.ndarray]) -> List[np.ndarray]:
+        """The step's state arguments from {(param, state): array}: full arrays at level 0,
+        this rank's flat shards under ZeRO (as ``shard`` cuts them)."""
+        names = self.param_names
+        if not self.states_sharded:
+            return [np.ascontiguousarray(by_key[(names[b.params[0]], b.state)])
+                    for b in self.state_buffers()]
+        return [np.concatenate([np.asarray(by_key[(names[k], b.state)]).reshape(-1)
+                                for k in b.params]) for b in self.state_buffers()]
+
+    def unpack_states(self, arrays: Sequence[np.ndarray]) -> Dict[StateKey, np.ndarray]:
+        """{(param, state): array} of what this rank holds (inverse of ``pack_states``)."""
+        names, out = self.param_names, {}
+        for buffer, array in zip(self.state_buffers(), arrays, strict=True):
+            if not self.states_sharded:
+                out[(names[buffer.params[0]], buffer.state)] = array
+                continue
+            flat = np.asarray(array).reshape(-1)
+            for k, offset in zip(buffer.params, buffer.offsets):
+                out[(names[k], buffer.state)] = flat[offset:offset + self.shard_numel(k)]
+        return out
+
+    def zero_states(self) -> List[np.ndarray]:
+        """The state arguments of a fresh optimizer (zeros)."""
+        return [np.zeros(b.numel if self.states_sharded else self.param_shapes[b.params[0]],
+                         b.dtype) for b in self.state_buffers()]
+
+    # ---- bytes ----------------------------------------------------------------------------
+    def _itemsize(self, index: int) -> int:
+        return dtype_bytes(self.param_dtypes[index])
+
+    def param_bytes(self) -> int:
+        """Bytes of the trainable parameters this rank holds between steps."""
+        return sum(int(np.prod(self.held_param_shape(i), dtype=np.int64)) * self._itemsize(i)
+                   for i in range(len(self.param_names)))
+
+    def full_param_bytes(self) -> int:
+        return sum(self.numel(i) * self._itemsize(i) for i in range(len(self.param_names)))
+
+    def shard_param_bytes(self) -> int:
+        return sum(self.shard_numel(i) * self._itemsize(i) for i in range(len(self.param_names)))
+
+    def grad_bytes(self) -> int:
+        """Gradient bytes that outlive their bucket's collective: every full gradient until
+        backward ends at levels 0-1, the reduced shards at 2-3."""
+        return self.full_param_bytes() if self.zero_level < 2 else self.shard_param_bytes()
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer state this rank holds."""
+        return sum(b.numel * dtype_bytes(b.dtype) for b in self.state_buffers())
+
+
+def state_layout(param_names: Sequence[str], param_specs: Sequence[Tuple[Sequence[int], str]],
+                 state_names: Sequence[str], zero_level: int = 0, dp_size: int = 1,
+                 dp_rank: int = 0, buckets: Sequence[Sequence[int]] = ()) -> StateLayout:
+    """The one constructor of a :class:`StateLayout`. ``param_specs``: (shape, dtype) per
+    parameter; ``buckets`` (required under ZeRO): every parameter index exactly once."""
+    zero_level, dp_size, dp_rank = int(zero_level), int(dp_size), int(dp_rank)
+    if zero_level not in (0, 1, 2, 3):
+        raise ValueError(f"zero_level must be 0, 1, 2 or 3, got {zero_level}")
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is not a rank of a data-parallel axis of {dp_size}")
+    names = tuple(param_names)
+    buckets = tuple(tuple(int(k) for k in b) for b in buckets)
+    if zero_level and sorted(k for b in buckets for k in b) != list(range(len(names))):
+        raise ValueError(f"ZeRO's buckets must hold every parameter index once, got {buckets} "
+                         f"for {len(names)} parameters")
+    return StateLayout(
+        param_names=names,
+        param_shapes=tuple(tuple(int(d) for d in s) for s, _ in param_specs),
+        param_dtypes=tuple(str(d) for _, d in param_specs),
+        state_names=tuple(state_names), zero_level=zero_level,
+        dp_size=dp_size if zero_level else 1, dp_rank=dp_rank if zero_level else 0,
+        buckets=buckets)

@@ -1,0 +1,674 @@
+"""The SPMD executor: one compiled training step per batch size, run by every rank of the job
+together (data parallel, ZeRO, tensor parallel) or by one rank alone (DESIGN.md section 2).
+
+It builds the training step (``training.build_train_step``), compiles it with the passes the
+run's plan asks for (``compiler.step_passes``), and runs it on the VM: microbatch accumulation,
+batch-size variants, the non-finite policy. Parameters and optimizer state stay in runtime
+tensors between steps, held as the ``StateLayout`` says (``raf_dist.layout``).
+``raf_dist.Trainer`` builds one (``pipeline_parallel_size`` 1) and forwards its surface to it.
+"""
+import logging
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .._version import __version__
+from .. import checkpoint as ckpt
+from .. import device as device_lib
+from .. import profiler
+from ..compiler import compile_step
+from ..compiler.step_passes import forward_passes, nonfinite_guard, step_passes
+from ..distributed import collectives
+from ..distributed.communicator import raised_on_every_rank
+from ..layout import state_layout
+from ..passes import gradient_buckets
+from ..passes.batch_norm import decompose_forward, has_training_batch_norm
+from ..passes.pipeline import strip_stage_markers
+from ..training import build_train_step
+from ..training import batch_size as batching
+from ..training.loss import check_targets, num_classes
+from . import agreement, batches
+from . import state as held
+from .checkpoint_view import CheckpointView
+from .plan import RunPlan
+from .tensors import check_array, host_array, nbytes, to_device
+
+_LOG = logging.getLogger("raf_dist")
+
+
+class SPMDExecutor:
+    """Train ``model`` (a :class:`raf_dist.model.Model`) with ``loss`` and ``optimizer``.
+
+    ``step(x, y)`` takes this rank's slice of the global batch (numpy arrays) and returns the
+    mean loss as a float; ``state_dict()`` returns the full parameters as numpy arrays.
+    """
+
+    def __init__(self, model, loss, optimizer, device, plan: RunPlan, mesh, comm,
+                 cache_dir=None, seed=0, nonfinite="raise", tensor_parallel_plan=None):
+        """See raf_dist.Trainer: the arguments are checked and the ranks agreed (the front
+        did both); ``plan`` is the config read once, ``mesh`` the mesh it runs on."""
+        self.run_plan, self.config, self.comm, self.mesh = plan, plan.config, comm, mesh
+        self.local = plan.local
+        self.tp, self.zero_level = plan.tp, plan.zero_level
+        self.data_parallel, self.world, self.spmd = plan.data_parallel, plan.world, plan.spmd
+        self.dp_group = mesh.dp_group
+        self.dp_comm = mesh.dp_comm
+        self.dp_rank = mesh.dp_rank if self.world > 1 else 0
+        self.model, self.full_model = model, model
+        self.loss, self.optimizer, self.device = loss, optimizer, device
+        # collective only when every rank builds this Trainer (data parallel, several ranks)
+        self._device = device_lib.select(device, comm, collective=self.spmd)
+        self._target = device_lib.target_for(self._device)
+
+        self.tp_plan = None
+        if self.tp > 1:  # split the forward (training/tensor_parallel.py)
+            self.tp_plan, model = held.split_model(model, self.tp, tensor_parallel_plan, loss,
+                                                   comm, mesh.tp_rank)
+            self.model = model
+        elif tensor_parallel_plan is not None:
+            raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1; set "
+                             "dist.get_config().tensor_parallel_size first")
+        # synchronized batch norm: statistics of the global batch (passes/batch_norm.py)
+        self.sync_batch_norm_world = plan.sync_batch_norm_world
+        step_model = model
+        if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
+            step_model = decompose_forward(model, self.sync_batch_norm_world)
+        self.nonfinite = nonfinite
+        # ranks may hold different numbers of rows: each weights its loss (training/batch_size.py)
+        # gradient accumulation (num_microbatches, DESIGN.md 3c at P = 1): microbatches weight
+        # their losses by rows too
+        self.microbatches = plan.microbatches
+        if self.microbatches > 1 and self.data_parallel and self.zero_level == 3:
+            raise ValueError(
+                f"num_microbatches={self.microbatches} with zero_opt_level=3 is not supported: "
+                "the microbatches before the last would need the parameters gathered again "
+                "each time. Use zero_opt_level <= 2 or num_microbatches=1")
+        self._weighted_loss = (self.data_parallel and self.world > 1) or self.microbatches > 1
+        self.ir, self.signature = build_train_step(step_model, loss, optimizer,
+                                                   nonfinite_guard=self._nonfinite_guard(),
+                                                   loss_weight=self._weighted_loss,
+                                                   tensor_parallel=self.tp > 1)
+        batching.check_target_splits(self.signature.target_spec, model.batch_size,
+                                     self.microbatches, model.source)
+        # for the target check: the model's classes (all of them under tensor parallelism)
+        self._classes = num_classes(self.full_model.forward, loss)
+        self.skipped_steps = 0  # steps whose update nonfinite="skip" left out
+        self.bucket_bytes = plan.bucket_bytes
+        # from the fingerprint check on the ranks meet in collectives (and compile barriers):
+        # an exception on one rank ends the job (Communicator.collective_work)
+        with comm.collective_work("building a Trainer (compiling its step)", self.spmd):
+            if self.spmd:
+                agreement.check_fingerprints(comm, *self.fingerprint())
+            # gradient buckets (parameter indices, in backward order) the distribution pass uses
+            self.grad_buckets = (gradient_buckets(self.ir, self.bucket_bytes)
+                                 if self.data_parallel else [])
+            # what this rank holds of the parameters and optimizer state (raf_dist.layout)
+            self.layout = state_layout(self.signature.param_names, self.signature.param_specs,
+                                       self.signature.state_names,
+                                       self.zero_level if self.data_parallel else 0,
+                                       self.world, self.dp_rank, self.grad_buckets)
+            self._step_passes = self._passes()  # again for each new batch size
+            self.compiled = self._compile(cache_dir)
+            self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
+            self._vms = [self._vm]  # every step VM, for profile (one per batch size seen)
+            # one compiled step per batch size (rows on this rank) seen, the captured one first
+            self.batch_size = model.batch_size
+            self._variants = {self.batch_size: batching.StepVariant(
+                self.batch_size, model, self.signature, self.compiled, self._vm["train_step"])}
+            self._models = {self.batch_size: model}  # the model captured at each size
+            init = {n: np.ascontiguousarray(model.init_params[n]) for n in self.signature.param_names}
+            if self.data_parallel and self.world > 1:  # identical start whatever each rank's seed
+                for name in self.signature.param_names:
+                    init[name] = collectives.broadcast(init[name].copy(), root=0, group=self.dp_group)
+        if self.layout.params_sharded:  # parameters held as this rank's flat padded shard
+            init = {n: self.layout.shard(a) for n, a in init.items()}
+        self._params = [tvm.runtime.tensor(init[n], self._device) for n in self.signature.param_names]
+        self._frozen = self._init_frozen(model)  # requires_grad=False: passed, never updated
+        self._states = [tvm.runtime.tensor(a, self._device) for a in self.layout.zero_states()]
+        self._buffers = self._init_buffers(model)
+        self.step_count = 0
+        self._comm_last_step = {}
+        self._comm_by_axis = {}
+        self._forwards = {}  # rows -> (compiled forward, model at that size) for predict
+        self._cache_dir = cache_dir
+        self.seed = int(seed)
+        self._hyper_dtype = self.signature.param_specs[0][1] if self._params else "float32"
+        self._profiling = None  # a profiler.StepProfiler while profile records
+
+    def fingerprint(self):
+        """(digest, description): what every rank of a job must agree on before the first
+        collective: the model (parameter names, shapes, dtypes; inputs), loss, optimizer,
+        config and versions. The compiled step is a function of these."""
+        return agreement.fingerprint(self._fingerprint_description())
+
+    def _fingerprint_description(self):
+        return {
+            "model": ckpt.model_description(self.signature),
+            "inputs": [[list(map(int, s)), str(d)] for s, d in self.signature.input_specs],
+            "target": [list(map(int, self.signature.target_spec[0])),
+                       str(self.signature.target_spec[1])],
+            "loss": self.loss, "optimizer": type(self.optimizer).__name__,
+            "device": device_lib.parse(self.device)[0],
+            "optimizer_config": self.optimizer.config(), "config": self.config,
+            "world_size": self.world, "tensor_parallel_size": self.tp,
+            "versions": [__version__, tvm.__version__]}
+
+    def _passes(self, local=False):
+        """The plan as explicit pass arguments. ``local``: for a step without gradient
+        collectives (the microbatches before the last)."""
+        reduce = self.data_parallel and not local
+        return step_passes(self.zero_level if reduce else 0, self.world if reduce else 1,
+                           self.bucket_bytes, overlap=self.run_plan.overlap_comm,
+                           group=self.dp_group, guard=self.nonfinite == "skip",
+                           tp_group=self.mesh.tp_group if self.tp > 1 else None,
+                           sync_batch_norm_group=(self.dp_group if self.sync_batch_norm_world > 1
+                                                  else None))
+
+    def _compile(self, cache_dir):
+        """Under data parallelism every rank builds the same Trainer and compiles the same IR
+        (it is SPMD), so on each host local rank 0 compiles into the cache and the other ranks
+        load the artifact instead of repeating the work. Without data parallelism a Trainer
+        is a local object (it may exist on some ranks only) and compiles on its own."""
+        passes = self._step_passes
+        target = self._target
+        if not self.spmd:
+            return compile_step(self.ir, passes=passes, target=target, cache_dir=cache_dir)
+        if self.comm.local_rank == 0:
+            compiled = compile_step(self.ir, passes=passes, target=target, cache_dir=cache_dir)
+            self.comm.idle_barrier("the barrier after local rank 0 compiled the step")
+            return compiled
+        self.comm.idle_barrier("the barrier after local rank 0 compiled the step")
+        return compile_step(self.ir, passes=passes, target=target, cache_dir=cache_dir)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self, x, y):
+        """One optimizer step on this rank's slice of the global batch; returns the mean loss
+        over the global batch (every rank's slice must have the captured shape)."""
+        if self._profiling is not None and self._profiling.active:
+            return self._profiling.step(self._run_step, self.step_count + 1, x, y)
+        return self._run_step(x, y)
+
+    def profile(self, steps: int, path) -> str:
+        """Record the next ``steps`` calls to ``step`` — every kernel, BLAS call, collective
+        start / wait (with bytes) and the step itself — and write them as a Chrome trace to
+        ``path/trace-rank{R}.json`` when the last one ends (see raf_dist.profiler). Returns
+        that file's path. Open it in Perfetto, or merge the ranks' files with
+        ``python -m raf_dist.tools.timeline path``."""
+        if self._profiling is not None:
+            self._profiling.finish()  # a trace already being recorded is written as it is
+        self._profiling = profiler.StepProfiler(list(self._vms), self.comm.rank, steps, path)
+        return str(self._profiling.path)
+
+    def _run_step(self, x, y):
+        """``step`` without the profiler."""
+        inputs = x if isinstance(x, (tuple, list)) else (x,)
+        if len(inputs) != self.signature.num_inputs:
+            raise ValueError(f"step() got {len(inputs)} inputs; the model was captured with "
+                             f"{self.signature.num_inputs}")
+        # any leading (batch) dimension: the captured shapes with this batch's rows, checked
+        # before any work (training/batch_size.py)
+        rows = batching.leading_rows(inputs, self.signature.input_specs, self.batch_size)
+        for i, (a, spec) in enumerate(zip(inputs, self.signature.input_specs)):
+            check_array(a, batching.batched_spec(spec, rows, self.batch_size), f"input {i}")
+        check_array(y, batching.batched_target_spec(self.signature.target_spec, rows,
+                                                     self.batch_size), "target")
+        if self._classes is not None:  # before any collective: the message names the value
+            check_targets(y, self._classes)
+        pieces = batching.microbatches(rows, self.microbatches)
+        # local work, before collectives: the compiled steps for these sizes
+        variants = ([self._step_variant(r, "partial") for r in pieces[:-1]]
+                    + [self._step_variant(pieces[-1], "final")] if len(pieces) > 1
+                    else [self._step_variant(rows) if rows else None])
+        # the step running and the last one completed: a failure message is unambiguous
+        # (checkpoints are named by the last completed step); from its first collective on,
+        # an exception on this rank ends the job (Communicator.collective_work)
+        with self.comm.collective_work(
+                f"step {self.step_count + 1} (last completed: {self.step_count})", self.spmd):
+            loss = self._execute(inputs, y, rows, pieces, variants)
+        self.comm.activity = f"work between steps (last completed: {self.step_count})"
+        return loss
+
+    def _execute(self, inputs, y, rows, pieces, variants):
+        """The step's collectives and compiled functions on checked inputs; the loss."""
+        rows_per_rank = self._rows_per_rank(rows)  # a small collective under data parallelism
+        # the optimizer's own step count (Adam's bias correction): skipped steps do not count
+        hypers = self.optimizer.hyper_values(self.step_count + 1 - self.skipped_steps)
+        hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype), self._device)
+                      for h in self.signature.hyper_names]
+        before = self._traffic() if self.spmd else None
+        accumulators, start = None, 0
+        for m, (variant, piece) in enumerate(zip(variants, pieces)):
+            args = self._step_inputs(variant, inputs, y, start, piece, rows_per_rank,
+                                     m if len(pieces) > 1 else None)
+            start += piece
+            if variant.kind == "partial":  # gradients and loss added into the accumulators
+                if accumulators is None:
+                    accumulators = self._zero_accumulators()
+                out = variant.step_fn(*args, *self._params, *accumulators, *self._buffers)
+                n = len(self._params)  # out: (loss so far, *gradient sums, *new buffers)
+                accumulators = [out[1 + i] for i in range(n)] + [out[0]]
+                self._buffers = [out[1 + n + i] for i in range(len(self._buffers))]
+                continue
+            out = variant.step_fn(*args, *self._params, *self._states, *hyper_args,
+                                  *(accumulators or ()), *self._buffers)
+        if before is not None:
+            after = self._traffic()
+            self._comm_last_step, self._comm_by_axis = (
+                {k: a[k]["bus_bytes"] - b[k]["bus_bytes"] for k in a
+                 if a[k]["calls"] > b[k]["calls"]} for a, b in zip(after, before))
+        n = len(self._params)
+        # the step wrote the new values into the tensors it was given (UpdateInPlace) and
+        # returns them; an output it could not prove safe to update in place is a new tensor
+        self._params = [out[1 + i] for i in range(n)]
+        self._states = [out[1 + n + i] for i in range(len(self._states))]
+        first_buffer = 1 + n + len(self._states)
+        self._buffers = [out[first_buffer + i] for i in range(len(self._buffers))]
+        self._keep_rank0_buffers()
+        loss = float(out[0].numpy())
+        if not math.isfinite(loss):
+            self._nonfinite_step(loss)
+        self.step_count += 1
+        return loss
+
+    def _traffic(self):
+        """(bus bytes by collective kind, by mesh axis) so far, as comm_counters gives them."""
+        total = collectives.comm_counters()
+        if self.tp == 1:
+            return total, {}
+        axes = {}
+        for axis, group in (("tp", self.mesh.tp_group), ("dp", self.mesh.dp_group)):
+            counters = collectives.comm_counters(group=group)
+            axes[axis] = {"calls": sum(c["calls"] for c in counters.values()),
+                          "bus_bytes": sum(c["bus_bytes"] for c in counters.values())}
+        return total, axes
+
+    def _step_inputs(self, variant, inputs, y, start, rows, rows_per_rank, microbatch):
+        """The data arguments of one step call: rows [start, start + rows) of every batched
+        input and of the target (all of them when ``microbatch`` is None), the dropout masks,
+        the frozen parameters, the loss weight (this piece's share of the global batch)."""
+        signature, captured = variant.signature, self.batch_size
+
+        def piece(array, spec):
+            array = np.asarray(array)
+            if microbatch is not None and len(spec[0]) and int(spec[0][0]) == captured:
+                return array[start:start + rows]
+            return array
+
+        args = [self._to_device(piece(a, spec), vspec, f"input {i}") for i, (a, spec, vspec)
+                in enumerate(zip(inputs, self.signature.input_specs, signature.input_specs))]
+        args += [tvm.runtime.tensor(m, self._device) for m in self.dropout_masks(
+            self.step_count + 1, rows, microbatch)]
+        args += self._frozen
+        target = y
+        if microbatch is not None:  # this microbatch's share of the target's rows
+            target = batching.target_piece(y, start, rows, batching.target_rows_per_row(
+                self.signature.target_spec, captured))
+        args.append(self._to_device(target, signature.target_spec, "target"))
+        if signature.loss_weight_dtype is not None:  # this piece's share of the global batch
+            weight = batching.loss_weight(rows, rows_per_rank)
+            args.append(tvm.runtime.tensor(np.array(weight, dtype=signature.loss_weight_dtype),
+                                           self._device))
+        return args
+
+    def _zero_accumulators(self):
+        """Gradient accumulators (one per trained parameter, as this rank holds it) and the
+        loss accumulator, zero at the start of a step."""
+        specs = self.signature.param_specs
+        return ([tvm.runtime.tensor(np.zeros(s, d), self._device) for s, d in specs]
+                + [tvm.runtime.tensor(np.zeros((), self._hyper_dtype), self._device)])
+
+    # ---- non-finite losses and gradients (training/nonfinite.py) ---------------------------
+    def _nonfinite_guard(self):
+        """What the step checks before it updates (``nonfinite_guard``)."""
+        return nonfinite_guard(self.zero_level if self.data_parallel else 0,
+                               self.world if self.data_parallel else 1, self.nonfinite)
+
+    def _nonfinite_step(self, loss):
+        """The step returned a NaN/inf loss (the step makes it NaN when a gradient is not
+        finite). The loss is the global one, so every rank takes the same branch."""
+        step = self.step_count + 1
+        if self.update_guarded:
+            if self.nonfinite == "skip":
+                self.skipped_steps += 1
+                _LOG.warning("step %d: the loss or a gradient is not finite (loss %s); the "
+                             "update was skipped on every rank (nonfinite='skip')", step, loss)
+                return
+            raise raised_on_every_rank(FloatingPointError(
+                f"step {step}: the loss or a gradient is not finite (loss {loss}); the update "
+                "was not applied, parameters and optimizer state are unchanged. Check this "
+                "step's inputs and the learning rate, or pass Trainer(nonfinite='skip') to skip "
+                "such steps"))
+        self.step_count += 1  # the update ran (ZeRO): the step happened
+        raise raised_on_every_rank(FloatingPointError(
+            f"step {step}: the loss is not finite ({loss}); under ZeRO the parameters were "
+            "already updated with its gradients. Restore the last checkpoint, and check this "
+            "step's inputs and the learning rate"))
+
+    @property
+    def update_guarded(self) -> bool:
+        """Whether the compiled step skips its own update on a non-finite gradient: always
+        without ZeRO; under ZeRO with nonfinite="skip" (ShardZeRO's guard, which waits for
+        every gradient before any update)."""
+        return not (self.data_parallel and self.zero_level > 0) or self.nonfinite == "skip"
+
+    def _init_frozen(self, model):
+        """Runtime tensors of the frozen parameters (full on every rank: rank 0's values)."""
+        frozen = []
+        for name in self.signature.frozen_names:
+            value = np.ascontiguousarray(model.init_params[name]).copy()
+            if self.data_parallel and self.world > 1:
+                value = collectives.broadcast(value, root=0, group=self.dp_group)
+            frozen.append(tvm.runtime.tensor(value, self._device))
+        return frozen
+
+    def _in_model_order(self, trained):
+        """{name: value} of the trained parameters plus the frozen ones, ordered as the
+        model's parameters (``named_parameters()`` for a PyTorch model)."""
+        values = dict(trained)
+        values.update(zip(self.signature.frozen_names, self._frozen))
+        return {name: values[name] for name in self.model.param_names}
+
+    def dropout_masks(self, step, rows=None, microbatch=None):
+        """The dropout masks of 1-based ``step`` on this rank, in execution order: 0 or
+        1/(1-p) per element, drawn from a generator seeded by (seed, rank, step), so a run is
+        reproducible and every rank drops different elements of its own rows. ``rows``: the
+        step's batch size on this rank (default: the captured one); the masks have the shapes
+        of the model at that size."""
+        # tp ranks of one dp index compute the same replicated activations: the same masks
+        rank = self.mesh.dp_rank if self.spmd else self.comm.rank
+        seed = [self.seed, rank, int(step)] + ([] if microbatch is None else [int(microbatch)])
+        rng = np.random.default_rng(seed)
+        masks = []
+        specs = (self.signature.dropout_specs if rows is None
+                 else self._model_at(rows).dropout_specs)
+        for shape, dtype, rate in specs:
+            keep = rng.random(shape) >= rate
+            masks.append((keep / (1.0 - rate)).astype(dtype))
+        return masks
+
+    def predict(self, x):
+        """Forward pass with the current parameters on any number of rows: the batch is cut
+        into pieces of the captured batch size, the last one run at its own size (one compiled
+        forward per piece size, cached; a model that cannot be captured again at another size
+        has the last piece padded instead); returns the outputs as one numpy array. Under
+        ZeRO-3 the parameters are gathered first, so every rank must call it."""
+        if self.signature.num_inputs != 1:
+            raise ValueError("predict() supports single-input models")
+        shape, dtype = self.signature.input_specs[0]
+        x = np.asarray(x, dtype=dtype)
+        if x.ndim != len(shape) or tuple(x.shape[1:]) != tuple(shape[1:]):
+            raise ValueError(f"predict(): rows must have shape {tuple(shape[1:])}, got "
+                             f"{tuple(x.shape[1:])}")
+        if not len(x):
+            raise ValueError("predict() needs at least one row, got an empty array")
+        batch, outputs = shape[0], []
+        params = list(self._in_model_order(zip(self.signature.param_names,
+                                                self._params)).values())
+        if self.zero_level == 3:  # sharded between steps: gather this rank's parameters
+            local = self._in_model_order(self._local_params())
+            params = [tvm.runtime.tensor(local[n], self._device) for n in self.model.param_names]
+        for start in range(0, len(x), batch):
+            piece = x[start:start + batch]
+            rows = len(piece) if self.model.respecialize is not None else batch
+            forward, model = self._forward_at(rows)
+            evaluation = model.forward_eval is not None  # running statistics (BatchNorm eval)
+            if rows != len(piece):
+                padded = np.zeros((rows,) + tuple(shape[1:]), dtype=dtype)
+                padded[:len(piece)] = piece
+                piece = padded
+            no_dropout = [] if evaluation else [tvm.runtime.tensor(np.ones(s, d), self._device)
+                                                for s, d, _ in model.dropout_specs]
+            out = forward(tvm.runtime.tensor(np.ascontiguousarray(piece), self._device),
+                          *no_dropout, *params, *(self._buffers if evaluation else ()))
+            if not evaluation and self._buffers:  # training forward: (output, *buffers)
+                out = out[0]
+            out = out.numpy()[:min(batch, len(x) - start)]
+            if self.tp_plan is not None and self.tp_plan.output_split:  # classes split over tp
+                out = self._gather_classes(out)
+            outputs.append(out)
+        return np.concatenate(outputs)
+
+    def _gather_classes(self, piece):
+        """The whole output from every tp rank's slice of its last (class) dimension."""
+        piece = np.ascontiguousarray(piece)
+        flat = collectives.allgather(piece.reshape(-1), group=self.mesh.tp_group)
+        return np.concatenate(np.split(flat.reshape((self.tp,) + piece.shape), self.tp),
+                              axis=-1).reshape(piece.shape[:-1] + (piece.shape[-1] * self.tp,))[
+            ..., :self.tp_plan.output_classes]  # a padded vocabulary's padding cut off
+
+    def _forward_at(self, rows):
+        """(compiled forward, model) for a batch of ``rows`` rows: the evaluation-mode forward
+        when the model has one, else the training forward (run with all-ones dropout masks)."""
+        if rows not in self._forwards:
+            model = self._model_at(rows)
+            evaluation = model.forward_eval
+            forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): strip_stage_markers(
+                evaluation if evaluation is not None else model.forward).with_attr(
+                    "global_symbol", "forward")})
+            passes = forward_passes(self.mesh.tp_group if self.tp > 1 else None)
+            compiled = compile_step(forward_mod, passes=passes, target=self._target,
+                                    cache_dir=self._cache_dir)
+            self._forwards[rows] = (
+                relax.VirtualMachine(compiled.executable, self._device)["forward"], model)
+        return self._forwards[rows]
+
+    # ---- any batch size (training/batch_size.py) --------------------------------------------
+    @property
+    def compiled_batch_sizes(self) -> list:
+        """The batch sizes (rows on this rank) a training step has been compiled for."""
+        return sorted(self._variants)
+
+    def _model_at(self, rows):
+        """The model captured with ``rows`` rows (cached)."""
+        rows = int(rows)
+        if rows not in self._models:
+            self._models[rows] = self.model.at_batch(rows)
+        return self._models[rows]
+
+    def _step_variant(self, rows, kind=None):
+        """The compiled step for ``rows`` rows on this rank: built the first time a batch of
+        that size comes (captured again, differentiated, compiled with the same passes); it
+        takes the same parameter, state and buffer tensors as every other size. Local work:
+        under data parallelism the ranks may be at different sizes, so there is no barrier.
+        ``kind``: "partial" / "final" for the microbatches of gradient accumulation
+        (build_train_step's ``accumulate``)."""
+        key = rows if kind is None else (rows, kind)
+        variant = self._variants.get(key)
+        if variant is not None:
+            return variant
+        _LOG.info("batch size %d on rank %d (the step was captured with %d): compiling a step "
+                  "for this size; one compiled step per batch size, all sharing the "
+                  "parameters and optimizer state", rows, self.comm.rank, self.batch_size)
+        model = self._model_at(rows)
+        step_model = model
+        if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
+            step_model = decompose_forward(model, self.sync_batch_norm_world)
+        ir, signature = build_train_step(step_model, self.loss, self.optimizer,
+                                         nonfinite_guard=self._nonfinite_guard(),
+                                         loss_weight=self._weighted_loss,
+                                         tensor_parallel=self.tp > 1, accumulate=kind)
+        batching.check_same_state(self.signature, signature, rows)
+        if (self.data_parallel and kind != "partial"
+                and gradient_buckets(ir, self.bucket_bytes) != self.grad_buckets):
+            raise ValueError(f"the step for batch size {rows} groups the gradients into other "
+                             "buckets than the captured step; its collectives would not match "
+                             "the other ranks'. Use the captured batch size")
+        passes = self._step_passes if kind != "partial" else self._passes(local=True)
+        compiled = compile_step(ir, passes=passes, target=self._target, cache_dir=self._cache_dir)
+        vm = relax.VirtualMachine(compiled.executable, self._device)
+        self._vms.append(vm)
+        if self._profiling is not None:  # a size first seen while profiling is recorded too
+            self._profiling.attach(vm)
+        variant = batching.StepVariant(rows, model, signature, compiled, vm["train_step"], kind)
+        self._variants[key] = variant
+        return variant
+
+    def _rows_per_rank(self, rows):
+        """Every rank's rows in this step (one small allgather under data parallelism). Raises
+        on every rank together when a rank has none, or when synchronized batch norm would
+        see different row counts (its statistics assume equal ones)."""
+        if self.data_parallel and self.world > 1:
+            rows_per_rank = batches.allgather_rows(self.dp_comm, rows)
+        else:
+            rows_per_rank = [int(rows)]
+        batches.check_rows_per_rank(rows_per_rank, self.dp_rank)
+        if self.sync_batch_norm_world > 1 and len(set(rows_per_rank)) > 1:
+            raise raised_on_every_rank(NotImplementedError(
+                f"sync_batch_norm with different rows per rank ({rows_per_rank}) is not "
+                "supported: the synchronized statistics assume every rank holds as many rows. "
+                "Use raf_dist.data.shard(..., drop_last=True) or turn sync_batch_norm off"))
+        return rows_per_rank
+
+    def _to_device(self, array, spec, what):
+        return to_device(array, spec, what, self._device)
+
+    @property
+    def _step_fn(self):
+        """The VM function of the step at the captured batch size (tests wrap it to inject
+        failures inside a step)."""
+        return self._variants[self.batch_size].step_fn
+
+    @_step_fn.setter
+    def _step_fn(self, function):
+        self._variants[self.batch_size].step_fn = function
+
+    @property
+    def num_grad_buckets(self):
+        """Collectives per step for gradients (0 without data parallelism)."""
+        return len(self.grad_buckets)
+
+    # ---- state ----------------------------------------------------------------------------
+    def state_dict(self):
+        """Full parameters by name (numpy arrays, true shapes). Under ZeRO-3 or tensor
+        parallelism parameters are sharded, so this gathers them: every rank must call it."""
+        local = {n: host_array(v) for n, v in self._in_model_order(
+            self._local_params()).items()}  # frozen ones too, in named_parameters() order
+        if self.tp == 1:
+            return local
+        return {n: held.full_parameter(self.tp_plan, n, v, self.mesh.tp_group, self.tp)
+                for n, v in local.items()}
+
+    def _local_params(self):
+        """{name: array} of the trained parameters this rank computes with: whole (gathered
+        over the dp ranks under ZeRO-3), this tp rank's pieces under tensor parallelism."""
+        if self.layout.params_sharded:
+            return {name: held.gather_shards(p, shape, self.world, self.dp_group)
+                    for name, p, (shape, _) in
+                    zip(self.signature.param_names, self._params, self.signature.param_specs)}
+        return {name: p.numpy() for name, p in zip(self.signature.param_names, self._params)}
+
+    def buffers_dict(self) -> dict:
+        """Every buffer of the model by name, as ``module.named_buffers()`` lists them (numpy
+        arrays): the running statistics the step carries (the same on every rank: rank 0's
+        under data parallelism) and the constants folded into the IR."""
+        carried = {name: t.numpy() for name, t in zip(self.signature.buffer_names, self._buffers)}
+        order = self.model.buffer_order or list(carried)
+        return {name: carried[name] if name in carried else self.model.constant_buffers[name]
+                for name in order}
+
+    def _init_buffers(self, model):
+        """Runtime tensors of the buffers the step carries, rank 0's values on every rank."""
+        buffers = []
+        for name in self.signature.buffer_names:
+            value = np.array(model.init_buffers[name], order="C")  # 0-d stays 0-d
+            if self.data_parallel and self.world > 1:
+                collectives.broadcast(value.reshape(-1), root=0)
+            buffers.append(tvm.runtime.tensor(value, self._device))
+        return buffers
+
+    def _keep_rank0_buffers(self):
+        """DDP's broadcast_buffers: every rank normalized with its own batch statistics, rank
+        0's updated running statistics are the ones kept (with sync_batch_norm they are equal
+        on every rank already; the broadcast keeps them bit-identical)."""
+        if not (self.data_parallel and self.world > 1 and self._buffers):
+            return
+        for i, tensor in enumerate(self._buffers):
+            host = np.array(tensor.numpy(), order="C")
+            collectives.broadcast(host.reshape(-1), root=0)  # a view: fills host
+            self._buffers[i] = tvm.runtime.tensor(host, self._device)
+
+    def optimizer_state_dict(self):
+        """Optimizer state as {param name: {state name: array}}, full shapes. Under ZeRO the
+        state is sharded, so this gathers it: every rank must call it."""
+        return held.full_optimizer_states(self.layout, self._states, self.dp_group, self.tp_plan,
+                                          self.mesh.tp_group, self.tp)
+
+    def _unpack_states(self):
+        """{(param, state): array} of what this rank holds."""
+        return self.layout.unpack_states([t.numpy() for t in self._states])
+
+    def _pack_states(self, by_key):
+        """Runtime tensors of the step's state arguments from {(param, state): array}."""
+        return [tvm.runtime.tensor(a, self._device) for a in self.layout.pack_states(by_key)]
+
+    # ---- checkpoints (the files and what each rank reads and writes: raf_dist.checkpoint) ----
+    def save_checkpoint(self, path, extra=None, keep=2):
+        """Write this rank's shards of every parameter and optimizer state under ``path``
+        (see raf_dist.checkpoint for the layout); ``extra`` (JSON-serialisable, e.g. the data
+        position) comes back from load_checkpoint. Atomic: ``path/latest`` moves to the new
+        checkpoint only once every rank's file is on disk. Keeps the newest ``keep``
+        checkpoints. Returns the checkpoint's directory. Every rank must call it."""
+        if self.tp > 1:  # the full tensors, as any layout writes them (CheckpointView)
+            full = self.state_dict()
+            states = {(p, s): v for p, d in self.optimizer_state_dict().items()
+                      for s, v in d.items()}
+            return ckpt.save(CheckpointView(self, full), path,
+                             [full[n] for n in self.signature.param_names], states, extra, keep,
+                             buffers=self.buffers_dict())
+        return ckpt.save(self, path, self._params, self._unpack_states(), extra, keep,
+                         buffers=self.buffers_dict())
+
+    def load_checkpoint(self, path):
+        """Load the newest checkpoint under ``path`` (or the checkpoint directory ``path``),
+        whatever world size and ZeRO level wrote it: each rank reads the element ranges it
+        now holds. Returns the ``extra`` given to save_checkpoint. Every file's size, the
+        sha256 of each file a rank reads, and the model's names, shapes and dtypes are checked first, on every rank,
+        and any problem raises the same CheckpointError everywhere before any data moves;
+        nothing on disk is modified. Every rank must call it."""
+        if self.tp > 1:  # full tensors in (CheckpointView), this rank's pieces kept
+            params, states, buffers, frozen, meta = ckpt.load(
+                CheckpointView(self, {}), path)
+            params, states, frozen = self._pieces(params, states, frozen)
+        else:
+            params, states, buffers, frozen, meta = ckpt.load(self, path)
+        self._frozen = [tvm.runtime.tensor(frozen[n], self._device) if n in frozen else t
+                        for n, t in zip(self.signature.frozen_names, self._frozen)]
+        self._params = [tvm.runtime.tensor(p, self._device) for p in params]
+        self._buffers = [tvm.runtime.tensor(buffers[n], self._device)
+                         for n in self.signature.buffer_names]
+        self._states = self._pack_states(states)
+        self.step_count, self.seed = int(meta["step"]), int(meta["seed"])
+        return meta.get("extra")
+
+    def _pieces(self, params, states, frozen):
+        """This rank's pieces of full parameters (signature order), optimizer states and
+        frozen parameters: its tp piece, then its dp shard where ZeRO shards them."""
+        def piece(name, array):
+            return self.tp_plan.local_shard(name, np.asarray(array), self.mesh.tp_rank)
+
+        names = self.signature.param_names
+        params = [piece(n, p) for n, p in zip(names, params)]
+        if self.layout.params_sharded:
+            params = [self.layout.shard(p) for p in params]
+        states = {k: piece(k[0], v) for k, v in states.items()}
+        if self.layout.states_sharded:
+            states = {k: self.layout.shard(v) for k, v in states.items()}
+        return params, states, {n: piece(n, v) for n, v in frozen.items()}
+
+    def stats(self):
+        """What this rank holds between steps (parameters, optimizer state), the gradient
+        bytes that outlive their bucket's collective, the step's planned temporaries and the
+        bus bytes it sent in the last step by collective kind."""
+        return {
+            "param_bytes": sum(nbytes(p) for p in self._params + self._frozen),
+            # levels 0-1 keep every full gradient until backward ends; 2-3 keep shards
+            "grad_bytes": self.layout.grad_bytes(),
+            "optimizer_state_bytes": sum(nbytes(s) for s in self._states),
+            "planned_peak_bytes": self.compiled.planned_peak_bytes,
+            "comm_bytes_last_step": dict(self._comm_last_step),
+            # the same bus bytes by mesh axis (with tensor parallelism): {"tp": ..., "dp": ...}
+            "comm_bytes_by_axis": dict(self._comm_by_axis),
+            **device_lib.memory_stats(self._device),  # GPU: used / total (pynvml)
+        }

@@ -1,0 +1,65 @@
+"""The executors' shared handling of what a rank holds: the model split for tensor
+parallelism, full tensors gathered back from shards (ZeRO over dp, pieces over tp), and the
+optimizer state as ``{param: {state: full array}}``. The layout itself (which rank holds which
+elements) is ``raf_dist.layout``; here are the collectives that reassemble it."""
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..distributed import collectives
+from ..layout import StateLayout
+from ..training import tensor_parallel as tp_lib
+from .tensors import host_array
+
+
+def split_model(model: Any, tp: int, user_plan: Any, loss: str, comm: Any,
+                tp_rank: int) -> Tuple[Any, Any]:
+    """(plan, ``model`` split across the tp ranks): the plan (found, or ``user_plan``
+    checked), the full initial parameters of world rank 0 on every rank, this rank's pieces
+    of them. Collective over the world."""
+    plan = tp_lib.make_plan(model, tp, user_plan, loss)
+    full = {}
+    for name in model.param_names:
+        value = np.ascontiguousarray(model.init_params[name]).copy()
+        full[name] = collectives.broadcast(value, root=0) if comm.size > 1 else value
+    return plan, tp_lib.shard_model(model, plan, tp_rank, full)
+
+
+def full_parameter(plan: Any, name: str, local: np.ndarray, tp_group: int,
+                   tp_size: int) -> np.ndarray:
+    """The whole parameter ``name`` from every tp rank's piece (an allgather over the tp
+    group; every tp rank must call it)."""
+    if plan is None or name not in plan.placements:
+        return local
+    local = np.ascontiguousarray(local)
+    flat = collectives.allgather(local.reshape(-1), group=tp_group)
+    pieces = [flat[i * local.size:(i + 1) * local.size].reshape(local.shape)
+              for i in range(tp_size)]
+    return plan.assemble(name, pieces)
+
+
+def gather_shards(tensor: Any, shape: Sequence[int], world: int, dp_group: int) -> np.ndarray:
+    """The whole tensor of ``shape`` from every dp rank's flat padded shard (a collective
+    over dp when ``world`` > 1)."""
+    numel = int(np.prod(shape, dtype=np.int64))
+    shard = np.ascontiguousarray(host_array(tensor))
+    if world == 1:
+        return shard[:numel].reshape(shape)
+    return collectives.allgather(shard, numel=numel, group=dp_group).reshape(shape)
+
+
+def full_optimizer_states(layout: StateLayout, states: Sequence[Any], dp_group: int,
+                          tp_plan: Optional[Any] = None, tp_group: int = -1,
+                          tp: int = 1) -> Dict[str, Dict[str, np.ndarray]]:
+    """{param: {state: full array}} of the state tensors ``states`` held under ``layout``:
+    ZeRO's shards gathered over dp, tensor-parallel pieces over tp (every rank calls it)."""
+    shapes = dict(zip(layout.param_names, layout.param_shapes))
+    out: Dict[str, Dict[str, np.ndarray]] = {}
+    held = layout.unpack_states([host_array(t) for t in states])
+    for (param, state), value in held.items():
+        full = (gather_shards(value, shapes[param], layout.dp_size, dp_group)
+                if layout.states_sharded else value)
+        if tp > 1:
+            full = full_parameter(tp_plan, param, full, tp_group, tp)
+        out.setdefault(param, {})[state] = full
+    return out
