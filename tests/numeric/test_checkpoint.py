@@ -65,7 +65,7 @@ def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     def die(*args, **kwargs):  # the process dies after its shard is written, before rename
         raise SystemExit("killed during save")
 
-    monkeypatch.setattr(ckpt, "finalize", die)
+    monkeypatch.setattr(ckpt.files, "finalize", die)
     with pytest.raises(SystemExit):
         trainer.save_checkpoint(tmp_path)
     monkeypatch.undo()

@@ -6,7 +6,10 @@ import hashlib
 import json
 from typing import Any, Dict, List, Tuple
 
+import tvm
+
 from .. import device as device_lib
+from .._version import __version__
 from ..distributed.communicator import raised_on_every_rank
 from .plan import PARALLELISM_FIELDS, RunPlan
 
@@ -35,6 +38,20 @@ def agree(comm: Any, plan: RunPlan, model: Any, loss: str, optimizer: Any, devic
                   zip(model.param_names, model.param_specs())],
         "inputs": [[list(map(int, s)), str(d)] for s, d in model.input_specs]}
     raise_if_ranks_differ(comm.mpi_comm.allgather(description), "built different Trainers")
+
+
+def step_description(executor: Any) -> Dict[str, Any]:
+    """What an executor's compiled functions are built from, besides the model's parameters:
+    inputs, target, loss, optimizer, device, config, sizes and versions."""
+    signature = executor.signature
+    return {
+        "inputs": [[list(map(int, s)), str(d)] for s, d in signature.input_specs],
+        "target": [list(map(int, signature.target_spec[0])), str(signature.target_spec[1])],
+        "loss": executor.loss, "optimizer": type(executor.optimizer).__name__,
+        "device": device_lib.parse(executor.device)[0],
+        "optimizer_config": executor.optimizer.config(), "config": executor.config,
+        "world_size": executor.world, "tensor_parallel_size": executor.tp,
+        "versions": [__version__, tvm.__version__]}
 
 
 def fingerprint(description: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:

@@ -38,7 +38,6 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .._version import __version__
 from .. import checkpoint as ckpt
 from .. import device as device_lib
 from .. import profiler
@@ -60,7 +59,6 @@ from ..training.pipeline import build_stage_functions, build_update_step
 from ..training.step import TrainStepSignature
 from . import agreement, batches
 from . import state as held
-from .checkpoint_view import CheckpointView
 from .plan import RunPlan
 from .tensors import check_array, nbytes
 from .transport import PipelineTransport
@@ -218,16 +216,8 @@ class PipelineExecutor:
         """(digest, description) as the SPMD executor's, with the stage plan instead of the
         parameters (each pp rank holds other ones; the agreement at construction compared
         the whole model already)."""
-        return agreement.fingerprint({
-            "inputs": [[list(map(int, s)), str(d)] for s, d in self.signature.input_specs],
-            "target": [list(map(int, self.signature.target_spec[0])),
-                       str(self.signature.target_spec[1])],
-            "loss": self.loss, "optimizer": type(self.optimizer).__name__,
-            "device": device_lib.parse(self.device)[0],
-            "optimizer_config": self.optimizer.config(), "config": self.config,
-            "world_size": self.world, "tensor_parallel_size": self.tp,
-            "versions": [__version__, tvm.__version__],
-            "pipeline": {"stages": self.num_stages, "cuts": list(self.plan.cuts)}})
+        return agreement.fingerprint(dict(agreement.step_description(self), pipeline={
+            "stages": self.num_stages, "cuts": list(self.plan.cuts)}))
 
     # the surface the SPMD executor has too
     @property
@@ -673,18 +663,18 @@ class PipelineExecutor:
         }
 
     def save_checkpoint(self, path, extra=None, keep=2):
-        """The full tensors written as any layout writes them (CheckpointView), so a
+        """The full tensors written as any layout writes them (full_train_state), so a
         checkpoint saved at pp x dp resumes at any pp x dp x tp: every rank calls it."""
         full = self.state_dict()
         states = {(p, s): v for p, d in self.optimizer_state_dict().items()
                   for s, v in d.items()}
-        view = CheckpointView(self, full)
+        view = held.full_train_state(self, full)
         return ckpt.save(view, path, [full[n] for n in view.signature.param_names], states,
                          extra, keep, buffers=self.buffers_dict())
 
     def load_checkpoint(self, path):
         """Load a checkpoint of any layout; this rank keeps the parameters it holds."""
-        view = CheckpointView(self, {})
+        view = held.full_train_state(self, {})
         params, states, buffers, frozen, meta = ckpt.load(view, path)
         for name in self._buffer_tensors:
             self._buffer_tensors[name] = tvm.runtime.tensor(

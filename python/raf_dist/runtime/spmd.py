@@ -14,7 +14,6 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .._version import __version__
 from .. import checkpoint as ckpt
 from .. import device as device_lib
 from .. import profiler
@@ -31,7 +30,6 @@ from ..training import batch_size as batching
 from ..training.loss import check_targets, num_classes
 from . import agreement, batches
 from . import state as held
-from .checkpoint_view import CheckpointView
 from .plan import RunPlan
 from .tensors import check_array, host_array, nbytes, to_device
 
@@ -141,19 +139,8 @@ class SPMDExecutor:
         """(digest, description): what every rank of a job must agree on before the first
         collective: the model (parameter names, shapes, dtypes; inputs), loss, optimizer,
         config and versions. The compiled step is a function of these."""
-        return agreement.fingerprint(self._fingerprint_description())
-
-    def _fingerprint_description(self):
-        return {
-            "model": ckpt.model_description(self.signature),
-            "inputs": [[list(map(int, s)), str(d)] for s, d in self.signature.input_specs],
-            "target": [list(map(int, self.signature.target_spec[0])),
-                       str(self.signature.target_spec[1])],
-            "loss": self.loss, "optimizer": type(self.optimizer).__name__,
-            "device": device_lib.parse(self.device)[0],
-            "optimizer_config": self.optimizer.config(), "config": self.config,
-            "world_size": self.world, "tensor_parallel_size": self.tp,
-            "versions": [__version__, tvm.__version__]}
+        return agreement.fingerprint(dict(
+            agreement.step_description(self), model=ckpt.model_description(self.signature)))
 
     def _passes(self, local=False):
         """The plan as explicit pass arguments. ``local``: for a step without gradient
@@ -610,15 +597,22 @@ class SPMDExecutor:
         position) comes back from load_checkpoint. Atomic: ``path/latest`` moves to the new
         checkpoint only once every rank's file is on disk. Keeps the newest ``keep``
         checkpoints. Returns the checkpoint's directory. Every rank must call it."""
-        if self.tp > 1:  # the full tensors, as any layout writes them (CheckpointView)
+        if self.tp > 1:  # the full tensors, as any layout writes them (full_train_state)
             full = self.state_dict()
             states = {(p, s): v for p, d in self.optimizer_state_dict().items()
                       for s, v in d.items()}
-            return ckpt.save(CheckpointView(self, full), path,
+            return ckpt.save(held.full_train_state(self, full), path,
                              [full[n] for n in self.signature.param_names], states, extra, keep,
                              buffers=self.buffers_dict())
-        return ckpt.save(self, path, self._params, self._unpack_states(), extra, keep,
-                         buffers=self.buffers_dict())
+        return ckpt.save(self._train_state(), path, self._params, self._unpack_states(), extra,
+                         keep, buffers=self.buffers_dict())
+
+    def _train_state(self):
+        """What a checkpoint of this executor's own layout writes and reads."""
+        return ckpt.TrainState.of(self.comm, self.world, self.zero_level, self.signature,
+                                  self.step_count, self.seed, self.config, self.loss,
+                                  self.optimizer, self.model, self._frozen,
+                                  shared=self.data_parallel or self.local)
 
     def load_checkpoint(self, path):
         """Load the newest checkpoint under ``path`` (or the checkpoint directory ``path``),
@@ -627,12 +621,12 @@ class SPMDExecutor:
         sha256 of each file a rank reads, and the model's names, shapes and dtypes are checked first, on every rank,
         and any problem raises the same CheckpointError everywhere before any data moves;
         nothing on disk is modified. Every rank must call it."""
-        if self.tp > 1:  # full tensors in (CheckpointView), this rank's pieces kept
-            params, states, buffers, frozen, meta = ckpt.load(
-                CheckpointView(self, {}), path)
+        if self.tp > 1:  # full tensors in (full_train_state), this rank's pieces kept
+            params, states, buffers, frozen, meta = ckpt.load(held.full_train_state(self, {}),
+                                                              path)
             params, states, frozen = self._pieces(params, states, frozen)
         else:
-            params, states, buffers, frozen, meta = ckpt.load(self, path)
+            params, states, buffers, frozen, meta = ckpt.load(self._train_state(), path)
         self._frozen = [tvm.runtime.tensor(frozen[n], self._device) if n in frozen else t
                         for n, t in zip(self.signature.frozen_names, self._frozen)]
         self._params = [tvm.runtime.tensor(p, self._device) for p in params]

@@ -2,10 +2,12 @@
 parallelism, full tensors gathered back from shards (ZeRO over dp, pieces over tp), and the
 optimizer state as ``{param: {state: full array}}``. The layout itself (which rank holds which
 elements) is ``raf_dist.layout``; here are the collectives that reassemble it."""
+import dataclasses
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..checkpoint import TrainState
 from ..distributed import collectives
 from ..layout import StateLayout
 from ..training import tensor_parallel as tp_lib
@@ -63,3 +65,24 @@ def full_optimizer_states(layout: StateLayout, states: Sequence[Any], dp_group: 
             full = full_parameter(tp_plan, param, full, tp_group, tp)
         out.setdefault(param, {})[state] = full
     return out
+
+
+def full_train_state(executor: Any, frozen_full: Dict[str, Any]) -> TrainState:
+    """The TrainState of an executor whose ranks hold pieces of the model (tensor
+    parallelism, pipeline stages): the full model (true shapes, every parameter) as a
+    data-parallel world of every rank without ZeRO holds it. The files are then those of any
+    other layout (ranges of the full flat tensors, one file per rank), so a checkpoint saved
+    at tp x dp x pp reloads at any layout and the other way round: saving gathers each full
+    tensor on every rank and writes this rank's range of it; loading reads the full tensors
+    and the executor keeps its pieces. ``frozen_full``: the full frozen parameters when
+    saving ({} when loading: not read)."""
+    model = executor.full_model
+    specs = dict(zip(model.param_names, model.param_specs()))
+    names = tp_lib.trained_names(model)
+    frozen = [n for n in model.param_names if n not in set(names)]
+    signature = dataclasses.replace(
+        executor.signature, param_names=names, param_specs=[specs[n] for n in names],
+        frozen_names=frozen, frozen_specs=[specs[n] for n in frozen])
+    return TrainState.of(executor.comm, executor.comm.size, 0, signature, executor.step_count,
+                         executor.seed, executor.config, executor.loss, executor.optimizer,
+                         model, [frozen_full.get(n) for n in frozen])

@@ -45,7 +45,7 @@ BACKWARD_COST = 2.0
 
 def _stage_plan(model, num_stages, microbatches, split_points):
     """The StagePlan of ``model`` in ``num_stages`` stages at the microbatch's rows (as
-    PipelineTrainer._plan_at)."""
+    PipelineExecutor._forward_graph)."""
     from ..passes.batch_norm import decompose_forward, has_training_batch_norm
     from ..passes.pipeline import ForwardGraph, partition
 
@@ -55,7 +55,7 @@ def _stage_plan(model, num_stages, microbatches, split_points):
                          "microbatches do not divide; capture it with a multiple of "
                          "--microbatches rows")
     at = model.at_batch(rows // microbatches) if microbatches > 1 else model
-    if has_training_batch_norm(at.mod):  # as the PipelineTrainer reads it
+    if has_training_batch_norm(at.mod):  # as the PipelineExecutor reads it
         at = decompose_forward(at)
     graph = ForwardGraph(at.forward, len(at.input_specs), len(at.dropout_specs), at.param_names,
                          list(getattr(at, "buffer_names", ())))

@@ -90,13 +90,13 @@ def main():
         if comm.rank == 0:
             np.savez(directory / "expected.npz", **params)
         t.step(xs, ys)
-        real_finalize = ckpt.finalize
+        real_finalize = ckpt.files.finalize
 
         def die(*args, **kwargs):  # every shard is on disk; rank 0 dies before the rename
             os.kill(os.getpid(), signal.SIGKILL)
             return real_finalize(*args, **kwargs)
 
-        ckpt.finalize = die
+        ckpt.files.finalize = die
         t.save_checkpoint(directory)
         raise AssertionError("the save should have killed rank 0")
     elif mode == "check_saved":

@@ -134,13 +134,13 @@ def main():
         for _ in range(3):
             t.step(xs, ys)
     elif how == "enospc":
-        real_write = ckpt.write_rank_file
+        real_write = ckpt.files.write_rank_file
 
         def write_rank_file(*args, **kwargs):
             armed.hit()
             return real_write(*args, **kwargs)
 
-        ckpt.write_rank_file = write_rank_file
+        ckpt.files.write_rank_file = write_rank_file
         t.step(xs, ys)
         armed.on = True
         try:
@@ -178,24 +178,24 @@ def main():
     elif when.startswith("save:"):
         target = {"write": "write_rank_file", "finalize": "finalize",
                   "latest": "_write_latest"}[when[5:]]
-        real = getattr(ckpt, target)
+        real = getattr(ckpt.files, target)
 
         def patched(*args, **kwargs):
             armed.hit()
             return real(*args, **kwargs)
 
-        setattr(ckpt, target, patched)
+        setattr(ckpt.files, target, patched)
         t.step(xs, ys)
         attempt(lambda: t.save_checkpoint(directory))
     elif when == "load":
         fresh, _, _ = build(2)
-        real_read = ckpt.read_range
+        real_read = ckpt.files.read_range
 
         def read_range(*args, **kwargs):
             armed.hit()
             return real_read(*args, **kwargs)
 
-        ckpt.read_range = read_range
+        ckpt.files.read_range = read_range
         attempt(lambda: fresh.load_checkpoint(directory))
     elif when == "thread":
         armed.on = True
