@@ -75,6 +75,7 @@ def main():
     # profile the first step: a trace with the VM's calls (and the pipeline's F / B)
     trace = Path(walk("profile")(1, directory / layout))
     losses = [walk("step")(*mine(n)) for n in SIZES]
+    assert walk("step_count") == len(SIZES)
     events = json.loads(trace.read_text())["traceEvents"]
     cats = {e.get("cat") for e in events}
     assert "step" in cats and len(events) > 3, cats
