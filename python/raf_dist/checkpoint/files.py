@@ -236,7 +236,8 @@ def files_for(meta, numel, begin, end):
     """The saved ranks whose slices of a ``numel``-element tensor overlap [begin, end)."""
     world = meta["world_size"]
     return {r for r in range(world)
-            if max(slice_range(numel, world, r)[0], begin) < min(slice_range(numel, world, r)[1], end)}
+            if max(slice_range(numel, world, r)[0], begin)
+            < min(slice_range(numel, world, r)[1], end)}
 
 
 def check_compatible(meta, signature, optimizer):

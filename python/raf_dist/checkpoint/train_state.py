@@ -8,7 +8,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -69,7 +69,8 @@ class TrainState:
                    frozen=tuple(frozen))
 
 
-def _my_slice(tensor, numel, world_size, rank, sharded):
+def _my_slice(tensor: Any, numel: int, world_size: int, rank: int,
+              sharded: bool) -> np.ndarray:
     """Elements [r*s, (r+1)*s) of the flattened tensor, clipped to its true size, from the
     full tensor or (``sharded``) from this rank's padded shard of it."""
     begin, end = slice_range(numel, world_size, rank)
@@ -77,14 +78,16 @@ def _my_slice(tensor, numel, world_size, rank, sharded):
     return values[:end - begin] if sharded else values[begin:end]
 
 
-def save(train_state, path, params, states, extra=None, keep=2, buffers=None):
-    """An executor's save_checkpoint under ``train_state`` (a TrainState): ``params`` (the trainer's runtime tensors, in signature
-    order: full, or shards at level 3) and ``states`` ({(param, state): full array, or shard
-    under ZeRO}) as this rank's file, then rank 0 finalizes once every file is on disk.
+def save(train_state: TrainState, path: Any, params: Sequence[Any], states: Dict[Any, Any],
+         extra: Any = None, keep: int = 2, buffers: Optional[Dict[str, Any]] = None) -> Path:
+    """An executor's save_checkpoint under ``train_state`` (a TrainState): ``params`` (the
+    trainer's runtime tensors, in signature order: full, or shards at level 3) and ``states``
+    ({(param, state): full array, or shard under ZeRO}) as this rank's file, then rank 0
+    finalizes once every file is on disk.
 
-    A write that fails on any rank (a full disk, a quota) or a failed finalize raises the
-    same CheckpointError on every rank, after the ranks agree on it: the job may go on (free
-    space, save again). Anything else that leaves the save on one rank ends the job
+    A write that fails on any rank (a full disk, a quota) or a failed finalize raises the same
+    CheckpointError on every rank, after the ranks agree on it: the job may go on (free space,
+    save again). Anything else that leaves the save on one rank ends the job
     (Communicator.collective_work)."""
     rank, world = train_state.rank, train_state.world
     json_extra = json.loads(json.dumps(extra))  # fail now, not after writing shards
@@ -95,9 +98,9 @@ def save(train_state, path, params, states, extra=None, keep=2, buffers=None):
             "directory there (it holds step-NNNNNNNN directories and a 'latest' file); give "
             "a new or existing directory path")
     name = f"step-{train_state.step_count:08d}"
-    tmp_name = temporary_name(name) if rank == 0 else None
+    tmp_name: Any = temporary_name(name) if rank == 0 else None
     tmp = root / (train_state.comm.agree(tmp_name, "agreeing on the checkpoint's temporary "
-                                     "directory")[0] if world > 1 else tmp_name)
+                                         "directory")[0] if world > 1 else tmp_name)
     with train_state.comm.collective_work(
             f"saving checkpoint {root / name} (last completed: {train_state.step_count})",
             world > 1):
@@ -106,7 +109,9 @@ def save(train_state, path, params, states, extra=None, keep=2, buffers=None):
     return final
 
 
-def _write(train_state, root, name, tmp, path, params, states, json_extra, keep, buffers):
+def _write(train_state: TrainState, root: Path, name: str, tmp: Path, path: Any,
+           params: Sequence[Any], states: Dict[Any, Any], json_extra: Any, keep: int,
+           buffers: Optional[Dict[str, Any]]) -> Path:
     """save's collective part: every rank's file, then rank 0's finalize."""
     rank, world = train_state.rank, train_state.world
     if rank == 0:
@@ -182,7 +187,7 @@ def _write(train_state, root, name, tmp, path, params, states, json_extra, keep,
     return final
 
 
-def _check_frozen(meta, signature):
+def _check_frozen(meta: Dict[str, Any], signature: Any) -> None:
     saved = {f["name"]: f for f in meta.get("frozen", [])}
     for name, (shape, dtype) in zip(signature.frozen_names, signature.frozen_specs):
         if name in saved and (saved[name]["shape"] != [int(d) for d in shape]
@@ -192,14 +197,15 @@ def _check_frozen(meta, signature):
                                   f"there, {list(shape)} {dtype} here")
 
 
-def _reads(train_state, meta):
+def _reads(train_state: TrainState, meta: Dict[str, Any]) -> List[Tuple[Any, ...]]:
     """What this rank reads: (kind, name, key, shape, dtype, begin, end, shard_numel) per
     tensor; shard_numel is None for a full tensor, else its padded shard's size."""
 
     rank, world, signature = train_state.rank, train_state.world, train_state.signature
     reads = []
 
-    def add(kind, name, key, shape, dtype, sharded):
+    def add(kind: str, name: Any, key: str, shape: Sequence[int], dtype: str,
+            sharded: bool) -> None:
         numel = int(np.prod(shape, dtype=np.int64))
         begin, end = slice_range(numel, world, rank) if sharded else (0, numel)
         reads.append((kind, name, key, tuple(shape), np.dtype(dtype), begin, end,
@@ -207,9 +213,11 @@ def _reads(train_state, meta):
 
     specs = dict(zip(signature.param_names, signature.param_specs))
     for p in signature.param_names:
-        add("param", p, _param_key(p), *specs[p], train_state.zero_level == 3)
+        shape, dtype = specs[p]
+        add("param", p, _param_key(p), shape, dtype, train_state.zero_level == 3)
     for p, state in signature.state_keys():
-        add("state", (p, state), _state_key(p, state), *specs[p], train_state.zero_level > 0)
+        shape, dtype = specs[p]
+        add("state", (p, state), _state_key(p, state), shape, dtype, train_state.zero_level > 0)
     for name, (shape, dtype) in zip(signature.buffer_names, signature.buffer_specs):
         add("buffer", name, _buffer_key(name), shape, dtype, False)
     saved_frozen = {f["name"] for f in meta.get("frozen", [])}
@@ -219,13 +227,13 @@ def _reads(train_state, meta):
     return reads
 
 
-def load(train_state, path):
-    """An executor's load_checkpoint reading under ``train_state`` (a TrainState): checks on every rank first (the same
-    CheckpointError everywhere), then (params, states, buffers, frozen, meta) as numpy arrays
-    for the trainer's world size: the parameters in signature order (full, or this rank's
-    padded shard at level 3), {(param, state): array} (full, or this rank's padded shard
-    under ZeRO), {name: full array} of the carried buffers and of the frozen parameters the
-    checkpoint holds.
+def load(train_state: TrainState, path: Any) -> Tuple[Any, ...]:
+    """An executor's load_checkpoint reading under ``train_state`` (a TrainState): checks on every
+    rank first (the same CheckpointError everywhere), then (params, states, buffers, frozen,
+    meta) as numpy arrays for the trainer's world size: the parameters in signature order (full,
+    or this rank's padded shard at level 3), {(param, state): array} (full, or this rank's
+    padded shard under ZeRO), {name: full array} of the carried buffers and of the frozen
+    parameters the checkpoint holds.
 
     Each rank checks the size of every file but the sha256 of only the files it reads, opens
     each of those once, and the ranks agree on the outcome (one allgather) before any data is
@@ -234,7 +242,7 @@ def load(train_state, path):
         return _read(train_state, path)
 
 
-def _read(train_state, path):
+def _read(train_state: TrainState, path: Any) -> Tuple[Any, ...]:
     """load's collective part."""
     world = train_state.world
     error, directory, meta = None, None, None
@@ -257,7 +265,7 @@ def _read(train_state, path):
     if failed:
         r, e = failed[0]
         raise raised_on_every_rank(CheckpointError(e if world == 1 else f"rank {r}: {e}"))
-    out = {"param": {}, "state": {}, "buffer": {}, "frozen": {}}
+    out: Dict[str, Dict[Any, Any]] = {"param": {}, "state": {}, "buffer": {}, "frozen": {}}
     with OpenFiles(directory, meta) as opened:
         for numel, (kind, name, key, shape, dtype, begin, end, shard) in zip(numels, reads):
             values = files.read_range(directory, meta, key, numel, begin, end, dtype, opened)

@@ -114,7 +114,8 @@ class Mesh:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(rank {self.rank}/{self.world_size}: "
-                f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}, tp {self.tp_rank}/{self.tp_size})")
+                f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}, "
+                f"tp {self.tp_rank}/{self.tp_size})")
 
 
 def stage_rank(stage: int, pp_size: int) -> int:

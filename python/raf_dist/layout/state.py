@@ -179,9 +179,9 @@ def state_layout(param_names: Sequence[str], param_specs: Sequence[Tuple[Sequenc
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} is not a rank of a data-parallel axis of {dp_size}")
     names = tuple(param_names)
-    buckets = tuple(tuple(int(k) for k in b) for b in buckets)
-    if zero_level and sorted(k for b in buckets for k in b) != list(range(len(names))):
-        raise ValueError(f"ZeRO's buckets must hold every parameter index once, got {buckets} "
+    held: Tuple[Tuple[int, ...], ...] = tuple(tuple(int(k) for k in b) for b in buckets)
+    if zero_level and sorted(k for b in held for k in b) != list(range(len(names))):
+        raise ValueError(f"ZeRO's buckets must hold every parameter index once, got {held} "
                          f"for {len(names)} parameters")
     return StateLayout(
         param_names=names,
@@ -189,4 +189,4 @@ def state_layout(param_names: Sequence[str], param_specs: Sequence[Tuple[Sequenc
         param_dtypes=tuple(str(d) for _, d in param_specs),
         state_names=tuple(state_names), zero_level=zero_level,
         dp_size=dp_size if zero_level else 1, dp_rank=dp_rank if zero_level else 0,
-        buckets=buckets)
+        buckets=held)

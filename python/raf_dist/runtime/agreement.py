@@ -71,7 +71,7 @@ def check_fingerprints(comm: Any, digest: str, description: Dict[str, Any]) -> N
 
 def raise_if_ranks_differ(descriptions: List[Dict[str, Any]], what: str) -> None:
     """ValueError naming the fields in which some rank's description differs from rank 0's."""
-    def flat(description):  # config fields by name: "config.zero_opt_level"
+    def flat(description: Dict[str, Any]) -> Dict[str, Any]:  # "config.zero_opt_level"
         out = {}
         for key, value in description.items():
             if isinstance(value, dict):

@@ -156,34 +156,8 @@ class PipelineExecutor:
             frozen_names=self.frozen_names, frozen_specs=[specs[n] for n in self.frozen_names],
             buffer_names=list(getattr(model, "buffer_names", ())),
             buffer_specs=model.buffer_specs() if getattr(model, "buffer_names", ()) else [])
-        # the update: this rank's parameters, reduced over dp (ZeRO-1: sharded states)
-        if not self.param_names:
-            raise ValueError(f"pipeline rank {self.pp_rank} holds no trainable parameter; use "
-                             "fewer stages")
-        self.update_ir = build_update_step(self.param_names, self.param_specs, optimizer)
-        self.grad_buckets = (gradient_buckets(self.update_ir, self.bucket_bytes)
-                             if self.data_parallel else [])
-        self.layout = state_layout(self.param_names, self.param_specs, optimizer.state_names,
-                                   self.zero_level if self.data_parallel else 0, self.world,
-                                   self.dp_rank, self.grad_buckets)
-        passes = step_passes(self.zero_level if self.data_parallel else 0,
-                             self.world if self.data_parallel else 1, self.bucket_bytes,
-                             overlap=plan.overlap_comm, group=self.dp_group)
-        self.compiled_update = compile_step(self.update_ir, passes=passes, target=self._target,
-                                            cache_dir=cache_dir)
-        self._update_vm = relax.VirtualMachine(self.compiled_update.executable, self._device)
-        self._update_fn = self._update_vm["train_step"]
-        # parameters: world rank 0's initial values (whatever each rank's seed; under tensor
-        # parallelism split_model broadcast them already), this rank's stages' only
-        init = {}
-        for name in model.param_names:
-            value = np.ascontiguousarray(model.init_params[name]).copy()
-            if self.tp == 1:  # every rank takes part, whichever stage holds the parameter
-                value = collectives.broadcast(value, root=0)
-            if name in self.param_names or name in self.frozen_names:
-                init[name] = value
-        self._tensors = {n: tvm.runtime.tensor(v, self._device) for n, v in init.items()}
-        self._states = [tvm.runtime.tensor(a, self._device) for a in self.layout.zero_states()]
+        self._build_update(optimizer, cache_dir)
+        self._init_parameters(model)
         self._tied = self._tied_parameters(stage_plan)
         self.step_count = 0
         self.skipped_steps = 0
@@ -199,19 +173,58 @@ class PipelineExecutor:
         self.transport = PipelineTransport(mesh, comm, self.num_stages, self.microbatches)
         schedules.check_actions(self.actions, self.num_stages, self.microbatches)
         agreement.check_fingerprints(comm, *self.fingerprint())
-        # the buffers this rank's stages write (BatchNorm running statistics), rank 0's
-        # initial values; buffers_dict gathers every stage's
-        written = {b for ss in self._stage_sets.values() for st in ss.stages.values()
-                   for b in st.functions.buffers_written}
-        self._buffer_tensors = {}
-        for name in getattr(model, "buffer_names", ()):
-            value = np.array(model.init_buffers[name], order="C")
-            collectives.broadcast(value.reshape(-1), root=0)  # every rank, every buffer
-            if name in written:
-                self._buffer_tensors[name] = tvm.runtime.tensor(value, self._device)
+        self._buffer_tensors = self._init_buffers(model)
         self._forwards = {}  # predict's compiled forwards by rows
 
     # ---- building --------------------------------------------------------------------------
+    def _build_update(self, optimizer, cache_dir):
+        """The update: this rank's parameters, reduced over dp (ZeRO-1: sharded states), and
+        the StateLayout it holds them under."""
+        if not self.param_names:
+            raise ValueError(f"pipeline rank {self.pp_rank} holds no trainable parameter; use "
+                             "fewer stages")
+        self.update_ir = build_update_step(self.param_names, self.param_specs, optimizer)
+        self.grad_buckets = (gradient_buckets(self.update_ir, self.bucket_bytes)
+                             if self.data_parallel else [])
+        self.layout = state_layout(self.param_names, self.param_specs, optimizer.state_names,
+                                   self.zero_level if self.data_parallel else 0, self.world,
+                                   self.dp_rank, self.grad_buckets)
+        passes = step_passes(self.zero_level if self.data_parallel else 0,
+                             self.world if self.data_parallel else 1, self.bucket_bytes,
+                             overlap=self.run_plan.overlap_comm, group=self.dp_group)
+        self.compiled_update = compile_step(self.update_ir, passes=passes, target=self._target,
+                                            cache_dir=cache_dir)
+        self._update_vm = relax.VirtualMachine(self.compiled_update.executable, self._device)
+        self._update_fn = self._update_vm["train_step"]
+
+    def _init_parameters(self, model):
+        """This rank's stages' parameters at world rank 0's initial values (whatever each
+        rank's seed; under tensor parallelism split_model broadcast them already) and fresh
+        optimizer states."""
+        init = {}
+        for name in model.param_names:
+            value = np.ascontiguousarray(model.init_params[name]).copy()
+            if self.tp == 1:  # every rank takes part, whichever stage holds the parameter
+                value = collectives.broadcast(value, root=0)
+            if name in self.param_names or name in self.frozen_names:
+                init[name] = value
+        self._tensors = {n: tvm.runtime.tensor(v, self._device) for n, v in init.items()}
+        self._states = [tvm.runtime.tensor(a, self._device) for a in self.layout.zero_states()]
+
+    def _init_buffers(self, model):
+        """The buffers this rank's stages write (BatchNorm running statistics) at rank 0's
+        initial values (every rank takes part in every buffer's broadcast); buffers_dict
+        gathers every stage's."""
+        written = {b for ss in self._stage_sets.values() for st in ss.stages.values()
+                   for b in st.functions.buffers_written}
+        tensors = {}
+        for name in getattr(model, "buffer_names", ()):
+            value = np.array(model.init_buffers[name], order="C")
+            collectives.broadcast(value.reshape(-1), root=0)
+            if name in written:
+                tensors[name] = tvm.runtime.tensor(value, self._device)
+        return tensors
+
     def fingerprint(self):
         """(digest, description) as the SPMD executor's, with the stage plan instead of the
         parameters (each pp rank holds other ones; the agreement at construction compared

@@ -116,13 +116,16 @@ class SPMDExecutor:
             self._variants = {self.batch_size: batching.StepVariant(
                 self.batch_size, model, self.signature, self.compiled, self._vm["train_step"])}
             self._models = {self.batch_size: model}  # the model captured at each size
-            init = {n: np.ascontiguousarray(model.init_params[n]) for n in self.signature.param_names}
+            init = {n: np.ascontiguousarray(model.init_params[n])
+                    for n in self.signature.param_names}
             if self.data_parallel and self.world > 1:  # identical start whatever each rank's seed
                 for name in self.signature.param_names:
-                    init[name] = collectives.broadcast(init[name].copy(), root=0, group=self.dp_group)
+                    init[name] = collectives.broadcast(init[name].copy(), root=0,
+                                                       group=self.dp_group)
         if self.layout.params_sharded:  # parameters held as this rank's flat padded shard
             init = {n: self.layout.shard(a) for n, a in init.items()}
-        self._params = [tvm.runtime.tensor(init[n], self._device) for n in self.signature.param_names]
+        self._params = [tvm.runtime.tensor(init[n], self._device)
+                        for n in self.signature.param_names]
         self._frozen = self._init_frozen(model)  # requires_grad=False: passed, never updated
         self._states = [tvm.runtime.tensor(a, self._device) for a in self.layout.zero_states()]
         self._buffers = self._init_buffers(model)
@@ -618,8 +621,8 @@ class SPMDExecutor:
         """Load the newest checkpoint under ``path`` (or the checkpoint directory ``path``),
         whatever world size and ZeRO level wrote it: each rank reads the element ranges it
         now holds. Returns the ``extra`` given to save_checkpoint. Every file's size, the
-        sha256 of each file a rank reads, and the model's names, shapes and dtypes are checked first, on every rank,
-        and any problem raises the same CheckpointError everywhere before any data moves;
+        sha256 of each file a rank reads, and the model's names, shapes and dtypes are checked
+        first, on every rank, and any problem raises the same CheckpointError everywhere before any data moves;
         nothing on disk is modified. Every rank must call it."""
         if self.tp > 1:  # full tensors in (full_train_state), this rank's pieces kept
             params, states, buffers, frozen, meta = ckpt.load(held.full_train_state(self, {}),

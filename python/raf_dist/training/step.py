@@ -111,41 +111,19 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     if nonfinite_guard not in (None, "gradients", "gradients_and_loss"):
         raise ValueError(f"nonfinite_guard must be None, 'gradients' or 'gradients_and_loss', "
                          f"got {nonfinite_guard!r}")
-    forward = strip_stage_markers(model.forward)  # stages matter only to pipelining
-    if has_training_batch_norm(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward})):
-        # the Trainer decomposes it first when batch norm is synchronized across ranks
-        forward = DecomposeBatchNorm()(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward}))[
-            "forward"]
+    forward, out_info = _training_forward(model)
     n_buffers = len(getattr(model, "buffer_names", ()))
-    out_info = forward.ret_ty
-    if n_buffers:  # (output, *new buffer values): frontend/buffers.py
-        out_info = out_info.fields[0]
-    if not isinstance(out_info, relax.TensorType) or out_info.shape is None:
-        raise ValueError(f"{model.source}: forward must return one tensor of known shape to "
-                         f"apply a loss, got {out_info}")
-    pred_shape = [int(d) for d in out_info.shape]
     target_shape, target_dtype = (None, None) if target_spec is None else target_spec
     loss_func, target_spec = build_loss(
-        loss, pred_shape, out_info.dtype, target_shape, target_dtype, weighted=loss_weight,
-        vocab_parallel=getattr(model, "output_split_classes", 0) > 1)
-    missing = missing_gradients(forward)
-    if missing:
-        ops = ", ".join(f"{op} (computing {var})" for op, var in missing)
-        raise NotImplementedError(
-            f"{model.source}: no gradient is registered for {ops}; register one with "
-            "tvm.relax.op.base.register_gradient or avoid the op")
-    mod = tvm.IRModule({tvm.ir.GlobalVar("main"): forward.with_attr("global_symbol", "main")})
-    mod = relax.training.AppendLoss("main", loss_func, num_backbone_outputs=1)(mod)
+        loss, [int(d) for d in out_info.shape], out_info.dtype, target_shape, target_dtype,
+        weighted=loss_weight, vocab_parallel=getattr(model, "output_split_classes", 0) > 1)
     # the function's inputs: the data, then one mask per dropout (frontend/dropout.py)
     n_in = len(model.input_specs) + len(model.dropout_specs)
     trainable, frozen = _split_frozen(model)
     n_all = len(model.param_names)
     n_params = len(trainable)
     trains = [name not in frozen for name in model.param_names]
-    forward_params = mod["main_loss"].params[n_in:n_in + n_all]
-    require = [v for v, t in zip(forward_params, trains) if t]  # never the buffers
-    mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
-    adjoint = mod["main_loss_adjoint"]
+    adjoint = _adjoint(forward, loss_func, n_in, trains)
     adjoint_params = adjoint.params[n_in:n_in + n_all]  # the adjoint's own Var objects
     param_vars = [v for v, t in zip(adjoint_params, trains) if t]
     buffer_vars = list(adjoint.params[n_in + n_all:n_in + n_all + n_buffers])
@@ -197,22 +175,60 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
                                    hyper_vars, new_buffers, nonfinite_guard, tensor_parallel)
         bb.emit_func_output(out)
     step_mod = bb.get()
-    # where the parameters and optimizer states sit among the arguments, for the passes that
-    # change how they are held (ZeRO shards them), and which argument each output updates
-    first = len(inputs) + len(targets)
-    buffers_updated = list(range(len(params) - n_buffers, len(params)))
-    if accumulate == "partial":  # outputs: the accumulators (after the parameters), buffers
-        attrs = {UPDATED_ARGUMENTS: list(range(first + n_params, first + 2 * n_params))
-                 + buffers_updated}
-    else:
-        attrs = {LAYOUT_PARAM_OFFSET: first, LAYOUT_NUM_PARAMS: n_params,
-                 LAYOUT_STATES_PER_PARAM: n_states,
-                 UPDATED_ARGUMENTS: list(range(first, first + n_params * (1 + n_states)))
-                 + buffers_updated}
+    attrs = _layout_attrs(accumulate, len(inputs) + len(targets), n_params, n_states,
+                          len(params), n_buffers)
     step_mod["train_step"] = step_mod["train_step"].with_attrs(attrs)
     step_mod = relax.transform.DeadCodeElimination(["train_step"])(step_mod)
     return step_mod, _signature(model, target_spec, trainable, specs, optimizer, frozen,
                                 loss_weight, out_info)
+
+
+def _training_forward(model):
+    """(forward, the type of the output the loss reads): stage markers stripped (they
+    matter only to pipelining), training batch norm decomposed, every op differentiable."""
+    forward = strip_stage_markers(model.forward)
+    if has_training_batch_norm(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward})):
+        # the Trainer decomposes it first when batch norm is synchronized across ranks
+        forward = DecomposeBatchNorm()(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward}))[
+            "forward"]
+    out_info = forward.ret_ty
+    if getattr(model, "buffer_names", ()):  # (output, *new buffer values): frontend/buffers.py
+        out_info = out_info.fields[0]
+    if not isinstance(out_info, relax.TensorType) or out_info.shape is None:
+        raise ValueError(f"{model.source}: forward must return one tensor of known shape to "
+                         f"apply a loss, got {out_info}")
+    missing = missing_gradients(forward)
+    if missing:
+        ops = ", ".join(f"{op} (computing {var})" for op, var in missing)
+        raise NotImplementedError(
+            f"{model.source}: no gradient is registered for {ops}; register one with "
+            "tvm.relax.op.base.register_gradient or avoid the op")
+    return forward, out_info
+
+
+def _adjoint(forward, loss_func, n_in, trains):
+    """TVM's adjoint of ``loss_func(forward(...))``: gradients of the parameters whose
+    ``trains`` flag is set (never of the data, the frozen parameters or the buffers)."""
+    mod = tvm.IRModule({tvm.ir.GlobalVar("main"): forward.with_attr("global_symbol", "main")})
+    mod = relax.training.AppendLoss("main", loss_func, num_backbone_outputs=1)(mod)
+    forward_params = mod["main_loss"].params[n_in:n_in + len(trains)]
+    require = [v for v, t in zip(forward_params, trains) if t]
+    mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
+    return mod["main_loss_adjoint"]
+
+
+def _layout_attrs(accumulate, first, n_params, n_states, n_args, n_buffers):
+    """Where the parameters and optimizer states sit among the arguments (``first``: the
+    first parameter's index), for the passes that change how they are held (ZeRO shards
+    them), and which argument each output updates."""
+    buffers_updated = list(range(n_args - n_buffers, n_args))
+    if accumulate == "partial":  # outputs: the accumulators (after the parameters), buffers
+        return {UPDATED_ARGUMENTS: list(range(first + n_params, first + 2 * n_params))
+                + buffers_updated}
+    return {LAYOUT_PARAM_OFFSET: first, LAYOUT_NUM_PARAMS: n_params,
+            LAYOUT_STATES_PER_PARAM: n_states,
+            UPDATED_ARGUMENTS: list(range(first, first + n_params * (1 + n_states)))
+            + buffers_updated}
 
 
 def _emit_backward(bb, adjoint, grads, mark):
