@@ -25,13 +25,21 @@ data, as ``torch.utils.data.DistributedSampler`` pads (every step the same shape
 rows count twice).
 Shuffle with ``seed``: every rank draws the same permutation, so the slices never overlap.
 """
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Union
+
 import numpy as np
 
 from .distributed import get_communicator
 
+#: what ``shard`` yields per step: one array, or a tuple with one array per input
+Batch = Union[np.ndarray, tuple[np.ndarray, ...]]
 
-def shard(arrays, global_batch=None, shuffle=False, seed=0, epoch=0, drop_last=True, rank=None,
-          world_size=None, pad_last=False):
+
+def shard(arrays: Iterable[Any], global_batch: int | None = None, shuffle: bool = False,
+          seed: int = 0, epoch: int = 0, drop_last: bool = True, rank: int | None = None,
+          world_size: int | None = None, pad_last: bool = False) -> Iterator[Batch]:
     """Yield this rank's slice of each global batch: a tuple with one array per input array
     (or a single array if ``arrays`` is one array). Without ``global_batch``, ``arrays`` is a
     loader of global batches (see the module docstring). ``drop_last=False``: the short last
@@ -45,7 +53,7 @@ def shard(arrays, global_batch=None, shuffle=False, seed=0, epoch=0, drop_last=T
                          pad_last)
 
 
-def _data_parallel_position():
+def _data_parallel_position() -> tuple[int, int]:
     """(index, size) of this rank on the data-parallel axis: the world without a mesh; with
     tensor (or pipeline) parallelism the mesh's dp axis, so that ranks differing only in tp
     get the same rows (DESIGN.md section 1; dist.get_mesh(), collective on first use)."""
@@ -60,7 +68,7 @@ def _data_parallel_position():
     return comm.rank, comm.size
 
 
-def uneven_rows(num_rows, world_size, rank):
+def uneven_rows(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
     """[begin, end) of ``rank``'s rows when ``num_rows`` rows are split over ``world_size``
     ranks as evenly as they go, the first ranks taking one more (np.array_split's rule)."""
     if num_rows < world_size:
@@ -73,11 +81,12 @@ def uneven_rows(num_rows, world_size, rank):
     return begin, begin + base + (1 if rank < extra else 0)
 
 
-def _numpy(value):
+def _numpy(value: Any) -> np.ndarray:
     return value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
 
 
-def _shard_loader(loader, rank, world_size, drop_last=True):
+def _shard_loader(loader: Iterable[Any], rank: int, world_size: int,
+                  drop_last: bool = True) -> Iterator[Batch]:
     first_size = None
     for batch in loader:
         single = not isinstance(batch, (tuple, list))
@@ -100,8 +109,9 @@ def _shard_loader(loader, rank, world_size, drop_last=True):
         yield out[0] if single else out
 
 
-def _shard_arrays(arrays, global_batch, shuffle, seed, epoch, drop_last, rank, world_size,
-                  pad_last=False):
+def _shard_arrays(arrays: Iterable[Any], global_batch: int, shuffle: bool, seed: int, epoch: int,
+                  drop_last: bool, rank: int, world_size: int,
+                  pad_last: bool = False) -> Iterator[Batch]:
     single = isinstance(arrays, np.ndarray)
     arrays = (arrays,) if single else tuple(np.asarray(a) for a in arrays)
     num = len(arrays[0])
@@ -135,6 +145,6 @@ def _shard_arrays(arrays, global_batch, shuffle, seed, epoch, drop_last, rank, w
         yield batch[0] if single else batch
 
 
-def num_steps(num_samples, global_batch, drop_last=True):
+def num_steps(num_samples: int, global_batch: int, drop_last: bool = True) -> int:
     """Steps per epoch that ``shard`` yields."""
     return num_samples // global_batch + (0 if drop_last or num_samples % global_batch == 0 else 1)

@@ -10,10 +10,13 @@ each failure is a ValueError naming the rank, host and fix, raised before any co
 GPU memory. ``memory_stats`` reads the GPU's used / total memory with pynvml
 for ``Trainer.stats()``.
 """
+from __future__ import annotations
+
 import functools
 import importlib.util
 import os
 import shutil
+from typing import Any, Protocol, Sequence
 
 import tvm
 
@@ -22,7 +25,25 @@ from . import _native
 ACCEPTED = '"cpu", "cuda" (the GPU of this rank\'s local rank) or "cuda:N"'
 
 
-def parse(device):
+class RankPlace(Protocol):
+    """What ``select`` reads of a ``raf_dist.distributed.Communicator`` (a protocol: this
+    layer sits below ``distributed`` and does not import it)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def hosts(self) -> Sequence[str]: ...
+    @property
+    def mpi_comm(self) -> Any: ...  # an mpi4py communicator
+
+
+def parse(device: str) -> tuple[str, int | None]:
     """("cpu", None) or ("cuda", index or None) from the ``device`` argument."""
     if device == "cpu":
         return "cpu", None
@@ -34,7 +55,7 @@ def parse(device):
 
 
 @functools.lru_cache(maxsize=None)
-def _nvml():
+def _nvml() -> Any:
     """pynvml, initialised once, or None (no pynvml or no driver)."""
     try:
         import pynvml
@@ -44,7 +65,7 @@ def _nvml():
         return None
 
 
-def _physical_index(index):
+def _physical_index(index: int) -> str:
     """The host-wide index of visible GPU ``index`` (CUDA_VISIBLE_DEVICES applied)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not visible:
@@ -53,14 +74,14 @@ def _physical_index(index):
     return entries[index] if index < len(entries) else str(index)
 
 
-def _nvml_handle(nvml, physical):
+def _nvml_handle(nvml: Any, physical: str) -> Any:
     """pynvml's handle of a GPU named by host-wide index or UUID (CUDA_VISIBLE_DEVICES)."""
     if physical.isdigit():
         return nvml.nvmlDeviceGetHandleByIndex(int(physical))
     return nvml.nvmlDeviceGetHandleByUUID(physical)
 
 
-def gpu_identity(host, index):
+def gpu_identity(host: str, index: int) -> str:
     """A name of the physical GPU that is equal for two ranks exactly when they share it."""
     nvml = _nvml()
     physical = _physical_index(index)
@@ -73,9 +94,9 @@ def gpu_identity(host, index):
     return f"{host}:gpu{physical}"
 
 
-def check_one_rank_per_gpu(identities, hosts):
+def check_one_rank_per_gpu(identities: Sequence[str], hosts: Sequence[str]) -> None:
     """Raise naming the ranks that would share a GPU (``identities[r]`` is rank r's GPU)."""
-    owners = {}
+    owners: dict[str, list[int]] = {}
     for rank, identity in enumerate(identities):
         owners.setdefault(identity, []).append(rank)
     shared = {k: v for k, v in owners.items() if len(v) > 1}
@@ -87,7 +108,7 @@ def check_one_rank_per_gpu(identities, hosts):
             "GPUs, or give each rank its own with device='cuda:N' / CUDA_VISIBLE_DEVICES")
 
 
-def cuda_compiler():
+def cuda_compiler() -> str | None:
     """How TVM will compile the step's CUDA kernels on this host: ``$TVM_CUDA_COMPILE_MODE``
     when set; else TVM's default, NVRTC, when the cuda-bindings package it needs is
     installed; else nvcc when it is on PATH; None when neither is there. Both read the CUDA
@@ -106,7 +127,7 @@ def cuda_compiler():
     return "nvcc" if shutil.which("nvcc") else None
 
 
-def select(device, comm, collective=True):
+def select(device: str, comm: RankPlace, collective: bool = True) -> tvm.runtime.Device:
     """The tvm Device for this rank. For a GPU with ``collective`` (a data-parallel job of
     several ranks: every rank must call it) the ranks agree first that every one has its GPU
     and an NCCL build, and that no two share a GPU; otherwise (a Trainer of this rank alone,
@@ -142,7 +163,7 @@ def select(device, comm, collective=True):
     return tvm.cuda(index)
 
 
-def memory_stats(dev):
+def memory_stats(dev: tvm.runtime.Device) -> dict[str, int]:
     """{"device_memory_used_bytes", "device_memory_total_bytes"} of a GPU (pynvml), or {}
     on the CPU or without pynvml."""
     if dev.dlpack_device_type() != tvm.cuda(0).dlpack_device_type():
@@ -155,12 +176,12 @@ def memory_stats(dev):
             "device_memory_total_bytes": int(info.total)}
 
 
-def target_for(dev):
+def target_for(dev: tvm.runtime.Device) -> str | tvm.target.Target:
     """The compile target of a device: "cuda" for a GPU, else this host's CPU (host_target)."""
     return "cuda" if dev.dlpack_device_type() == tvm.cuda(0).dlpack_device_type() else host_target()
 
 
-def host_target():
+def host_target() -> str | tvm.target.Target:
     """LLVM for the CPU this process runs on. Plain "llvm" means generic x86-64 (SSE2, no FMA):
     LLVM then leaves most of a step's elementwise loops scalar — measured here (znver3), an exp
     over 1M floats took 2.6 ms generic and 0.46 ms with the host's AVX2/FMA. The build cache

@@ -26,19 +26,27 @@ monotonic clock since), so traces of ranks on different hosts line up as well as
 The instrument is a Python callback, so every call pays its cost while profiling (measured on
 the GPT step of bench/step_time.py: see README "Profiling"); nothing is paid otherwise.
 """
+from __future__ import annotations
+
 import atexit
 import json
 import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 import tvm
 
+if TYPE_CHECKING:
+    from tvm.runtime.vm import VirtualMachine
+
 logger = logging.getLogger("raf_dist")
 
 _NO_OP = 0  # tvm.runtime.vm.VMInstrumentReturnKind.NO_OP: run the call as usual
+
+_Result = TypeVar("_Result")
 
 
 _COLLECTIVES = {"allreduce", "reduce_scatter", "allgather", "broadcast", "send", "recv", "wait"}
@@ -57,7 +65,7 @@ def category(symbol: str) -> str:
     return "kernel"
 
 
-def _tensor_args(args):
+def _tensor_args(args: Iterable[Any]) -> list[tuple[tuple[int, ...], str]]:
     """(shape, dtype) of every tensor among a call's arguments."""
     out = []
     for arg in args:
@@ -68,7 +76,7 @@ def _tensor_args(args):
     return out
 
 
-def _call_args(symbol, kind, args):
+def _call_args(symbol: str, kind: str, args: Iterable[Any]) -> dict[str, Any]:
     """What a trace event's ``args`` say about a BLAS call or a collective."""
     tensors = _tensor_args(args)
     if kind == "blas":
@@ -88,16 +96,19 @@ class TraceRecorder:
     raw tuples and the events are built by ``trace()``: the less it does per call, the less
     it inflates what it measures."""
 
-    def __init__(self, rank: int, tid: int = 0):
+    def __init__(self, rank: int, tid: int = 0) -> None:
         self.rank = int(rank)
         self.tid = tid
-        self._calls: list = []  # (symbol, start ns, end ns, args or None), in completion order
-        self._extra: list = []  # (name, category, start ns, end ns, args)
-        self._open: list = []  # start ns of the calls not yet returned (nesting-safe)
-        self._kinds: dict = {}  # symbol -> category, computed once per symbol
+        # (symbol, start ns, end ns, args or None), in completion order
+        self._calls: list[tuple[str, int, int, dict[str, Any] | None]] = []
+        # (name, category, start ns, end ns, args)
+        self._extra: list[tuple[str, str, int, int, dict[str, Any]]] = []
+        self._open: list[int] = []  # start ns of the calls not yet returned (nesting-safe)
+        self._kinds: dict[str, str] = {}  # symbol -> category, computed once per symbol
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
 
-    def instrument(self, func, symbol, before_run, ret_value, *args):
+    def instrument(self, func: Any, symbol: str, before_run: bool, ret_value: Any,
+                   *args: Any) -> int:
         """The VM instrument: called before and after every call instruction."""
         now = time.perf_counter_ns()
         if before_run:
@@ -110,22 +121,25 @@ class TraceRecorder:
         self._calls.append((symbol, self._open.pop(), now, details))
         return _NO_OP
 
-    def add(self, name: str, kind: str, start_ns: int, end_ns: int, **args) -> None:
+    def add(self, name: str, kind: str, start_ns: int, end_ns: int, **args: Any) -> None:
         """One complete event from perf_counter_ns timestamps."""
         self._extra.append((name, kind, start_ns, end_ns, args))
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._calls) + len(self._extra)
 
-    def _event(self, name, kind, start_ns, end_ns, args):
-        event = {"name": str(name), "cat": kind, "ph": "X",
-                 "ts": (start_ns + self._wall_offset_ns) / 1000.0,  # wall-clock microseconds
-                 "dur": (end_ns - start_ns) / 1000.0, "pid": self.rank, "tid": self.tid}
+    def _event(self, name: str, kind: str, start_ns: int, end_ns: int,
+               args: dict[str, Any] | None) -> dict[str, Any]:
+        event: dict[str, Any] = {"name": str(name), "cat": kind, "ph": "X",
+                                 # wall-clock microseconds
+                                 "ts": (start_ns + self._wall_offset_ns) / 1000.0,
+                                 "dur": (end_ns - start_ns) / 1000.0, "pid": self.rank,
+                                 "tid": self.tid}
         if args:
             event["args"] = args
         return event
 
-    def trace(self) -> dict:
+    def trace(self) -> dict[str, Any]:
         """The Trace Event Format document (rank and thread named for the viewers)."""
         meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": self.tid,
                  "args": {"name": f"rank {self.rank}"}},
@@ -137,7 +151,7 @@ class TraceRecorder:
         return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 
-def trace_path(directory, rank: int) -> Path:
+def trace_path(directory: str | os.PathLike[str], rank: int) -> Path:
     return Path(directory) / f"trace-rank{int(rank)}.json"
 
 
@@ -147,10 +161,11 @@ class StepProfiler:
     trace when the last one ends (or when the process exits first). A VM built while it
     records (a new batch size) joins through ``attach``."""
 
-    def __init__(self, vms, rank: int, steps: int, directory):
+    def __init__(self, vms: VirtualMachine | Sequence[VirtualMachine], rank: int, steps: int,
+                 directory: str | os.PathLike[str]) -> None:
         if int(steps) < 1:
             raise ValueError(f"profile(steps={steps!r}): give the number of steps to record (>= 1)")
-        self.vms = []
+        self.vms: list[VirtualMachine] = []
         self.remaining = int(steps)
         self.path = trace_path(directory, rank)
         self.recorder = TraceRecorder(rank)
@@ -165,13 +180,13 @@ class StepProfiler:
     def active(self) -> bool:
         return self.remaining > 0
 
-    def attach(self, vm) -> None:
+    def attach(self, vm: VirtualMachine) -> None:
         """Record ``vm``'s calls too, while steps remain to be recorded."""
         if self.active and not any(v is vm for v in self.vms):
             vm.set_instrument(self.recorder.instrument)
             self.vms.append(vm)
 
-    def step(self, run_step, step_number: int, *args):
+    def step(self, run_step: Callable[..., _Result], step_number: int, *args: Any) -> _Result:
         """``run_step(*args)`` recorded as one "step" event (with the VM calls inside it)."""
         start = time.perf_counter_ns()
         try:

@@ -8,7 +8,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -43,7 +43,7 @@ class TrainState:
     loss: str
     optimizer: Any
     tied_params: Dict[str, str]
-    non_persistent_buffers: frozenset
+    non_persistent_buffers: FrozenSet[str]
     frozen: Sequence[Any] = ()
 
     @classmethod

@@ -4,7 +4,10 @@ The Trainer reads this object once and turns it into explicit pass arguments; no
 (DESIGN.md section 2). Every assignment is validated at once, so a typo or a bad value fails
 on the line that wrote it, long before any collective starts.
 """
+from __future__ import annotations
+
 import dataclasses
+from typing import Any, Mapping
 
 _ZERO_LEVELS = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -63,7 +66,7 @@ class DistConfig:
     num_microbatches: int = 1
     pipeline_schedule: str = "1f1b"
     pipeline_stages_per_rank: int = 2
-    pipeline_split_points: list = None
+    pipeline_split_points: list[str] | None = None
     activation_checkpointing: bool = False
     collective_timeout_s: float = 600.0
     barrier_timeout_s: float = 3600.0
@@ -71,7 +74,7 @@ class DistConfig:
     watchdog: bool = True
     watchdog_grace_s: float = 10.0
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: Any) -> None:
         fields = {f.name for f in dataclasses.fields(self)}
         if name not in fields:
             raise AttributeError(
@@ -86,14 +89,14 @@ class DistConfig:
                 f"RAF_DIST_{name.upper()} in the environment")
         object.__setattr__(self, name, value)
 
-    def update(self, values):
+    def update(self, values: Mapping[str, Any]) -> DistConfig:
         """Set several fields from a mapping (e.g. a script's ``raf_dist_config`` dict)."""
         for name, value in dict(values).items():
             setattr(self, name, value)
         self.check()
         return self
 
-    def check(self):
+    def check(self) -> None:
         """Cross-field rules, checked by the Trainer before it builds anything."""
         if self.zero_opt_level > 0 and not self.enable_data_parallel:
             raise ValueError(
@@ -102,7 +105,7 @@ class DistConfig:
                 "dist.get_config().enable_data_parallel = True or use zero_opt_level=0"
             )
 
-    def check_supported(self):
+    def check_supported(self) -> None:
         """Refuse the contract's values this version cannot run yet (the Trainer calls it
         before any collective): naming the field beats training something else silently."""
         if self.pipeline_schedule == "zero_bubble" and self.pipeline_parallel_size > 1:
@@ -110,13 +113,13 @@ class DistConfig:
                 "pipeline_schedule='zero_bubble' is not built yet (it needs the backward split "
                 "into input and weight gradients); use 'interleaved_1f1b', '1f1b' or 'gpipe'")
 
-    def reset(self):
+    def reset(self) -> DistConfig:
         """Back to the defaults (tests use this between cases)."""
         for field in dataclasses.fields(self):
             object.__setattr__(self, field.name, field.default)
         return self
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -126,13 +129,13 @@ RUNTIME_FIELDS = ("collective_timeout_s", "barrier_timeout_s", "check_collective
 _STARTED = False
 
 
-def runtime_started():
+def runtime_started() -> None:
     """The communicator exists: the RUNTIME_FIELDS are in force and may no longer change."""
     global _STARTED
     _STARTED = True
 
 
-def _validate(name, value):
+def _validate(name: str, value: Any) -> Any:
     if name in ("collective_timeout_s", "barrier_timeout_s", "watchdog_grace_s"):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                 value >= 0 and value != float("inf")) or (name == "watchdog_grace_s"
@@ -183,6 +186,6 @@ def _validate(name, value):
 _CONFIG = DistConfig()
 
 
-def get_config():
+def get_config() -> DistConfig:
     """The process-wide distribution config (a singleton, like RAF's ``dist.get_config()``)."""
     return _CONFIG

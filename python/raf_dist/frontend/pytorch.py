@@ -3,8 +3,11 @@
 Parameter names and shapes are exactly ``module.named_parameters()``; initial values are the
 module's. PyTorch is an optional dependency (``pip install -e .[torch]``).
 """
+from __future__ import annotations
+
 import functools
 import warnings
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import numpy as np
 
@@ -14,8 +17,18 @@ from ..model import Model
 from . import buffers, decompositions, parameters, torch_ops
 from .dropout import dropout_marker, dropout_masks_as_inputs
 
+if TYPE_CHECKING:  # PyTorch is optional: imported where a capture needs it
+    import torch
+    import tvm
 
-def from_pytorch(module, example_inputs):
+    #: one tensor, or a tuple or list of them (a single input need not be wrapped)
+    ExampleInputs = Union[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]
+
+#: an importer hook: (FX node, TVM's ExportedProgram importer) -> the Relax value of the node
+Converter = Callable[["torch.fx.Node", Any], relax.Expr]
+
+
+def from_pytorch(module: torch.nn.Module, example_inputs: ExampleInputs) -> Model:
     """Capture ``module`` called on ``example_inputs`` (a tensor or tuple of tensors).
 
     The captured forward has the example's shapes. ``Trainer.step`` accepts any leading (batch)
@@ -41,7 +54,8 @@ def from_pytorch(module, example_inputs):
     torch_ops.install_unsupported_op_check()  # unknown operators name their module path
     was_training = module.training
     module.train()  # capture the training graph: dropout stays in it (as seeded masks)
-    dropouts = []  # (rate, type) of each dropout with rate > 0, in execution order
+    # (rate, type) of each dropout with rate > 0, in execution order
+    dropouts: list[tuple[float, relax.TensorType]] = []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -92,12 +106,13 @@ def from_pytorch(module, example_inputs):
                  respecialize=functools.partial(_at_batch, module, example_inputs))
 
 
-def _at_batch(module, example_inputs, rows):
+def _at_batch(module: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
+              rows: int) -> Model:
     """``module`` captured again with ``rows`` rows: each example input whose dim 0 is the
     example batch is repeated and cut to ``rows`` (real rows, so index inputs stay in range)."""
     batch = example_inputs[0].shape[0]
 
-    def resize(tensor):
+    def resize(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() == 0 or tensor.shape[0] != batch:
             return tensor
         repeats = -(-rows // batch)
@@ -106,33 +121,37 @@ def _at_batch(module, example_inputs, rows):
     return from_pytorch(module, tuple(resize(t) for t in example_inputs))
 
 
-def _tie(imported, num_inputs, module):
+def _tie(imported: buffers.ImportedProgram, num_inputs: int,
+         module: torch.nn.Module) -> tuple[relax.Function, list[str], dict[str, str]]:
     """(forward, parameter names, aliases) with tied parameters merged into one argument."""
     param_args = imported.func.params[num_inputs:num_inputs + len(imported.param_names)]
     lifted = [(v.name, target) for v, target in zip(param_args, imported.param_names)]
     return parameters.tie_parameters(imported.func, lifted, module)
 
 
-def _batch_norm_converters(exported, cumulative):
+def _batch_norm_converters(exported: torch.export.ExportedProgram,
+                           cumulative: dict[float, str]) -> dict[str, Converter]:
     """Training-mode batch norm with PyTorch's running-statistics update (frontend/buffers.py)."""
     buffer_args = {s.target: s.arg.name for s in exported.graph_signature.input_specs}
     return {"_native_batch_norm_legit_functional.default":
             buffers.batch_norm_converter(cumulative, buffer_args)}
 
 
-def _dropout_converters(dropouts):
+def _dropout_converters(dropouts: list[tuple[float, relax.TensorType]]) -> dict[str, Converter]:
     """Importer hooks: dropout (p > 0, training) becomes a marker; see frontend/dropout.py."""
 
-    def convert(node, importer):
+    def convert(node: torch.fx.Node, importer: Any) -> relax.Expr:
         x = importer.env[node.args[0]]
-        rate = float(node.args[1]) if len(node.args) > 1 else 0.5
+        # an FX node's args are typed as any Argument; dropout's p is a float
+        rate = float(node.args[1]) if len(node.args) > 1 else 0.5  # type: ignore[arg-type]
         train = bool(node.args[2]) if len(node.args) > 2 else True
         if rate == 0.0 or not train:
             return x
         dropouts.append((rate, x.ty))
         return importer.block_builder.emit(dropout_marker(x, len(dropouts) - 1))
 
-    def convert_native(node, importer):  # native_dropout returns (output, mask)
+    def convert_native(node: torch.fx.Node, importer: Any) -> relax.Expr:
+        # native_dropout returns (output, mask)
         out = convert(node, importer)
         return importer.block_builder.emit(relax.Tuple([out, out]))
 
@@ -141,14 +160,14 @@ def _dropout_converters(dropouts):
             "native_dropout.default": torch_ops.seeded(convert_native)}
 
 
-def _rename(mod, old, new):
+def _rename(mod: tvm.IRModule, old: str, new: str) -> tvm.IRModule:
     import tvm
 
     func = mod[old].with_attr("global_symbol", new)
     return tvm.IRModule({tvm.ir.GlobalVar(new): func})
 
 
-def _describe_import_error(module, err):
+def _describe_import_error(module: torch.nn.Module, err: Exception) -> str:
     text = str(err)
     if "Unsupported function type" in text or "not supported" in text.lower():
         return (f"capturing {type(module).__name__} failed: an operator is not supported by the "

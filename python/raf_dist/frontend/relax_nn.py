@@ -1,12 +1,20 @@
 """Capture a model written with ``raf_dist.nn`` (TVM's ``relax.frontend.nn`` module API)."""
+from __future__ import annotations
+
 import inspect
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
 from ..model import Model
 
+if TYPE_CHECKING:
+    import numpy.typing as npt
+    from tvm.relax.frontend import nn
 
-def from_relax_nn(module, input_specs, init_params=None, seed=0):
+
+def from_relax_nn(module: nn.Module, input_specs: Sequence[tuple[Sequence[int], str]],
+                  init_params: Mapping[str, npt.ArrayLike] | None = None, seed: int = 0) -> Model:
     """Capture ``module.forward`` for inputs ``input_specs`` = [(shape, dtype), ...].
 
     Parameter names are the module's ``named_parameters()`` names. Initial values come from
@@ -24,7 +32,7 @@ def from_relax_nn(module, input_specs, init_params=None, seed=0):
     mod, params = module.export_tvm(spec=spec)
     names = [name for name, _ in params]
     rng = np.random.default_rng(seed)
-    init = {}
+    init: dict[str, np.ndarray] = {}
     for name, param in params:
         shape = tuple(int(d) for d in param.shape)
         if init_params and name in init_params:
@@ -44,7 +52,7 @@ def from_relax_nn(module, input_specs, init_params=None, seed=0):
     mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): func})
     batch = int(input_specs[0][0][0]) if len(input_specs[0][0]) else None
 
-    def at_batch(rows):  # every input whose dim 0 is the batch gets ``rows`` rows
+    def at_batch(rows: int) -> Model:  # every input whose dim 0 is the batch gets ``rows`` rows
         specs = [((rows, *shape[1:]) if len(shape) and int(shape[0]) == batch else shape, dtype)
                  for shape, dtype in input_specs]
         return from_relax_nn(module, specs, init_params=init, seed=seed)

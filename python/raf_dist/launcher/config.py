@@ -11,7 +11,7 @@ import dataclasses
 import secrets
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, NoReturn, Optional, Sequence
 
 #: torchrun's default port for a multi-node job
 DEFAULT_MULTINODE_PORT = 29500
@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
              "-H": "raf_dist.run takes no host list: one launcher per node with --nnodes / "
                    "--node-rank / --master-addr"}
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         hints = [hint for flag, hint in self.HINTS.items()
                  if message.startswith("unrecognized arguments") and flag in message.split()]
         super().error(message + ("; " + "; ".join(dict.fromkeys(hints)) if hints else ""))

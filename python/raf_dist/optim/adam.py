@@ -7,19 +7,23 @@
 The step-dependent scalars lr/(1-b1^t), sqrt(1-b2^t) and 1-lr*wd are computed on the host in
 float64, like torch does in Python, and passed in each step.
 """
+from __future__ import annotations
+
 import math
+from typing import Mapping, Sequence
 
 from tvm import relax
 
-from .optimizer import Optimizer, _check_beta, _check_positive, const, kept
+from .optimizer import Keep, Optimizer, _check_beta, _check_positive, const, kept
 
 
 class Adam(Optimizer):
-    state_names = ("exp_avg", "exp_avg_sq")
-    hyper_names = ("step_size", "bias_correction2_sqrt")
+    state_names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    hyper_names: tuple[str, ...] = ("step_size", "bias_correction2_sqrt")
     decoupled = False
 
-    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+    def __init__(self, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
         super().__init__(lr)
         if len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
@@ -31,7 +35,7 @@ class Adam(Optimizer):
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
 
-    def hyper_values(self, step):
+    def hyper_values(self, step: int) -> dict[str, float]:
         beta1, beta2 = self.betas
         values = {"step_size": self.lr / (1 - beta1 ** step),
                   "bias_correction2_sqrt": math.sqrt(1 - beta2 ** step)}
@@ -39,7 +43,9 @@ class Adam(Optimizer):
             values["decay"] = 1 - self.lr * self.weight_decay
         return values
 
-    def emit_update(self, bb, param, grad, states, hyper, keep=None):
+    def emit_update(self, bb: relax.BlockBuilder, param: relax.Expr, grad: relax.Expr,
+                    states: Sequence[relax.Expr], hyper: Mapping[str, relax.Expr],
+                    keep: Keep | None = None) -> tuple[relax.Expr, list[relax.Expr]]:
         beta1, beta2 = self.betas
         op = relax.op
         if self.decoupled and self.weight_decay:
@@ -66,5 +72,6 @@ class AdamW(Adam):
     hyper_names = ("step_size", "bias_correction2_sqrt", "decay")
     decoupled = True
 
-    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    def __init__(self, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01) -> None:
         super().__init__(lr, betas, eps, weight_decay)

@@ -1,15 +1,20 @@
 """SGD with momentum, Nesterov momentum and L2 weight decay, as torch.optim.SGD
 (dampening 0): d = g + wd*p; buf = momentum*buf + d (buf = d on the first step, which a
 zero-initialised buffer gives exactly); d = d + momentum*buf if nesterov else buf; p -= lr*d."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
 from tvm import relax
 
-from .optimizer import Optimizer, _check_positive, const, kept
+from .optimizer import Keep, Optimizer, _check_positive, const, kept
 
 
 class SGD(Optimizer):
-    hyper_names = ("lr",)
+    hyper_names: tuple[str, ...] = ("lr",)
 
-    def __init__(self, lr, momentum=0.0, weight_decay=0.0, nesterov=False):
+    def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False) -> None:
         super().__init__(lr)
         _check_positive("momentum", momentum, allow_zero=True)
         _check_positive("weight_decay", weight_decay, allow_zero=True)
@@ -20,14 +25,16 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
         self.state_names = ("momentum_buffer",) if self.momentum else ()
 
-    def hyper_values(self, step):
+    def hyper_values(self, step: int) -> dict[str, float]:
         return {"lr": self.lr}
 
-    def emit_update(self, bb, param, grad, states, hyper, keep=None):
+    def emit_update(self, bb: relax.BlockBuilder, param: relax.Expr, grad: relax.Expr,
+                    states: Sequence[relax.Expr], hyper: Mapping[str, relax.Expr],
+                    keep: Keep | None = None) -> tuple[relax.Expr, list[relax.Expr]]:
         d = grad
         if self.weight_decay:
             d = bb.emit(relax.op.add(d, bb.emit(relax.op.multiply(param, const(self.weight_decay, param)))))
-        new_states = []
+        new_states: list[relax.Expr] = []
         if self.momentum:
             buf = kept(keep, bb.emit(relax.op.add(bb.emit(relax.op.multiply(
                 states[0], const(self.momentum, param))), d)), states[0])

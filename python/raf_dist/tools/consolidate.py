@@ -13,12 +13,15 @@ output, so memory stays at the largest parameter. Names are the model's paramete
 
 The output is written to a temporary name and renamed when complete. Nothing is unpickled.
 """
+from __future__ import annotations
+
 import argparse
 import json
 import os
 import struct
 import sys
 from pathlib import Path
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -28,7 +31,8 @@ _SAFETENSORS_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "in
                        "int32": "I32", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
 
-def consolidate(checkpoint, output, dtype="float32"):
+def consolidate(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str],
+                dtype: str = "float32") -> list[str]:
     """Write the full parameters of ``checkpoint`` to ``output`` (safetensors); returns the
     parameter names written."""
     directory = ckpt.resolve(checkpoint)
@@ -49,7 +53,8 @@ def consolidate(checkpoint, output, dtype="float32"):
                      out=out_dtype if np.dtype(b["dtype"]).kind == "f" else np.dtype(b["dtype"]))
                 for b in meta.get("buffers", []) if b["persistent"]]
     # the safetensors layout: u64 header length, JSON header (offsets), raw little-endian data
-    header, offset = {}, 0
+    header: dict[str, Any] = {}
+    offset = 0
     for p in tensors:
         nbytes = int(np.prod(p["shape"], dtype=np.int64)) * p["out"].itemsize
         header[p["name"]] = {"dtype": _SAFETENSORS_DTYPES[p["out"].name], "shape": p["shape"],
@@ -79,7 +84,7 @@ def consolidate(checkpoint, output, dtype="float32"):
     return [p["name"] for p in tensors]
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m raf_dist.tools.consolidate",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="checkpoint root (with 'latest') or a step directory")

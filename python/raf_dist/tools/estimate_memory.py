@@ -15,18 +15,26 @@ without compiling code: the same figure ``Trainer.stats()["planned_peak_bytes"]`
 the run. Capture the model with the per-rank batch, as the run would.
 Peak = parameters + optimizer state + planned temporaries, as in the ZeRO accounting.
 """
+from __future__ import annotations
+
 import argparse
 import importlib.util
 import sys
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
 from ..layout import state_layout
 
+if TYPE_CHECKING:
+    from ..model import Model
+    from ..optim import Optimizer
+
 _STATES_PER_PARAM = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 
 
-def model_state_bytes(numels, world_size, zero_opt_level, states_per_param, elem_bytes=4):
+def model_state_bytes(numels: Sequence[int], world_size: int, zero_opt_level: int,
+                      states_per_param: int, elem_bytes: int = 4) -> dict[str, int]:
     """Parameters, gradients and optimizer state this rank holds, from the tensor sizes (the
     StateLayout the Trainer holds them under: raf_dist.layout)."""
     layout = state_layout([f"p{i}" for i in range(len(numels))],
@@ -37,8 +45,9 @@ def model_state_bytes(numels, world_size, zero_opt_level, states_per_param, elem
             "optimizer_state_bytes": layout.state_bytes()}
 
 
-def estimate_memory(model, optimizer, world_size, zero_opt_level, bucket_size_mb=25.0,
-                    loss="cross_entropy", overlap_comm=True):
+def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_opt_level: int,
+                    bucket_size_mb: float = 25.0, loss: str = "cross_entropy",
+                    overlap_comm: bool = True) -> dict[str, int]:
     """Bytes per rank for ``model`` (a captured :class:`raf_dist.Model`) trained with
     ``optimizer`` on ``world_size`` ranks at ``zero_opt_level``: the model states plus
     ``planned_peak_bytes`` from TVM's memory planner and their sum ``peak_bytes``."""
@@ -68,7 +77,7 @@ def estimate_memory(model, optimizer, world_size, zero_opt_level, bucket_size_mb
     return out
 
 
-def _fmt(nbytes):
+def _fmt(nbytes: float | None) -> str:
     if nbytes is None:
         return "-"
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -78,7 +87,7 @@ def _fmt(nbytes):
     return str(nbytes)
 
 
-def _table(rows):
+def _table(rows: Sequence[Mapping[str, int]]) -> str:
     header = ["ranks", "level", "params", "grads", "optim state", "model states",
               "temporaries", "peak/rank"]
     lines = [header] + [[str(r["world_size"]), str(r["level"]), _fmt(r["param_bytes"]),
@@ -90,8 +99,10 @@ def _table(rows):
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
 
 
-def _load_script(path):
+def _load_script(path: str) -> Model:
     spec = importlib.util.spec_from_file_location("raf_dist_user_model", path)
+    if spec is None or spec.loader is None:  # a name without .py: no loader for it
+        raise SystemExit(f"{path} is not a Python file: give a .py script defining get_model()")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_model"):
@@ -101,13 +112,13 @@ def _load_script(path):
     return module.get_model()
 
 
-def _optimizer(name):
+def _optimizer(name: str) -> Optimizer:
     from .. import optim
     return {"sgd": lambda: optim.SGD(0.1), "sgd_momentum": lambda: optim.SGD(0.1, momentum=0.9),
             "adam": lambda: optim.Adam(), "adamw": lambda: optim.AdamW()}[name]()
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m raf_dist.tools.estimate_memory",
                                      description=__doc__.split("\n\n")[0])
     what = parser.add_mutually_exclusive_group(required=True)

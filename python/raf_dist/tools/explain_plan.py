@@ -20,15 +20,22 @@ vocabulary head):
 
     python -m raf_dist.tools.explain_plan --tp 2 bench/step_time.py:gpt
 """
+from __future__ import annotations
+
 import argparse
 import importlib
 import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from ..model import Model
 
 
-def explain_parallel_plan(model, tp, plan=None, loss="cross_entropy") -> str:
+def explain_parallel_plan(model: Model, tp: int, plan: Mapping[str, str] | None = None,
+                          loss: str = "cross_entropy") -> str:
     """The tensor-parallel plan of ``model`` at ``tp`` ranks as text
     (``TensorParallelPlan.explain()``): found on the captured graph as the Trainer finds it,
     or ``plan`` ({pattern: "colwise" | "rowwise" | "replicate"}) checked against it (a plan
@@ -50,7 +57,7 @@ def explain_parallel_plan(model, tp, plan=None, loss="cross_entropy") -> str:
     return make_plan(model, tp, plan, loss).explain()
 
 
-def load_factory(spec):
+def load_factory(spec: str) -> Callable[[], Any]:
     """The callable named by ``module.path:factory`` or ``path/to/file.py:factory``."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
@@ -62,6 +69,9 @@ def load_factory(spec):
             raise FileNotFoundError(f"MODEL_SPEC {spec!r}: no file {path}")
         module_spec = importlib.util.spec_from_file_location(f"_raf_dist_model_{path.stem}",
                                                              path)
+        if module_spec is None or module_spec.loader is None:  # a name without .py
+            raise ValueError(f"MODEL_SPEC {spec!r}: {path} is not a Python file (no .py "
+                             f"suffix); rename it {path.name}.py")
         module = importlib.util.module_from_spec(module_spec)
         sys.path.insert(0, str(path.resolve().parent))  # the file's own imports
         module_spec.loader.exec_module(module)
@@ -75,7 +85,7 @@ def load_factory(spec):
     return factory
 
 
-def capture(spec):
+def capture(spec: str) -> Model:
     """The raf_dist Model of the factory named by ``spec``."""
     from .. import frontend
 
@@ -88,7 +98,7 @@ def capture(spec):
     return frontend.from_pytorch(module, example)
 
 
-def model_parser(tool, description):
+def model_parser(tool: str, description: str) -> argparse.ArgumentParser:
     """The argument parser of ``python -m raf_dist.tools.<tool>``, with its MODEL_SPEC."""
     parser = argparse.ArgumentParser(prog=f"python -m raf_dist.tools.{tool}",
                                      description=f"{description} (one process, no MPI).")
@@ -98,7 +108,7 @@ def model_parser(tool, description):
     return parser
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     parser = model_parser("explain_plan", "Print the tensor-parallel plan of a model")
     parser.add_argument("--tp", type=int, required=True, help="tensor_parallel_size")
     parser.add_argument("--plan", help='JSON file with an explicit plan {"pattern": "colwise" | '

@@ -33,9 +33,21 @@ For example, the 4-layer GPT of the benchmarks on 2 pipeline ranks with 4 microb
     python -m raf_dist.tools.pipeline --pp 2 --microbatches 4 --png /tmp/s.png \\
         bench/step_time.py:gpt
 """
+from __future__ import annotations
+
+import os
 import sys
+from typing import TYPE_CHECKING, Sequence
 
 from .explain_plan import capture, model_parser
+
+if TYPE_CHECKING:
+    from ..model import Model
+    from ..passes.pipeline import StagePlan
+    from ..training.pipeline_schedule import Action
+
+    #: ``pipeline_schedule.simulate``'s entries: (rank, kind, stage, microbatch, start, end)
+    TimelineEntry = tuple[int, str, int, int, float, float]
 
 #: simulated cost of one stage's forward and backward of one microbatch (uniform: the
 #: simulator takes one cost per kind)
@@ -43,13 +55,18 @@ FORWARD_COST = 1.0
 BACKWARD_COST = 2.0
 
 
-def _stage_plan(model, num_stages, microbatches, split_points):
+def _stage_plan(model: Model, num_stages: int, microbatches: int,
+                split_points: Sequence[str] | None) -> StagePlan:
     """The StagePlan of ``model`` in ``num_stages`` stages at the microbatch's rows (as
     PipelineExecutor._forward_graph)."""
     from ..passes.batch_norm import decompose_forward, has_training_batch_norm
     from ..passes.pipeline import ForwardGraph, partition
 
     rows = model.batch_size
+    if rows is None:  # no inputs, or a 0-d first input: no batch to split
+        raise ValueError(f"the model ({model.source}) has no batch dimension (its first input is "
+                         f"{model.input_specs[0] if model.input_specs else 'missing'}): "
+                         "pipelining splits dim 0 of the inputs into microbatches")
     if rows % microbatches:
         raise ValueError(f"the model was captured with {rows} rows, which {microbatches} "
                          "microbatches do not divide; capture it with a multiple of "
@@ -62,7 +79,8 @@ def _stage_plan(model, num_stages, microbatches, split_points):
     return partition(graph, num_stages, list(split_points) if split_points else None)
 
 
-def simulate_pipeline(pp, microbatches=1, schedule="1f1b", stages_per_rank=1):
+def simulate_pipeline(pp: int, microbatches: int = 1, schedule: str = "1f1b",
+                      stages_per_rank: int = 1) -> tuple[list[list[Action]], list[TimelineEntry]]:
     """(actions, timeline) of the schedule: ``rank_actions`` and its ``simulate`` with
     uniform costs (F = 1, B = 2)."""
     from ..training import pipeline_schedule as ps
@@ -73,8 +91,9 @@ def simulate_pipeline(pp, microbatches=1, schedule="1f1b", stages_per_rank=1):
     return actions, timeline
 
 
-def explain_pipeline(model, pp, microbatches=1, schedule="1f1b", stages_per_rank=1,
-                     split_points=None, png=None) -> str:
+def explain_pipeline(model: Model, pp: int, microbatches: int = 1, schedule: str = "1f1b",
+                     stages_per_rank: int = 1, split_points: Sequence[str] | None = None,
+                     png: str | os.PathLike[str] | None = None) -> str:
     """The pipeline plan of ``model`` as text (module docstring): stage plan, each rank's
     actions, simulated vs ideal bubble, peak in-flight microbatches per stage. ``png``: also
     draw the simulated schedule there. Pure: one process, no MPI.
@@ -127,7 +146,7 @@ def explain_pipeline(model, pp, microbatches=1, schedule="1f1b", stages_per_rank
     return "\n".join(lines)
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     from ..training.pipeline_schedule import SCHEDULES
 
     parser = model_parser("pipeline", "Print the pipeline stages and schedule of a model")

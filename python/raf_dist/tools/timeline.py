@@ -11,19 +11,28 @@ for Perfetto / chrome://tracing; ``--skip N`` leaves out each rank's first N rec
 (warm-up: first-touch allocations, thread pools starting). Times are aligned on the ranks'
 wall clocks.
 """
+from __future__ import annotations
+
 import argparse
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any, Sequence
 
 
 COMPUTE = ("kernel", "blas", "vm")
 _COLOURS = {"kernel": "tab:blue", "blas": "tab:green", "vm": "tab:gray",
             "collective": "tab:red", "step": "0.92"}
 
+#: one Trace Event Format event (a JSON object)
+Event = dict[str, Any]
+#: {rank: [complete events]}
+Traces = dict[int, list[Event]]
 
-def load_traces(directory) -> dict:
+
+def load_traces(directory: str | os.PathLike[str]) -> Traces:
     """{rank: [complete events]} of every ``trace-rank{R}.json`` in ``directory``."""
     directory = Path(directory)
     files = sorted(directory.glob("trace-rank*.json"))
@@ -31,7 +40,7 @@ def load_traces(directory) -> dict:
         raise FileNotFoundError(
             f"no trace-rank*.json in {directory}: profile a run first with "
             "trainer.profile(steps, path) or RAF_DIST_PROFILE=path")
-    traces = {}
+    traces: Traces = {}
     for path in files:
         events = json.loads(path.read_text())["traceEvents"]
         complete = [e for e in events if e.get("ph") == "X"]
@@ -43,7 +52,7 @@ def load_traces(directory) -> dict:
     return traces
 
 
-def skip_steps(traces: dict, count: int) -> dict:
+def skip_steps(traces: Traces, count: int) -> Traces:
     """``traces`` without each rank's first ``count`` steps (and every event before the end
     of the last one skipped)."""
     if count <= 0:
@@ -59,11 +68,11 @@ def skip_steps(traces: dict, count: int) -> dict:
     return out
 
 
-def summary(traces: dict) -> dict:
+def summary(traces: Traces) -> dict[int, dict[str, float]]:
     """Per rank: milliseconds in steps, compute and communication, and the step count."""
     out = {}
     for rank, events in traces.items():
-        ms = defaultdict(float)
+        ms: defaultdict[str, float] = defaultdict(float)
         for e in events:
             ms[e["cat"]] += e["dur"] / 1000.0
         out[rank] = {"steps": sum(1 for e in events if e["cat"] == "step"),
@@ -72,10 +81,11 @@ def summary(traces: dict) -> dict:
     return out
 
 
-def top_calls(traces: dict, top: int = 10) -> list:
+def top_calls(traces: Traces, top: int = 10) -> list[dict[str, Any]]:
     """The ``top`` callees by total time over every rank and step: dicts with name,
     category, calls, total_ms, mean_us and share (of all step time)."""
-    totals = defaultdict(lambda: [0, 0.0, ""])
+    # name -> [calls, total us, category]
+    totals: defaultdict[str, list[Any]] = defaultdict(lambda: [0, 0.0, ""])
     step_us = 0.0
     for events in traces.values():
         for e in events:
@@ -93,7 +103,7 @@ def top_calls(traces: dict, top: int = 10) -> list:
     return rows[:top]
 
 
-def merge(traces: dict) -> dict:
+def merge(traces: Traces) -> dict[str, Any]:
     """One Trace Event Format document with every rank (its pid is the rank)."""
     events = []
     for rank in sorted(traces):
@@ -103,7 +113,7 @@ def merge(traces: dict) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def plot(traces: dict, output) -> None:
+def plot(traces: Traces, output: str | os.PathLike[str]) -> None:
     """Compute vs communication per rank over time, written to ``output`` (PNG)."""
     import matplotlib
 
@@ -117,7 +127,7 @@ def plot(traces: dict, output) -> None:
     lanes = {"compute": 0.0, "collective": 0.4}  # offsets inside a rank's row
     for row, rank in enumerate(ranks):
         base = row * 1.0
-        bars = defaultdict(list)
+        bars: defaultdict[str, list[tuple[float, float]]] = defaultdict(list)
         for e in traces[rank]:
             bars[e["cat"]].append(((e["ts"] - origin) / 1000.0, e["dur"] / 1000.0))
         ax.broken_barh(bars.pop("step", []), (base - 0.05, 0.85), facecolors=_COLOURS["step"],
@@ -141,7 +151,7 @@ def plot(traces: dict, output) -> None:
     plt.close(fig)
 
 
-def report(traces: dict, top: int = 10) -> str:
+def report(traces: Traces, top: int = 10) -> str:
     lines = []
     for rank, s in sorted(summary(traces).items()):
         other = s["step_ms"] - s["compute_ms"] - s["communication_ms"]
@@ -155,7 +165,7 @@ def report(traces: dict, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", help="directory of trace-rank{R}.json files")
     parser.add_argument("-o", "--output", default="timeline.png", help="PNG to write")
