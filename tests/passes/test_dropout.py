@@ -13,7 +13,8 @@ from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from raf_dist.frontend.dropout import dropout_marker, dropout_masks_as_inputs
+from raf_dist.frontend.dropout import dropout_masks_as_inputs
+from raf_dist.ir.ops import dropout_marker
 
 
 @I.ir_module

@@ -14,6 +14,7 @@ from typing import Any, Dict, Tuple
 
 from .. import _native
 from ..layout.mesh import AXES, Mesh, axis_ranks, check_mesh, mesh_coordinates
+from . import settings
 from .communicator import get_communicator
 from .config import get_config
 
@@ -44,13 +45,6 @@ class ProcessMesh(Mesh):
 
 _LOCK = threading.Lock()
 _MESHES: Dict[Tuple[int, int], ProcessMesh] = {}  # (tp, pp) -> mesh
-
-
-def _check_collectives():
-    # the same switch get_communicator() hands the world group
-    from . import settings
-
-    return settings.check_collectives()
 
 
 def _split(world_comm, world_group, color, size, rank, check):
@@ -91,7 +85,7 @@ def get_mesh(config: Any = None) -> ProcessMesh:
 def _build(comm, tp, dp, pp):
     rank, world = comm.rank, comm.size
     pp_rank, dp_rank, tp_rank = mesh_coordinates(rank, world, tp, pp)
-    check = _check_collectives()
+    check = settings.check_collectives()  # the switch get_communicator() gave the world
     # Same order on every rank (tp, dp, pp), so the native ids agree everywhere.
     tp_group, tp_comm = _split(comm.mpi_comm, comm.group, pp_rank * dp + dp_rank, tp, rank, check)
     dp_group, dp_comm = _split(comm.mpi_comm, comm.group, pp_rank * tp + tp_rank, dp, rank, check)

@@ -14,7 +14,7 @@ ordinary gradient of multiply.
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..ir.ops import DROPOUT_MARKER, dropout_marker
+from ..ir.ops import DROPOUT_MARKER
 from ..ir.utils import is_packed_marker
 
 @mutator

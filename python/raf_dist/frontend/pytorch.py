@@ -13,9 +13,10 @@ import numpy as np
 
 from tvm import relax
 
+from ..ir.ops import dropout_marker
 from ..model import Model
 from . import buffers, decompositions, parameters, torch_ops
-from .dropout import dropout_marker, dropout_masks_as_inputs
+from .dropout import dropout_masks_as_inputs
 
 if TYPE_CHECKING:  # PyTorch is optional: imported where a capture needs it
     import torch

@@ -71,25 +71,32 @@ def register_op(name, description, gradient=None, infer=None, argument="the tens
     return op
 
 
+_OPS = {  # name -> registered op (the gradients refer to each other through this table)
+    TP_COPY: register_op(TP_COPY, "identity forward, allreduce(sum) over the tp group backward",
+                         gradient=lambda var, call, grad, ctx: [relax.Call(_OPS[TP_REDUCE],
+                                                                           [grad])]),
+    TP_REDUCE: register_op(TP_REDUCE, "allreduce(sum) over the tp group forward, identity "
+                           "backward", gradient=lambda var, call, grad, ctx: [grad]),
+    TP_MAX: register_op(TP_MAX, "allreduce(max) over the tp group forward, no gradient",
+                        gradient=lambda var, call, grad, ctx: [relax.op.zeros_like(grad)]),
+    TP_RANK: register_op(TP_RANK, "this rank's index in the tp group (0-d int64)",
+                         infer=lambda call, ctx: relax.TensorType((), "int64"),
+                         gradient=lambda var, call, grad, ctx: [
+                             relax.op.zeros_like(call.args[0])]),
+    STAGE_MARKER: register_op(
+        STAGE_MARKER, "pipeline stage boundary (identity)",
+        gradient=lambda var, call, grad, ctx: [relax.Call(_OPS[STAGE_MARKER_GRAD], [grad])],
+        argument="the activation crossing the stage boundary"),
+    STAGE_MARKER_GRAD: register_op(
+        STAGE_MARKER_GRAD, "the stage boundary in the backward (identity)",
+        gradient=lambda var, call, grad, ctx: [relax.Call(_OPS[STAGE_MARKER], [grad])],
+        argument="the activation crossing the stage boundary"),
+}
+_TP_OPS = tuple(_OPS[n] for n in (TP_COPY, TP_REDUCE, TP_MAX, TP_RANK))
+
+
 def _op(name):
-    return tvm.ir.Op.get(name)
-
-
-register_op(TP_COPY, "identity forward, allreduce(sum) over the tp group backward",
-            gradient=lambda var, call, grad, ctx: [relax.Call(_op(TP_REDUCE), [grad])])
-register_op(TP_REDUCE, "allreduce(sum) over the tp group forward, identity backward",
-            gradient=lambda var, call, grad, ctx: [grad])
-register_op(TP_MAX, "allreduce(max) over the tp group forward, no gradient",
-            gradient=lambda var, call, grad, ctx: [relax.op.zeros_like(grad)])
-register_op(TP_RANK, "this rank's index in the tp group (0-d int64)",
-            infer=lambda call, ctx: relax.TensorType((), "int64"),
-            gradient=lambda var, call, grad, ctx: [relax.op.zeros_like(call.args[0])])
-register_op(STAGE_MARKER, "pipeline stage boundary (identity)",
-            gradient=lambda var, call, grad, ctx: [relax.Call(_op(STAGE_MARKER_GRAD), [grad])],
-            argument="the activation crossing the stage boundary")
-register_op(STAGE_MARKER_GRAD, "the stage boundary in the backward (identity)",
-            gradient=lambda var, call, grad, ctx: [relax.Call(_op(STAGE_MARKER), [grad])],
-            argument="the activation crossing the stage boundary")
+    return _OPS[name]
 
 
 # ---- tensor parallelism -------------------------------------------------------------------
@@ -115,8 +122,8 @@ def tp_rank(like):
 
 def is_tp_op(expr, which=None):
     """True for a call of one of the tp ops (or of ``which`` only)."""
-    names = (TP_COPY, TP_REDUCE, TP_MAX, TP_RANK) if which is None else (which,)
-    return isinstance(expr, relax.Call) and any(expr.op.same_as(_op(n)) for n in names)
+    ops = _TP_OPS if which is None else (_OPS[which],)
+    return isinstance(expr, relax.Call) and any(expr.op.same_as(op) for op in ops)
 
 
 # ---- pipeline stages ----------------------------------------------------------------------

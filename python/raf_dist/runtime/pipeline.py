@@ -170,7 +170,7 @@ class PipelineExecutor:
         self._peak_saved_bytes = {s: 0 for s in self.my_stages}
         self.actions = schedules.rank_actions(self.schedule, self.pp, self.microbatches,
                                               self.stages_per_rank)
-        self.transport = PipelineTransport(mesh, comm, self.num_stages, self.microbatches)
+        self.transport = PipelineTransport(mesh, self.num_stages, self.microbatches)
         schedules.check_actions(self.actions, self.num_stages, self.microbatches)
         agreement.check_fingerprints(comm, *self.fingerprint())
         self._buffer_tensors = self._init_buffers(model)
@@ -244,7 +244,7 @@ class PipelineExecutor:
         return True
 
     def dropout_masks(self, step, rows=None, microbatch=None):
-        """None: pipelining refuses models with dropout (check_pipeline_config)."""
+        """No masks: pipelining refuses models with dropout (check_pipeline_config)."""
         return []
 
     def _forward_graph(self, rows):

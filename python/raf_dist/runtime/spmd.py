@@ -31,7 +31,7 @@ from ..training.loss import check_targets, num_classes
 from . import agreement, batches
 from . import state as held
 from .plan import RunPlan
-from .tensors import check_array, host_array, nbytes, to_device
+from .tensors import check_array, nbytes, to_device
 
 _LOG = logging.getLogger("raf_dist")
 
@@ -533,7 +533,7 @@ class SPMDExecutor:
     def state_dict(self):
         """Full parameters by name (numpy arrays, true shapes). Under ZeRO-3 or tensor
         parallelism parameters are sharded, so this gathers them: every rank must call it."""
-        local = {n: host_array(v) for n, v in self._in_model_order(
+        local = {n: ckpt.host_array(v) for n, v in self._in_model_order(
             self._local_params()).items()}  # frozen ones too, in named_parameters() order
         if self.tp == 1:
             return local

@@ -7,11 +7,10 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..checkpoint import TrainState
+from ..checkpoint import TrainState, host_array
 from ..distributed import collectives
 from ..layout import StateLayout
 from ..training import tensor_parallel as tp_lib
-from .tensors import host_array
 
 
 def split_model(model: Any, tp: int, user_plan: Any, loss: str, comm: Any,

@@ -4,28 +4,23 @@ from typing import Any, Sequence, Tuple
 import numpy as np
 import tvm
 
-from ..checkpoint import host_array  # noqa: F401  (the executors' too)
-
 Spec = Tuple[Sequence[int], str]
 
 
-def check_array(array: Any, spec: Spec, what: str) -> None:
+def check_array(array: Any, spec: Spec, what: str,
+                as_what: str = "as captured, with this batch's rows") -> None:
     """``array`` must have ``spec``'s shape and dtype (raised before any work or collective)."""
     shape, dtype = spec
     array_shape, array_dtype = np.shape(array), np.asarray(array).dtype
     if tuple(array_shape) != tuple(shape) or str(array_dtype) != dtype:
-        raise ValueError(f"{what}: expected shape {tuple(shape)} and dtype {dtype} (as "
-                         f"captured, with this batch's rows), got shape {tuple(array_shape)} "
-                         f"and dtype {array_dtype}")
+        raise ValueError(f"{what}: expected shape {tuple(shape)} and dtype {dtype} "
+                         f"({as_what}), got shape {tuple(array_shape)} and dtype {array_dtype}")
 
 
 def to_device(array: Any, spec: Spec, what: str, device: Any) -> Any:
     """A runtime tensor of ``array`` on ``device``, checked against ``spec``."""
-    shape, dtype = spec
     array = np.asarray(array)
-    if tuple(array.shape) != tuple(shape) or str(array.dtype) != dtype:
-        raise ValueError(f"{what}: expected shape {tuple(shape)} and dtype {dtype} (as "
-                         f"captured), got shape {tuple(array.shape)} and dtype {array.dtype}")
+    check_array(array, spec, what, "as captured")
     return tvm.runtime.tensor(np.ascontiguousarray(array), device)
 
 

@@ -35,10 +35,10 @@ def tag(kind: str, boundary: int, microbatch: int, num_stages: int) -> int:
 class PipelineTransport:
     """The messages of this rank's pipeline schedule (module docstring)."""
 
-    def __init__(self, mesh: Any, comm: Any, num_stages: int, microbatches: int) -> None:
+    def __init__(self, mesh: Any, num_stages: int, microbatches: int) -> None:
         from mpi4py import MPI
 
-        self.mesh, self.comm, self.num_stages = mesh, comm, num_stages
+        self.mesh, self.num_stages = mesh, num_stages
         limit = mesh.pp_comm.Get_attr(MPI.TAG_UB)
         if tag("B", num_stages, microbatches, num_stages) > limit:
             raise ValueError(f"{microbatches} microbatches x {num_stages} stages need more "
