@@ -13,7 +13,9 @@ TYPED     := python/raf_dist/data.py python/raf_dist/device.py python/raf_dist/m
              python/raf_dist/launcher/config.py python/raf_dist/optim python/raf_dist/tools \
              python/raf_dist/trainer.py python/raf_dist/layout python/raf_dist/runtime/plan.py \
              python/raf_dist/runtime/agreement.py python/raf_dist/runtime/tensors.py \
-             python/raf_dist/runtime/transport.py python/raf_dist/checkpoint/train_state.py
+             python/raf_dist/runtime/transport.py python/raf_dist/checkpoint/train_state.py \
+             python/raf_dist/runtime/predict.py python/raf_dist/runtime/schedule_run.py \
+             python/raf_dist/passes/zero.py python/raf_dist/passes/zero_plan.py
 NATIVE    := $(wildcard src/*/*.cc src/*/*.h cmake/modules/*.cmake) CMakeLists.txt config.cmake
 
 .PHONY: install demo test test-fast typecheck bench clean

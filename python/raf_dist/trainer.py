@@ -18,6 +18,7 @@ from .model import Model
 from .optim import Optimizer
 from .runtime import available_cores, set_num_threads
 from .runtime.agreement import agree
+from .runtime.mixed_precision import GRAD_REDUCE_DTYPES, PRECISIONS
 from .runtime.pipeline import PipelineExecutor, check_pipeline_config
 from .runtime.plan import build_mesh, plan_run
 from .runtime.spmd import SPMDExecutor
@@ -39,7 +40,8 @@ class Trainer:
                  optimizer: Optional[Optimizer] = None, device: str = "cpu",
                  cache_dir: Optional[str] = None, seed: int = 0, nonfinite: str = "raise",
                  tensor_parallel_plan: Optional[Dict[str, str]] = None,
-                 local: bool = False) -> None:
+                 local: bool = False, precision: str = "fp32",
+                 grad_reduce_dtype: str = "float32") -> None:
         """``nonfinite``: what ``step`` does when the loss or a gradient is NaN or infinite:
         ``"raise"`` (default) raises FloatingPointError naming the step, ``"skip"`` returns the
         NaN loss and logs a warning on the ``raf_dist`` logger; either way the update is not
@@ -58,8 +60,16 @@ class Trainer:
         parallelism in the config. Otherwise, in a world of several ranks, every rank's
         Trainer meets the others' at construction (``runtime.agreement``), so ranks that
         disagree on the parallelism stop at once, naming the field, instead of waiting in a
-        collective."""
+        collective.
+
+        ``precision``: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: mixed precision
+        (passes/auto_cast.py): matmuls, convolutions and the elementwise work between them
+        compute in the low dtype, softmax, normalisation statistics and the loss in float32;
+        parameters and optimizer states stay float32 (``state_dict()`` is float32).
+        ``grad_reduce_dtype``: the dtype gradients travel in between data-parallel ranks
+        (``"float32"`` or ``"bfloat16"``: half the bytes)."""
         check_arguments(model, loss, optimizer, device, nonfinite)
+        check_precision(precision, grad_reduce_dtype)
         config = get_config()
         config.check()
         config.check_supported()
@@ -74,7 +84,8 @@ class Trainer:
         executor = PipelineExecutor if plan.pp > 1 else SPMDExecutor
         self.executor = executor(model, loss, optimizer, device, plan, mesh, comm,
                                  cache_dir=cache_dir, seed=seed, nonfinite=nonfinite,
-                                 tensor_parallel_plan=tensor_parallel_plan)
+                                 tensor_parallel_plan=tensor_parallel_plan,
+                                 precision=precision, grad_reduce_dtype=grad_reduce_dtype)
         if env.profile_dir() is not None:
             self.profile(env.profile_steps(), env.profile_dir())
 
@@ -172,6 +183,15 @@ class Trainer:
         if name.startswith("_") or name == "executor":
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.executor, name)
+
+
+def check_precision(precision: Any, grad_reduce_dtype: Any) -> None:
+    """``precision`` and ``grad_reduce_dtype`` checked before anything starts."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+    if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+        raise ValueError(f"grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES}, got "
+                         f"{grad_reduce_dtype!r}")
 
 
 def check_arguments(model: Any, loss: Any, optimizer: Any, device: Any, nonfinite: Any) -> None:

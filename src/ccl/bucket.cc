@@ -125,7 +125,6 @@ void PackChunks(ffi::PackedArgs args, ffi::Any* rv) {
   ffi::Tensor out = args[k + 1].cast<ffi::Tensor>();
   if (n < 1) TVM_FFI_THROW(ValueError) << "raf_dist.bucket.pack_chunks: N must be >= 1, got " << n;
   std::vector<ffi::Tensor> tensors;
-  int64_t shard_total = 0;
   for (int i = 0; i < k; ++i) {
     tensors.push_back(args[i].cast<ffi::Tensor>());
     const ffi::Tensor& t = tensors.back();
@@ -133,8 +132,10 @@ void PackChunks(ffi::PackedArgs args, ffi::Any* rv) {
       TVM_FFI_THROW(TypeError) << "raf_dist.bucket.pack_chunks: tensor " << i
                                << " differs in dtype or device from tensor 0";
     }
-    shard_total += (ContiguousNumel(t, "raf_dist.bucket.pack_chunks") + n - 1) / n;
+    ContiguousNumel(t, "raf_dist.bucket.pack_chunks");  // raises unless contiguous
   }
+  const int world = static_cast<int>(n);
+  const int64_t shard_total = ShardBufferCount(tensors, world);
   if (ContiguousNumel(out, "raf_dist.bucket.pack_chunks output") != n * shard_total ||
       out.dtype() != tensors[0].dtype()) {
     TVM_FFI_THROW(ValueError) << "raf_dist.bucket.pack_chunks: output must be " << n * shard_total
@@ -142,13 +143,11 @@ void PackChunks(ffi::PackedArgs args, ffi::Any* rv) {
   }
   const size_t elem = ElemBytes(out.dtype());
   char* base = static_cast<char*>(DataPtr(out));
-  int64_t offset = 0;  // of t_i's shard inside a chunk
-  for (const ffi::Tensor& t : tensors) {
-    int64_t shard = 0;
-    for (int64_t r = 0; r < n; ++r) {
-      shard = CopyShard(t, r, n, base + (r * shard_total + offset) * elem, "pack_chunks");
-    }
-    offset += shard;
+  for (int r = 0; r < world; ++r) {  // chunk r: rank r's shard buffer
+    char* chunk = base + r * shard_total * elem;
+    ForEachShard(tensors, world, r, [&](const ffi::Tensor& t, const TensorShard& s) {
+      CopyShard(t, s, chunk + s.offset * elem, "pack_chunks");
+    });
   }
 }
 

@@ -23,6 +23,7 @@
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -151,6 +152,50 @@ inline int64_t ValidCount(int64_t total, int64_t shard, int r) {
   if (begin >= total) return 0;
   return std::min<int64_t>(shard, total - begin);
 }
+
+/*!
+ * \brief Tensor t_i of a bucket t_1..t_k as rank r of N holds it in the padded flat sharding
+ *        (the file comment's multi-tensor form): its shard's place in the shard buffer and
+ *        which of its elements fill that shard. Produced by ForEachShard, the one place that
+ *        walks a bucket's shards.
+ */
+struct TensorShard {
+  size_t index;    // i: the tensor's position in the bucket
+  int64_t numel;   // n_i: elements of the full tensor
+  int64_t shard;   // C_i = ShardCount(n_i, N): every rank's shard of it, padding included
+  int64_t offset;  // C_1 + ... + C_{i-1}: where t_i's shard starts in the shard buffer
+  int64_t begin;   // rank r's first element of t_i: min(r * C_i, n_i)
+  int64_t valid;   // ValidCount(n_i, C_i, r) elements from `begin`; C_i - valid padding follow
+  bool even;       // N * C_i == n_i: no rank's shard of t_i has padding
+};
+
+/*!
+ * \brief Call fn(t_i, shard) for every tensor of the bucket, in order, with `shard` the
+ *        TensorShard of t_i on rank `rank` of `world`. Returns the shard buffer's element
+ *        count, sum_i C_i (the same on every rank).
+ */
+template <typename Fn>
+int64_t ForEachShard(const std::vector<ffi::Tensor>& tensors, int world, int rank, Fn&& fn) {
+  int64_t offset = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TensorShard s;
+    s.index = i;
+    s.numel = tensors[i].numel();
+    s.shard = ShardCount(s.numel, world);
+    s.offset = offset;
+    s.begin = std::min<int64_t>(s.numel, s.shard * rank);
+    s.valid = ValidCount(s.numel, s.shard, rank);
+    s.even = s.shard * world == s.numel;
+    fn(tensors[i], static_cast<const TensorShard&>(s));
+    offset += s.shard;
+  }
+  return offset;
+}
+/*! \brief Elements of a bucket's shard buffer: sum_i ceil(n_i / world). */
+inline int64_t ShardBufferCount(const std::vector<ffi::Tensor>& tensors, int world) {
+  return ForEachShard(tensors, world, 0, [](const ffi::Tensor&, const TensorShard&) {});
+}
+
 /*! \brief The full tensors of a reduce_scatter (inputs) or allgather (outputs): `parts`, or
  *         the one send / recv. */
 inline std::vector<ffi::Tensor> FullTensors(const CollectiveCall& c) {

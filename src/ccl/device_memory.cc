@@ -132,14 +132,11 @@ void ZeroBytes(DLDevice device, void* dst, size_t bytes, const char* what) {
   Unsupported(device, what);
 }
 
-int64_t CopyShard(const ffi::Tensor& t, int64_t rank, int64_t world, char* dst, const char* what) {
-  const int64_t numel = t.numel(), shard = (numel + world - 1) / world;
-  const int64_t begin = std::min(numel, rank * shard), end = std::min(numel, begin + shard);
+void CopyShard(const ffi::Tensor& t, const TensorShard& s, char* dst, const char* what) {
   const size_t elem = ElemBytes(t.dtype());
   const char* src = static_cast<const char*>(DataPtr(t));
-  CopyBytes(t.device(), dst, src + begin * elem, (end - begin) * elem, what);
-  ZeroBytes(t.device(), dst + (end - begin) * elem, (shard - (end - begin)) * elem, what);
-  return shard;
+  CopyBytes(t.device(), dst, src + s.begin * elem, s.valid * elem, what);
+  ZeroBytes(t.device(), dst + s.valid * elem, (s.shard - s.valid) * elem, what);
 }
 
 ffi::Tensor EmptyTensor(ffi::ShapeView shape, DLDataType dtype, DLDevice device) {

@@ -11,6 +11,8 @@
 
 #include <cstddef>
 
+#include "collective.h"
+
 namespace raf_dist {
 namespace ccl {
 
@@ -24,10 +26,10 @@ void ZeroBytes(DLDevice device, void* dst, size_t bytes, const char* what);
 ffi::Tensor EmptyTensor(ffi::ShapeView shape, DLDataType dtype, DLDevice device);
 /*! \brief Bytes of one element of `dtype`. */
 inline size_t ElemBytes(DLDataType dtype) { return (dtype.bits * dtype.lanes + 7) / 8; }
-/*! \brief Write rank `rank`'s flat padded dim-0 shard of `t` (DESIGN.md section 3: elements
- *         [r*s, (r+1)*s) of t flattened, s = ceil(numel / world), zeros past numel) to `dst`
- *         on t's device; returns s. Used by ZeRO's chunk packing and by local_shard. */
-int64_t CopyShard(const ffi::Tensor& t, int64_t rank, int64_t world, char* dst, const char* what);
+/*! \brief Write the flat padded dim-0 shard `s` of `t` (DESIGN.md section 3; ForEachShard
+ *         says which elements) to `dst` on t's device: s.valid elements of t from s.begin,
+ *         then zeros up to s.shard. Used by ZeRO's chunk packing and by local_shard. */
+void CopyShard(const ffi::Tensor& t, const TensorShard& s, char* dst, const char* what);
 
 }  // namespace ccl
 }  // namespace raf_dist

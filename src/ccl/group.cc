@@ -169,7 +169,7 @@ void Group::ValidateParts(CollectiveCall* c) const {
   if (!shard.defined() || (scatter ? c->send.defined() : c->recv.defined())) {
     TVM_FFI_THROW(InternalError) << name << " of several tensors needs the shard buffer only";
   }
-  int64_t total = 0, shards = 0;
+  int64_t total = 0;
   for (size_t i = 0; i < c->parts.size(); ++i) {
     const ffi::Tensor& t = c->parts[i];
     std::string what =
@@ -186,8 +186,8 @@ void Group::ValidateParts(CollectiveCall* c) const {
                                    "keep every tensor of the call on one device";
     }
     total += numel;
-    shards += ShardCount(numel, size_);
   }
+  const int64_t shards = ShardBufferCount(c->parts, size_);
   const int64_t have = scatter ? c->recv_count : c->send_count;
   if (have != shards) {
     TVM_FFI_THROW(ValueError) << name << ": the shard buffer has " << have

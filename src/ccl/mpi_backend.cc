@@ -295,48 +295,42 @@ MPI_Request MpiBackend::Run(const CollectiveCall& c) {
       // one MPI reduce-scatter per full tensor, each into its place in the shard buffer
       char* recv = static_cast<char*>(DataPtr(c.recv));
       MPI_Op op = ToMpiOp(c.op, c.elem);
-      int64_t offset = 0;
-      for (const ffi::Tensor& t : FullTensors(c)) {
-        const int64_t total = t.numel(), shard = ShardCount(total, size_);
-        char* out = recv + offset * esize;
-        if (shard * size_ == total) {
-          CheckMpi(MPI_Reduce_scatter_block(DataPtr(t), out, ToInt(shard), dtype, op, comm_),
+      ForEachShard(FullTensors(c), size_, rank_, [&](const ffi::Tensor& t, const TensorShard& s) {
+        char* out = recv + s.offset * esize;
+        if (s.even) {
+          CheckMpi(MPI_Reduce_scatter_block(DataPtr(t), out, ToInt(s.shard), dtype, op, comm_),
                    "Reduce_scatter_block");
         } else {
           std::vector<int> counts(size_);
-          for (int r = 0; r < size_; ++r) counts[r] = ToInt(ValidCount(total, shard, r));
+          for (int r = 0; r < size_; ++r) counts[r] = ToInt(ValidCount(s.numel, s.shard, r));
           CheckMpi(MPI_Reduce_scatter(DataPtr(t), out, counts.data(), dtype, op, comm_),
                    "Reduce_scatter");
-          int64_t valid = counts[rank_];
-          std::memset(out + valid * esize, 0, (shard - valid) * esize);  // the padding
+          std::memset(out + s.valid * esize, 0, (s.shard - s.valid) * esize);  // the padding
         }
-        offset += shard;
-      }
+      });
       if (c.op == ReduceOp::kAvg) DivideInPlace(recv, c.recv_count, c.elem, size_);
       break;
     }
     case CollectiveKind::kAllGather: {
       // one MPI allgather per full tensor, straight into it, from its place in the shards
       const char* send = static_cast<const char*>(DataPtr(c.send));
-      int64_t offset = 0;
-      for (const ffi::Tensor& t : FullTensors(c)) {
-        const int64_t total = t.numel(), shard = ShardCount(total, size_);
-        const char* in = send + offset * esize;
-        if (shard * size_ == total) {
-          CheckMpi(MPI_Allgather(in, ToInt(shard), dtype, DataPtr(t), ToInt(shard), dtype, comm_),
+      ForEachShard(FullTensors(c), size_, rank_, [&](const ffi::Tensor& t, const TensorShard& s) {
+        const char* in = send + s.offset * esize;
+        if (s.even) {
+          CheckMpi(MPI_Allgather(in, ToInt(s.shard), dtype, DataPtr(t), ToInt(s.shard), dtype,
+                                 comm_),
                    "Allgather");
         } else {
           std::vector<int> counts(size_), displs(size_);
           for (int r = 0; r < size_; ++r) {
-            counts[r] = ToInt(ValidCount(total, shard, r));
-            displs[r] = ToInt(shard * r);
+            counts[r] = ToInt(ValidCount(s.numel, s.shard, r));
+            displs[r] = ToInt(s.shard * r);
           }
-          CheckMpi(MPI_Allgatherv(in, counts[rank_], dtype, DataPtr(t), counts.data(),
+          CheckMpi(MPI_Allgatherv(in, ToInt(s.valid), dtype, DataPtr(t), counts.data(),
                                   displs.data(), dtype, comm_),
                    "Allgatherv");
         }
-        offset += shard;
-      }
+      });
       break;
     }
     case CollectiveKind::kBroadcast: {

@@ -214,53 +214,49 @@ class NcclBackend : public Backend {
       case CollectiveKind::kReduceScatter: {
         // one NCCL reduce-scatter per full tensor, each into its place in the shard buffer
         char* recv = static_cast<char*>(DataPtr(c.recv));
-        int64_t offset = 0;
-        for (const ffi::Tensor& t : FullTensors(c)) {
-          const int64_t total = t.numel(), shard = ShardCount(total, size_);
-          char* out = recv + offset * esize;
-          if (shard * size_ == total) {
-            CheckNccl(ncclReduceScatter(DataPtr(t), out, shard, dtype, ToNcclOp(c.op), comm_,
+        ForEachShard(FullTensors(c), size_, rank_,
+                     [&](const ffi::Tensor& t, const TensorShard& s) {
+          char* out = recv + s.offset * esize;
+          if (s.even) {
+            CheckNccl(ncclReduceScatter(DataPtr(t), out, s.shard, dtype, ToNcclOp(c.op), comm_,
                                         stream_),
                       "ReduceScatter");
           } else {  // pad the input with zeros to N whole shards
             void* padded = nullptr;
-            size_t bytes = static_cast<size_t>(shard) * size_ * esize;
+            size_t bytes = static_cast<size_t>(s.shard) * size_ * esize;
             CheckCuda(cudaMallocAsync(&padded, bytes, stream_), "MallocAsync");
             CheckCuda(cudaMemsetAsync(padded, 0, bytes, stream_), "MemsetAsync");
-            CheckCuda(cudaMemcpyAsync(padded, DataPtr(t), total * esize,
+            CheckCuda(cudaMemcpyAsync(padded, DataPtr(t), s.numel * esize,
                                       cudaMemcpyDeviceToDevice, stream_),
                       "MemcpyAsync");
-            CheckNccl(ncclReduceScatter(padded, out, shard, dtype, ToNcclOp(c.op), comm_,
+            CheckNccl(ncclReduceScatter(padded, out, s.shard, dtype, ToNcclOp(c.op), comm_,
                                         stream_),
                       "ReduceScatter");
             CheckCuda(cudaFreeAsync(padded, stream_), "FreeAsync");
           }
-          offset += shard;
-        }
+        });
         break;
       }
       case CollectiveKind::kAllGather: {
         // one NCCL allgather per full tensor, straight into it when its size divides by N
         const char* send = static_cast<const char*>(DataPtr(c.send));
-        int64_t offset = 0;
-        for (const ffi::Tensor& t : FullTensors(c)) {
-          const int64_t total = t.numel(), shard = ShardCount(total, size_);
-          const char* in = send + offset * esize;
-          if (shard * size_ == total) {
-            CheckNccl(ncclAllGather(in, DataPtr(t), shard, dtype, comm_, stream_), "AllGather");
+        ForEachShard(FullTensors(c), size_, rank_,
+                     [&](const ffi::Tensor& t, const TensorShard& s) {
+          const char* in = send + s.offset * esize;
+          if (s.even) {
+            CheckNccl(ncclAllGather(in, DataPtr(t), s.shard, dtype, comm_, stream_), "AllGather");
           } else {  // gather N whole shards, keep the first n elements
             void* padded = nullptr;
-            CheckCuda(cudaMallocAsync(&padded, static_cast<size_t>(shard) * size_ * esize,
+            CheckCuda(cudaMallocAsync(&padded, static_cast<size_t>(s.shard) * size_ * esize,
                                       stream_),
                       "MallocAsync");
-            CheckNccl(ncclAllGather(in, padded, shard, dtype, comm_, stream_), "AllGather");
-            CheckCuda(cudaMemcpyAsync(DataPtr(t), padded, total * esize,
+            CheckNccl(ncclAllGather(in, padded, s.shard, dtype, comm_, stream_), "AllGather");
+            CheckCuda(cudaMemcpyAsync(DataPtr(t), padded, s.numel * esize,
                                       cudaMemcpyDeviceToDevice, stream_),
                       "MemcpyAsync");
             CheckCuda(cudaFreeAsync(padded, stream_), "FreeAsync");
           }
-          offset += shard;
-        }
+        });
         break;
       }
       case CollectiveKind::kBroadcast:

@@ -15,7 +15,8 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/reflection/registry.h>
 
-#include <cstring>
+#include <utility>
+#include <vector>
 
 #include "device_memory.h"
 #include "group.h"
@@ -39,7 +40,7 @@ void LocalShard(ffi::PackedArgs args, ffi::Any* rv) {
   const DLDataType dtype = out.dtype();
   const size_t elem = ElemBytes(dtype);
   const int64_t out_numel = ContiguousNumel(out, "local_shard output");
-  int64_t offset = 0;
+  std::vector<ffi::Tensor> tensors;
   for (int i = 0; i < k; ++i) {
     ffi::Tensor t = args[i].cast<ffi::Tensor>();
     if (t.dtype() != dtype) {
@@ -51,20 +52,21 @@ void LocalShard(ffi::PackedArgs args, ffi::Any* rv) {
       TVM_FFI_THROW(ValueError) << "local_shard: input " << i << " and the output live on "
                                    "different devices";
     }
-    const int64_t n = ContiguousNumel(t, "local_shard input");
-    const int64_t shard = (n + size - 1) / size;
-    if (offset + shard > out_numel) {
-      TVM_FFI_THROW(ValueError) << "local_shard: output has " << out_numel
-                                << " elements, the shards need more (" << offset + shard
-                                << " so far)";
-    }
-    CopyShard(t, rank, size, static_cast<char*>(DataPtr(out)) + offset * elem, "local_shard");
-    offset += shard;
+    ContiguousNumel(t, "local_shard input");  // raises unless contiguous
+    tensors.push_back(std::move(t));
   }
-  if (offset != out_numel) {
-    TVM_FFI_THROW(ValueError) << "local_shard: output has " << out_numel
-                              << " elements, the shards fill " << offset;
+  const int world = static_cast<int>(size);
+  const int64_t shards = ShardBufferCount(tensors, world);
+  if (shards != out_numel) {  // checked before any copy: a short output is never overrun
+    TVM_FFI_THROW(ValueError) << "local_shard: output has " << out_numel << " elements, the "
+                              << "shards fill " << shards << " (the sum of ceil(n_i / " << world
+                              << ") over the " << k << " inputs)";
   }
+  char* base = static_cast<char*>(DataPtr(out));
+  ForEachShard(tensors, world, static_cast<int>(rank),
+               [&](const ffi::Tensor& t, const TensorShard& s) {
+                 CopyShard(t, s, base + s.offset * elem, "local_shard");
+               });
 }
 
 }  // namespace

@@ -151,3 +151,9 @@ def mark_gradient(grad, param_index):
 
 def is_gradient_marker(expr):
     return is_packed_marker(expr, MARK_GRADIENT)
+
+
+def custom_op_names():
+    """The names of raf_dist's registered ops (all identity-like or collectives of one
+    tensor: mixed precision lets them follow their input's dtype)."""
+    return frozenset(_OPS)

@@ -4,6 +4,9 @@ Input: ``train_step`` as ``training.build_train_step`` emits it: one dataflow bl
 loss, backward with gradient markers, then the optimizer's elementwise update) and the layout
 attributes saying which arguments are parameters and optimizer states.
 Arguments: ``level`` (1–3), ``world_size`` N, ``bucket_bytes``, ``overlap``, ``group``.
+Analysis, then rewrite: ``zero_plan.plan_zero`` reads and checks the step and decides the
+buckets, the state layout, the update chains and level 3's gathers; ``_Emitter`` here emits
+the bindings that plan describes, in the order below.
 
 Sharding. Every tensor of n elements is cut into N flat, padded dim-0 shards of
 s = ceil(n / N) elements; rank r owns elements [r*s, (r+1)*s) of the flattened tensor, the
@@ -43,114 +46,63 @@ every update becomes ``where(all finite, new, old)``, the loss NaN otherwise, so
 non-finite step leaves parameters and state as they were on every rank. The updates then no
 longer overlap backward's reductions (only with the guard).
 """
+from typing import Dict, List, Optional, Sequence, Tuple
+
 import tvm
 from tvm import relax
 
-from ..layout import shard_size, state_layout
-from .bucketing import Segments, assemble, assign_buckets, collective, marker_buckets
-from .gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
-                               UPDATED_ARGUMENTS, SubstituteVars, find_markers, tensor_numel)
+from .bucketing import Segments, assemble, collective
+from .gradient_markers import UPDATED_ARGUMENTS, SubstituteVars
+from .zero_plan import Bucket, GatherRegion, ZeroPlan, plan_zero
 
-ELEMENTWISE_OPS = frozenset(f"relax.{name}" for name in (
-    "add", "subtract", "multiply", "divide", "sqrt", "rsqrt", "negative", "power", "maximum",
-    "minimum", "abs", "sign", "exp", "log", "square", "where", "greater", "less",
-    "greater_equal", "less_equal", "clip", "astype", "floor_divide"))
+Handle = Optional[relax.Var]  # a started collective's handle; None: it ran blocking
 
 
-def _nbytes(ty):
-    return tensor_numel(ty) * tvm.DataType(ty.dtype).bits // 8
+class _Emitter:
+    """Emits the sharded step a ``ZeroPlan`` describes (passes/zero_plan.py decides, this
+    follows), binding by binding in the order the module docstring gives; the collectives
+    still in flight and the updated values found so far are its state."""
 
-
-class _Bucket:
-    """Tensors exchanged together: their full types, shard sizes and packed sizes."""
-
-    def __init__(self, index, keys, types, world_size):
-        self.index = index
-        self.keys = list(keys)  # parameter indices
-        self.types = list(types)
-        self.numels = [tensor_numel(t) for t in types]
-        self.shards = [shard_size(n, world_size) for n in self.numels]
-        self.shard_total = sum(self.shards)
-        self.dtype = str(types[0].dtype)
-
-    @property
-    def split_offsets(self):
-        """Where each tensor's shard starts in a packed [S] buffer, after the first."""
-        offsets, total = [], 0
-        for s in self.shards[:-1]:
-            total += s
-            offsets.append(total)
-        return offsets
-
-
-class _Rewriter:
-    def __init__(self, func, level, world_size, bucket_bytes, overlap, group, guard=False):
-        self.func, self.level, self.n, self.guard = func, level, world_size, guard
-        self.bucket_bytes, self.overlap = bucket_bytes, overlap
+    def __init__(self, plan: ZeroPlan, overlap: bool, group: int, guard: bool):
+        self.plan, self.step = plan, plan.step
+        self.overlap, self.guard = overlap, guard
         self.group = relax.prim_value(group)
         self.seg = Segments()
-        self._check_and_parse()
+        self.loss = self.step.loss  # the guard replaces it: NaN unless every rank is finite
+        self.all_finite: Optional[relax.Var] = None  # guard: every rank's verdict
+        # reduce_scatters: bucket index -> (bucket, handle, gradients, out)
+        self.in_flight: Dict[int, Tuple[Bucket, Handle, List[relax.Expr], relax.Var]] = {}
+        # guarded: (bucket, reduced shard) until every rank's verdict is known
+        self.pending: List[Tuple[Bucket, relax.Var]] = []
+        # allgathers of updated shards: (bucket, handle, updated shards)
+        self.gathering: List[Tuple[Bucket, Handle, relax.Var]] = []
+        self.deferred: List[Tuple[Bucket, relax.Var]] = []  # level 2: gathered after backward
+        self.new_full: Dict[int, relax.Var] = {}  # parameter -> its updated value (levels 1-2)
+        self.new_param_shards: Dict[int, relax.Var] = {}  # parameter -> updated shard (level 3)
+        self.new_states: Dict[Tuple[int, int], relax.Var] = {}  # (bucket, state slot) -> updated
+        # level 3, per (region, bucket): the started gather, then the gathered parameters
+        self.started: Dict[Tuple[str, int], Tuple[Handle, relax.Var, List[relax.Var]]] = {}
+        self.gathered: Dict[Tuple[str, int], Dict[int, relax.Var]] = {}
 
-    # ---- reading the step -----------------------------------------------------------------
-    def _check_and_parse(self):
-        func = self.func
-        body = func.body
-        if len(body.blocks) != 1 or not isinstance(body.blocks[0], relax.DataflowBlock):
-            raise ValueError("ShardZeRO expects train_step with one dataflow block, as "
-                             "build_train_step emits it; run it before other block-splitting passes")
-        attrs = func.attrs or {}
-        if LAYOUT_PARAM_OFFSET not in attrs:
-            raise ValueError("ShardZeRO needs train_step's layout attributes "
-                             f"({LAYOUT_PARAM_OFFSET}, ...), which build_train_step sets")
-        offset = int(attrs[LAYOUT_PARAM_OFFSET])
-        num_params = int(attrs[LAYOUT_NUM_PARAMS])
-        per_param = int(attrs[LAYOUT_STATES_PER_PARAM])
-        self.params = list(func.params[offset:offset + num_params])
-        self.states = list(func.params[offset + num_params:offset + num_params * (1 + per_param)])
-        self.per_param = per_param
-        self.block = body.blocks[0]
-        self.bindings = list(self.block.bindings)
-        self.position = {b.var: i for i, b in enumerate(self.bindings)}
-        self.markers = find_markers(self.block)
-        if sorted(m.param_index for m in self.markers) != list(range(num_params)):
-            raise ValueError("ShardZeRO: every parameter needs exactly one gradient marker")
-        bound = {b.var: b.value for b in self.bindings}
-        self.output_var = body.body
-        result = bound.get(self.output_var)
-        n_core = 1 + num_params * (1 + per_param)
-        if not isinstance(result, relax.Tuple) or len(result.fields) < n_core:
-            raise ValueError("ShardZeRO: train_step must return (loss, *params, *states, "
-                             "*buffers)")
-        # buffers the forward updates (BatchNorm running statistics): replicated, passed through
-        self.buffer_outputs = list(result.fields[n_core:])
-        updated = [int(i) for i in attrs[UPDATED_ARGUMENTS]] if UPDATED_ARGUMENTS in attrs else []
-        self.buffer_arguments = updated[len(updated) - len(self.buffer_outputs):] if (
-            self.buffer_outputs) else []
-        self.result = result
-        self.loss = result.fields[0]
-        self.forward_end = self.position.get(self.loss, -1)  # bindings <= this: forward + loss
-        self.optimizer_begin = max(m.position for m in self.markers) + 1 if self.markers else 0
-        for i in range(self.optimizer_begin, len(self.bindings)):
-            binding = self.bindings[i]
-            if binding.var.same_as(self.output_var) or isinstance(binding.value, relax.Var):
-                continue
-            value = binding.value
-            if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
-                    and value.op.name in ELEMENTWISE_OPS):
-                what = value.op.name if isinstance(value, relax.Call) and isinstance(
-                    value.op, tvm.ir.Op) else type(value).__name__
-                raise ValueError(f"ShardZeRO: the optimizer update must be elementwise to run on "
-                                 f"shards; {binding.var.name} is computed by {what}")
+    def emit(self) -> relax.Function:
+        if self.plan.forward_gathers is not None:
+            self._prefetch(self.plan.forward_gathers, 0)
+        for binding in self.plan.update.shared:  # scalar-only work of the optimizer
+            self.seg.add(binding)
+        self._forward_and_backward()
+        self._after_backward()
+        return self._assemble()
 
     # ---- building blocks ------------------------------------------------------------------
-    def bind(self, name, value, dataflow=True):
+    def bind(self, name: str, value: relax.Expr, dataflow: bool = True) -> relax.Var:
         return self.seg.bind(name, value, dataflow)
 
-    def _alloc(self, name, numel, dtype):
+    def _alloc(self, name: str, numel: int, dtype: str) -> relax.Var:
         return self.bind(name, relax.op.builtin.alloc_tensor(relax.ShapeExpr([numel]), dtype,
                                                              relax.prim_value(0)))
 
-    def split_shards(self, name, bucket, packed, dataflow=True):
+    def split_shards(self, name: str, bucket: Bucket, packed: relax.Var,
+                     dataflow: bool = True) -> List[relax.Var]:
         """Per-tensor shards [s_i] of a packed [S] shard buffer."""
         if len(bucket.keys) == 1:
             return [packed]
@@ -159,10 +111,11 @@ class _Rewriter:
         return [self.bind(f"{name}_shard{key}", relax.TupleGetItem(parts, i), dataflow)
                 for i, key in enumerate(bucket.keys)]
 
-    def concat_shards(self, name, shards):
+    def concat_shards(self, name: str, shards: Sequence[relax.Var]) -> relax.Var:
         return shards[0] if len(shards) == 1 else self.bind(name, relax.op.concat(shards, axis=0))
 
-    def start(self, kind, name, sends, outs):
+    def start(self, kind: str, name: str, sends: Sequence[relax.Expr],
+              outs: Sequence[relax.Expr]) -> Handle:
         """Blocking collective (overlap off) or start; returns the handle or None.
         reduce_scatter: several full inputs, one [S] shard output; allgather: one shard
         input, one or several full outputs (src/ccl/collective.h)."""
@@ -174,206 +127,173 @@ class _Rewriter:
         return self.bind(f"{name}_handle", collective(f"raf_dist.ccl.{kind}_start", *args),
                          dataflow=False)
 
-    def wait(self, name, handle, *buffers):
+    def wait(self, name: str, handle: Handle, *buffers: relax.Expr) -> None:
         if handle is not None:
             self.bind(name, collective("raf_dist.ccl.wait", handle, *buffers), dataflow=False)
 
-    # ---- the rewrite ----------------------------------------------------------------------
-    def run(self):
-        level, n, per_param = self.level, self.n, self.per_param
-        params, states = self.params, self.states
-        marker_by_pos = {m.position: m for m in self.markers}
-        marker_pos = {m.param_index: m.position for m in self.markers}
-        grads = {m.param_index: m.grad for m in self.markers}
-        marker_var = {m.param_index: m.var for m in self.markers}
-        chains, shared = self._update_chains(marker_var)
-
-        # gradient buckets, in backward order
-        grad_buckets = [_Bucket(b, keys, [params[k].ty for k in keys], n) for b, keys in
-                        enumerate(marker_buckets(self.markers, self.bucket_bytes))]
-
-        # new arguments: parameter shards (level 3); optimizer state as one flat [S] shard
-        # per bucket and state (bucket-major), the layout the update runs on, so no copy
-        # gathers or scatters it around each step: raf_dist.layout's StateLayout, which the
-        # executors, checkpoints and stats read too
-        layout = state_layout([str(i) for i in range(len(params))],
-                              [([int(d) for d in p.ty.shape], str(p.ty.dtype)) for p in params],
-                              [str(j) for j in range(per_param)], level, n, 0,
-                              [b.keys for b in grad_buckets])
-
-        def shard_var(i, var):
-            return relax.Var(var.name, relax.TensorType([layout.shard_numel(i)], var.ty.dtype))
-        new_params = ([shard_var(i, p) for i, p in enumerate(params)] if layout.params_sharded
-                      else list(params))
-        flat_states = {}
-        for buffer in layout.state_buffers():
-            j = int(buffer.state)
-            name = states[buffer.params[0] * per_param + j].name
-            suffix = name.rsplit("__", 1)[-1] if "__" in name else f"state{j}"
-            flat_states[(buffer.bucket, j)] = relax.Var(
-                f"bucket{buffer.bucket}__{suffix}", relax.TensorType([buffer.numel], buffer.dtype))
-        closes = {marker_pos[b.keys[-1]]: b for b in grad_buckets}
-
-        in_flight = {}  # reduce_scatters: bucket index -> (bucket, handle, gradients, out)
-        gathering = []  # allgathers of updated shards: (bucket, handle, updated shards)
-        full = {}  # parameter index -> its updated full value (levels 1-2)
-        shard_out = {}  # (bucket, state slot) -> updated flat state; (param, -1): param shard
-        deferred = []  # level 2: updated shards gathered once backward is done
-
-        def reduce_scatter(bucket):
-            """Start reducing a bucket's gradients, read where backward computed them (no
-            packed copy: the planner keeps each alive until the wait, which names it)."""
-            bucket_grads = [grads[k] for k in bucket.keys]
-            out = self._alloc(f"grad_shard{bucket.index}", bucket.shard_total, bucket.dtype)
-            handle = self.start("reduce_scatter", f"reduce_scatter{bucket.index}",
-                                bucket_grads, [out])
-            in_flight[bucket.index] = (bucket, handle, bucket_grads, out)
-
-        pending = []  # guarded: (bucket, reduced shard) until every rank's verdict is known
-        verdict = {}
-
-        def finish_reduce(index):
-            bucket, handle, bucket_grads, out = in_flight.pop(index)
-            self.wait(f"wait_reduce_scatter{index}", handle, *bucket_grads, out)
-            if self.guard:
-                pending.append((bucket, out))
-            else:
-                update(bucket, out)  # the reduced shard dies right here
-
-        def finish_all_but(keep):
-            for index in list(in_flight)[:max(0, len(in_flight) - keep)]:
-                finish_reduce(index)
-
-        def finish_gathers(keep):
-            while len(gathering) > keep:
-                bucket, handle, new_param = gathering.pop(0)
-                targets = [params[k] for k in bucket.keys]
-                self.wait(f"wait_allgather_updated{bucket.index}", handle, new_param, *targets)
-                full.update(zip(bucket.keys, targets))  # updated in place
-
-        def update(bucket, grad_shard):
-            """The optimizer on one bucket's flat shards: parameter k0's update chain (the
-            bucket's first parameter) re-emitted on [S] buffers. Every parameter's chain is
-            the same computation (_update_chains checks), so one elementwise pass updates
-            the whole bucket."""
-            b, keys = bucket.index, bucket.keys
-            if level == 3:
-                param_flat = self.concat_shards(f"param_shards{b}", [new_params[k] for k in keys])
-            else:  # this rank's shard of the full parameters, cut at run time
-                param_flat = self.bind(f"param_shard{b}", relax.call_dps_packed(
-                    "raf_dist.ccl.local_shard", [params[k] for k in keys] + [self.group],
-                    relax.TensorType([bucket.shard_total], bucket.dtype)))
-            k0 = keys[0]
-            mapping = {params[k0]: param_flat, marker_var[k0]: grad_shard}
-            for j in range(per_param):
-                mapping[states[k0 * per_param + j]] = flat_states[(b, j)]
-            for binding in chains[k0]:
-                value = self.seg.builder.normalize(_substitute(binding.value, mapping))
-                var = relax.DataflowVar(f"{binding.var.name}_b{b}", value.ty)
-                self.seg.add(relax.VarBinding(var, value))
-                mapping[binding.var] = var
-            new_param = mapping.get(self.result.fields[1 + k0], param_flat)
-            if self.guard:
-                new_param = self.bind(f"kept_param{b}", relax.op.where(
-                    verdict["finite"], new_param, param_flat))
-            for j in range(per_param):
-                field = self.result.fields[1 + len(params) + k0 * per_param + j]
-                shard_out[(b, j)] = mapping.get(field, flat_states[(b, j)])
-                if self.guard:
-                    shard_out[(b, j)] = self.bind(f"kept_state{b}_{j}", relax.op.where(
-                        verdict["finite"], shard_out[(b, j)], flat_states[(b, j)]))
-            if level == 3:
-                # the split stays outside the dataflow block, so FuseOps keeps it out of the
-                # update's kernel: alone it reads only the updated [S] shards, and each piece
-                # can be written into its parameter's buffer (compiler.UpdateInPlace); fused,
-                # every piece's block read every parameter of the bucket
-                pieces = self.split_shards(f"new_param{b}", bucket, new_param, dataflow=False)
-                for k, piece in zip(keys, pieces):
-                    shard_out[(k, -1)] = piece
-            elif level == 2:  # backward may still read the parameters: gather after it
-                deferred.append((bucket, new_param))
-            else:
-                gather_updated(bucket, new_param)
-
-        def gather_updated(bucket, new_param):
-            """Allgather a bucket's updated shards straight into its parameters' buffers (no
-            gathered copy of the bucket, no unpacking): level 1 while the next bucket is
-            updated, level 2 after backward, one gather in flight behind the next."""
-            targets = [params[k] for k in bucket.keys]
-            gathering.append((bucket, self.start("allgather", f"allgather_updated{bucket.index}",
-                                                 [new_param], targets), new_param))
-            finish_gathers(1 if self.overlap else 0)
-
-        # ---- level 3 parameter gathers
-        gathers = {}
-        if level == 3:
-            gathers["forward"] = self._plan_gathers("forward", 0, self.forward_end + 1, new_params)
-            gathers["backward"] = self._plan_gathers("backward", self.forward_end + 1,
-                                                     self.optimizer_begin, new_params)
-            self._prefetch(gathers["forward"], 0)
-        for binding in shared:  # scalar-only work of the optimizer (e.g. on hyper-parameters)
-            self.seg.add(binding)
-
-        # ---- forward and backward; levels 2-3 reduce each bucket as soon as it is complete
-        for pos in range(self.optimizer_begin):
-            binding = self.bindings[pos]
-            if level == 3 and pos == self.forward_end + 1:
-                self._prefetch(gathers["backward"], 0)
-            if pos in marker_by_pos:
-                if pos in closes and level >= 2:
+    # ---- the step, in order ---------------------------------------------------------------
+    def _forward_and_backward(self) -> None:
+        """The step's bindings before the optimizer, the gradient markers dropped; levels 2-3
+        reduce each bucket as soon as it is complete."""
+        plan, step = self.plan, self.step
+        marker_positions = {m.position for m in step.markers}
+        for pos, binding in enumerate(step.bindings[:step.optimizer_begin]):
+            if plan.backward_gathers is not None and pos == step.forward_end + 1:
+                self._prefetch(plan.backward_gathers, 0)
+            if pos in marker_positions:
+                if pos in plan.closes and plan.level >= 2:
                     # the previous bucket's reduce_scatter has had a whole bucket of backward
                     # to finish: wait for it (and update its shards) before packing this
                     # bucket, so one packed bucket at a time is alive
-                    finish_all_but(0)
-                    reduce_scatter(closes[pos])
+                    self._finish_reduces(keep=0)
+                    self._reduce_scatter(plan.closes[pos])
                 continue
-            value = binding.value
-            if level == 3:
-                region = gathers["forward" if pos <= self.forward_end else "backward"]
-                used = [v for v in relax.analysis.free_vars(value) if v in region["index"]]
-                if used:
-                    value = _substitute(value, {v: self._gathered(region, v) for v in used})
-            self.seg.add(relax.VarBinding(binding.var, value))
-        if level == 1:  # after backward: every bucket, one after the other
-            for bucket in grad_buckets:
-                reduce_scatter(bucket)
-                finish_all_but(1 if self.overlap else 0)
-        finish_all_but(0)
-        if self.guard:  # every rank's verdict first, then the (kept or skipped) updates
-            verdict["finite"] = self._agreed_finite([out for _, out in pending])
-            for bucket, out in pending:
-                update(bucket, out)
-        for bucket, new_param in deferred:
-            gather_updated(bucket, new_param)
-        finish_gathers(0)
+            self.seg.add(relax.VarBinding(binding.var, self._read_gathered(pos, binding.value)))
 
-        # ---- outputs: (loss, params, states)
-        fields = [self.loss]
-        if level == 3:
-            fields += [shard_out[(k, -1)] for k in range(len(params))]
-        else:
-            fields += [full[k] for k in range(len(params))]
-        fields += [shard_out[(b.index, j)] for b in grad_buckets for j in range(per_param)]
-        fields += self.buffer_outputs
+    def _after_backward(self) -> None:
+        """What is left once backward is done: level 1's reductions, the guard's verdict and
+        its updates, level 2's gathers of the updated shards, every wait."""
+        if self.plan.level == 1:  # after backward: every bucket, one after the other
+            for bucket in self.plan.grad_buckets:
+                self._reduce_scatter(bucket)
+                self._finish_reduces(keep=1 if self.overlap else 0)
+        self._finish_reduces(keep=0)
+        if self.guard:  # every rank's verdict first, then the (kept or skipped) updates
+            self.all_finite = self._agreed_finite([out for _, out in self.pending])
+            for bucket, out in self.pending:
+                self._update(bucket, out)
+        for bucket, new_param in self.deferred:
+            self._gather_updated(bucket, new_param)
+        self._finish_gathers(keep=0)
+
+    def _outputs(self) -> List[relax.Expr]:
+        """(loss, params, states, buffers), parameters and states in their new layout."""
+        plan, step = self.plan, self.step
+        new_params = self.new_param_shards if plan.level == 3 else self.new_full
+        return ([self.loss] + [new_params[k] for k in range(len(step.params))]
+                + [self.new_states[(b.index, j)] for b in plan.grad_buckets
+                   for j in range(step.per_param)]
+                + list(step.buffer_outputs))
+
+    def _assemble(self) -> relax.Function:
+        plan, step = self.plan, self.step
+        fields = self._outputs()
         self.bind("allreduce_loss", collective("raf_dist.ccl.allreduce", self.loss,
                                                tvm.ir.StringImm("avg"), self.group, self.loss),
                   dataflow=False)
         output = self.bind("step_outputs", relax.Tuple(fields), dataflow=False)
-        func_params = list(self.func.params)
-        offset = int(self.func.attrs[LAYOUT_PARAM_OFFSET])
-        func_params[offset:offset + len(params)] = new_params
-        func_params[offset + len(params):offset + len(params) + len(states)] = [
-            flat_states[(b.index, j)] for b in grad_buckets for j in range(per_param)]
-        func = assemble(self.func, self.seg.segments, output, params=func_params,
+        func_params = list(step.func.params)
+        offset, n_params = step.offset, len(step.params)
+        func_params[offset:offset + n_params] = plan.new_params
+        func_params[offset + n_params:offset + n_params + len(step.states)] = plan.state_arguments
+        func = assemble(step.func, self.seg.segments, output, params=func_params,
                         ret_ty=output.ty)
         # outputs 1.. still replace the parameter and state arguments, in their new layout
-        n_core = len(fields) - 1 - len(self.buffer_outputs)
+        n_core = len(fields) - 1 - len(step.buffer_outputs)
         # the buffers stay the last arguments; the state arguments before them changed count
-        shift = len(func_params) - len(self.func.params)
+        shift = len(func_params) - len(step.func.params)
         return func.with_attr(UPDATED_ARGUMENTS, list(range(offset, offset + n_core))
-                              + [i + shift for i in self.buffer_arguments])
+                              + [i + shift for i in step.buffer_arguments])
 
-    def _agreed_finite(self, shards):
+    # ---- gradient buckets -----------------------------------------------------------------
+    def _reduce_scatter(self, bucket: Bucket) -> None:
+        """Start reducing a bucket's gradients, read where backward computed them (no packed
+        copy: the planner keeps each alive until the wait, which names it)."""
+        grads = [self.step.marker_of[k].grad for k in bucket.keys]
+        out = self._alloc(f"grad_shard{bucket.index}", bucket.shard_total, bucket.dtype)
+        handle = self.start("reduce_scatter", f"reduce_scatter{bucket.index}", grads, [out])
+        self.in_flight[bucket.index] = (bucket, handle, grads, out)
+
+    def _finish_reduces(self, keep: int) -> None:
+        """Wait for every reduce_scatter in flight but the last ``keep``, oldest first."""
+        for index in list(self.in_flight)[:max(0, len(self.in_flight) - keep)]:
+            bucket, handle, grads, out = self.in_flight.pop(index)
+            self.wait(f"wait_reduce_scatter{index}", handle, *grads, out)
+            if self.guard:
+                self.pending.append((bucket, out))
+            else:
+                self._update(bucket, out)  # the reduced shard dies right here
+
+    def _update(self, bucket: Bucket, grad_shard: relax.Var) -> None:
+        """The optimizer on one bucket's flat shards, then the updated parameter shards put
+        where the level keeps them."""
+        b, step = bucket.index, self.step
+        param_flat = self._param_shard(bucket)
+        mapping = self._run_chain(bucket, param_flat, grad_shard)
+        k0 = bucket.keys[0]
+        new_param = mapping.get(step.new_param_field(k0), param_flat)
+        old_states = [self.plan.flat_states[(b, j)] for j in range(step.per_param)]
+        new_states = [mapping.get(step.new_state_field(k0, j), old)
+                      for j, old in enumerate(old_states)]
+        if self.guard:
+            new_param = self._keep_if_finite(f"kept_param{b}", new_param, param_flat)
+            new_states = [self._keep_if_finite(f"kept_state{b}_{j}", new, old)
+                          for j, (new, old) in enumerate(zip(new_states, old_states))]
+        self.new_states.update({(b, j): state for j, state in enumerate(new_states)})
+        self._put_back(bucket, new_param)
+
+    def _param_shard(self, bucket: Bucket) -> relax.Var:
+        """This rank's [S] shard of the bucket's parameters."""
+        keys = bucket.keys
+        if self.plan.level == 3:
+            return self.concat_shards(f"param_shards{bucket.index}",
+                                      [self.plan.new_params[k] for k in keys])
+        # cut from the full parameters at run time
+        return self.bind(f"param_shard{bucket.index}", relax.call_dps_packed(
+            "raf_dist.ccl.local_shard", [self.step.params[k] for k in keys] + [self.group],
+            relax.TensorType([bucket.shard_total], bucket.dtype)))
+
+    def _run_chain(self, bucket: Bucket, param_flat: relax.Var,
+                   grad_shard: relax.Var) -> Dict[relax.Var, relax.Var]:
+        """Parameter k0's update chain (the bucket's first parameter) re-emitted on [S]
+        buffers; every parameter's chain is the same computation (zero_plan checks), so one
+        elementwise pass updates the whole bucket. Returns what each of k0's variables became."""
+        step, b, k0 = self.step, bucket.index, bucket.keys[0]
+        mapping = {step.params[k0]: param_flat, step.marker_of[k0].var: grad_shard}
+        for j in range(step.per_param):
+            mapping[step.state(k0, j)] = self.plan.flat_states[(b, j)]
+        for binding in self.plan.update.chains[k0]:
+            value = self.seg.builder.normalize(_substitute(binding.value, mapping))
+            var = relax.DataflowVar(f"{binding.var.name}_b{b}", value.ty)
+            self.seg.add(relax.VarBinding(var, value))
+            mapping[binding.var] = var
+        return mapping
+
+    def _keep_if_finite(self, name: str, new: relax.Var, old: relax.Var) -> relax.Var:
+        return self.bind(name, relax.op.where(self.all_finite, new, old))
+
+    def _put_back(self, bucket: Bucket, new_param: relax.Var) -> None:
+        if self.plan.level == 3:
+            # the split stays outside the dataflow block, so FuseOps keeps it out of the
+            # update's kernel: alone it reads only the updated [S] shards, and each piece
+            # can be written into its parameter's buffer (compiler.UpdateInPlace); fused,
+            # every piece's block read every parameter of the bucket
+            pieces = self.split_shards(f"new_param{bucket.index}", bucket, new_param,
+                                       dataflow=False)
+            self.new_param_shards.update(zip(bucket.keys, pieces))
+        elif self.plan.level == 2:  # backward may still read the parameters: gather after it
+            self.deferred.append((bucket, new_param))
+        else:
+            self._gather_updated(bucket, new_param)
+
+    def _gather_updated(self, bucket: Bucket, new_param: relax.Var) -> None:
+        """Allgather a bucket's updated shards straight into its parameters' buffers (no
+        gathered copy of the bucket, no unpacking): level 1 while the next bucket is
+        updated, level 2 after backward, one gather in flight behind the next."""
+        targets = [self.step.params[k] for k in bucket.keys]
+        handle = self.start("allgather", f"allgather_updated{bucket.index}", [new_param],
+                            targets)
+        self.gathering.append((bucket, handle, new_param))
+        self._finish_gathers(keep=1 if self.overlap else 0)
+
+    def _finish_gathers(self, keep: int) -> None:
+        while len(self.gathering) > keep:
+            bucket, handle, new_param = self.gathering.pop(0)
+            targets = [self.step.params[k] for k in bucket.keys]
+            self.wait(f"wait_allgather_updated{bucket.index}", handle, new_param, *targets)
+            self.new_full.update(zip(bucket.keys, targets))  # updated in place
+
+    def _agreed_finite(self, shards: Sequence[relax.Var]) -> relax.Var:
         """A 0-d bool, the same on every rank: every rank's gradient shards and loss are
         finite (NaN and inf survive a sum). The loss becomes NaN when not."""
         op = relax.op
@@ -396,128 +316,53 @@ class _Rewriter:
             agreed, self.loss, relax.const(float("nan"), dtype)))
         return agreed
 
-    # ---- the optimizer's update chains ------------------------------------------------------
-    def _update_chains(self, marker_var):
-        """Split the optimizer region into one chain of bindings per parameter (what its new
-        value and states are computed from) plus scalar-only bindings, and check that every
-        chain is the same computation as parameter 0's up to its own tensors."""
-        per_param = self.per_param
-        owner = {}
-        for k, p in enumerate(self.params):
-            owner[p] = (k, "param")
-            owner[marker_var[k]] = (k, "grad")
-            for j in range(per_param):
-                owner[self.states[k * per_param + j]] = (k, f"state{j}")
-        chains = {k: [] for k in range(len(self.params))}
-        shared = []
-        for pos in range(self.optimizer_begin, len(self.bindings)):
-            binding = self.bindings[pos]
-            if binding.var.same_as(self.output_var):
-                continue
-            ks = {owner[v][0] for v in relax.analysis.free_vars(binding.value) if v in owner}
-            if len(ks) > 1:
-                raise ValueError(f"ShardZeRO: the optimizer update {binding.var.name} mixes "
-                                 "several parameters; ZeRO needs a per-parameter elementwise update")
-            if not ks:
-                shared.append(binding)
-                continue
-            k = ks.pop()
-            owner[binding.var] = (k, len(chains[k]))
-            chains[k].append(binding)
-        scalars = {p for p in self.func.params} | {b.var for b in shared}
+    # ---- level 3: parameters gathered before use ------------------------------------------
+    def _read_gathered(self, pos: int, value: relax.Expr) -> relax.Expr:
+        """Level 3: ``value`` (binding ``pos``) reading the gathered parameters instead of
+        their shards; unchanged at levels 1-2."""
+        if self.plan.level != 3:
+            return value
+        region = self.plan.gathers_at(pos)
+        used = [v for v in relax.analysis.free_vars(value) if v in region.param_index]
+        if not used:
+            return value
+        return _substitute(value, {v: self._gathered(region, region.param_index[v])
+                                   for v in used})
 
-        def describe(k):
-            """Parameter k's chain with its variables named by role, comparable across k."""
-            local = {}
-
-            def name_of(v):
-                if v in local:
-                    return ("local", local[v])
-                if v in owner and owner[v][0] == k:
-                    return ("own", owner[v][1])
-                return ("scalar", v) if v in scalars else ("foreign", v.name)
-
-            out = []
-            for i, binding in enumerate(chains[k]):
-                out.append(_describe(binding.value, name_of))
-                local[binding.var] = i
-            results = [self.result.fields[1 + k]] + [
-                self.result.fields[1 + len(self.params) + k * per_param + j]
-                for j in range(per_param)]
-            return out, [name_of(v) for v in results]
-
-        reference = describe(0) if self.params else None
-        for k in range(1, len(self.params)):
-            if describe(k) != reference:
-                raise ValueError(
-                    f"ShardZeRO: parameter {self.params[k].name}'s update differs from "
-                    f"{self.params[0].name}'s; ZeRO updates a bucket of parameters with one "
-                    "elementwise computation, so every parameter needs the same update rule")
-        return chains, shared
-
-    # ---- level 3 gathers ------------------------------------------------------------------
-    def _plan_gathers(self, region, begin, end, shard_params):
-        """Buckets of the parameters read in bindings [begin, end), in first-use order."""
-        param_pos = {p: k for k, p in enumerate(self.params)}
-        order = []
-        for pos in range(begin, end):
-            for v in relax.analysis.free_vars(self.bindings[pos].value):
-                if v in param_pos and param_pos[v] not in order:
-                    order.append(param_pos[v])
-        types = [self.params[k].ty for k in order]
-        buckets = [_Bucket(b, [order[i] for i in idx], [types[i] for i in idx], self.n)
-                   for b, idx in enumerate(assign_buckets([_nbytes(t) for t in types],
-                                                          self.bucket_bytes))]
-        return {"name": region, "buckets": buckets, "shards": shard_params,
-                "index": {self.params[k]: b for b in buckets for k in b.keys},
-                "param_pos": param_pos, "started": {}, "full": {}}
-
-    def _start_gather(self, region, b):
-        bucket = region["buckets"][b]
-        name = f"{region['name']}_gather{b}"
-        packed = self.concat_shards(f"{name}_shards", [region["shards"][k] for k in bucket.keys])
+    def _start_gather(self, region: GatherRegion, b: int) -> None:
+        bucket = region.buckets[b]
+        name = f"{region.name}_gather{b}"
+        packed = self.concat_shards(f"{name}_shards",
+                                    [self.plan.new_params[k] for k in bucket.keys])
         # every parameter gathered straight into a full buffer of its own shape, which the
         # forward (backward) then reads: no [N*S] gathered bucket to unpack by copies
         outs = [self.bind(f"{name}_full{k}", relax.op.builtin.alloc_tensor(
             relax.ShapeExpr([int(d) for d in ty.shape]), bucket.dtype, relax.prim_value(0)))
             for k, ty in zip(bucket.keys, bucket.types)]
-        region["started"][b] = (self.start("allgather", name, [packed], outs), packed, outs)
+        self.started[(region.name, b)] = (self.start("allgather", name, [packed], outs), packed,
+                                          outs)
 
-    def _prefetch(self, region, b):
+    def _prefetch(self, region: GatherRegion, b: int) -> None:
         """With overlap, start bucket b's gather ahead of its first use."""
-        if self.overlap and b < len(region["buckets"]) and b not in region["started"]:
+        if self.overlap and b < len(region.buckets) and (region.name, b) not in self.started:
             self._start_gather(region, b)
 
-    def _gathered(self, region, param):
-        """The full value of ``param`` in this region: gathered (with its bucket) on first use."""
-        bucket = region["index"][param]
-        if bucket.index not in region["full"]:
-            if bucket.index not in region["started"]:
+    def _gathered(self, region: GatherRegion, k: int) -> relax.Var:
+        """The full value of parameter k in this region: gathered (with its bucket) on first
+        use."""
+        bucket = region.bucket_of[k]
+        key = (region.name, bucket.index)
+        if key not in self.gathered:
+            if key not in self.started:
                 self._start_gather(region, bucket.index)
-            handle, packed, outs = region["started"][bucket.index]
-            self.wait(f"wait_{region['name']}_gather{bucket.index}", handle, packed, *outs)
+            handle, packed, outs = self.started[key]
+            self.wait(f"wait_{region.name}_gather{bucket.index}", handle, packed, *outs)
             self._prefetch(region, bucket.index + 1)  # the next bucket, one ahead
-            region["full"][bucket.index] = dict(zip(bucket.keys, outs))
-        return region["full"][bucket.index][region["param_pos"][param]]
+            self.gathered[key] = dict(zip(bucket.keys, outs))
+        return self.gathered[key][k]
 
 
-def _describe(value, name_of):
-    """A hashable description of an elementwise binding, variables named by ``name_of``."""
-    if isinstance(value, relax.Var):
-        return ("alias", name_of(value))
-    args = []
-    for arg in value.args:
-        if isinstance(arg, relax.Var):
-            args.append(name_of(arg))
-        elif isinstance(arg, tvm.ir.expr.Constant):
-            args.append(("const", str(arg.ty), arg.value.numpy().tobytes()))
-        else:
-            args.append(("expr", tvm.ir.structural_hash(arg)))
-    return (value.op.name, tvm.ir.structural_hash(value.attrs) if value.attrs is not None else 0,
-            tuple(args))
-
-
-def _substitute(expr, mapping):
+def _substitute(expr: relax.Expr, mapping: Dict[relax.Var, relax.Expr]) -> relax.Expr:
     return SubstituteVars(mapping).visit_expr(expr)
 
 
@@ -525,8 +370,8 @@ def _substitute(expr, mapping):
 class ShardZeRO:
     """See the module docstring."""
 
-    def __init__(self, level, world_size, bucket_bytes, overlap=True, group=0,
-                 func_name="train_step", guard=False):
+    def __init__(self, level: int, world_size: int, bucket_bytes: int, overlap: bool = True,
+                 group: int = 0, func_name: str = "train_step", guard: bool = False):
         if level not in (1, 2, 3):
             raise ValueError(f"ShardZeRO level must be 1, 2 or 3, got {level!r} (level 0 is "
                              "AllReduceGradients)")
@@ -538,9 +383,10 @@ class ShardZeRO:
         self.bucket_bytes, self.overlap = int(bucket_bytes), bool(overlap)
         self.group, self.func_name, self.guard = int(group), func_name, bool(guard)
 
-    def transform_module(self, mod, ctx):
-        func = _Rewriter(mod[self.func_name], self.level, self.world_size, self.bucket_bytes,
-                         self.overlap, self.group, self.guard).run()
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        # every check of the step happens in the plan, before anything is emitted
+        plan = plan_zero(mod[self.func_name], self.level, self.world_size, self.bucket_bytes)
+        func = _Emitter(plan, self.overlap, self.group, self.guard).emit()
         # parameters (level 3) and optimizer states are now held as ShardZeRO lays them out
         func = func.with_attr("raf_dist.zero_level", self.level)
         mod = mod.__class__(dict(mod.functions_items()))

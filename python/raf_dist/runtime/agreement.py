@@ -51,6 +51,7 @@ def step_description(executor: Any) -> Dict[str, Any]:
         "device": device_lib.parse(executor.device)[0],
         "optimizer_config": executor.optimizer.config(), "config": executor.config,
         "world_size": executor.world, "tensor_parallel_size": executor.tp,
+        "precision": executor.precision, "grad_reduce_dtype": executor.grad_reduce_dtype,
         "versions": [__version__, tvm.__version__]}
 
 

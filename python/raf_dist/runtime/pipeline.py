@@ -32,7 +32,6 @@ stages through the host (an NCCL send/recv path is not built).
 import dataclasses
 import logging
 import math
-import time
 
 import numpy as np
 import tvm
@@ -47,8 +46,7 @@ from ..distributed import collectives
 from ..distributed.communicator import raised_on_every_rank
 from ..layout import stage_rank, state_layout
 from ..passes import gradient_buckets
-from ..passes.pipeline import (ForwardGraph, partition, plan_like, split_forward,
-                               strip_stage_markers)
+from ..passes.pipeline import ForwardGraph, partition, plan_like, split_forward
 from ..passes.batch_norm import decompose_forward, has_training_batch_norm
 from ..passes.lower_allreduce import LowerAllReduce
 from ..passes.tp_ops import LowerTensorParallel
@@ -58,8 +56,10 @@ from ..training.loss import check_targets, num_classes
 from ..training.pipeline import build_stage_functions, build_update_step
 from ..training.step import TrainStepSignature
 from . import agreement, batches
+from . import predict as predict_lib
 from . import state as held
 from .plan import RunPlan
+from .schedule_run import ScheduleRun
 from .tensors import check_array, nbytes
 from .transport import PipelineTransport
 
@@ -92,11 +92,19 @@ class PipelineExecutor:
     checkpoints, any batch size of at least ``num_microbatches`` rows)."""
 
     def __init__(self, model, loss, optimizer, device, plan: RunPlan, mesh, comm,
-                 cache_dir=None, seed=0, nonfinite="raise", tensor_parallel_plan=None):
+                 cache_dir=None, seed=0, nonfinite="raise", tensor_parallel_plan=None,
+                 precision="fp32", grad_reduce_dtype="float32"):
         """See raf_dist.Trainer: the arguments are checked, the pipeline config too
         (``check_pipeline_config``) and the ranks agreed (the front did all three)."""
         self.run_plan, self.config, self.comm, self.mesh = plan, plan.config, comm, mesh
         self.local = False
+        self.precision, self.grad_reduce_dtype = precision, grad_reduce_dtype
+        if precision != "fp32" or grad_reduce_dtype != "float32":
+            raise NotImplementedError(
+                f"precision={precision!r} / grad_reduce_dtype={grad_reduce_dtype!r} with "
+                "pipeline_parallel_size > 1 is not built yet (the stages would be cast "
+                "separately); use precision='fp32' with pipelining, or data / tensor "
+                "parallelism for mixed precision")
         self.pp, self.tp, self.zero_level = plan.pp, plan.tp, plan.zero_level
         self.schedule = plan.schedule
         self.stages_per_rank = plan.stages_per_rank
@@ -174,7 +182,8 @@ class PipelineExecutor:
         schedules.check_actions(self.actions, self.num_stages, self.microbatches)
         agreement.check_fingerprints(comm, *self.fingerprint())
         self._buffer_tensors = self._init_buffers(model)
-        self._forwards = {}  # predict's compiled forwards by rows
+        self._forwards = predict_lib.Forwards(  # predict's compiled forwards by rows
+            self.full_model.at_batch, forward_passes(), self._target, self._device, cache_dir)
 
     # ---- building --------------------------------------------------------------------------
     def _build_update(self, optimizer, cache_dir):
@@ -271,6 +280,9 @@ class PipelineExecutor:
                       self._plan_rows)
             plan = plan_like(self.plan, self._forward_graph(rows))
         funcs = split_forward(plan)
+        if rows == self._plan_rows:  # which pp rank writes each buffer (buffers_dict)
+            self._buffer_holders = {b: stage_rank(i, self.pp) for i, f in enumerate(funcs)
+                                    for b in f.buffers_written}
         stage_set = _StageSet(rows, self._build_stages(funcs, rows), [
             (tuple(int(d) for d in ty.shape), str(ty.dtype)) for ty in (
                 f.function.ret_ty.fields[0] if f.buffers_written else f.function.ret_ty
@@ -405,110 +417,20 @@ class PipelineExecutor:
         return loss
 
     def _run_schedule(self, inputs, y, pieces, sets, weights):
-        """Execute this rank's actions on microbatches of ``pieces`` rows (``sets``: the
-        compiled stages for each size, ``weights``: each microbatch's loss weight); returns
-        (weighted loss sum on the last stage, else 0; {parameter name: accumulated gradient
-        tensor})."""
-        dev = self._device
-        accs = {n: tvm.runtime.tensor(np.zeros(s, d), dev)
-                for n, (s, d) in zip(self.param_names, self.param_specs)}
-        starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]).astype(int).tolist()
-        actions = self.actions[self.pp_rank]
-        # every receive of the step, posted now (module docstring)
-        recvs = {}
-        for a in actions:
-            specs = sets[pieces[a.microbatch]].boundary_specs if a.kind.startswith("RECV") else None
-            if a.kind == "RECV_F":
-                boundary, spec = a.stage - 1, specs[a.stage - 1]
-            elif a.kind == "RECV_B":
-                boundary, spec = a.stage, specs[a.stage]
-            else:
-                continue
-            buf = np.empty(spec[0], dtype=spec[1])
-            req = self.transport.post_recv(buf, a.peer, a.kind[-1], boundary, a.microbatch)
-            recvs[(a.kind, a.stage, a.microbatch)] = (req, buf)
-        self.transport.start_step()
-        handoff = {}  # ("F"|"B", stage, m) -> tensor for that stage's F / B
-        saved = {}  # (stage, m) -> saved tensors
-        live = {s: 0 for s in self.my_stages}
-        live_bytes = {s: 0 for s in self.my_stages}
-        outputs = {}  # ("F"|"B", stage, m) -> tensor produced, waiting for its SEND
-        seeds = [tvm.runtime.tensor(np.array(w, dtype=self._hyper_dtype), dev) for w in weights]
-        loss_sum = 0.0
-
-        def rows_of(array, m, per_row=1):
-            return np.ascontiguousarray(batching.target_piece(array, starts[m], pieces[m],
-                                                              per_row))
-
-        timeline = []  # (kind, stage, microbatch, start, end) of each F / B, this step
-        for a in actions:
-            s, m = a.stage, a.microbatch
-            began = time.perf_counter()
-            if a.kind in ("RECV_F", "RECV_B"):
-                req, buf = recvs.pop((a.kind, s, m))
-                self.transport.wait(req, str(a))
-                handoff[(a.kind[-1], s, m)] = tvm.runtime.tensor(buf, dev)
-            elif a.kind in ("SEND_F", "SEND_B"):
-                value = np.ascontiguousarray(outputs.pop((a.kind[-1], s, m)).numpy())
-                boundary = s if a.kind == "SEND_F" else s - 1
-                self.transport.send(value, a.peer, a.kind[-1], boundary, m)
-            elif a.kind == "F":
-                stage = sets[pieces[m]].stages[s]
-                fns = stage.functions
-                if s == 0:
-                    data = [tvm.runtime.tensor(rows_of(v, m), dev) for v in inputs]
-                else:
-                    data = [handoff.pop(("F", s, m))]
-                if fns.last:
-                    data.append(tvm.runtime.tensor(rows_of(y, m, self._target_per_row), dev))
-                params = [self._tensors[n] for n in fns.param_names]
-                params += [self._buffer_tensors[n] for n in fns.buffer_names]
-                written = fns.buffers_written
-                if self.activation_checkpointing:
-                    out = stage.vm["forward_only"](*data, *params)
-                    primary, first_new = (out[0], 1) if written else (out, None)
-                    keep = data
-                else:
-                    out = stage.vm["forward"](*data, *params)
-                    primary, first_new = out[0], 1 + fns.num_saved
-                    keep = [out[1 + i] for i in range(fns.num_saved)]
-                for i, name in enumerate(written):  # once per microbatch, in order
-                    self._buffer_tensors[name] = out[first_new + i]
-                saved[(s, m)] = keep
-                live[s] += 1
-                self._peak_saved[s] = max(self._peak_saved[s], live[s])
-                live_bytes[s] += sum(nbytes(t) for t in keep)
-                self._peak_saved_bytes[s] = max(self._peak_saved_bytes[s], live_bytes[s])
-                if fns.last:
-                    loss_sum += weights[m] * float(primary.numpy())
-                else:
-                    self._deliver("F", s + 1, m, primary, handoff, outputs, s)
-            elif a.kind == "B":
-                stage = sets[pieces[m]].stages[s]
-                fns = stage.functions
-                keep = saved.pop((s, m))
-                live[s] -= 1
-                live_bytes[s] -= sum(nbytes(t) for t in keep)
-                grad_in = seeds[m] if fns.last else handoff.pop(("B", s, m))
-                params = [self._tensors[n] for n in fns.param_names]
-                if self.activation_checkpointing:  # recompute reads the buffers too
-                    params += [self._buffer_tensors[n] for n in fns.buffer_names]
-                mine = [accs[n] for n in fns.trainable]
-                fn = stage.vm["recompute" if self.activation_checkpointing else "backward"]
-                out = fn(*keep, grad_in, *params, *mine)
-                for i, n in enumerate(fns.trainable):
-                    accs[n] = out[1 + i]
-                if s > 0:
-                    self._deliver("B", s - 1, m, out[0], handoff, outputs, s)
-            if a.kind in ("F", "B"):
-                ended = time.perf_counter()
-                timeline.append((a.kind, s, m, began, ended))
-                if self._profiling is not None and self._profiling.active:
-                    self._profiling.recorder.add(f"{a.kind} stage {s} mb {m}", "pipeline",
-                                                 int(began * 1e9), int(ended * 1e9),
-                                                 stage=s, microbatch=m)
-        self.last_timeline = timeline
-        self.transport.finish_sends()
+        """This rank's actions on microbatches of ``pieces`` rows (runtime/schedule_run.py);
+        returns (weighted loss sum on the last stage, else 0; {parameter: gradient})."""
+        profiling = self._profiling is not None and self._profiling.active
+        run = ScheduleRun(self.actions[self.pp_rank], self.transport, sets, pieces, weights,
+                          self._tensors, self._buffer_tensors, my_stages=self.my_stages,
+                          recompute=bool(self.activation_checkpointing), device=self._device,
+                          dtype=self._hyper_dtype,
+                          recorder=self._profiling.recorder if profiling else None)
+        loss_sum, accs = run.run(inputs, y, self._target_per_row, self.param_names,
+                                 self.param_specs)
+        for s in self.my_stages:
+            self._peak_saved[s] = max(self._peak_saved[s], run.peak_saved[s])
+            self._peak_saved_bytes[s] = max(self._peak_saved_bytes[s], run.peak_saved_bytes[s])
+        self.last_timeline = run.timeline
         return loss_sum, accs
 
     def _keep_rank0_buffers(self):
@@ -521,14 +443,6 @@ class PipelineExecutor:
             host = np.array(tensor.numpy(), order="C")
             collectives.broadcast(host.reshape(-1), root=0, group=self.dp_group)
             self._buffer_tensors[name] = tvm.runtime.tensor(host, self._device)
-
-    def _deliver(self, kind, to_stage, m, tensor, handoff, outputs, from_stage):
-        """A stage's output for ``to_stage``: handed over when this rank holds it, else kept
-        for the SEND action that follows."""
-        if to_stage in self.my_stages:
-            handoff[(kind, to_stage, m)] = tensor
-        else:
-            outputs[(kind, from_stage, m)] = tensor
 
     def _all_finite(self, loss_sum, accs):
         """Whether the loss and every gradient are finite on every rank (one allreduce)."""
@@ -584,22 +498,26 @@ class PipelineExecutor:
             out[name] = value
         return out
 
-    def _gather_pp(self, held):
-        """Every pp rank's {name: value} merged (an allgather over pp), model order."""
-        merged = {}
-        for part in self.pp_comm.allgather(held):
-            merged.update(part)
-        return merged
+    def _holders(self):
+        """{parameter name: the lowest pp rank holding it} from the stage plan."""
+        holders = {}
+        for s in range(self.num_stages):
+            for name in self.plan.params[s]:
+                rank = stage_rank(s, self.pp)
+                holders[name] = min(rank, holders.get(name, rank))
+        return holders
 
     def state_dict(self):
-        """Every full parameter on every rank (gathered over pp and tp): every rank calls it."""
-        merged = self._gather_pp(self._held())
-        return {n: merged[n] for n in self.full_model.param_names}
+        """Every full parameter on every rank (gathered over pp and tp: every rank calls it)."""
+        return self.transport.merge_over_pp(self._held(), self._holders(),
+                                            self.full_model.param_names)
 
     def buffers_dict(self) -> dict:
         """Every buffer by name, as ``module.named_buffers()`` lists them: the running
         statistics of every stage (gathered over pp: every rank calls it) and the constants."""
-        carried = self._gather_pp({n: t.numpy() for n, t in self._buffer_tensors.items()})
+        held = {n: t.numpy() for n, t in self._buffer_tensors.items()}
+        carried = self.transport.merge_over_pp(held, self._buffer_holders,
+                                               sorted(self._buffer_holders))
         order = self.full_model.buffer_order or list(carried)
         return {n: carried[n] if n in carried else self.full_model.constant_buffers[n]
                 for n in order}
@@ -608,23 +526,23 @@ class PipelineExecutor:
         """{param: {state: full array}} of every parameter: every rank calls it."""
         mine = held.full_optimizer_states(self.layout, self._states, self.dp_group,
                                           self.tp_plan, self.mesh.tp_group, self.tp)
-        merged = {}
-        for part in self.pp_comm.allgather(mine):
-            merged.update(part)
-        return {n: merged[n] for n in self.full_model.param_names if n in merged}
+        flat = {f"{p}\0{s}": v for p, d in mine.items() for s, v in d.items()}
+        holders = self._holders()
+        trained = [n for n in self.full_model.param_names if n not in self._frozen_names]
+        keys = [f"{p}\0{s}" for p in trained for s in self.optimizer.state_names]
+        merged = self.transport.merge_over_pp(
+            flat, {k: holders[k.split("\0")[0]] for k in keys}, keys)
+        out = {}
+        for key, value in merged.items():
+            param, state = key.split("\0")
+            out.setdefault(param, {})[state] = value
+        return out
 
     def predict(self, x):
         """The model's output on the rows ``x`` (any number): the whole forward on every rank
         with the full parameters (gathered over pp and tp: every rank calls it), in pieces of
-        the captured batch size. Evaluation, not the pipelined training step."""
-        spec = self.full_model.input_specs
-        if len(spec) != 1:
-            raise ValueError("predict() supports single-input models")
-        shape, dtype = spec[0]
-        x = np.asarray(x, dtype=dtype)
-        if x.ndim != len(shape) or tuple(x.shape[1:]) != tuple(shape[1:]) or not len(x):
-            raise ValueError(f"predict(): rows must have shape {tuple(shape[1:])}, got "
-                             f"{tuple(x.shape)}")
+        the captured batch size (runtime/predict.py). Evaluation, not the pipelined step."""
+        x = predict_lib.check_rows(x, self.full_model.input_specs)
         full = self.state_dict()
         params = [tvm.runtime.tensor(np.ascontiguousarray(full[n]), self._device)
                   for n in self.full_model.param_names]
@@ -632,27 +550,13 @@ class PipelineExecutor:
         buffers = self.buffers_dict()
         buffers = [tvm.runtime.tensor(np.array(buffers[n], order="C"), self._device)
                    for n in getattr(self.full_model, "buffer_names", ())]
-        outputs, batch = [], shape[0]
-        for start in range(0, len(x), batch):
-            piece = x[start:start + batch]
-            rows = len(piece) if self.full_model.respecialize is not None else batch
-            if rows not in self._forwards:
-                at_rows = self.full_model.at_batch(rows)
-                forward = strip_stage_markers(at_rows.forward_eval if at_rows.forward_eval
-                                              is not None else at_rows.forward).with_attr(
-                    "global_symbol", "forward")
-                compiled = compile_step(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward}),
-                                        passes=forward_passes(),
-                                        target=self._target, cache_dir=self._cache_dir)
-                self._forwards[rows] = relax.VirtualMachine(compiled.executable,
-                                                            self._device)["forward"]
-            if rows != len(piece):
-                piece = np.concatenate([piece, np.zeros((rows - len(piece),) + piece.shape[1:],
-                                                        dtype)])
-            out = self._forwards[rows](tvm.runtime.tensor(np.ascontiguousarray(piece),
-                                                          self._device), *params, *buffers)
-            outputs.append(out.numpy()[:min(batch, len(x) - start)])
-        return np.concatenate(outputs)
+
+        def run_piece(piece, rows):
+            forward, _ = self._forwards.at(rows)
+            return forward(tvm.runtime.tensor(piece, self._device), *params, *buffers).numpy()
+
+        return predict_lib.in_pieces(x, int(self.full_model.input_specs[0][0][0]),
+                                     self.full_model.respecialize is not None, run_piece)
 
     def stats(self):
         """As the SPMD executor's, plus ``pipeline``: this rank's stages, the most microbatches (and

@@ -24,11 +24,11 @@ from ..distributed.communicator import raised_on_every_rank
 from ..layout import state_layout
 from ..passes import gradient_buckets
 from ..passes.batch_norm import decompose_forward, has_training_batch_norm
-from ..passes.pipeline import strip_stage_markers
 from ..training import build_train_step
 from ..training import batch_size as batching
 from ..training.loss import check_targets, num_classes
-from . import agreement, batches
+from . import agreement, batches, mixed_precision
+from . import predict as predict_lib
 from . import state as held
 from .plan import RunPlan
 from .tensors import check_array, nbytes, to_device
@@ -44,99 +44,123 @@ class SPMDExecutor:
     """
 
     def __init__(self, model, loss, optimizer, device, plan: RunPlan, mesh, comm,
-                 cache_dir=None, seed=0, nonfinite="raise", tensor_parallel_plan=None):
+                 cache_dir=None, seed=0, nonfinite="raise", tensor_parallel_plan=None,
+                 precision="fp32", grad_reduce_dtype="float32"):
         """See raf_dist.Trainer: the arguments are checked and the ranks agreed (the front
         did both); ``plan`` is the config read once, ``mesh`` the mesh it runs on."""
         self.run_plan, self.config, self.comm, self.mesh = plan, plan.config, comm, mesh
-        self.local = plan.local
-        self.tp, self.zero_level = plan.tp, plan.zero_level
+        self.local, self.tp, self.zero_level = plan.local, plan.tp, plan.zero_level
         self.data_parallel, self.world, self.spmd = plan.data_parallel, plan.world, plan.spmd
-        self.dp_group = mesh.dp_group
-        self.dp_comm = mesh.dp_comm
+        self.dp_group, self.dp_comm = mesh.dp_group, mesh.dp_comm
         self.dp_rank = mesh.dp_rank if self.world > 1 else 0
         self.model, self.full_model = model, model
         self.loss, self.optimizer, self.device = loss, optimizer, device
+        self.nonfinite, self.seed, self._cache_dir = nonfinite, int(seed), cache_dir
+        self.precision, self.grad_reduce_dtype = precision, grad_reduce_dtype
+        self.compute_dtype = mixed_precision.compute_dtype(precision, device)
+        self.microbatches, self.bucket_bytes = plan.microbatches, plan.bucket_bytes
+        # synchronized batch norm: statistics of the global batch (passes/batch_norm.py)
+        self.sync_batch_norm_world = plan.sync_batch_norm_world
+        self.skipped_steps = 0  # steps whose update nonfinite="skip" left out
+        self.step_count = 0
+        self._comm_last_step, self._comm_by_axis = {}, {}
+        self._profiling = None  # a profiler.StepProfiler while profile records
         # collective only when every rank builds this Trainer (data parallel, several ranks)
         self._device = device_lib.select(device, comm, collective=self.spmd)
         self._target = device_lib.target_for(self._device)
 
-        self.tp_plan = None
-        if self.tp > 1:  # split the forward (training/tensor_parallel.py)
-            self.tp_plan, model = held.split_model(model, self.tp, tensor_parallel_plan, loss,
-                                                   comm, mesh.tp_rank)
-            self.model = model
-        elif tensor_parallel_plan is not None:
-            raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1; set "
-                             "dist.get_config().tensor_parallel_size first")
-        # synchronized batch norm: statistics of the global batch (passes/batch_norm.py)
-        self.sync_batch_norm_world = plan.sync_batch_norm_world
-        step_model = model
-        if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
-            step_model = decompose_forward(model, self.sync_batch_norm_world)
-        self.nonfinite = nonfinite
-        # ranks may hold different numbers of rows: each weights its loss (training/batch_size.py)
-        # gradient accumulation (num_microbatches, DESIGN.md 3c at P = 1): microbatches weight
-        # their losses by rows too
-        self.microbatches = plan.microbatches
-        if self.microbatches > 1 and self.data_parallel and self.zero_level == 3:
-            raise ValueError(
-                f"num_microbatches={self.microbatches} with zero_opt_level=3 is not supported: "
-                "the microbatches before the last would need the parameters gathered again "
-                "each time. Use zero_opt_level <= 2 or num_microbatches=1")
-        self._weighted_loss = (self.data_parallel and self.world > 1) or self.microbatches > 1
-        self.ir, self.signature = build_train_step(step_model, loss, optimizer,
-                                                   nonfinite_guard=self._nonfinite_guard(),
-                                                   loss_weight=self._weighted_loss,
-                                                   tensor_parallel=self.tp > 1)
-        batching.check_target_splits(self.signature.target_spec, model.batch_size,
-                                     self.microbatches, model.source)
-        # for the target check: the model's classes (all of them under tensor parallelism)
-        self._classes = num_classes(self.full_model.forward, loss)
-        self.skipped_steps = 0  # steps whose update nonfinite="skip" left out
-        self.bucket_bytes = plan.bucket_bytes
+        model = self.model = self._split_for_tp(model, tensor_parallel_plan)
+        self._build_step(model)
         # from the fingerprint check on the ranks meet in collectives (and compile barriers):
         # an exception on one rank ends the job (Communicator.collective_work)
         with comm.collective_work("building a Trainer (compiling its step)", self.spmd):
             if self.spmd:
                 agreement.check_fingerprints(comm, *self.fingerprint())
-            # gradient buckets (parameter indices, in backward order) the distribution pass uses
-            self.grad_buckets = (gradient_buckets(self.ir, self.bucket_bytes)
-                                 if self.data_parallel else [])
-            # what this rank holds of the parameters and optimizer state (raf_dist.layout)
-            self.layout = state_layout(self.signature.param_names, self.signature.param_specs,
-                                       self.signature.state_names,
-                                       self.zero_level if self.data_parallel else 0,
-                                       self.world, self.dp_rank, self.grad_buckets)
-            self._step_passes = self._passes()  # again for each new batch size
-            self.compiled = self._compile(cache_dir)
-            self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
-            self._vms = [self._vm]  # every step VM, for profile (one per batch size seen)
-            # one compiled step per batch size (rows on this rank) seen, the captured one first
-            self.batch_size = model.batch_size
-            self._variants = {self.batch_size: batching.StepVariant(
-                self.batch_size, model, self.signature, self.compiled, self._vm["train_step"])}
-            self._models = {self.batch_size: model}  # the model captured at each size
-            init = {n: np.ascontiguousarray(model.init_params[n])
-                    for n in self.signature.param_names}
-            if self.data_parallel and self.world > 1:  # identical start whatever each rank's seed
-                for name in self.signature.param_names:
-                    init[name] = collectives.broadcast(init[name].copy(), root=0,
-                                                       group=self.dp_group)
-        if self.layout.params_sharded:  # parameters held as this rank's flat padded shard
+            self._compile_captured(model)
+            init = self._initial_params(model)
+        self._init_state(model, init)
+        self._forwards = predict_lib.Forwards(  # predict's compiled forwards by rows
+            self._model_at, forward_passes(self.mesh.tp_group if self.tp > 1 else None),
+            self._target, self._device, cache_dir)
+
+    # ---- construction, in steps --------------------------------------------------------------
+    def _split_for_tp(self, model, tensor_parallel_plan):
+        """This rank's tp piece of ``model`` (training/tensor_parallel.py), or ``model``."""
+        self.tp_plan = None
+        if self.tp > 1:
+            self.tp_plan, model = held.split_model(model, self.tp, tensor_parallel_plan,
+                                                   self.loss, self.comm, self.mesh.tp_rank)
+        elif tensor_parallel_plan is not None:
+            raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1; set "
+                             "dist.get_config().tensor_parallel_size first")
+        return model
+
+    def _build_step(self, model):
+        """The training step's IR and signature at the captured batch size, checked."""
+        if self.microbatches > 1 and self.data_parallel and self.zero_level == 3:
+            raise ValueError(
+                f"num_microbatches={self.microbatches} with zero_opt_level=3 is not supported: "
+                "the microbatches before the last would need the parameters gathered again "
+                "each time. Use zero_opt_level <= 2 or num_microbatches=1")
+        # ranks may hold different numbers of rows, and microbatches (gradient accumulation,
+        # DESIGN.md 3c at P = 1) too: each weights its loss by rows (training/batch_size.py)
+        self._weighted_loss = (self.data_parallel and self.world > 1) or self.microbatches > 1
+        step_model = model
+        if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
+            step_model = decompose_forward(model, self.sync_batch_norm_world)
+        self.ir, self.signature = build_train_step(step_model, self.loss, self.optimizer,
+                                                   nonfinite_guard=self._nonfinite_guard(),
+                                                   loss_weight=self._weighted_loss,
+                                                   tensor_parallel=self.tp > 1,
+                                                   compute_dtype=self.compute_dtype)
+        batching.check_target_splits(self.signature.target_spec, model.batch_size,
+                                     self.microbatches, model.source)
+        # for the target check: the model's classes (all of them under tensor parallelism)
+        self._classes = num_classes(self.full_model.forward, self.loss)
+        self._hyper_dtype = (self.signature.param_specs[0][1] if self.signature.param_specs
+                             else "float32")
+
+    def _compile_captured(self, model):
+        """The gradient buckets, the StateLayout and the step compiled at the captured size."""
+        # gradient buckets (parameter indices, in backward order) the distribution pass uses
+        self.grad_buckets = (gradient_buckets(self.ir, self.bucket_bytes)
+                             if self.data_parallel else [])
+        # what this rank holds of the parameters and optimizer state (raf_dist.layout)
+        self.layout = state_layout(self.signature.param_names, self.signature.param_specs,
+                                   self.signature.state_names,
+                                   self.zero_level if self.data_parallel else 0,
+                                   self.world, self.dp_rank, self.grad_buckets)
+        self._step_passes = self._passes()  # again for each new batch size
+        self.compiled = self._compile(self._cache_dir)
+        self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
+        self._vms = [self._vm]  # every step VM, for profile (one per batch size seen)
+        # one compiled step per batch size (rows on this rank) seen, the captured one first
+        self.batch_size = model.batch_size
+        self._variants = {self.batch_size: batching.StepVariant(
+            self.batch_size, model, self.signature, self.compiled, self._vm["train_step"])}
+        self._models = {self.batch_size: model}  # the model captured at each size
+
+    def _initial_params(self, model):
+        """{name: array} of the trained parameters' start: dp rank 0's on every dp rank,
+        whatever each rank's seed."""
+        init = {n: np.ascontiguousarray(model.init_params[n])
+                for n in self.signature.param_names}
+        if self.data_parallel and self.world > 1:
+            for name in self.signature.param_names:
+                init[name] = collectives.broadcast(init[name].copy(), root=0,
+                                                   group=self.dp_group)
+        return init
+
+    def _init_state(self, model, init):
+        """The runtime tensors held between steps: parameters (this rank's flat padded
+        shard under ZeRO-3), frozen parameters, optimizer states, buffers."""
+        if self.layout.params_sharded:
             init = {n: self.layout.shard(a) for n, a in init.items()}
         self._params = [tvm.runtime.tensor(init[n], self._device)
                         for n in self.signature.param_names]
         self._frozen = self._init_frozen(model)  # requires_grad=False: passed, never updated
         self._states = [tvm.runtime.tensor(a, self._device) for a in self.layout.zero_states()]
         self._buffers = self._init_buffers(model)
-        self.step_count = 0
-        self._comm_last_step = {}
-        self._comm_by_axis = {}
-        self._forwards = {}  # rows -> (compiled forward, model at that size) for predict
-        self._cache_dir = cache_dir
-        self.seed = int(seed)
-        self._hyper_dtype = self.signature.param_specs[0][1] if self._params else "float32"
-        self._profiling = None  # a profiler.StepProfiler while profile records
 
     def fingerprint(self):
         """(digest, description): what every rank of a job must agree on before the first
@@ -379,46 +403,33 @@ class SPMDExecutor:
         return masks
 
     def predict(self, x):
-        """Forward pass with the current parameters on any number of rows: the batch is cut
-        into pieces of the captured batch size, the last one run at its own size (one compiled
-        forward per piece size, cached; a model that cannot be captured again at another size
-        has the last piece padded instead); returns the outputs as one numpy array. Under
-        ZeRO-3 the parameters are gathered first, so every rank must call it."""
-        if self.signature.num_inputs != 1:
-            raise ValueError("predict() supports single-input models")
-        shape, dtype = self.signature.input_specs[0]
-        x = np.asarray(x, dtype=dtype)
-        if x.ndim != len(shape) or tuple(x.shape[1:]) != tuple(shape[1:]):
-            raise ValueError(f"predict(): rows must have shape {tuple(shape[1:])}, got "
-                             f"{tuple(x.shape[1:])}")
-        if not len(x):
-            raise ValueError("predict() needs at least one row, got an empty array")
-        batch, outputs = shape[0], []
+        """Forward pass with the current parameters on any number of rows (runtime/predict.py:
+        pieces of the captured batch size, one compiled forward per piece size); returns the
+        outputs as one numpy array. Under ZeRO-3 the parameters are gathered first, so every
+        rank must call it."""
+        x = predict_lib.check_rows(x, self.signature.input_specs)
         params = list(self._in_model_order(zip(self.signature.param_names,
                                                 self._params)).values())
         if self.zero_level == 3:  # sharded between steps: gather this rank's parameters
             local = self._in_model_order(self._local_params())
             params = [tvm.runtime.tensor(local[n], self._device) for n in self.model.param_names]
-        for start in range(0, len(x), batch):
-            piece = x[start:start + batch]
-            rows = len(piece) if self.model.respecialize is not None else batch
-            forward, model = self._forward_at(rows)
+
+        def run_piece(piece, rows):
+            forward, model = self._forwards.at(rows)
             evaluation = model.forward_eval is not None  # running statistics (BatchNorm eval)
-            if rows != len(piece):
-                padded = np.zeros((rows,) + tuple(shape[1:]), dtype=dtype)
-                padded[:len(piece)] = piece
-                piece = padded
             no_dropout = [] if evaluation else [tvm.runtime.tensor(np.ones(s, d), self._device)
                                                 for s, d, _ in model.dropout_specs]
-            out = forward(tvm.runtime.tensor(np.ascontiguousarray(piece), self._device),
-                          *no_dropout, *params, *(self._buffers if evaluation else ()))
+            out = forward(tvm.runtime.tensor(piece, self._device), *no_dropout, *params,
+                          *(self._buffers if evaluation else ()))
             if not evaluation and self._buffers:  # training forward: (output, *buffers)
                 out = out[0]
-            out = out.numpy()[:min(batch, len(x) - start)]
+            out = out.numpy()
             if self.tp_plan is not None and self.tp_plan.output_split:  # classes split over tp
                 out = self._gather_classes(out)
-            outputs.append(out)
-        return np.concatenate(outputs)
+            return out
+
+        return predict_lib.in_pieces(x, int(self.signature.input_specs[0][0][0]),
+                                     self.model.respecialize is not None, run_piece)
 
     def _gather_classes(self, piece):
         """The whole output from every tp rank's slice of its last (class) dimension."""
@@ -427,22 +438,6 @@ class SPMDExecutor:
         return np.concatenate(np.split(flat.reshape((self.tp,) + piece.shape), self.tp),
                               axis=-1).reshape(piece.shape[:-1] + (piece.shape[-1] * self.tp,))[
             ..., :self.tp_plan.output_classes]  # a padded vocabulary's padding cut off
-
-    def _forward_at(self, rows):
-        """(compiled forward, model) for a batch of ``rows`` rows: the evaluation-mode forward
-        when the model has one, else the training forward (run with all-ones dropout masks)."""
-        if rows not in self._forwards:
-            model = self._model_at(rows)
-            evaluation = model.forward_eval
-            forward_mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): strip_stage_markers(
-                evaluation if evaluation is not None else model.forward).with_attr(
-                    "global_symbol", "forward")})
-            passes = forward_passes(self.mesh.tp_group if self.tp > 1 else None)
-            compiled = compile_step(forward_mod, passes=passes, target=self._target,
-                                    cache_dir=self._cache_dir)
-            self._forwards[rows] = (
-                relax.VirtualMachine(compiled.executable, self._device)["forward"], model)
-        return self._forwards[rows]
 
     # ---- any batch size (training/batch_size.py) --------------------------------------------
     @property
@@ -478,7 +473,8 @@ class SPMDExecutor:
         ir, signature = build_train_step(step_model, self.loss, self.optimizer,
                                          nonfinite_guard=self._nonfinite_guard(),
                                          loss_weight=self._weighted_loss,
-                                         tensor_parallel=self.tp > 1, accumulate=kind)
+                                         tensor_parallel=self.tp > 1, accumulate=kind,
+                                         compute_dtype=self.compute_dtype)
         batching.check_same_state(self.signature, signature, rows)
         if (self.data_parallel and kind != "partial"
                 and gradient_buckets(ir, self.bucket_bytes) != self.grad_buckets):
@@ -563,20 +559,20 @@ class SPMDExecutor:
         buffers = []
         for name in self.signature.buffer_names:
             value = np.array(model.init_buffers[name], order="C")  # 0-d stays 0-d
-            if self.data_parallel and self.world > 1:
-                collectives.broadcast(value.reshape(-1), root=0)
+            if self.data_parallel and self.world > 1:  # world rank 0's start everywhere, as
+                collectives.broadcast(value.reshape(-1), root=0)  # the pipeline executor's
             buffers.append(tvm.runtime.tensor(value, self._device))
         return buffers
 
     def _keep_rank0_buffers(self):
-        """DDP's broadcast_buffers: every rank normalized with its own batch statistics, rank
-        0's updated running statistics are the ones kept (with sync_batch_norm they are equal
-        on every rank already; the broadcast keeps them bit-identical)."""
+        """DDP's broadcast_buffers over the dp group (as the pipeline executor's): every rank
+        normalized with its own batch statistics, dp rank 0's running statistics are kept
+        (with sync_batch_norm they are equal already; the broadcast keeps them bit-identical)."""
         if not (self.data_parallel and self.world > 1 and self._buffers):
             return
         for i, tensor in enumerate(self._buffers):
             host = np.array(tensor.numpy(), order="C")
-            collectives.broadcast(host.reshape(-1), root=0)  # a view: fills host
+            collectives.broadcast(host.reshape(-1), root=0, group=self.dp_group)  # fills host
             self._buffers[i] = tvm.runtime.tensor(host, self._device)
 
     def optimizer_state_dict(self):

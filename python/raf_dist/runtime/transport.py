@@ -126,3 +126,35 @@ class PipelineTransport:
         """Whether ``ok`` holds on every rank of the world (an allreduce(min))."""
         buffer = np.array([1.0 if ok else 0.0], np.float32)
         return bool(collectives.allreduce(buffer, op="min")[0] == 1.0)
+
+    def merge_over_pp(self, held: Dict[str, np.ndarray], holders: Dict[str, int],
+                      names: Sequence[str]) -> Dict[str, np.ndarray]:
+        """{name: array} for every name of ``names`` (in that order on every pp rank): rank
+        ``holders[name]``'s value, broadcast over the pp group (a header with the shape and
+        dtype first, so the other ranks need not know them). Every pp rank calls it."""
+        out = {}
+        for name in names:
+            root = holders[name]
+            # np.array, not ascontiguousarray: that makes a 0-d array 1-d
+            value = np.array(held[name], order="C") if self.mesh.pp_rank == root else None
+            header = np.full(_HEADER, -1, np.int64)
+            if value is not None:
+                if value.ndim > _HEADER - 1 or str(value.dtype) not in _DTYPES:
+                    raise TypeError(f"{name}: {value.dtype} tensor of {value.ndim} dimensions "
+                                    f"cannot be gathered over pp (dtypes {_DTYPES}, at most "
+                                    f"{_HEADER - 1} dimensions)")
+                header[0] = _DTYPES.index(str(value.dtype))
+                header[1:1 + value.ndim] = value.shape
+            collectives.broadcast(header, root=root, group=self.mesh.pp_group)
+            if value is None:
+                shape = tuple(int(d) for d in header[1:] if d >= 0)
+                value = np.empty(shape, _DTYPES[int(header[0])])
+            if value.size:
+                collectives.broadcast(value.reshape(-1), root=root, group=self.mesh.pp_group)
+            out[name] = value
+        return out
+
+
+# the header of merge_over_pp: dtype index, then up to 7 dimensions (-1: none)
+_HEADER = 8
+_DTYPES = ["float32", "float64", "float16", "int32", "int64"]

@@ -29,6 +29,7 @@ from tvm import relax
 from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                         UPDATED_ARGUMENTS)
 from ..ir.ops import mark_gradient
+from ..passes.auto_cast import auto_cast
 from ..passes.batch_norm import DecomposeBatchNorm, has_training_batch_norm
 from ..passes.pipeline import strip_stage_markers
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
@@ -87,7 +88,8 @@ ACCUMULATE = (None, "partial", "final")
 
 
 def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=None,
-                     loss_weight=False, tensor_parallel=False, accumulate=None):
+                     loss_weight=False, tensor_parallel=False, accumulate=None,
+                     compute_dtype=None):
     """Return (IRModule with "train_step", TrainStepSignature).
 
     ``loss_weight``: the step takes a 0-d ``loss_weight`` argument right after the target that
@@ -111,7 +113,7 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     if nonfinite_guard not in (None, "gradients", "gradients_and_loss"):
         raise ValueError(f"nonfinite_guard must be None, 'gradients' or 'gradients_and_loss', "
                          f"got {nonfinite_guard!r}")
-    forward, out_info = _training_forward(model)
+    forward, out_info = _training_forward(model, compute_dtype)
     n_buffers = len(getattr(model, "buffer_names", ()))
     target_shape, target_dtype = (None, None) if target_spec is None else target_spec
     loss_func, target_spec = build_loss(
@@ -183,14 +185,17 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
                                 loss_weight, out_info)
 
 
-def _training_forward(model):
+def _training_forward(model, compute_dtype=None):
     """(forward, the type of the output the loss reads): stage markers stripped (they
-    matter only to pipelining), training batch norm decomposed, every op differentiable."""
+    matter only to pipelining), training batch norm decomposed, the compute cast to
+    ``compute_dtype`` (mixed precision), every op differentiable."""
     forward = strip_stage_markers(model.forward)
     if has_training_batch_norm(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward})):
         # the Trainer decomposes it first when batch norm is synchronized across ranks
         forward = DecomposeBatchNorm()(tvm.IRModule({tvm.ir.GlobalVar("forward"): forward}))[
             "forward"]
+    if compute_dtype is not None:
+        forward = auto_cast(forward, compute_dtype)
     out_info = forward.ret_ty
     if getattr(model, "buffer_names", ()):  # (output, *new buffer values): frontend/buffers.py
         out_info = out_info.fields[0]

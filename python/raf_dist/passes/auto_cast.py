@@ -1,0 +1,250 @@
+"""AutoCast: a forward function's compute in a low-precision float dtype (bfloat16 or
+float16), float32 where range matters, float32 at its boundary (DESIGN.md section 1,
+"Mixed precision").
+
+Input: a Relax function (the model's forward, before autodiff) whose float tensors are
+float32. Output: the same function where every call follows its op's cast rule:
+
+- ``LOW`` (matmul, the convolutions and their transposes, einsum): float32 operands are cast
+  to the low dtype, so the op and, after autodiff, its gradients run there;
+- ``FLOAT32`` (softmax, log_softmax, exp, log, erf, power, sqrt/rsqrt, the reductions and
+  normalisations whose statistics need range, the losses): low-precision operands are cast
+  up to float32;
+- ``FOLLOW`` (elementwise arithmetic, activations, data movement, comparisons, the raf_dist
+  markers): when any float operand is low precision, the float32 ones are cast down (so the
+  elementwise work between two matmuls stays in the low dtype), else nothing changes;
+- ``KEEP`` (explicit casts, creation ops with a dtype, shape queries): left as written.
+
+An op without a rule is an error naming it (a model must not silently train in float32 or,
+worse, compute a softmax in bfloat16). Each (value, dtype) is cast once: a parameter used by
+three matmuls is cast once per step, and the backward reuses that copy (the Gradient pass
+differentiates ``astype`` into the cast back, so the parameter's gradient arrives float32:
+the master weights and optimizer states stay float32). Every value that leaves the function
+(the output the loss reads, new buffer values) is cast back to its original dtype, so the
+loss runs in float32 and the function's signature is unchanged.
+
+This is RAF's ``AutoCast`` (awslabs/raf ``src/pass/auto_cast.cc``: a cast rule per op and a
+cast cache) written for Relax. TVM's own ``ToMixedPrecision`` is not used: it hard-codes
+float16 and keeps the operands of every op it does not list in float32.
+"""
+from typing import Dict, List, Optional, Tuple
+
+import tvm
+from tvm import relax
+
+from ..ir.ops import custom_op_names
+
+LOW_DTYPES = ("bfloat16", "float16")
+
+LOW = frozenset(f"relax.{n}" for n in (
+    "matmul", "einsum", "outer", "nn.conv1d", "nn.conv2d", "nn.conv3d", "nn.conv1d_transpose",
+    "nn.conv2d_transpose", "nn.conv3d_transpose"))
+
+FLOAT32 = frozenset(f"relax.{n}" for n in (
+    "nn.softmax", "nn.log_softmax", "exp", "log", "erf", "power", "sqrt", "rsqrt",
+    "sum", "mean", "variance", "std", "prod", "cumsum", "cumprod", "median", "log_add_exp",
+    "nn.layer_norm", "nn.group_norm", "nn.batch_norm", "nn.instance_norm", "nn.rms_norm",
+    "nn.cross_entropy_with_logits", "nn.nll_loss", "nn.softplus", "nn.attention",
+    "nn.attention_bias", "nn.attention_var_len", "collapse_sum_like", "collapse_sum_to",
+    "nn.adaptive_avg_pool1d", "nn.adaptive_avg_pool2d", "nn.adaptive_avg_pool3d",
+    "nn.avg_pool1d", "nn.avg_pool2d", "nn.avg_pool3d", "tan", "sinh", "cosh", "asin",
+    "acos", "atan", "atan2", "asinh", "acosh", "atanh", "grad.nll_loss_backward",
+    "grad.avg_pool2d_backward"))
+
+FOLLOW = frozenset(f"relax.{n}" for n in (
+    # arithmetic and activations
+    "add", "subtract", "multiply", "divide", "negative", "abs", "maximum", "minimum",
+    "floor_divide", "floor_mod", "mod", "square", "sign", "ceil", "floor", "round", "trunc",
+    "clip", "ewise_fma", "tanh", "sigmoid", "sin", "cos", "nn.relu", "nn.gelu",
+    "nn.gelu_tanh", "nn.silu", "nn.leakyrelu", "nn.prelu", "nn.selu", "nn.dropout",
+    "max", "min", "argmax", "argmin", "nn.max_pool1d", "nn.max_pool2d", "nn.max_pool3d",
+    "grad.max_pool2d_backward", "grad.take_backward",
+    # comparisons and selection
+    "equal", "not_equal", "less", "less_equal", "greater", "greater_equal", "where",
+    "isfinite", "isinf", "isnan", "logical_and", "logical_or", "logical_not", "logical_xor",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "left_shift", "right_shift",
+    "sort", "argsort", "topk",
+    # data movement
+    "reshape", "permute_dims", "expand_dims", "squeeze", "flatten", "nn.batch_flatten",
+    "broadcast_to", "concat", "split", "stack", "strided_slice", "dynamic_strided_slice",
+    "take", "gather_elements", "gather_nd", "scatter_elements", "scatter_nd", "index_put",
+    "index_tensor", "slice_scatter", "tile", "repeat", "flip", "tril", "triu", "nn.pad",
+    "nn.pixel_shuffle", "layout_transform", "one_hot", "zeros_like", "ones_like",
+    "full_like", "image.resize2d", "grad.no_grad", "grad.start_checkpoint",
+    "grad.end_checkpoint"))
+
+KEEP = frozenset(f"relax.{n}" for n in (
+    "astype", "zeros", "ones", "full", "arange", "eye", "eye_like", "shape_of",
+    "shape_to_tensor", "tensor_to_shape", "size", "hint_on_device", "print", "assert_op",
+    "null_value", "wrap_param"))
+
+RULES = {**{n: "low" for n in LOW}, **{n: "float32" for n in FLOAT32},
+         **{n: "follow" for n in FOLLOW}, **{n: "keep" for n in KEEP}}
+
+
+def rule_of(op_name: str) -> str:
+    """The cast rule of the op named ``op_name``; raf_dist's own ops (markers, tp
+    collectives) follow their inputs. Raises for an op without a rule."""
+    rule = RULES.get(op_name)
+    if rule is None and op_name in custom_op_names():
+        rule = "follow"
+    if rule is None:
+        raise NotImplementedError(
+            f"mixed precision: the op {op_name} has no cast rule (passes/auto_cast.py: LOW, "
+            "FLOAT32, FOLLOW or KEEP); add it to the set it belongs to, or train this model "
+            "with precision='fp32'")
+    return rule
+
+
+def _float_dtype(expr: relax.Expr) -> Optional[str]:
+    ty = expr.ty
+    if isinstance(ty, relax.TensorType) and ty.dtype in ("float32", *LOW_DTYPES):
+        return str(ty.dtype)
+    return None
+
+
+class _Caster:
+    """Emits a function's bindings again with casts, into ``bb`` (module docstring)."""
+
+    def __init__(self, bb: relax.BlockBuilder, low: str) -> None:
+        self.bb, self.low = bb, low
+        self.values: Dict[relax.Var, relax.Expr] = {}  # old var -> its new value
+        self.bound: Dict[relax.Var, relax.Expr] = {}  # new var -> the value emitted for it
+        self.casts: Dict[Tuple[relax.Expr, str], relax.Expr] = {}  # the cast cache
+
+    def emit(self, value: relax.Expr, name: str) -> relax.Var:
+        var = self.bb.emit(value, name_hint=name)
+        self.bound[var] = value
+        return var
+
+    def cast(self, expr: relax.Expr, dtype: str) -> relax.Expr:
+        """``expr`` in ``dtype``, cast once. A cast of a view (``permute_dims`` / reshape of
+        one tensor, e.g. a weight transposed for a matmul) is made under the view, so the
+        view is still one DispatchToBLAS folds into a transpose flag."""
+        if _float_dtype(expr) in (None, dtype):
+            return expr
+        key = (expr, dtype)
+        if key not in self.casts:
+            hint = expr.name if isinstance(expr, relax.Var) else "c"
+            view = self.bound.get(expr) if isinstance(expr, relax.Var) else None
+            if (isinstance(view, relax.Call) and isinstance(view.op, tvm.ir.Op)
+                    and view.op.name in _VIEWS):
+                value = relax.Call(view.op, [self.cast(view.args[0], dtype), *view.args[1:]],
+                                   view.attrs, view.ty_args)
+            else:
+                value = relax.op.astype(expr, dtype)
+            self.casts[key] = self.emit(value, f"{hint}_{dtype}")
+        return self.casts[key]
+
+    def remap(self, expr: relax.Expr) -> relax.Expr:
+        """``expr`` with the variables bound in this function replaced by their new values."""
+        if isinstance(expr, relax.Var):
+            return self.values.get(expr, expr)
+        if isinstance(expr, relax.Tuple):
+            return relax.Tuple([self.remap(f) for f in expr.fields])
+        if isinstance(expr, relax.TupleGetItem):
+            return relax.TupleGetItem(self.remap(expr.tuple_value), expr.index)
+        if isinstance(expr, relax.Call):
+            return relax.Call(expr.op, [self.remap(a) for a in expr.args], expr.attrs,
+                              expr.ty_args)
+        return expr  # constants, shapes, prim values, strings
+
+    def call(self, call: relax.Call) -> relax.Expr:
+        """``call`` (already remapped) with its operands cast by its op's rule."""
+        if not isinstance(call.op, tvm.ir.Op):
+            raise NotImplementedError(f"mixed precision: a call of {call.op} (not an op) in "
+                                      "the forward has no cast rule")
+        rule = rule_of(call.op.name)
+        if rule == "keep":
+            return call
+        operands = _operands(call.args)
+        dtypes = {_float_dtype(a) for a in operands} - {None}
+        if rule == "low":
+            target = self.low
+        elif rule == "float32":
+            target = "float32"
+        elif dtypes & set(LOW_DTYPES):  # follow: low precision when an operand is
+            target = self.low
+        else:
+            return call
+        args = [relax.Tuple([self.cast(f, target) for f in a.fields])
+                if isinstance(a, relax.Tuple) else self.cast(a, target) for a in call.args]
+        attrs = call.attrs
+        if rule == "low" and attrs is not None and hasattr(attrs, "out_dtype"):
+            attrs = _without_out_dtype(attrs)  # the importer writes out_dtype="float32"
+        return relax.Call(call.op, args, attrs, call.ty_args)
+
+    def restore(self, value: relax.Expr, original: relax.Type) -> relax.Expr:
+        """``value`` (emitted) cast back to the dtypes of ``original`` (tuples field by field)."""
+        if isinstance(original, relax.TupleType):
+            fields = [self.restore(self.emit(relax.TupleGetItem(value, i), "item"), f)
+                      for i, f in enumerate(original.fields)]
+            return self.emit(relax.Tuple(fields), "tuple")
+        if (isinstance(original, relax.TensorType) and _float_dtype(value) is not None
+                and _float_dtype(value) != original.dtype):
+            return self.cast(value, str(original.dtype))
+        return value
+
+
+_VIEWS = frozenset(f"relax.{n}" for n in ("permute_dims", "reshape", "expand_dims", "squeeze"))
+
+
+def _without_out_dtype(attrs: tvm.ir.Attrs) -> tvm.ir.Attrs:
+    """``attrs`` with ``out_dtype`` unset (the output takes the operands' dtype)."""
+    info = type(attrs).__tvm_ffi_type_info__
+    fields = {f.name: getattr(attrs, f.name) for f in info.fields}
+    fields["out_dtype"] = None
+    return tvm.ir.make_node(info.type_key, **fields)
+
+
+def _operands(args: List[relax.Expr]) -> List[relax.Expr]:
+    out: List[relax.Expr] = []
+    for a in args:
+        out.extend(a.fields if isinstance(a, relax.Tuple) else [a])
+    return out
+
+
+def auto_cast(func: relax.Function, dtype: str) -> relax.Function:
+    """``func`` with its compute in ``dtype`` ("bfloat16" or "float16") by the rules above."""
+    if dtype not in LOW_DTYPES:
+        raise ValueError(f"auto_cast: dtype must be one of {LOW_DTYPES}, got {dtype!r}")
+    body = func.body
+    if not isinstance(body, relax.SeqExpr):
+        raise NotImplementedError("auto_cast: the function's body is not a sequence of blocks")
+    bb = relax.BlockBuilder()
+    caster = _Caster(bb, dtype)
+    attrs = dict(func.attrs) if func.attrs is not None else {}
+    with bb.function("f", list(func.params), attrs=attrs or None, pure=func.is_pure):
+        for block in body.blocks:
+            dataflow = isinstance(block, relax.DataflowBlock)
+            with (bb.dataflow() if dataflow else _nothing()):
+                for binding in block.bindings:
+                    _emit_binding(caster, binding, dataflow)
+        bb.emit_func_output(caster.remap(body.body))
+    out = bb.get()["f"].without_attr("global_symbol")
+    return out.with_attrs(attrs) if attrs else out
+
+
+def _emit_binding(caster: _Caster, binding: relax.Binding, dataflow: bool) -> None:
+    bb = caster.bb
+    if not isinstance(binding, relax.VarBinding):
+        raise NotImplementedError(f"auto_cast: {type(binding).__name__} bindings are not "
+                                  "supported in a forward")
+    value = caster.remap(binding.value)
+    if isinstance(value, relax.Call):
+        value = caster.call(value)
+    name = binding.var.name
+    if not dataflow or isinstance(binding.var, relax.DataflowVar):
+        caster.values[binding.var] = caster.emit(value, name)
+        return
+    # a dataflow block's output leaves the block: its original dtype back
+    new = caster.restore(caster.emit(value, f"{name}_cast"), binding.var.ty)
+    caster.values[binding.var] = bb.emit_output(new, name_hint=name)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
