@@ -307,11 +307,24 @@ def torch_step(module, opt, x, y):
     return loss.item()
 
 
-def torch_reference(name, opt_name, batch, steps, seed=0):
-    """Losses and final parameters of ``steps`` PyTorch steps on the same data."""
+def torch_reference(name, opt_name, batch, steps, seed=0, autocast=None):
+    """Losses and final parameters of ``steps`` PyTorch steps on the same data;
+    ``autocast``: a torch dtype to run the forward under ``torch.autocast("cpu", dtype)``."""
+    import torch
+
     module, x, y = make(name, batch, seed)
     opt = torch_optimizer(opt_name, module.parameters())
-    losses = [torch_step(module, opt, x, y) for _ in range(steps)]
+    if autocast is None:
+        losses = [torch_step(module, opt, x, y) for _ in range(steps)]
+    else:  # autocast around the forward and loss only, as PyTorch's AMP recipe does
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=autocast):
+                loss = torch_loss(module(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
     return losses, {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
 
 
@@ -323,7 +336,7 @@ def rel_err(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-12))
 
 
-def single_process_reference(name, opt_name, global_batch, steps):
+def single_process_reference(name, opt_name, global_batch, steps, **trainer_args):
     """What the distributed workers compare against: rank 0 trains ``name`` alone on the whole
     global batch (data parallelism off) for ``steps`` steps while the other ranks sleep; every
     rank gets (losses, state_dict, optimizer_state_dict). Collective."""
@@ -342,7 +355,8 @@ def single_process_reference(name, opt_name, global_batch, steps):
                        "pipeline_parallel_size": 1})
         module, x, y = make(name, global_batch, seed=0)
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
-                                   optimizer=raf_optimizer(opt_name), local=True)
+                                   optimizer=raf_optimizer(opt_name), local=True,
+                                   **trainer_args)
         losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(steps)]
         reference = (losses, trainer.state_dict(), trainer.optimizer_state_dict())
         config.update(saved)

@@ -19,6 +19,9 @@ the allowed values instead of being read as "off".
   RAF_DIST_WATCHDOG=0          no per-rank watchdog process (default on)
   RAF_DIST_WATCHDOG_GRACE_S=10 seconds a watchdog lets the launcher end its rank after a
                                failure elsewhere before it terminates the rank
+  RAF_DIST_LOW_GEMM=widen      bf16 / fp16 matmuls on the host: "native" (oneDNN's 16-bit
+                               GEMM) or "widen" (float32 GEMM of widened operands); unset:
+                               the faster, measured once per process (runtime/blas.py)
 
 The five failure-handling settings (timeouts, collective checks, watchdog) are also fields of
 ``dist.get_config()`` (collective_timeout_s, ...); the environment variable, when set,
@@ -94,6 +97,16 @@ def library_path() -> "str | None":
 
 
 _DEFAULT_PROFILE_STEPS = 10  # enough to see the first step's warm-up and a few steady ones
+
+
+def low_gemm() -> "str | None":
+    """RAF_DIST_LOW_GEMM: "native" or "widen", how 16-bit matmuls run on the host
+    (runtime/blas.py ``low_gemm_mode``); unset: measured once per process."""
+    value = os.environ.get("RAF_DIST_LOW_GEMM", "").strip().lower()
+    if value and value not in ("native", "widen"):
+        raise ValueError(f"RAF_DIST_LOW_GEMM={value!r}: set it to 'native' or 'widen', or "
+                         "unset it to measure")
+    return value or None
 
 
 def profile_steps() -> int:

@@ -2,6 +2,7 @@
 executors decide them once from the run's plan; no pass reads the config)."""
 from ..passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, MaxPoolGradient,
                       ShardZeRO, StripGradientMarkers)
+from ..passes.auto_cast import AccumulateInFloat32
 from ..passes.lower_allreduce import LowerAllReduce
 from ..passes.propagate_nan import PropagateNaN
 from ..passes.tp_ops import LowerTensorParallel
@@ -41,10 +42,11 @@ def step_passes(zero_level: int, world_size: int, bucket_bytes: int, overlap: bo
 
 def function_passes():
     """The passes of any compiled function after its collectives are in place."""
-    return [PropagateNaN(), DispatchToBLAS(), FastGelu(), FastExp(), MaxPoolGradient()]
+    return [PropagateNaN(), DispatchToBLAS(), AccumulateInFloat32(), FastGelu(), FastExp(),
+            MaxPoolGradient()]
 
 
 def forward_passes(tp_group=None):
     """The passes of an evaluation forward (``predict``)."""
     return ([LowerTensorParallel(tp_group)] if tp_group is not None else []) + [
-        PropagateNaN(), DispatchToBLAS()]
+        PropagateNaN(), DispatchToBLAS(), AccumulateInFloat32()]

@@ -31,8 +31,10 @@ from typing import Dict, List, Optional, Tuple
 
 import tvm
 from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..ir.ops import custom_op_names
+from ..ir.utils import mutate_functions
 
 LOW_DTYPES = ("bfloat16", "float16")
 
@@ -49,7 +51,11 @@ FLOAT32 = frozenset(f"relax.{n}" for n in (
     "nn.adaptive_avg_pool1d", "nn.adaptive_avg_pool2d", "nn.adaptive_avg_pool3d",
     "nn.avg_pool1d", "nn.avg_pool2d", "nn.avg_pool3d", "tan", "sinh", "cosh", "asin",
     "acos", "atan", "atan2", "asinh", "acosh", "atanh", "grad.nll_loss_backward",
-    "grad.avg_pool2d_backward"))
+    "grad.avg_pool2d_backward",
+    # TVM 0.27 cannot build these in bfloat16: isfinite / isinf / isnan (no 16-bit
+    # finiteness ops), max_pool2d's gradient (a TIR type check fails)
+    "isfinite", "isinf", "isnan",
+    "nn.max_pool1d", "nn.max_pool2d", "nn.max_pool3d", "grad.max_pool2d_backward"))
 
 FOLLOW = frozenset(f"relax.{n}" for n in (
     # arithmetic and activations
@@ -57,11 +63,10 @@ FOLLOW = frozenset(f"relax.{n}" for n in (
     "floor_divide", "floor_mod", "mod", "square", "sign", "ceil", "floor", "round", "trunc",
     "clip", "ewise_fma", "tanh", "sigmoid", "sin", "cos", "nn.relu", "nn.gelu",
     "nn.gelu_tanh", "nn.silu", "nn.leakyrelu", "nn.prelu", "nn.selu", "nn.dropout",
-    "max", "min", "argmax", "argmin", "nn.max_pool1d", "nn.max_pool2d", "nn.max_pool3d",
-    "grad.max_pool2d_backward", "grad.take_backward",
+    "max", "min", "argmax", "argmin", "grad.take_backward",
     # comparisons and selection
     "equal", "not_equal", "less", "less_equal", "greater", "greater_equal", "where",
-    "isfinite", "isinf", "isnan", "logical_and", "logical_or", "logical_not", "logical_xor",
+    "logical_and", "logical_or", "logical_not", "logical_xor",
     "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "left_shift", "right_shift",
     "sort", "argsort", "topk",
     # data movement
@@ -221,8 +226,8 @@ def auto_cast(func: relax.Function, dtype: str) -> relax.Function:
                 for binding in block.bindings:
                     _emit_binding(caster, binding, dataflow)
         bb.emit_func_output(caster.remap(body.body))
-    out = bb.get()["f"].without_attr("global_symbol")
-    return out.with_attrs(attrs) if attrs else out
+    out = bb.get()["f"]  # the input's attributes (its global_symbol included), not "f"'s
+    return relax.Function(out.params, out.body, out.ret_ty, out.is_pure, func.attrs)
 
 
 def _emit_binding(caster: _Caster, binding: relax.Binding, dataflow: bool) -> None:
@@ -248,3 +253,50 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+# ---- after autodiff: sums of products in float32 --------------------------------------------
+_PRODUCTS = frozenset(f"relax.{n}" for n in (
+    "matmul", "einsum", "nn.conv1d", "nn.conv2d", "nn.conv3d", "nn.conv1d_transpose",
+    "nn.conv2d_transpose", "nn.conv3d_transpose"))
+
+
+#: reductions: a 16-bit one (the backward's bias gradients: ``collapse_sum_to`` of a 16-bit
+#: output gradient) is computed on its input widened to float32
+_REDUCTIONS = frozenset(f"relax.{n}" for n in (
+    "sum", "mean", "variance", "std", "prod", "cumsum", "cumprod", "collapse_sum_to",
+    "collapse_sum_like"))
+
+
+@mutator
+class _Accumulate(PyExprMutator):
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        if (isinstance(call.op, tvm.ir.Op) and call.op.name in _REDUCTIONS
+                and _float_dtype(call) in LOW_DTYPES):
+            wide = self.builder_.emit(relax.op.astype(call.args[0], "float32"))
+            reduced = self.builder_.emit(relax.Call(call.op, [wide, *call.args[1:]],
+                                                    call.attrs, call.ty_args))
+            return relax.op.astype(reduced, str(call.ty.dtype))
+        if (not isinstance(call.op, tvm.ir.Op) or call.op.name not in _PRODUCTS
+                or _float_dtype(call) not in LOW_DTYPES or call.attrs is None
+                or not hasattr(call.attrs, "out_dtype") or call.attrs.out_dtype is not None):
+            return call
+        info = type(call.attrs).__tvm_ffi_type_info__
+        fields = {f.name: getattr(call.attrs, f.name) for f in info.fields}
+        fields["out_dtype"] = "float32"
+        wide = relax.Call(call.op, call.args, tvm.ir.make_node(info.type_key, **fields),
+                          call.ty_args)
+        return relax.op.astype(self.builder_.emit(wide), str(call.ty.dtype))
+
+
+@tvm.transform.module_pass(opt_level=0, name="AccumulateInFloat32")
+class AccumulateInFloat32:
+    """A 16-bit matmul / convolution that DispatchToBLAS left to TVM accumulates in float32
+    (``out_dtype="float32"``, then one cast down), and a 16-bit reduction (the backward's
+    ``collapse_sum_to`` of bias gradients, any sum or mean) reduces its input widened to
+    float32: TVM's kernels otherwise round a running sum to 16 bits at every step into a
+    16-bit output buffer (a 4096-long bfloat16 sum of ones gives 256)."""
+
+    def transform_module(self, mod, ctx):
+        return mutate_functions(mod, _Accumulate(mod))

@@ -29,6 +29,9 @@ _CONV2D = tvm.ir.Op.get("relax.nn.conv2d")
 _CONV2D_TRANSPOSE = tvm.ir.Op.get("relax.nn.conv2d_transpose")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 _BLAS_DTYPES = ("float32", "float64")
+# matmul also in 16 bits (runtime/blas.py: oneDNN through torch, accumulated in float32);
+# convolutions in 16 bits stay TVM's (AccumulateInFloat32 keeps their sums in float32)
+_MATMUL_DTYPES = _BLAS_DTYPES + ("bfloat16", "float16")
 
 
 def _is_last_two_swap(call):
@@ -59,7 +62,7 @@ class _Rewriter(PyExprMutator):
             return call
         a, b = call.args
         out = call.ty
-        if (a.ty.dtype not in _BLAS_DTYPES or a.ty.dtype != b.ty.dtype
+        if (a.ty.dtype not in _MATMUL_DTYPES or a.ty.dtype != b.ty.dtype
                 or out.dtype != a.ty.dtype or a.ty.ndim < 2
                 or b.ty.ndim < 2):
             return call

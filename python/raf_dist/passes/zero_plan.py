@@ -8,6 +8,7 @@ import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from ..layout import StateLayout, shard_size, state_layout
@@ -250,8 +251,8 @@ def _describe(value: relax.Expr, name_of: Callable[[relax.Var], tuple]) -> tuple
         elif isinstance(arg, tvm.ir.expr.Constant):
             args.append(("const", str(arg.ty), arg.value.numpy().tobytes()))
         else:
-            args.append(("expr", tvm.ir.structural_hash(arg)))
-    return (value.op.name, tvm.ir.structural_hash(value.attrs) if value.attrs is not None else 0,
+            args.append(("expr", tvm_ffi.structural_hash(arg)))
+    return (value.op.name, tvm_ffi.structural_hash(value.attrs) if value.attrs is not None else 0,
             tuple(args))
 
 

@@ -9,10 +9,16 @@ written once against the array module of their arguments (``_xp``). On the GPU, 
 launches on its current stream, the legacy default stream, which TVM's kernels also use, so
 they stay ordered.
 """
+import logging
+import time
+
 import numpy as np
 import tvm_ffi
 
+from .. import env
 from . import openblas
+
+logger = logging.getLogger("raf_dist")
 
 BLAS_MATMUL = "raf_dist.blas.matmul"
 _CUDA = 2  # kDLCUDA
@@ -30,7 +36,89 @@ def _xp(tensor):
     return cupy
 
 
+#: 16-bit float operands: numpy has no 16-bit GEMM and cannot take them through DLPack
+LOW_DTYPES = ("bfloat16", "float16")
+_torch_module = []  # [torch or None], imported on first use
+
+
+def _torch():
+    """torch when installed (its CPU matmul is oneDNN's, which uses the CPU's bf16 dot-product
+    instructions), else None."""
+    if not _torch_module:
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        else:
+            torch.set_num_threads(max(1, openblas.get_threads() or 1))
+        _torch_module.append(torch)
+    return _torch_module[0]
+
+
+def _matmul_low(a, b, trans_a, trans_b, out):
+    """A bfloat16 / float16 GEMM on the host, accumulated in float32 and rounded once into
+    ``out``, by the faster of two ways on this machine (``low_gemm_mode``): PyTorch's CPU
+    matmul in the 16-bit dtype (oneDNN, which uses the CPU's bf16 dot-product instructions
+    where it has them), or the operands widened to float32 and multiplied there. Both take the
+    step's tensors zero-copy through DLPack (numpy cannot: it has no 16-bit float DLPack
+    type). Without torch the operands are copied out and multiplied in float32 by numpy."""
+    torch = _torch()
+    if torch is None:
+        x, y = a.numpy().astype(np.float32), b.numpy().astype(np.float32)
+        if trans_a:
+            x = np.swapaxes(x, -1, -2)
+        if trans_b:
+            y = np.swapaxes(y, -1, -2)
+        out.copyfrom(np.matmul(x, y).astype(out.numpy().dtype))
+        return
+    ta, tb, to = torch.from_dlpack(a), torch.from_dlpack(b), torch.from_dlpack(out)
+    if trans_a:
+        ta = ta.transpose(-1, -2)
+    if trans_b:
+        tb = tb.transpose(-1, -2)
+    if low_gemm_mode(str(out.dtype)) == "native":
+        torch.matmul(ta, tb, out=to)
+    else:
+        to.copy_(torch.matmul(ta.float(), tb.float()))
+
+
+_modes = {}
+
+
+def low_gemm_mode(dtype):
+    """"native" or "widen": which of _matmul_low's ways multiplies ``dtype`` faster here,
+    measured once per process on a 512 x 1024 x 1024 product (the issue's AMD EPYC with
+    avx512_bf16 runs bf16 4.2x faster than float32; a CPU without it runs bf16 through
+    oneDNN's reference path, several times slower than float32). RAF_DIST_LOW_GEMM=native
+    or widen skips the measurement."""
+    if dtype not in _modes:
+        forced = env.low_gemm()
+        if forced is not None:
+            _modes[dtype] = forced
+        else:
+            torch = _torch()
+            x = torch.randn(512, 1024).to(getattr(torch, dtype))
+            w = torch.randn(1024, 1024).to(getattr(torch, dtype))
+            out = torch.empty(512, 1024, dtype=x.dtype)
+            times = {}
+            for mode in ("native", "widen", "native", "widen"):
+                began = time.perf_counter()
+                if mode == "native":
+                    torch.matmul(x, w, out=out)
+                else:
+                    out.copy_(torch.matmul(x.float(), w.float()))
+                times[mode] = min(times.get(mode, 1e9), time.perf_counter() - began)
+            _modes[dtype] = min(times, key=times.get)
+            logger.info("raf_dist.blas: %s GEMM %s (native %.2f ms, widened to float32 "
+                        "%.2f ms)", dtype, _modes[dtype], times["native"] * 1e3,
+                        times["widen"] * 1e3)
+    return _modes[dtype]
+
+
 def matmul(a, b, trans_a, trans_b, out):
+    if str(out.dtype) in LOW_DTYPES and out.device.dlpack_device_type() != _CUDA:
+        _matmul_low(a, b, trans_a, trans_b, out)
+        return
     xp = _xp(out)
     a = xp.from_dlpack(a)
     b = xp.from_dlpack(b)

@@ -3,7 +3,7 @@ precision"): the compute dtype handed to ``build_train_step`` (passes/auto_cast.
 the forward, autodiff follows), and whether this CPU computes that dtype natively.
 """
 import logging
-from typing import Optional
+from typing import Optional, Set
 
 from .. import device as device_lib
 
@@ -13,7 +13,7 @@ _LOG = logging.getLogger("raf_dist")
 PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 #: Trainer(grad_reduce_dtype=...)
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
-_warned = set()
+_warned: Set[str] = set()
 
 
 def compute_dtype(precision: str, device: str = "cpu") -> Optional[str]:
@@ -33,7 +33,7 @@ def compute_dtype(precision: str, device: str = "cpu") -> Optional[str]:
     return dtype
 
 
-def _cpu_flags() -> set:
+def _cpu_flags() -> Set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

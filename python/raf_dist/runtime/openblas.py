@@ -34,6 +34,11 @@ def can_share_pool():
     return _has_native() and _openblas_callback_setter() is not None
 
 
+def get_threads():
+    """The thread count ``set_threads`` was given (1 before)."""
+    return _threads
+
+
 def set_threads(num_threads):
     """Use TVM's pool, of ``num_threads`` (``set_num_threads`` made it), for host BLAS:
     batches of small products are spread over it, and numpy's OpenBLAS runs its parallel jobs

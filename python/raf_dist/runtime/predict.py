@@ -7,13 +7,14 @@ parameters, all-ones dropout masks for a training forward, and its tp pieces gat
 the pipeline executor: every stage's parameters gathered first), so each hands a
 ``run_piece`` callable to :func:`in_pieces`.
 """
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tvm
 from tvm import relax
 
 from ..compiler import compile_step
+from ..passes.auto_cast import auto_cast
 from ..passes.pipeline import strip_stage_markers
 
 Spec = Tuple[Sequence[int], str]
@@ -55,8 +56,11 @@ class Forwards:
     when the model has one (running statistics), else the training forward."""
 
     def __init__(self, model_at: Callable[[int], Any], passes: Sequence[Any], target: Any,
-                 device: Any, cache_dir: Any) -> None:
+                 device: Any, cache_dir: Any, compute_dtype: Optional[str] = None) -> None:
+        """``compute_dtype``: the Trainer's mixed precision (passes/auto_cast.py), so that
+        predict computes as the training forward does."""
         self._model_at, self._passes = model_at, list(passes)
+        self._compute_dtype = compute_dtype
         self._target, self._device, self._cache_dir = target, device, cache_dir
         self._cache: Dict[int, Tuple[Any, Any]] = {}
 
@@ -64,9 +68,12 @@ class Forwards:
         """(VM function ``forward``, the model captured at ``rows`` rows)."""
         if rows not in self._cache:
             model = self._model_at(rows)
-            function = model.forward_eval if model.forward_eval is not None else model.forward
-            mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): strip_stage_markers(
-                function).with_attr("global_symbol", "forward")})
+            function = strip_stage_markers(model.forward_eval if model.forward_eval is not None
+                                           else model.forward)
+            if self._compute_dtype is not None:
+                function = auto_cast(function, self._compute_dtype)
+            mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): function.with_attr(
+                "global_symbol", "forward")})
             compiled = compile_step(mod, passes=self._passes, target=self._target,
                                     cache_dir=self._cache_dir)
             self._cache[rows] = (relax.VirtualMachine(compiled.executable, self._device)["forward"],

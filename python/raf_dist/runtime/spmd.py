@@ -57,7 +57,21 @@ class SPMDExecutor:
         self.loss, self.optimizer, self.device = loss, optimizer, device
         self.nonfinite, self.seed, self._cache_dir = nonfinite, int(seed), cache_dir
         self.precision, self.grad_reduce_dtype = precision, grad_reduce_dtype
+        if precision == "fp16":
+            raise NotImplementedError(
+                "precision='fp16' needs dynamic loss scaling (GradScaler's semantics), which "
+                "is not built yet: float16 gradients would underflow silently. Use "
+                "precision='bf16' (float32's range, no scaling needed)")
         self.compute_dtype = mixed_precision.compute_dtype(precision, device)
+        # gradients travel in grad_reduce_dtype only where they travel (dp > 1)
+        self._reduce_dtype = (grad_reduce_dtype if grad_reduce_dtype != "float32"
+                              and plan.data_parallel and plan.world > 1 else None)
+        if self._reduce_dtype is not None and plan.zero_level > 0:
+            raise NotImplementedError(
+                f"grad_reduce_dtype={grad_reduce_dtype!r} with zero_opt_level="
+                f"{plan.zero_level} is not built yet (ZeRO's gradient shards are kept in the "
+                "parameters' dtype); use zero_opt_level=0 for bfloat16 gradient traffic, or "
+                "grad_reduce_dtype='float32'")
         self.microbatches, self.bucket_bytes = plan.microbatches, plan.bucket_bytes
         # synchronized batch norm: statistics of the global batch (passes/batch_norm.py)
         self.sync_batch_norm_world = plan.sync_batch_norm_world
@@ -81,7 +95,7 @@ class SPMDExecutor:
         self._init_state(model, init)
         self._forwards = predict_lib.Forwards(  # predict's compiled forwards by rows
             self._model_at, forward_passes(self.mesh.tp_group if self.tp > 1 else None),
-            self._target, self._device, cache_dir)
+            self._target, self._device, cache_dir, self.compute_dtype)
 
     # ---- construction, in steps --------------------------------------------------------------
     def _split_for_tp(self, model, tensor_parallel_plan):
@@ -112,7 +126,8 @@ class SPMDExecutor:
                                                    nonfinite_guard=self._nonfinite_guard(),
                                                    loss_weight=self._weighted_loss,
                                                    tensor_parallel=self.tp > 1,
-                                                   compute_dtype=self.compute_dtype)
+                                                   compute_dtype=self.compute_dtype,
+                                                   reduce_dtype=self._reduce_dtype)
         batching.check_target_splits(self.signature.target_spec, model.batch_size,
                                      self.microbatches, model.source)
         # for the target check: the model's classes (all of them under tensor parallelism)
@@ -474,7 +489,8 @@ class SPMDExecutor:
                                          nonfinite_guard=self._nonfinite_guard(),
                                          loss_weight=self._weighted_loss,
                                          tensor_parallel=self.tp > 1, accumulate=kind,
-                                         compute_dtype=self.compute_dtype)
+                                         compute_dtype=self.compute_dtype,
+                                         reduce_dtype=self._reduce_dtype)
         batching.check_same_state(self.signature, signature, rows)
         if (self.data_parallel and kind != "partial"
                 and gradient_buckets(ir, self.bucket_bytes) != self.grad_buckets):

@@ -89,7 +89,7 @@ ACCUMULATE = (None, "partial", "final")
 
 def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=None,
                      loss_weight=False, tensor_parallel=False, accumulate=None,
-                     compute_dtype=None):
+                     compute_dtype=None, reduce_dtype=None):
     """Return (IRModule with "train_step", TrainStepSignature).
 
     ``loss_weight``: the step takes a 0-d ``loss_weight`` argument right after the target that
@@ -158,15 +158,25 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     value = {b.var: b.value for block in adjoint.body.blocks for b in block.bindings}
     grads = [_follow(g, value) for g in grads]
 
+    def marked(grad, i):
+        if reduce_dtype is None or str(grad.ty.dtype) == reduce_dtype:
+            return bb.emit(mark_gradient(grad, i))
+        return bb.emit(mark_gradient(bb.emit(relax.op.astype(grad, reduce_dtype)), i))
+
     def mark(grad, i):
         if accumulate is None:
-            return bb.emit(mark_gradient(grad, i))
+            return marked(grad, i)
         total = bb.emit(relax.op.add(acc_vars[i], grad))
-        return total if accumulate == "partial" else bb.emit(mark_gradient(total, i))
+        return total if accumulate == "partial" else marked(total, i)
 
     with bb.function("train_step", params):
         with bb.dataflow():
             grads = _emit_backward(bb, adjoint, grads, mark)
+            # gradients reduced in reduce_dtype: back to their parameter's dtype after every
+            # marker (the distribution passes reduce each bucket before its first reader)
+            grads = [g if str(g.ty.dtype) == str(p.ty.dtype)
+                     else bb.emit(relax.op.astype(g, str(p.ty.dtype)))
+                     for g, p in zip(grads, param_vars)]
             if accumulate == "partial":  # added into the accumulators; no update
                 loss_sum = bb.emit(relax.op.add(loss_acc, loss_value))
                 out = bb.emit_output(relax.Tuple([loss_sum, *grads, *new_buffers]))

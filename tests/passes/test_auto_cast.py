@@ -1,0 +1,116 @@
+"""IR tier for mixed precision (passes/auto_cast.py): TVMScript Before / Expected, structural
+equality. AutoCast on a forward (matmul low, layer_norm and softmax float32, elementwise
+following its operands, a transposed weight cast under its transpose, one cast per value, the
+output cast back); an op without a rule refused by name; AccumulateInFloat32 on 16-bit
+products and reductions TVM would otherwise accumulate in 16 bits."""
+import pytest
+import tvm
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from raf_dist.passes.auto_cast import AccumulateInFloat32, auto_cast, rule_of
+
+
+@R.function
+def forward(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 8), "float32"),
+            b: R.Tensor((8,), "float32"), g: R.Tensor((8,), "float32")):
+    with R.dataflow():
+        wt = R.permute_dims(w, axes=[1, 0])
+        h = R.matmul(x, wt, out_dtype="float32")  # the importer writes out_dtype
+        h2 = R.add(h, b)
+        a = R.nn.gelu(h2)
+        n = R.nn.layer_norm(a, g, b, axes=[-1])
+        y = R.matmul(n, wt, out_dtype="float32")
+        s = R.nn.softmax(y)
+        gv = R.add(s, h2)
+        R.output(gv)
+    return gv
+
+
+@R.function
+def expected(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 8), "float32"),
+             b: R.Tensor((8,), "float32"), g: R.Tensor((8,), "float32")):
+    with R.dataflow():
+        wt = R.permute_dims(w, axes=[1, 0])  # dead: DeadCodeElimination removes it later
+        x16 = R.astype(x, "bfloat16")
+        w16 = R.astype(w, "bfloat16")
+        wt16 = R.permute_dims(w16, axes=[1, 0])  # still foldable into a transpose flag
+        h = R.matmul(x16, wt16)
+        b16 = R.astype(b, "bfloat16")
+        h2 = R.add(h, b16)
+        a = R.nn.gelu(h2)
+        a32 = R.astype(a, "float32")
+        n = R.nn.layer_norm(a32, g, b, axes=[-1])
+        n16 = R.astype(n, "bfloat16")
+        y = R.matmul(n16, wt16)  # the cached casts reused
+        y32 = R.astype(y, "float32")
+        s = R.nn.softmax(y32)
+        s16 = R.astype(s, "bfloat16")
+        out16 = R.add(s16, h2)
+        out = R.astype(out16, "float32")
+        gv = out
+        R.output(gv)
+    return gv
+
+
+def test_forward_cast_by_rule():
+    tvm.ir.assert_structural_equal(auto_cast(forward, "bfloat16"),
+                                   expected.with_attr("global_symbol", "forward"))
+
+
+def test_float16_same_rules():
+    out = auto_cast(forward, "float16").script()
+    assert out.count('R.astype(w, dtype="float16")') == 1 and "bfloat16" not in out
+
+
+def test_op_without_rule_is_refused_by_name():
+    @R.function
+    def f(x: R.Tensor((1, 1, 4, 4), "float32"), w: R.Tensor((4, 4), "float32")):
+        with R.dataflow():
+            y = R.matmul(x, w)
+            gv = R.image.grid_sample(y, R.zeros((1, 4, 4, 2), "float32"))
+            R.output(gv)
+        return gv
+
+    with pytest.raises(NotImplementedError, match=r"relax.image.grid_sample has no cast rule"):
+        auto_cast(f, "bfloat16")
+    assert rule_of("relax.image.resize2d") == "follow"
+    assert rule_of("raf_dist.tp_reduce") == "follow"  # raf_dist's own ops follow their input
+
+
+@I.ir_module
+class Products:
+    @R.function
+    def main(a: R.Tensor((4, 8), "bfloat16"), b: R.Tensor((8, 3), "bfloat16"),
+             d: R.Tensor((1, 2, 5, 5), "bfloat16"), k: R.Tensor((2, 2, 3, 3), "bfloat16")):
+        with R.dataflow():
+            m = R.matmul(a, b)
+            c = R.nn.conv2d(d, k)
+            s = R.collapse_sum_to(m, (3,))
+            f = R.matmul(R.astype(a, "float32"), R.astype(b, "float32"))  # left alone
+            gv = (m, c, s, f)
+            R.output(gv)
+        return gv
+
+
+@I.ir_module
+class ProductsExpected:
+    @R.function
+    def main(a: R.Tensor((4, 8), "bfloat16"), b: R.Tensor((8, 3), "bfloat16"),
+             d: R.Tensor((1, 2, 5, 5), "bfloat16"), k: R.Tensor((2, 2, 3, 3), "bfloat16")):
+        with R.dataflow():
+            m32 = R.matmul(a, b, out_dtype="float32")
+            m = R.astype(m32, "bfloat16")
+            c32 = R.nn.conv2d(d, k, out_dtype="float32")
+            c = R.astype(c32, "bfloat16")
+            wide = R.astype(m, "float32")
+            s32 = R.collapse_sum_to(wide, (3,))
+            s = R.astype(s32, "bfloat16")
+            f = R.matmul(R.astype(a, "float32"), R.astype(b, "float32"))
+            gv = (m, c, s, f)
+            R.output(gv)
+        return gv
+
+
+def test_sums_of_products_accumulate_in_float32():
+    tvm.ir.assert_structural_equal(AccumulateInFloat32()(Products), ProductsExpected)
