@@ -52,6 +52,7 @@ bench: install
 	$(PY) bench/collectives.py
 	$(PY) bench/step_time.py
 	$(PY) bench/dp_step.py
+	$(PY) bench/mixed_precision.py
 	$(PY) bench/zero.py
 
 clean:

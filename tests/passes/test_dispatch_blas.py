@@ -65,12 +65,12 @@ def test_folds_both_batched_transposes_and_keeps_other_permutes():
 
 
 @I.ir_module
-class HalfAndVector:
+class WideningAndVector:
     @R.function
     def main(x: R.Tensor((8, 4), "float16"), w: R.Tensor((4, 2), "float16"),
              v: R.Tensor((4,), "float32"), m: R.Tensor((3, 4), "float32")):
         with R.dataflow():
-            y = R.matmul(x, w)  # no half-precision BLAS on the host: stays with TVM
+            y = R.matmul(x, w, out_dtype="float32")  # output wider than the operands: TVM's
             z = R.matmul(m, v)  # rank-1 operand: stays with TVM
             R.output(y, z)
         return (y, z)
@@ -86,7 +86,8 @@ class Integer:
         return y
 
 
-@pytest.mark.parametrize("mod", [HalfAndVector, Integer], ids=["float16_and_vector", "int32"])
+@pytest.mark.parametrize("mod", [WideningAndVector, Integer],
+                         ids=["widening_and_vector", "int32"])
 def test_leaves_non_blas_dtypes_and_vectors(mod):
     tvm.ir.assert_structural_equal(DispatchToBLAS()(mod), mod)
 
@@ -243,3 +244,34 @@ def test_blas_conv2d_in_the_weight_gradient_form_equals_autograd(n, c, h, o, k, 
     blas.conv2d(tvm_ffi.from_dlpack(x.numpy()), tvm_ffi.from_dlpack(dy), [1, 1], [pad] * 4,
                 [stride, stride], "CNHW,IOHW,CNHW", tvm_ffi.from_dlpack(out))
     np.testing.assert_allclose(out[:, :, :k, :k], w.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["native", "widen"])
+def test_bf16_matmul_dispatched_and_accumulated_in_float32(mode, monkeypatch):
+    """A 16-bit matmul goes to raf_dist.blas.matmul (runtime/blas.py), whose two ways both
+    sum in float32 and round once: a 4096-long dot product of ones is 4096 (a bf16 running
+    sum stops at 256)."""
+    import ml_dtypes
+    import numpy as np
+    from tvm import relax
+
+    from raf_dist.runtime import blas
+
+    monkeypatch.setitem(blas._modes, "bfloat16", mode)
+
+    @I.ir_module
+    class Mod:
+        @R.function
+        def main(a: R.Tensor((2, 4096), "bfloat16"), b: R.Tensor((4096, 3), "bfloat16")):
+            with R.dataflow():
+                y = R.matmul(a, b)
+                R.output(y)
+            return y
+
+    dispatched = DispatchToBLAS()(Mod)
+    assert "raf_dist.blas.matmul" in dispatched.script()
+    exe = tvm.compile(dispatched, target="llvm")
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    ones = [np.ones(s, ml_dtypes.bfloat16) for s in ((2, 4096), (4096, 3))]
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in ones]).numpy()
+    assert out.astype(np.float32).tolist() == [[4096.0] * 3] * 2

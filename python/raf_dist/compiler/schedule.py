@@ -176,6 +176,16 @@ def _schedule_row_reduction(sch, block, lead, work):
     sch.decompose_reduction(rf, init_at)
 
 
+def _stores_16bit_constant(sblock):
+    """A fill of a bfloat16 / float16 constant (``R.zeros(..., "bfloat16")``: the zero
+    adjoints autodiff makes under mixed precision). TVM 0.27's BF16 storage legalisation
+    cannot lower a vector store of one (a bfloat16x8 value into the uint16 buffer: a
+    TypeError at build), so such a fill stays scalar; it is parallel all the same."""
+    body = sblock.body
+    return (isinstance(body, tvm.tirx.BufferStore) and isinstance(body.value, tvm.tirx.FloatImm)
+            and str(body.value.dtype) in ("bfloat16", "float16"))
+
+
 def _schedule_block(sch, block):
     """Schedule one block; returns None when done (or when it is too small to be worth
     scheduling), else why it was left as it was."""
@@ -224,7 +234,7 @@ def _schedule_block(sch, block):
         return None
     spatial = sch.fuse(*loops[:lead]) if lead > 1 else loops[0]
     spatial_extent = math.prod(extents[:lead])
-    if all_spatial and _fills_lanes(spatial_extent):
+    if all_spatial and _fills_lanes(spatial_extent) and not _stores_16bit_constant(sblock):
         outer, inner = sch.split(spatial, [None, _VECTOR])
         sch.vectorize(inner)
         spatial = outer

@@ -200,7 +200,10 @@ class _Emitter:
         """Start reducing a bucket's gradients, read where backward computed them (no packed
         copy: the planner keeps each alive until the wait, which names it)."""
         grads = [self.step.marker_of[k].grad for k in bucket.keys]
-        out = self._alloc(f"grad_shard{bucket.index}", bucket.shard_total, bucket.dtype)
+        # the gradients' dtype, which is not the parameters' when they travel in bfloat16
+        # (Trainer(grad_reduce_dtype=...): the update chain starts with the cast back)
+        out = self._alloc(f"grad_shard{bucket.index}", bucket.shard_total,
+                          str(grads[0].ty.dtype))
         handle = self.start("reduce_scatter", f"reduce_scatter{bucket.index}", grads, [out])
         self.in_flight[bucket.index] = (bucket, handle, grads, out)
 
@@ -299,6 +302,8 @@ class _Emitter:
         op = relax.op
         flag = self.bind("loss_finite", op.isfinite(self.loss))
         for i, shard in enumerate(shards):  # (bind takes one op at a time)
+            if str(shard.ty.dtype) != "float32":  # TVM has no 16-bit isfinite
+                shard = self.bind(f"shard_wide{i}", op.astype(shard, "float32"))
             total = self.bind(f"shard_sum{i}", op.sum(shard))
             finite = self.bind(f"shard_finite{i}", op.isfinite(total))
             flag = self.bind(f"finite{i}", op.logical_and(flag, finite))

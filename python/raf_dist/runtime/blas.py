@@ -12,6 +12,7 @@ they stay ordered.
 import logging
 import time
 
+import ml_dtypes
 import numpy as np
 import tvm_ffi
 
@@ -57,29 +58,52 @@ def _torch():
 
 def _matmul_low(a, b, trans_a, trans_b, out):
     """A bfloat16 / float16 GEMM on the host, accumulated in float32 and rounded once into
-    ``out``, by the faster of two ways on this machine (``low_gemm_mode``): PyTorch's CPU
-    matmul in the 16-bit dtype (oneDNN, which uses the CPU's bf16 dot-product instructions
-    where it has them), or the operands widened to float32 and multiplied there. Both take the
-    step's tensors zero-copy through DLPack (numpy cannot: it has no 16-bit float DLPack
-    type). Without torch the operands are copied out and multiplied in float32 by numpy."""
+    ``out``, by the faster of two ways on this machine (``low_gemm_mode``): oneDNN's 16-bit
+    GEMM (``torch.matmul``; it uses the CPU's bf16 dot-product instructions where it has
+    them), or the operands widened to float32 and multiplied by numpy's BLAS on TVM's pool,
+    as every float32 matmul. numpy has no 16-bit float DLPack type: torch's ``from_dlpack``
+    is the zero-copy bridge (a uint16 view of the same memory), and only the widen / narrow
+    run in numpy, so no second thread pool competes with TVM's (measured: torch's own
+    float32 GEMM inside a raf_dist step ran 5x slower than alone). Without torch the tensors
+    are copied out."""
+    dtype = str(out.dtype)
     torch = _torch()
-    if torch is None:
-        x, y = a.numpy().astype(np.float32), b.numpy().astype(np.float32)
+    if torch is not None and low_gemm_mode(dtype) == "native":
+        ta, tb, to = torch.from_dlpack(a), torch.from_dlpack(b), torch.from_dlpack(out)
         if trans_a:
-            x = np.swapaxes(x, -1, -2)
+            ta = ta.transpose(-1, -2)
         if trans_b:
-            y = np.swapaxes(y, -1, -2)
-        out.copyfrom(np.matmul(x, y).astype(out.numpy().dtype))
-        return
-    ta, tb, to = torch.from_dlpack(a), torch.from_dlpack(b), torch.from_dlpack(out)
-    if trans_a:
-        ta = ta.transpose(-1, -2)
-    if trans_b:
-        tb = tb.transpose(-1, -2)
-    if low_gemm_mode(str(out.dtype)) == "native":
+            tb = tb.transpose(-1, -2)
         torch.matmul(ta, tb, out=to)
+        return
+    x, y = _wide(a, dtype, torch), _wide(b, dtype, torch)
+    if trans_a:
+        x = np.swapaxes(x, -1, -2)
+    if trans_b:
+        y = np.swapaxes(y, -1, -2)
+    wide = np.empty(tuple(out.shape), np.float32)
+    if not (wide.ndim > 2 and openblas.batched_matmul(x, y, wide)):
+        np.matmul(x, y, out=wide)
+    narrow = wide.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16)
+    if torch is not None:
+        _bits(out, torch)[...] = narrow.view(np.uint16)
     else:
-        to.copy_(torch.matmul(ta.float(), tb.float()))
+        out.copyfrom(narrow)
+
+
+def _bits(tensor, torch):
+    """A uint16 numpy view of a 16-bit tensor's memory (zero-copy through torch's DLPack)."""
+    return torch.from_dlpack(tensor).view(torch.int16).numpy().view(np.uint16)
+
+
+def _wide(tensor, dtype, torch):
+    """A float32 copy of a 16-bit tensor."""
+    if torch is None:
+        return tensor.numpy().astype(np.float32)
+    bits = _bits(tensor, torch)
+    if dtype == "bfloat16":  # a bfloat16 is the upper half of the float32 with its value
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    return bits.view(np.float16).astype(np.float32)
 
 
 _modes = {}
@@ -97,16 +121,20 @@ def low_gemm_mode(dtype):
             _modes[dtype] = forced
         else:
             torch = _torch()
+            if torch is None:
+                _modes[dtype] = "widen"
+                return _modes[dtype]
             x = torch.randn(512, 1024).to(getattr(torch, dtype))
             w = torch.randn(1024, 1024).to(getattr(torch, dtype))
             out = torch.empty(512, 1024, dtype=x.dtype)
+            xf, wf = x.float().numpy(), w.float().numpy()  # the widen path's own GEMM
             times = {}
             for mode in ("native", "widen", "native", "widen"):
                 began = time.perf_counter()
                 if mode == "native":
                     torch.matmul(x, w, out=out)
                 else:
-                    out.copy_(torch.matmul(x.float(), w.float()))
+                    np.matmul(xf, wf).astype(ml_dtypes.bfloat16)
                 times[mode] = min(times.get(mode, 1e9), time.perf_counter() - began)
             _modes[dtype] = min(times, key=times.get)
             logger.info("raf_dist.blas: %s GEMM %s (native %.2f ms, widened to float32 "

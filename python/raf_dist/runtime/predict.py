@@ -64,6 +64,10 @@ class Forwards:
         self._target, self._device, self._cache_dir = target, device, cache_dir
         self._cache: Dict[int, Tuple[Any, Any]] = {}
 
+    def sizes(self) -> List[int]:
+        """The batch sizes a forward has been compiled for."""
+        return sorted(self._cache)
+
     def at(self, rows: int) -> Tuple[Any, Any]:
         """(VM function ``forward``, the model captured at ``rows`` rows)."""
         if rows not in self._cache:

@@ -66,12 +66,6 @@ class SPMDExecutor:
         # gradients travel in grad_reduce_dtype only where they travel (dp > 1)
         self._reduce_dtype = (grad_reduce_dtype if grad_reduce_dtype != "float32"
                               and plan.data_parallel and plan.world > 1 else None)
-        if self._reduce_dtype is not None and plan.zero_level > 0:
-            raise NotImplementedError(
-                f"grad_reduce_dtype={grad_reduce_dtype!r} with zero_opt_level="
-                f"{plan.zero_level} is not built yet (ZeRO's gradient shards are kept in the "
-                "parameters' dtype); use zero_opt_level=0 for bfloat16 gradient traffic, or "
-                "grad_reduce_dtype='float32'")
         self.microbatches, self.bucket_bytes = plan.microbatches, plan.bucket_bytes
         # synchronized batch norm: statistics of the global batch (passes/batch_norm.py)
         self.sync_batch_norm_world = plan.sync_batch_norm_world

@@ -1,0 +1,117 @@
+"""Mixed precision: raf_dist bf16 vs PyTorch's ``torch.autocast("cpu", dtype=torch.bfloat16)``,
+and both against their float32 selves, each side alone (DESIGN.md section 6).
+
+    python bench/mixed_precision.py [--model gpt|gemm_gpt|all] [--steps 8] [--rounds 3]
+                                    [--cores K]
+
+Models (AdamW): ``gpt`` is bench/step_time.py's GPT (4 layers, d=128, seq 64, vocab 512,
+batch 16); ``gemm_gpt`` the issue's GEMM-dominated GPT (6 layers, d=512, 8 heads, seq 128,
+vocab 4096, batch 8; 23M parameters). Four sides, each in a process of its own with its own
+defaults, alternating for ``--rounds`` rounds: raf_dist fp32, raf_dist bf16, PyTorch fp32,
+PyTorch autocast bf16 (forward and loss under autocast, as PyTorch's AMP recipe). Printed:
+each side's median step time; the ratios raf bf16 / torch autocast and raf bf16 / raf fp32
+(median of the per-round ratios [spread]); raf_dist's planned step temporaries in bf16 over
+fp32; the bf16 GEMM path raf_dist measured on this machine (``RAF_DIST_LOW_GEMM``).
+
+    python bench/mixed_precision.py --side raf|torch --precision fp32|bf16 --model gpt
+"""
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from step_time import GPT  # noqa: E402
+
+SHAPES = {  # name: (GPT kwargs, batch)
+    "gpt": (dict(vocab=512, d=128, heads=4, layers=4, seq=64), 16),
+    "gemm_gpt": (dict(vocab=4096, d=512, heads=8, layers=6, seq=128), 8),
+}
+
+
+def make(name):
+    torch.manual_seed(0)
+    kwargs, batch = SHAPES[name]
+    module = GPT(**kwargs)
+    x = torch.randint(0, kwargs["vocab"], (batch, kwargs["seq"]))
+    y = torch.randint(0, kwargs["vocab"], (batch, kwargs["seq"]))
+    return module, x, y
+
+
+def raf_side(name, precision, steps, cache_dir):
+    import raf_dist
+    from raf_dist.runtime import blas
+
+    module, x, y = make(name)
+    trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
+                               optimizer=raf_dist.optim.AdamW(lr=1e-3), cache_dir=cache_dir,
+                               precision=precision)
+    xn, yn = x.numpy(), y.numpy()
+    ms = harness.median_ms(lambda: trainer.step(xn, yn), steps)
+    return {"ms": ms, "planned_peak_bytes": trainer.stats()["planned_peak_bytes"],
+            "low_gemm": blas.low_gemm_mode("bfloat16") if precision == "bf16" else ""}
+
+
+def torch_side(name, precision, steps):
+    module, x, y = make(name)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = module(x)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+        loss.backward()
+        opt.step()
+
+    return {"ms": harness.median_ms(step, steps), "threads": torch.get_num_threads()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="all", choices=[*SHAPES, "all"])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cores", type=int, default=None)
+    parser.add_argument("--side", choices=["raf", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side == "raf":
+        return harness.report(raf_side(args.model, args.precision, args.steps, args.cache_dir))
+    if args.side == "torch":
+        return harness.report(torch_side(args.model, args.precision, args.steps))
+
+    names = list(SHAPES) if args.model == "all" else [args.model]
+    cpu_set = harness.cores(args.cores)
+    print(f"# torch {torch.__version__}; {harness.machine()}; each side alone, {args.rounds} "
+          f"alternating rounds of {args.steps} steps; AdamW")
+    print(f"{'model':9s} {'raf fp32':>9s} {'raf bf16':>9s} {'torch fp32':>10s} "
+          f"{'torch amp':>9s} {'bf16/amp [spread]':>18s} {'bf16/fp32 [spread]':>19s} "
+          f"{'temps bf16/fp32':>15s} {'bf16 GEMM':>9s}")
+    with tempfile.TemporaryDirectory() as cache_dir:
+        for name in names:
+            common = [sys.executable, __file__, "--model", name, "--steps", str(args.steps)]
+            sides = {f"{side}_{p}": common + ["--side", side, "--precision", p]
+                     + (["--cache-dir", cache_dir] if side == "raf" else [])
+                     for side in ("raf", "torch") for p in ("fp32", "bf16")}
+            res = harness.alternate(sides, args.rounds, cpu_set)
+            ms = {k: [r["ms"] for r in v] for k, v in res.items()}
+            temps = res["raf_bf16"][0]["planned_peak_bytes"] / res["raf_fp32"][0][
+                "planned_peak_bytes"]
+            print(f"{name:9s} {statistics.median(ms['raf_fp32']):9.1f} "
+                  f"{statistics.median(ms['raf_bf16']):9.1f} "
+                  f"{statistics.median(ms['torch_fp32']):10.1f} "
+                  f"{statistics.median(ms['torch_bf16']):9.1f} "
+                  f"{harness.format_ratio(ms['raf_bf16'], ms['torch_bf16']):>18s} "
+                  f"{harness.format_ratio(ms['raf_bf16'], ms['raf_fp32']):>19s} "
+                  f"{temps:15.2f} {res['raf_bf16'][0]['low_gemm']:>9s}")
+
+
+if __name__ == "__main__":
+    main()
