@@ -16,7 +16,9 @@ TYPED     := python/raf_dist/data.py python/raf_dist/device.py python/raf_dist/m
              python/raf_dist/runtime/transport.py python/raf_dist/checkpoint/train_state.py \
              python/raf_dist/runtime/predict.py python/raf_dist/runtime/schedule_run.py \
              python/raf_dist/passes/zero.py python/raf_dist/passes/zero_plan.py \
-             python/raf_dist/runtime/mixed_precision.py
+             python/raf_dist/runtime/mixed_precision.py python/raf_dist/runtime/loss_scale.py \
+             python/raf_dist/runtime/loop.py python/raf_dist/runtime/metrics.py \
+             python/raf_dist/passes/clipping.py
 NATIVE    := $(wildcard src/*/*.cc src/*/*.h cmake/modules/*.cmake) CMakeLists.txt config.cmake
 
 .PHONY: install demo test test-fast typecheck bench clean

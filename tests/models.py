@@ -336,10 +336,11 @@ def rel_err(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-12))
 
 
-def single_process_reference(name, opt_name, global_batch, steps, **trainer_args):
+def single_process_reference(name, opt_name, global_batch, steps, keep=(), **trainer_args):
     """What the distributed workers compare against: rank 0 trains ``name`` alone on the whole
     global batch (data parallelism off) for ``steps`` steps while the other ranks sleep; every
-    rank gets (losses, state_dict, optimizer_state_dict). Collective."""
+    rank gets (losses, state_dict, optimizer_state_dict), and {attribute: value} of the
+    trainer's attributes named in ``keep`` when given. Collective."""
     import raf_dist
     from raf_dist import distributed as dist
 
@@ -359,6 +360,8 @@ def single_process_reference(name, opt_name, global_batch, steps, **trainer_args
                                    **trainer_args)
         losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(steps)]
         reference = (losses, trainer.state_dict(), trainer.optimizer_state_dict())
+        if keep:
+            reference += ({k: getattr(trainer, k) for k in keep},)
         config.update(saved)
     comm.idle_barrier()  # the others sleep while rank 0 compiles and runs the reference
     return comm.mpi_comm.bcast(reference, root=0)

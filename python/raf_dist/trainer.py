@@ -7,7 +7,7 @@ parallel, ZeRO, tensor parallel) or ``runtime.pipeline.PipelineExecutor`` (stage
 axis). Every public method is the executor's; each executor serves the whole surface or
 refuses a call with a clear error.
 """
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -41,7 +41,9 @@ class Trainer:
                  cache_dir: Optional[str] = None, seed: int = 0, nonfinite: str = "raise",
                  tensor_parallel_plan: Optional[Dict[str, str]] = None,
                  local: bool = False, precision: str = "fp32",
-                 grad_reduce_dtype: str = "float32") -> None:
+                 grad_reduce_dtype: str = "float32",
+                 lr_schedule: Optional[Callable[[int], float]] = None,
+                 log_every: int = 0, max_grad_norm: Optional[float] = None) -> None:
         """``nonfinite``: what ``step`` does when the loss or a gradient is NaN or infinite:
         ``"raise"`` (default) raises FloatingPointError naming the step, ``"skip"`` returns the
         NaN loss and logs a warning on the ``raf_dist`` logger; either way the update is not
@@ -67,9 +69,32 @@ class Trainer:
         compute in the low dtype, softmax, normalisation statistics and the loss in float32;
         parameters and optimizer states stay float32 (``state_dict()`` is float32).
         ``grad_reduce_dtype``: the dtype gradients travel in between data-parallel ranks
-        (``"float32"`` or ``"bfloat16"``: half the bytes)."""
+        (``"float32"`` or ``"bfloat16"``: half the bytes). ``"fp16"`` scales the loss
+        dynamically as ``torch.amp.GradScaler`` (runtime/loss_scale.py): a step whose
+        gradients overflow is skipped on every rank (its loss returned as NaN) and the scale
+        halves; ``loss_scale`` is the current scale.
+
+        ``lr_schedule``: ``f(k)`` multiplies the learning rate of the k-th update (k = 0
+        first), as ``torch.optim.lr_scheduler.LambdaLR`` stepped after each update; skipped
+        steps do not advance k, and a resumed checkpoint continues it. Ready-made ones in
+        ``raf_dist.optim.schedules``; ``last_lr`` is the last step's learning rate.
+
+        ``log_every``: log ``metrics()`` on the ``raf_dist`` logger (INFO) every that many
+        steps (0: never).
+
+        ``max_grad_norm``: clip the gradients by their global L2 norm as
+        ``torch.nn.utils.clip_grad_norm_`` on one process on the global batch, whatever the
+        mesh (every element counted once: passes/clipping.py); ``last_grad_norm`` is the norm
+        before clipping, the same float on every rank."""
         check_arguments(model, loss, optimizer, device, nonfinite)
         check_precision(precision, grad_reduce_dtype)
+        if lr_schedule is not None and not callable(lr_schedule):
+            raise TypeError(f"lr_schedule must be a callable k -> multiplier (see "
+                            f"raf_dist.optim.schedules), got {lr_schedule!r}")
+        check_max_grad_norm(max_grad_norm)
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
+            raise ValueError(f"log_every must be an int >= 0 (0: no logging), got "
+                             f"{log_every!r}")
         config = get_config()
         config.check()
         config.check_supported()
@@ -85,7 +110,9 @@ class Trainer:
         self.executor = executor(model, loss, optimizer, device, plan, mesh, comm,
                                  cache_dir=cache_dir, seed=seed, nonfinite=nonfinite,
                                  tensor_parallel_plan=tensor_parallel_plan,
-                                 precision=precision, grad_reduce_dtype=grad_reduce_dtype)
+                                 precision=precision, grad_reduce_dtype=grad_reduce_dtype,
+                                 lr_schedule=lr_schedule, log_every=log_every,
+                                 max_grad_norm=max_grad_norm)
         if env.profile_dir() is not None:
             self.profile(env.profile_steps(), env.profile_dir())
 
@@ -101,6 +128,15 @@ class Trainer:
         dropout), as one numpy array. Where parameters are sharded this gathers them: every
         rank must call it."""
         return self.executor.predict(x)
+
+    def metrics(self) -> Dict[str, Any]:
+        """The last step's measurements ({} before the first): ``loss``, ``lr``,
+        ``grad_norm`` (None without clipping), ``step_time_s``, ``rows_per_s`` and
+        ``tokens_per_s`` (global; tokens when the first input is (rows, seq) integer ids),
+        ``flops_per_step`` and ``flops_per_s`` (this rank's, counted from the IR it runs),
+        ``mfu`` (against this machine's measured float32 GEMM rate), ``loss_scale``. See
+        raf_dist.runtime.metrics."""
+        return self.executor.metrics()
 
     def profile(self, steps: int, path: Any) -> str:
         """Record the next ``steps`` calls to ``step`` — every kernel, BLAS call, collective
@@ -167,6 +203,23 @@ class Trainer:
         return self.executor.update_guarded
 
     @property
+    def last_lr(self) -> float:
+        """The learning rate the last step used (``lr_schedule``'s; before the first step,
+        the one it will use)."""
+        return self.executor.last_lr
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The last step's global gradient norm before clipping (with ``max_grad_norm``;
+        None before the first step or without clipping)."""
+        return self.executor.last_grad_norm
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        """The dynamic loss scale under ``precision="fp16"`` (None otherwise)."""
+        return self.executor.loss_scale
+
+    @property
     def step_count(self) -> int:
         """Optimizer steps taken (those nonfinite="skip" left out included)."""
         return self.executor.step_count
@@ -183,6 +236,16 @@ class Trainer:
         if name.startswith("_") or name == "executor":
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.executor, name)
+
+
+def check_max_grad_norm(max_grad_norm: Any) -> None:
+    """``max_grad_norm``: None or a finite number > 0."""
+    if max_grad_norm is None:
+        return
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not (
+            0 < max_grad_norm < float("inf")):
+        raise ValueError(f"max_grad_norm must be None or a finite number > 0 (1.0 is the usual "
+                         f"value for language models), got {max_grad_norm!r}")
 
 
 def check_precision(precision: Any, grad_reduce_dtype: Any) -> None:

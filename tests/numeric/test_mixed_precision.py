@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import raf_dist
+from raf_dist.runtime.loss_scale import LossScaler
 from models import make, raf_optimizer, rel_err, torch_reference
 
 STEPS = 5
@@ -56,21 +57,114 @@ def test_bad_precision_names_the_allowed_values():
         raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), precision="bfloat16")
     with pytest.raises(ValueError, match=r"grad_reduce_dtype must be one of"):
         raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), grad_reduce_dtype="fp16")
-    with pytest.raises(NotImplementedError, match=r"precision='fp16' needs dynamic loss"):
-        raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), precision="fp16")
 
 
-def test_bf16_checkpoint_resumes_bitwise(tmp_path):
-    """float32 masters in the checkpoint: a resumed bf16 run continues exactly."""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_checkpoint_resumes_bitwise(tmp_path, precision):
+    """float32 masters in the checkpoint: a resumed low-precision run continues exactly. Under
+    fp16 the loss scale, its growth count and the skipped steps (Adam's own step count leaves
+    them out) come back too: the first step overflows at a scale of 2^40 (backing
+    off to 2^16, which fits) and the growth count runs across the save."""
     module, x, y = make("mlp", 8)
     model = raf_dist.frontend.from_pytorch(module, (x,))
-    first = raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), precision="bf16")
+
+    def trainer():
+        t = raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), precision=precision)
+        if precision == "fp16":
+            t.executor._scaler = LossScaler(init_scale=2.0 ** 40, backoff_factor=2.0 ** -24,
+                                            growth_interval=3)
+        return t
+
+    first = trainer()
     for _ in range(2):
         first.step(x.numpy(), y.numpy())
+    if precision == "fp16":
+        assert first.skipped_steps == 1 and first.loss_scale == 2.0 ** 16
     first.save_checkpoint(tmp_path)
     expected = [first.step(x.numpy(), y.numpy()) for _ in range(2)]
-    second = raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), precision="bf16")
+    second = trainer()
     second.load_checkpoint(tmp_path)
     assert [second.step(x.numpy(), y.numpy()) for _ in range(2)] == expected
+    assert (second.loss_scale, second.skipped_steps) == (first.loss_scale, first.skipped_steps)
+    if precision == "fp16":
+        assert second.loss_scale == 2.0 ** 17  # grown after 3 good steps, one before the save
     for k, v in first.state_dict().items():
         assert np.array_equal(second.state_dict()[k], v)
+
+
+def test_loss_scaler_follows_grad_scaler():
+    """The scale and growth count after each step equal torch.amp.GradScaler's for the same
+    overflow sequence (growth every 3 good steps so that growth happens too)."""
+    import torch
+
+    found = [True, False, False, False, True, False, False, False, False, False, False, True]
+    ours = LossScaler(init_scale=1024.0, growth_interval=3)
+    theirs = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=0.0)
+    for inf in found:
+        loss = param.sum() * (float("inf") if inf else 1.0) + 1.0
+        theirs.scale(loss).backward()
+        theirs.step(opt)
+        theirs.update()
+        opt.zero_grad()
+        ours.update(inf)
+        assert ours.scale == theirs.get_scale()
+        assert ours.state_dict()["_growth_tracker"] == theirs.state_dict()["_growth_tracker"]
+
+
+def test_fp16_overflow_skips_and_backs_off_like_grad_scaler():
+    """An MSE regression with targets of size 20: scaled by 2^16 its output gradient
+    overflows float16 (2 x 20 / 32 x 65536 > 65504), so the first steps are skipped and the
+    scale halves until it fits, exactly where torch.autocast(float16) + GradScaler skip.
+    The steps taken then train as PyTorch's, within TOL_FACTOR x PyTorch's own distance
+    from float32 (as the bf16 test)."""
+    import torch
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                 torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    y = 20.0 * torch.randn(8, 4)
+    steps = 6
+    init = {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def torch_run(amp, steps):
+        module.load_state_dict(init)
+        opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", enabled=amp)
+        losses, scales = [], []
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+                loss = torch.nn.functional.mse_loss(module(x), y)
+            before = scaler.get_scale() if amp else 1.0
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            skipped = amp and scaler.get_scale() < before
+            losses.append(float("nan") if skipped else loss.item())
+            scales.append(scaler.get_scale() if amp else None)
+        return losses, scales, {k: v.detach().numpy().copy() for k, v in
+                                module.named_parameters()}
+
+    amp_losses, amp_scales, amp_params = torch_run(True, steps)
+    taken = [i for i, v in enumerate(amp_losses) if np.isfinite(v)]
+    fp_losses, _, fp_params = torch_run(False, len(taken))  # the updates the amp run made
+    module.load_state_dict(init)
+    trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)), loss="mse",
+                               optimizer=raf_dist.optim.SGD(lr=1e-3), precision="fp16")
+    assert 'dtype="float16") = R.matmul(' in trainer.executor.ir.script()
+    losses, scales = [], []
+    for _ in range(steps):
+        losses.append(trainer.step(x.numpy(), y.numpy()))
+        scales.append(trainer.loss_scale)
+    assert scales == amp_scales, (scales, amp_scales)
+    skipped = [not np.isfinite(v) for v in losses]
+    assert skipped == [not np.isfinite(v) for v in amp_losses] and skipped[0] and not skipped[-1]
+    assert trainer.skipped_steps == sum(skipped)
+    params = trainer.state_dict()
+    ours = distance([losses[i] for i in taken], params, fp_losses, fp_params)
+    theirs = distance([amp_losses[i] for i in taken], amp_params, fp_losses, fp_params)
+    print(f"fp16: raf_dist {ours:.2e}, torch autocast + GradScaler {theirs:.2e} from float32")
+    assert ours <= TOL_FACTOR * theirs, (ours, theirs)

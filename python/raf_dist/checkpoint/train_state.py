@@ -45,11 +45,14 @@ class TrainState:
     tied_params: Dict[str, str]
     non_persistent_buffers: FrozenSet[str]
     frozen: Sequence[Any] = ()
+    #: the loop's host state (JSON): skipped steps, the loss scale; the executor's loop_state()
+    loop: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, comm: Any, world: int, zero_level: int, signature: Any, step_count: int,
            seed: int, config: Dict[str, Any], loss: str, optimizer: Any, model: Any,
-           frozen: Sequence[Any] = (), shared: bool = True) -> "TrainState":
+           frozen: Sequence[Any] = (), shared: bool = True,
+           loop: Optional[Dict[str, Any]] = None) -> "TrainState":
         """The state of an executor whose ``world`` ranks write a checkpoint together.
         ``shared=False``: a Trainer of ranks that train independently in a world of several
         ranks, which checkpoint nothing together: refused, naming the fix (every rank would
@@ -66,7 +69,7 @@ class TrainState:
                    tied_params=dict(getattr(model, "tied_params", {})),
                    non_persistent_buffers=frozenset(getattr(model, "non_persistent_buffers",
                                                             ())),
-                   frozen=tuple(frozen))
+                   frozen=tuple(frozen), loop=dict(loop or {}))
 
 
 def _my_slice(tensor: Any, numel: int, world_size: int, rank: int,
@@ -169,6 +172,7 @@ def _write(train_state: TrainState, root: Path, name: str, tmp: Path, path: Any,
             "optimizer": {"class": type(train_state.optimizer).__name__,
                           "config": train_state.optimizer.config(),
                           "state_names": list(signature.state_names)},
+            "loop": json.loads(json.dumps(train_state.loop)),
             "extra": json_extra, "files": records}
         try:
             final, error = files.finalize(root, name, tmp, meta, keep), None

@@ -18,16 +18,18 @@ def nonfinite_guard(zero_level: int, world_size: int, nonfinite: str = "raise"):
 
 
 def step_passes(zero_level: int, world_size: int, bucket_bytes: int, overlap: bool = True,
-                group: int = 0, guard: bool = False, tp_group=None, sync_batch_norm_group=None):
+                group: int = 0, guard: bool = False, tp_group=None, sync_batch_norm_group=None,
+                clip=None):
     """The raf_dist passes a training step goes through (before TVM's lowering): the
     distribution pass for the ZeRO level (0: data parallel allreduce; world size 1 at level 0:
     none), then the lowering of tensor-parallel ops (``tp_group``) and of synchronized batch
     norm's allreduces (``sync_batch_norm_group``), library dispatch and fast math. ``guard``:
     under ZeRO, no update unless every rank's gradients are finite (nonfinite="skip";
-    passes/zero.py)."""
+    passes/zero.py); ``clip`` (a passes.clipping.Clip): under ZeRO, the gradient shards clipped
+    by the global norm (without ZeRO the step builder clips)."""
     if zero_level:
         distribute = ShardZeRO(zero_level, world_size, bucket_bytes, overlap=overlap, group=group,
-                               guard=guard)
+                               guard=guard, clip=clip)
     elif world_size > 1:
         distribute = AllReduceGradients(world_size, bucket_bytes, overlap=overlap, group=group)
     else:

@@ -1,6 +1,7 @@
 """Small IR utilities the layers share: running a PyExprMutator over each Relax function of a
 module, recognising the ``call_pure_packed`` markers the frontends and the step builder leave
-for passes to rewrite, element counts of static tensor types."""
+for passes to rewrite, element counts of static tensor types, a sum of a whole tensor that
+runs on every core."""
 import tvm
 from tvm import relax
 
@@ -28,3 +29,26 @@ def tensor_numel(ty):
     for d in ty.shape:
         n *= int(d)
     return n
+
+
+#: a reduction this long is split so that it runs on every core (compiler/schedule.py treats
+#: a reduction of >= 16384 elements with no data-parallel outer loop as a serial fallback)
+_SERIAL_LIMIT = 16384
+_CHUNK = 256
+
+
+def sum_all(bb: relax.BlockBuilder, g: relax.Expr) -> relax.Var:
+    """sum(g) as sums of rows of _CHUNK elements (a data-parallel outer loop), repeated until
+    what is left is short, then one final sum. Zero padding keeps NaN and inf."""
+    op = relax.op
+    numel = 1
+    for dim in g.ty.shape:
+        numel *= int(dim)
+    flat = bb.emit(op.reshape(g, (numel,)))
+    while numel >= _SERIAL_LIMIT:
+        rows = -(-numel // _CHUNK)
+        if rows * _CHUNK != numel:
+            flat = bb.emit(op.nn.pad(flat, [0, rows * _CHUNK - numel]))
+        flat = bb.emit(op.sum(op.reshape(flat, (rows, _CHUNK)), axis=[1]))
+        numel = rows
+    return bb.emit(op.sum(flat))

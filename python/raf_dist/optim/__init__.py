@@ -4,8 +4,9 @@ Each optimizer declares its per-parameter state, the per-step scalars the host c
 float64 (learning rate, bias corrections: so the IR has no step-dependent constants and
 learning-rate schedules need no recompilation), and emits its update as Relax ops.
 """
+from . import schedules
 from .adam import Adam, AdamW
 from .optimizer import Optimizer
 from .sgd import SGD
 
-__all__ = ["Adam", "AdamW", "Optimizer", "SGD"]
+__all__ = ["Adam", "AdamW", "Optimizer", "SGD", "schedules"]

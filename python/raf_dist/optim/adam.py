@@ -35,12 +35,13 @@ class Adam(Optimizer):
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
 
-    def hyper_values(self, step: int) -> dict[str, float]:
+    def hyper_values(self, step: int, lr: float | None = None) -> dict[str, float]:
         beta1, beta2 = self.betas
-        values = {"step_size": self.lr / (1 - beta1 ** step),
+        lr = self.lr if lr is None else lr
+        values = {"step_size": lr / (1 - beta1 ** step),
                   "bias_correction2_sqrt": math.sqrt(1 - beta2 ** step)}
         if self.decoupled:
-            values["decay"] = 1 - self.lr * self.weight_decay
+            values["decay"] = 1 - lr * self.weight_decay
         return values
 
     def emit_update(self, bb: relax.BlockBuilder, param: relax.Expr, grad: relax.Expr,

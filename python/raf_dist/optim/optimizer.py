@@ -20,8 +20,9 @@ class Optimizer:
         _check_positive("lr", lr, allow_zero=True)
         self.lr = float(lr)
 
-    def hyper_values(self, step: int) -> dict[str, float]:
-        """Scalars for 1-based ``step``, as a dict name -> float (computed in float64)."""
+    def hyper_values(self, step: int, lr: float | None = None) -> dict[str, float]:
+        """Scalars for 1-based ``step``, as a dict name -> float (computed in float64).
+        ``lr``: this step's learning rate (a schedule's; default ``self.lr``)."""
         raise NotImplementedError
 
     def emit_update(self, bb: relax.BlockBuilder, param: relax.Expr, grad: relax.Expr,

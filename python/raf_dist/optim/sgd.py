@@ -25,8 +25,8 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
         self.state_names = ("momentum_buffer",) if self.momentum else ()
 
-    def hyper_values(self, step: int) -> dict[str, float]:
-        return {"lr": self.lr}
+    def hyper_values(self, step: int, lr: float | None = None) -> dict[str, float]:
+        return {"lr": self.lr if lr is None else lr}
 
     def emit_update(self, bb: relax.BlockBuilder, param: relax.Expr, grad: relax.Expr,
                     states: Sequence[relax.Expr], hyper: Mapping[str, relax.Expr],

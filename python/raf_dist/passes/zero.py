@@ -51,6 +51,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import tvm
 from tvm import relax
 
+from ..ir.ops import tp_reduce
+from . import clipping
+
 from .bucketing import Segments, assemble, collective
 from .gradient_markers import UPDATED_ARGUMENTS, SubstituteVars
 from .zero_plan import Bucket, GatherRegion, ZeroPlan, plan_zero
@@ -63,9 +66,12 @@ class _Emitter:
     follows), binding by binding in the order the module docstring gives; the collectives
     still in flight and the updated values found so far are its state."""
 
-    def __init__(self, plan: ZeroPlan, overlap: bool, group: int, guard: bool):
+    def __init__(self, plan: ZeroPlan, overlap: bool, group: int, guard: bool,
+                 clip: Optional[clipping.Clip] = None):
         self.plan, self.step = plan, plan.step
-        self.overlap, self.guard = overlap, guard
+        self.overlap, self.guard, self.clip = overlap, guard, clip
+        # the guard and clipping both need every gradient reduced before any update
+        self.waits_all = guard or clip is not None
         self.group = relax.prim_value(group)
         self.seg = Segments()
         self.loss = self.step.loss  # the guard replaces it: NaN unless every rank is finite
@@ -153,14 +159,19 @@ class _Emitter:
     def _after_backward(self) -> None:
         """What is left once backward is done: level 1's reductions, the guard's verdict and
         its updates, level 2's gathers of the updated shards, every wait."""
+        for binding in self.plan.update.tail:  # e.g. the accumulated loss
+            self.seg.add(binding)
         if self.plan.level == 1:  # after backward: every bucket, one after the other
             for bucket in self.plan.grad_buckets:
                 self._reduce_scatter(bucket)
                 self._finish_reduces(keep=1 if self.overlap else 0)
         self._finish_reduces(keep=0)
-        if self.guard:  # every rank's verdict first, then the (kept or skipped) updates
-            self.all_finite = self._agreed_finite([out for _, out in self.pending])
+        if self.waits_all:  # every rank's verdict / norm first, then the updates
+            coef = self._agree(self.pending)
             for bucket, out in self.pending:
+                if coef is not None:
+                    out = clipping.scaled(self.seg.builder, out, coef,
+                                          emit=self._binder(f"clipped{bucket.index}"))
                 self._update(bucket, out)
         for bucket, new_param in self.deferred:
             self._gather_updated(bucket, new_param)
@@ -212,7 +223,7 @@ class _Emitter:
         for index in list(self.in_flight)[:max(0, len(self.in_flight) - keep)]:
             bucket, handle, grads, out = self.in_flight.pop(index)
             self.wait(f"wait_reduce_scatter{index}", handle, *grads, out)
-            if self.guard:
+            if self.waits_all:
                 self.pending.append((bucket, out))
             else:
                 self._update(bucket, out)  # the reduced shard dies right here
@@ -296,9 +307,55 @@ class _Emitter:
             self.wait(f"wait_allgather_updated{bucket.index}", handle, new_param, *targets)
             self.new_full.update(zip(bucket.keys, targets))  # updated in place
 
-    def _agreed_finite(self, shards: Sequence[relax.Var]) -> relax.Var:
-        """A 0-d bool, the same on every rank: every rank's gradient shards and loss are
-        finite (NaN and inf survive a sum). The loss becomes NaN when not."""
+    def _agree(self, pending: Sequence[Tuple[Bucket, relax.Var]]) -> Optional[relax.Var]:
+        """What every rank must agree on before any update, in one small allreduce (sum over
+        the dp group): the guard's "not finite" verdicts and clipping's sums of squares of the
+        gradient shards (tensor-parallel pieces apart: their sums are added over tp too).
+        Sets ``all_finite`` (guard; the loss becomes NaN when not) and returns clipping's
+        coefficient (None without clipping; the loss becomes [loss, norm])."""
+        op, dtype = relax.op, "float32"
+        parts = []
+        if self.guard:
+            flag = self._local_finite([out for _, out in pending])
+            parts.append(self.bind("not_finite", op.where(flag, relax.const(0.0, dtype),
+                                                          relax.const(1.0, dtype))))
+        if self.clip is not None:
+            parts.extend(self._local_squares(pending))
+        name = "not_finite" if len(parts) == 1 else "agree"  # (the guard alone: its own names)
+        vector = (self.bind("not_finite_1", op.reshape(parts[0], [1])) if len(parts) == 1
+                  else self.bind("agree_local", op.concat(
+                      [self.bind(f"agree_part{i}", op.reshape(p, [1]))
+                       for i, p in enumerate(parts)], axis=0)))
+        total = self._alloc(f"{name}_total", len(parts), dtype)  # no pass can fold it away
+        self.seg.bind(f"allreduce_{name}", collective(
+            "raf_dist.ccl.allreduce", vector, tvm.ir.StringImm("sum"), self.group, total),
+            dataflow=False)
+        values = ([self.bind("not_finite_all", op.reshape(total, []))] if len(parts) == 1 else
+                  [self.bind(f"agreed{i}", op.reshape(self.bind(
+                      f"agreed{i}_1", op.strided_slice(total, [0], [i], [i + 1])), []))
+                   for i in range(len(parts))])
+        if self.guard:
+            self.all_finite = self.bind("all_finite", op.less(values.pop(0),
+                                                              relax.const(0.5, dtype)))
+            self.loss = self.bind("guarded_loss", op.where(
+                self.all_finite, self.loss, relax.const(float("nan"), str(self.loss.ty.dtype))))
+        if self.clip is None:
+            return None
+        replicated, pieces = values
+        squares = self.bind("grad_squares", op.add(replicated, self.bind(
+            "grad_squares_tp", tp_reduce(pieces)))) if self.clip.any_split else replicated
+        if self.clip.across_pp:  # this pp rank's stages: added over the pp group
+            squares = self.bind("grad_squares_pp", op.ccl.allreduce(squares, "sum"))
+        norm = self.bind("grad_norm", op.sqrt(squares))
+        coef = clipping.clip_coefficient(self.seg.builder, norm, self.clip.max_norm,
+                                         emit=self._binder("clip_coef"))
+        self.loss = clipping.with_norm(self.seg.builder, self.loss, norm,
+                                       emit=self._binder("loss_and_norm"))
+        return coef
+
+    def _local_finite(self, shards: Sequence[relax.Var]) -> relax.Var:
+        """This rank's verdict: its gradient shards and loss are finite (NaN and inf survive
+        a sum)."""
         op = relax.op
         flag = self.bind("loss_finite", op.isfinite(self.loss))
         for i, shard in enumerate(shards):  # (bind takes one op at a time)
@@ -307,19 +364,39 @@ class _Emitter:
             total = self.bind(f"shard_sum{i}", op.sum(shard))
             finite = self.bind(f"shard_finite{i}", op.isfinite(total))
             flag = self.bind(f"finite{i}", op.logical_and(flag, finite))
-        dtype = str(self.loss.ty.dtype)
-        bad = self.bind("not_finite", op.where(flag, relax.const(0.0, dtype),
-                                               relax.const(1.0, dtype)))
-        bad = self.bind("not_finite_1", op.reshape(bad, [1]))
-        total = self._alloc("not_finite_total", 1, dtype)  # a result no pass can fold away
-        self.seg.bind("allreduce_not_finite", collective(
-            "raf_dist.ccl.allreduce", bad, tvm.ir.StringImm("sum"), self.group, total),
-            dataflow=False)
-        agreed = self.bind("all_finite", op.less(self.bind("not_finite_all", op.reshape(
-            total, [])), relax.const(0.5, dtype)))
-        self.loss = self.bind("guarded_loss", op.where(
-            agreed, self.loss, relax.const(float("nan"), dtype)))
-        return agreed
+        return flag
+
+    def _local_squares(self, pending: Sequence[Tuple[Bucket, relax.Var]]) -> List[relax.Expr]:
+        """[replicated, tensor-parallel pieces]: this rank's sums of squares of its gradient
+        shards (padding is zeros), by how the parameters are held across tp."""
+        assert self.clip is not None
+        replicated: List[relax.Expr] = []
+        pieces: List[relax.Expr] = []
+        for bucket, out in pending:
+            # 0 / 1: replicated / tensor-parallel piece; None: counted on another pp rank
+            kinds = [self.clip.kind(k) for k in bucket.keys]
+            if len(set(kinds)) == 1:  # the whole bucket held alike
+                if kinds[0] is not None:
+                    (pieces if kinds[0] else replicated).append(out)
+                continue
+            shards = self.split_shards(f"squares{bucket.index}", bucket, out)
+            for kind, shard in zip(kinds, shards):
+                if kind is not None:
+                    (pieces if kind else replicated).append(shard)
+        zero = relax.const(0.0, "float32")
+        return [clipping.sum_of_squares(self.seg.builder, group, emit=self._binder(name))
+                if group else zero
+                for name, group in (("squares", replicated), ("squares_tp", pieces))]
+
+    def _binder(self, prefix: str):
+        """An ``emit`` for passes/clipping.py: binds each value under a fresh name."""
+        count = [0]
+
+        def emit(value: relax.Expr) -> relax.Var:
+            count[0] += 1
+            return self.bind(f"{prefix}_{count[0]}", value)
+
+        return emit
 
     # ---- level 3: parameters gathered before use ------------------------------------------
     def _read_gathered(self, pos: int, value: relax.Expr) -> relax.Expr:
@@ -376,7 +453,8 @@ class ShardZeRO:
     """See the module docstring."""
 
     def __init__(self, level: int, world_size: int, bucket_bytes: int, overlap: bool = True,
-                 group: int = 0, func_name: str = "train_step", guard: bool = False):
+                 group: int = 0, func_name: str = "train_step", guard: bool = False,
+                 clip: Optional[clipping.Clip] = None):
         if level not in (1, 2, 3):
             raise ValueError(f"ShardZeRO level must be 1, 2 or 3, got {level!r} (level 0 is "
                              "AllReduceGradients)")
@@ -387,11 +465,12 @@ class ShardZeRO:
         self.level, self.world_size = int(level), int(world_size)
         self.bucket_bytes, self.overlap = int(bucket_bytes), bool(overlap)
         self.group, self.func_name, self.guard = int(group), func_name, bool(guard)
+        self.clip = clip
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         # every check of the step happens in the plan, before anything is emitted
         plan = plan_zero(mod[self.func_name], self.level, self.world_size, self.bucket_bytes)
-        func = _Emitter(plan, self.overlap, self.group, self.guard).emit()
+        func = _Emitter(plan, self.overlap, self.group, self.guard, self.clip).emit()
         # parameters (level 3) and optimizer states are now held as ShardZeRO lays them out
         func = func.with_attr("raf_dist.zero_level", self.level)
         mod = mod.__class__(dict(mod.functions_items()))

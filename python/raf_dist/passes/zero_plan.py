@@ -160,10 +160,14 @@ Owner = Dict[relax.Var, Tuple[int, Union[str, int]]]
 @dataclasses.dataclass(frozen=True)
 class UpdateChains:
     """The optimizer region split into one chain of bindings per parameter (what its new value
-    and states are computed from) plus the scalar-only bindings (e.g. on hyper-parameters)."""
+    and states are computed from), the scalar-only bindings on the function's arguments
+    (hyper-parameters: ``shared``, emitted first, as any chain may read them) and the rest
+    that reads no parameter's tensors but the step's own values (the accumulated loss of a
+    step that ends gradient accumulation: ``tail``, emitted once backward is done)."""
 
     chains: Dict[int, Tuple[relax.Binding, ...]]
     shared: Tuple[relax.Binding, ...]
+    tail: Tuple[relax.Binding, ...] = ()
 
 
 def update_chains(step: Step) -> UpdateChains:
@@ -171,7 +175,9 @@ def update_chains(step: Step) -> UpdateChains:
     own tensors: ZeRO updates a bucket with parameter 0's chain run once on flat shards."""
     owner = _owners(step)
     chains: Dict[int, List[relax.Binding]] = {k: [] for k in range(len(step.params))}
-    shared = []
+    shared: List[relax.Binding] = []
+    tail: List[relax.Binding] = []
+    inputs = set(step.func.params)
     for binding in step.bindings[step.optimizer_begin:]:
         if binding.var.same_as(step.output_var):
             continue
@@ -180,12 +186,16 @@ def update_chains(step: Step) -> UpdateChains:
             raise ValueError(f"ShardZeRO: the optimizer update {binding.var.name} mixes "
                              "several parameters; ZeRO needs a per-parameter elementwise update")
         if not ks:
-            shared.append(binding)
+            free = set(relax.analysis.free_vars(binding.value))
+            if free <= inputs | {b.var for b in shared}:
+                shared.append(binding)
+            else:
+                tail.append(binding)
             continue
         k = ks.pop()
         owner[binding.var] = (k, len(chains[k]))
         chains[k].append(binding)
-    out = UpdateChains({k: tuple(c) for k, c in chains.items()}, tuple(shared))
+    out = UpdateChains({k: tuple(c) for k, c in chains.items()}, tuple(shared), tuple(tail))
     _check_one_rule(step, out, owner)
     return out
 
@@ -204,7 +214,7 @@ def _owners(step: Step) -> Owner:
 def _check_one_rule(step: Step, update: UpdateChains, owner: Owner) -> None:
     """A bucket runs its first parameter's chain for all of its parameters: refuse a step
     whose parameters are updated by different rules (different learning rates, say)."""
-    scalars = set(step.func.params) | {b.var for b in update.shared}
+    scalars = set(step.func.params) | {b.var for b in update.shared + update.tail}
     reference = _describe_chain(step, update, owner, scalars, 0) if step.params else None
     for k in range(1, len(step.params)):
         if _describe_chain(step, update, owner, scalars, k) != reference:

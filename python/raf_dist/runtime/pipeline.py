@@ -32,6 +32,8 @@ stages through the host (an NCCL send/recv path is not built).
 import dataclasses
 import logging
 import math
+import time
+from typing import Optional
 
 import numpy as np
 import tvm
@@ -48,6 +50,7 @@ from ..layout import stage_rank, state_layout
 from ..passes import gradient_buckets
 from ..passes.pipeline import ForwardGraph, partition, plan_like, split_forward
 from ..passes.batch_norm import decompose_forward, has_training_batch_norm
+from ..passes.clipping import Clip
 from ..passes.lower_allreduce import LowerAllReduce
 from ..passes.tp_ops import LowerTensorParallel
 from ..training import batch_size as batching
@@ -58,6 +61,8 @@ from ..training.step import TrainStepSignature
 from . import agreement, batches
 from . import predict as predict_lib
 from . import state as held
+from . import metrics as metrics_lib
+from .loop import update_hypers
 from .plan import RunPlan
 from .schedule_run import ScheduleRun
 from .tensors import check_array, nbytes
@@ -84,6 +89,7 @@ class _StageSet:
     rows: int
     stages: dict  # stage index -> _Stage
     boundary_specs: list
+    flops: Optional[int] = None  # one microbatch through these stages (metrics)
 
 
 class PipelineExecutor:
@@ -93,7 +99,8 @@ class PipelineExecutor:
 
     def __init__(self, model, loss, optimizer, device, plan: RunPlan, mesh, comm,
                  cache_dir=None, seed=0, nonfinite="raise", tensor_parallel_plan=None,
-                 precision="fp32", grad_reduce_dtype="float32"):
+                 precision="fp32", grad_reduce_dtype="float32", lr_schedule=None,
+                 log_every=0, max_grad_norm=None):
         """See raf_dist.Trainer: the arguments are checked, the pipeline config too
         (``check_pipeline_config``) and the ranks agreed (the front did all three)."""
         self.run_plan, self.config, self.comm, self.mesh = plan, plan.config, comm, mesh
@@ -111,6 +118,7 @@ class PipelineExecutor:
         self.num_stages = schedules.num_stages(self.schedule, self.pp, self.stages_per_rank)
         self.microbatches = plan.microbatches
         self.nonfinite = nonfinite
+        self.max_grad_norm, self._last_grad_norm = max_grad_norm, None
         self.data_parallel, self.world, self.spmd = plan.data_parallel, plan.world, True
         self.dp_group, self.dp_comm = mesh.dp_group, mesh.dp_comm
         self.dp_rank = mesh.dp_rank if self.world > 1 else 0
@@ -169,6 +177,9 @@ class PipelineExecutor:
         self._tied = self._tied_parameters(stage_plan)
         self.step_count = 0
         self.skipped_steps = 0
+        self.lr_schedule, self._last_lr = lr_schedule, None
+        self._metrics = metrics_lib.StepMetrics(metrics_lib.tokens_per_row(model.input_specs),
+                                                log_every)
         # the last step's F / B actions on this rank: (kind, stage, microbatch, start, end)
         # in time.perf_counter seconds (bench/pipeline.py measures the bubble from them)
         self.last_timeline = []
@@ -192,7 +203,10 @@ class PipelineExecutor:
         if not self.param_names:
             raise ValueError(f"pipeline rank {self.pp_rank} holds no trainable parameter; use "
                              "fewer stages")
-        self.update_ir = build_update_step(self.param_names, self.param_specs, optimizer)
+        clip = self._clip()
+        sharded = self.data_parallel and self.zero_level > 0  # ShardZeRO clips the shards
+        self.update_ir = build_update_step(self.param_names, self.param_specs, optimizer,
+                                           clip=None if sharded else clip)
         self.grad_buckets = (gradient_buckets(self.update_ir, self.bucket_bytes)
                              if self.data_parallel else [])
         self.layout = state_layout(self.param_names, self.param_specs, optimizer.state_names,
@@ -200,11 +214,29 @@ class PipelineExecutor:
                                    self.dp_rank, self.grad_buckets)
         passes = step_passes(self.zero_level if self.data_parallel else 0,
                              self.world if self.data_parallel else 1, self.bucket_bytes,
-                             overlap=self.run_plan.overlap_comm, group=self.dp_group)
+                             overlap=self.run_plan.overlap_comm, group=self.dp_group,
+                             tp_group=self.mesh.tp_group if clip and clip.any_split else None,
+                             clip=clip if sharded else None)
+        if clip is not None:  # the norm's sum over the pp group (passes/clipping.py)
+            passes.insert(1, LowerAllReduce(self.mesh.pp_group))
         self.compiled_update = compile_step(self.update_ir, passes=passes, target=self._target,
                                             cache_dir=cache_dir)
         self._update_vm = relax.VirtualMachine(self.compiled_update.executable, self._device)
         self._update_fn = self._update_vm["train_step"]
+
+    def _clip(self):
+        """The update's clipping (passes/clipping.py), or None: this rank's parameters, the
+        tensor-parallel pieces among them, and the tied ones counted by the lowest pp rank
+        that holds them only."""
+        if self.max_grad_norm is None:
+            return None
+        first = {}
+        for s in range(self.num_stages):
+            for name in self.plan.params[s]:
+                first[name] = min(first.get(name, self.pp), stage_rank(s, self.pp))
+        split = set(self.tp_plan.placements) if self.tp_plan is not None else set()
+        return Clip(float(self.max_grad_norm), tuple(n in split for n in self.param_names),
+                    tuple(first[n] == self.pp_rank for n in self.param_names), across_pp=True)
 
     def _init_parameters(self, model):
         """This rank's stages' parameters at world rank 0's initial values (whatever each
@@ -395,6 +427,7 @@ class PipelineExecutor:
 
     def _execute_schedule(self, inputs, y, rows, pieces, sets):
         """The schedule, the update and the step's accounting on checked inputs; the loss."""
+        began = time.perf_counter()
         rows_per_rank = (batches.allgather_rows(self.dp_comm, rows) if self.world > 1
                          else [rows])
         batches.check_rows_per_rank(rows_per_rank, self.dp_rank)
@@ -414,7 +447,24 @@ class PipelineExecutor:
         if self.transport.sent_bytes:  # the pipeline's point-to-point messages
             self._comm_last_step["send"] = self.transport.sent_bytes
         self.step_count += 1
+        flops = sum(self._stage_flops(sets[p]) for p in pieces)
+        self._metrics.record(self.step_count, loss, self._last_lr, time.perf_counter() - began,
+                             flops, sum(rows_per_rank), grad_norm=self._last_grad_norm)
         return loss
+
+    @staticmethod
+    def _stage_flops(stage_set):
+        """FLOPs of one microbatch through this rank's stages: forward and backward (a
+        recomputed forward is not counted: MFU counts the model's FLOPs)."""
+        if getattr(stage_set, "flops", None) is None:
+            stage_set.flops = sum(metrics_lib.function_flops(st.functions.mod[name])
+                                  for st in stage_set.stages.values()
+                                  for name in ("forward", "backward"))
+        return stage_set.flops
+
+    def metrics(self):
+        """The last step's measurements (runtime/metrics.py); {} before the first."""
+        return dict(self._metrics.last)
 
     def _run_schedule(self, inputs, y, pieces, sets, weights):
         """This rank's actions on microbatches of ``pieces`` rows (runtime/schedule_run.py);
@@ -472,7 +522,8 @@ class PipelineExecutor:
                                               if n in accs}, self._tied, self._specs)
             for name, host in summed.items():
                 accs[name] = tvm.runtime.tensor(host, self._device)
-        hypers = self.optimizer.hyper_values(self.step_count + 1 - self.skipped_steps)
+        hypers, self._last_lr = update_hypers(self.optimizer, self.lr_schedule,
+                                              self.step_count - self.skipped_steps)
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype),
                                          self._device) for h in self.signature.hyper_names]
         params = [self._tensors[n] for n in self.param_names]
@@ -483,7 +534,10 @@ class PipelineExecutor:
         for i, name in enumerate(self.param_names):
             self._tensors[name] = out[1 + i]
         self._states = [out[1 + n + i] for i in range(len(self._states))]
-        loss = float(out[0].numpy())  # averaged over dp on the last stage
+        loss = out[0].numpy()  # averaged over dp on the last stage
+        if self.max_grad_norm is not None:  # [loss, norm]: the norm is every rank's
+            loss, self._last_grad_norm = loss[0], float(loss[1])
+        loss = float(loss)
         return self.transport.broadcast_from_last_stage(loss)
 
     # ---- state ------------------------------------------------------------------------------
@@ -611,7 +665,30 @@ class PipelineExecutor:
             mine = {k: self.layout.shard(v) for k, v in mine.items()}
         self._states = [tvm.runtime.tensor(a, self._device) for a in self.layout.pack_states(mine)]
         self.step_count, self.seed = int(meta["step"]), int(meta["seed"])
+        self.load_loop_state(meta.get("loop", {}))
         return meta.get("extra")
+
+    loss_scale = None  # precision="fp16" is refused under pipelining (no loss scaling)
+
+    @property
+    def last_grad_norm(self):
+        """The last step's global gradient norm before clipping (None without clipping)."""
+        return self._last_grad_norm
+
+    @property
+    def last_lr(self) -> float:
+        """The learning rate of the last step (before the first: the one it will use)."""
+        if self._last_lr is None:
+            return update_hypers(self.optimizer, self.lr_schedule, 0)[1]
+        return self._last_lr
+
+    def loop_state(self):
+        """The loop's host state a checkpoint keeps: the steps the non-finite guard skipped
+        (the optimizer's own step count leaves them out)."""
+        return {"skipped_steps": self.skipped_steps}
+
+    def load_loop_state(self, state):
+        self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
 def check_pipeline_config(config, model):

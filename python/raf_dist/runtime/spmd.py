@@ -9,6 +9,7 @@ tensors between steps, held as the ``StateLayout`` says (``raf_dist.layout``).
 """
 import logging
 import math
+import time
 
 import numpy as np
 import tvm
@@ -24,12 +25,17 @@ from ..distributed.communicator import raised_on_every_rank
 from ..layout import state_layout
 from ..passes import gradient_buckets
 from ..passes.batch_norm import decompose_forward, has_training_batch_norm
+from ..passes.clipping import Clip
 from ..training import build_train_step
 from ..training import batch_size as batching
 from ..training.loss import check_targets, num_classes
+from ..training.step import GRAD_UNSCALE
 from . import agreement, batches, mixed_precision
+from . import metrics as metrics_lib
 from . import predict as predict_lib
 from . import state as held
+from .loop import update_hypers
+from .loss_scale import LossScaler
 from .plan import RunPlan
 from .tensors import check_array, nbytes, to_device
 
@@ -45,7 +51,8 @@ class SPMDExecutor:
 
     def __init__(self, model, loss, optimizer, device, plan: RunPlan, mesh, comm,
                  cache_dir=None, seed=0, nonfinite="raise", tensor_parallel_plan=None,
-                 precision="fp32", grad_reduce_dtype="float32"):
+                 precision="fp32", grad_reduce_dtype="float32", lr_schedule=None,
+                 log_every=0, max_grad_norm=None):
         """See raf_dist.Trainer: the arguments are checked and the ranks agreed (the front
         did both); ``plan`` is the config read once, ``mesh`` the mesh it runs on."""
         self.run_plan, self.config, self.comm, self.mesh = plan, plan.config, comm, mesh
@@ -57,11 +64,10 @@ class SPMDExecutor:
         self.loss, self.optimizer, self.device = loss, optimizer, device
         self.nonfinite, self.seed, self._cache_dir = nonfinite, int(seed), cache_dir
         self.precision, self.grad_reduce_dtype = precision, grad_reduce_dtype
-        if precision == "fp16":
-            raise NotImplementedError(
-                "precision='fp16' needs dynamic loss scaling (GradScaler's semantics), which "
-                "is not built yet: float16 gradients would underflow silently. Use "
-                "precision='bf16' (float32's range, no scaling needed)")
+        self.lr_schedule, self._last_lr = lr_schedule, None
+        self.max_grad_norm, self._last_grad_norm = max_grad_norm, None
+        # float16's range needs the loss scaled (runtime/loss_scale.py); bfloat16's does not
+        self._scaler = LossScaler() if precision == "fp16" else None
         self.compute_dtype = mixed_precision.compute_dtype(precision, device)
         # gradients travel in grad_reduce_dtype only where they travel (dp > 1)
         self._reduce_dtype = (grad_reduce_dtype if grad_reduce_dtype != "float32"
@@ -87,6 +93,10 @@ class SPMDExecutor:
             self._compile_captured(model)
             init = self._initial_params(model)
         self._init_state(model, init)
+        # FLOPs scale with the rows (every matmul / convolution has the batch in it)
+        self._flops_per_row = metrics_lib.function_flops(self.ir["train_step"]) / self.batch_size
+        self._metrics = metrics_lib.StepMetrics(
+            metrics_lib.tokens_per_row(self.signature.input_specs), log_every)
         self._forwards = predict_lib.Forwards(  # predict's compiled forwards by rows
             self._model_at, forward_passes(self.mesh.tp_group if self.tp > 1 else None),
             self._target, self._device, cache_dir, self.compute_dtype)
@@ -117,17 +127,30 @@ class SPMDExecutor:
         if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
             step_model = decompose_forward(model, self.sync_batch_norm_world)
         self.ir, self.signature = build_train_step(step_model, self.loss, self.optimizer,
-                                                   nonfinite_guard=self._nonfinite_guard(),
-                                                   loss_weight=self._weighted_loss,
-                                                   tensor_parallel=self.tp > 1,
-                                                   compute_dtype=self.compute_dtype,
-                                                   reduce_dtype=self._reduce_dtype)
+                                                   **self._step_options())
         batching.check_target_splits(self.signature.target_spec, model.batch_size,
                                      self.microbatches, model.source)
         # for the target check: the model's classes (all of them under tensor parallelism)
         self._classes = num_classes(self.full_model.forward, self.loss)
         self._hyper_dtype = (self.signature.param_specs[0][1] if self.signature.param_specs
                              else "float32")
+
+    def _step_options(self):
+        """build_train_step's arguments from the plan (every batch size's step alike)."""
+        return dict(nonfinite_guard=self._nonfinite_guard(), loss_weight=self._weighted_loss,
+                    tensor_parallel=self.tp > 1, compute_dtype=self.compute_dtype,
+                    reduce_dtype=self._reduce_dtype, loss_scale=self._scaler is not None,
+                    # under ZeRO the distribution pass clips (the shards: _passes)
+                    max_grad_norm=None if self._sharded_update() else self.max_grad_norm,
+                    tp_split=self._tp_split())
+
+    def _sharded_update(self):
+        """Whether ShardZeRO emits the update (ZeRO over data-parallel ranks)."""
+        return self.data_parallel and self.zero_level > 0
+
+    def _tp_split(self):
+        """The trained parameters held as tensor-parallel pieces (their gradients too)."""
+        return sorted(self.tp_plan.placements) if self.tp_plan is not None else []
 
     def _compile_captured(self, model):
         """The gradient buckets, the StateLayout and the step compiled at the captured size."""
@@ -182,12 +205,17 @@ class SPMDExecutor:
         """The plan as explicit pass arguments. ``local``: for a step without gradient
         collectives (the microbatches before the last)."""
         reduce = self.data_parallel and not local
+        clip = None
+        if self.max_grad_norm is not None and reduce and self.zero_level > 0:
+            split = set(self._tp_split())
+            clip = Clip(float(self.max_grad_norm),
+                        tuple(n in split for n in self.signature.param_names))
         return step_passes(self.zero_level if reduce else 0, self.world if reduce else 1,
                            self.bucket_bytes, overlap=self.run_plan.overlap_comm,
-                           group=self.dp_group, guard=self.nonfinite == "skip",
+                           group=self.dp_group, guard=self._guard_under_zero(),
                            tp_group=self.mesh.tp_group if self.tp > 1 else None,
                            sync_batch_norm_group=(self.dp_group if self.sync_batch_norm_world > 1
-                                                  else None))
+                                                  else None), clip=clip)
 
     def _compile(self, cache_dir):
         """Under data parallelism every rank builds the same Trainer and compiles the same IR
@@ -255,9 +283,13 @@ class SPMDExecutor:
 
     def _execute(self, inputs, y, rows, pieces, variants):
         """The step's collectives and compiled functions on checked inputs; the loss."""
+        began = time.perf_counter()
         rows_per_rank = self._rows_per_rank(rows)  # a small collective under data parallelism
         # the optimizer's own step count (Adam's bias correction): skipped steps do not count
-        hypers = self.optimizer.hyper_values(self.step_count + 1 - self.skipped_steps)
+        hypers, lr = update_hypers(self.optimizer, self.lr_schedule,
+                                   self.step_count - self.skipped_steps)
+        if self._scaler is not None:
+            hypers[GRAD_UNSCALE] = 1.0 / self._scaler.scale
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype), self._device)
                       for h in self.signature.hyper_names]
         before = self._traffic() if self.spmd else None
@@ -289,11 +321,24 @@ class SPMDExecutor:
         first_buffer = 1 + n + len(self._states)
         self._buffers = [out[first_buffer + i] for i in range(len(self._buffers))]
         self._keep_rank0_buffers()
-        loss = float(out[0].numpy())
-        if not math.isfinite(loss):
+        loss = out[0].numpy()
+        if self.max_grad_norm is not None:  # [loss, global gradient norm before clipping]
+            loss, self._last_grad_norm = loss[0], float(loss[1])
+        loss = float(loss)
+        self._last_lr = lr
+        if self._scaler is not None:
+            loss = self._scaled_step(loss)
+        elif not math.isfinite(loss):
             self._nonfinite_step(loss)
         self.step_count += 1
+        self._metrics.record(self.step_count, loss, lr, time.perf_counter() - began,
+                             self._flops_per_row * rows, sum(rows_per_rank),
+                             grad_norm=self._last_grad_norm, loss_scale=self.loss_scale)
         return loss
+
+    def metrics(self):
+        """The last step's measurements (runtime/metrics.py); {} before the first."""
+        return dict(self._metrics.last)
 
     def _traffic(self):
         """(bus bytes by collective kind, by mesh axis) so far, as comm_counters gives them."""
@@ -331,6 +376,8 @@ class SPMDExecutor:
         args.append(self._to_device(target, signature.target_spec, "target"))
         if signature.loss_weight_dtype is not None:  # this piece's share of the global batch
             weight = batching.loss_weight(rows, rows_per_rank)
+            if self._scaler is not None:  # and the loss scale (a power of two: exact)
+                weight *= self._scaler.scale
             args.append(tvm.runtime.tensor(np.array(weight, dtype=signature.loss_weight_dtype),
                                            self._device))
         return args
@@ -369,12 +416,68 @@ class SPMDExecutor:
             "already updated with its gradients. Restore the last checkpoint, and check this "
             "step's inputs and the learning rate"))
 
+    def _scaled_step(self, scaled_loss):
+        """precision="fp16": the loss unscaled, and the scale updated as GradScaler does
+        (runtime/loss_scale.py). A NaN loss is a step the guard skipped: its gradients (or the
+        loss) overflowed at this scale, a routine event while the scale settles. Only at a
+        scale of 1 or below (DeepSpeed's min_loss_scale) do the gradients overflow float16
+        unscaled: that is a divergence, and ``nonfinite`` decides."""
+        scale = self._scaler.scale
+        finite = math.isfinite(scaled_loss)
+        self._scaler.update(found_inf=not finite)
+        if finite:
+            return scaled_loss / scale
+        if scale <= 1.0:
+            self._nonfinite_step(scaled_loss)  # raises, or counts the skip and warns
+            return scaled_loss
+        self.skipped_steps += 1
+        _LOG.info("step %d: gradients overflowed float16 at loss scale %g; the update was "
+                  "skipped on every rank and the scale is now %g", self.step_count + 1, scale,
+                  self._scaler.scale)
+        return scaled_loss
+
+    def _guard_under_zero(self):
+        """ShardZeRO's guard (every rank's gradients finite before any update): asked for
+        by nonfinite="skip", and needed by loss scaling (an overflow is skipped)."""
+        return self.nonfinite == "skip" or self._scaler is not None
+
     @property
     def update_guarded(self) -> bool:
         """Whether the compiled step skips its own update on a non-finite gradient: always
-        without ZeRO; under ZeRO with nonfinite="skip" (ShardZeRO's guard, which waits for
-        every gradient before any update)."""
-        return not (self.data_parallel and self.zero_level > 0) or self.nonfinite == "skip"
+        without ZeRO; under ZeRO with nonfinite="skip" or loss scaling (ShardZeRO's guard,
+        which waits for every gradient before any update)."""
+        return not (self.data_parallel and self.zero_level > 0) or self._guard_under_zero()
+
+    @property
+    def last_lr(self) -> float:
+        """The learning rate of the last step (before the first: the one it will use)."""
+        if self._last_lr is None:
+            return update_hypers(self.optimizer, self.lr_schedule, 0)[1]
+        return self._last_lr
+
+    @property
+    def last_grad_norm(self):
+        """The global gradient norm of the last step, before clipping (None without
+        ``max_grad_norm`` or before the first step)."""
+        return self._last_grad_norm
+
+    @property
+    def loss_scale(self):
+        """The current loss scale under precision="fp16" (None otherwise)."""
+        return None if self._scaler is None else self._scaler.scale
+
+    def loop_state(self):
+        """The loop's host state a checkpoint keeps (JSON): the steps the non-finite guard
+        skipped (the optimizer's own step count leaves them out) and the loss scaler's."""
+        state = {"skipped_steps": self.skipped_steps}
+        if self._scaler is not None:
+            state["loss_scale"] = self._scaler.state_dict()
+        return state
+
+    def load_loop_state(self, state):
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self._scaler is not None and "loss_scale" in state:
+            self._scaler.load_state_dict(state["loss_scale"])
 
     def _init_frozen(self, model):
         """Runtime tensors of the frozen parameters (full on every rank: rank 0's values)."""
@@ -480,11 +583,7 @@ class SPMDExecutor:
         if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
             step_model = decompose_forward(model, self.sync_batch_norm_world)
         ir, signature = build_train_step(step_model, self.loss, self.optimizer,
-                                         nonfinite_guard=self._nonfinite_guard(),
-                                         loss_weight=self._weighted_loss,
-                                         tensor_parallel=self.tp > 1, accumulate=kind,
-                                         compute_dtype=self.compute_dtype,
-                                         reduce_dtype=self._reduce_dtype)
+                                         accumulate=kind, **self._step_options())
         batching.check_same_state(self.signature, signature, rows)
         if (self.data_parallel and kind != "partial"
                 and gradient_buckets(ir, self.bucket_bytes) != self.grad_buckets):
@@ -621,7 +720,8 @@ class SPMDExecutor:
         return ckpt.TrainState.of(self.comm, self.world, self.zero_level, self.signature,
                                   self.step_count, self.seed, self.config, self.loss,
                                   self.optimizer, self.model, self._frozen,
-                                  shared=self.data_parallel or self.local)
+                                  shared=self.data_parallel or self.local,
+                                  loop=self.loop_state())
 
     def load_checkpoint(self, path):
         """Load the newest checkpoint under ``path`` (or the checkpoint directory ``path``),
@@ -643,6 +743,7 @@ class SPMDExecutor:
                          for n in self.signature.buffer_names]
         self._states = self._pack_states(states)
         self.step_count, self.seed = int(meta["step"]), int(meta["seed"])
+        self.load_loop_state(meta.get("loop", {}))
         return meta.get("extra")
 
     def _pieces(self, params, states, frozen):

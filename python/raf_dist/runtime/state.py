@@ -84,4 +84,5 @@ def full_train_state(executor: Any, frozen_full: Dict[str, Any]) -> TrainState:
         frozen_names=frozen, frozen_specs=[specs[n] for n in frozen])
     return TrainState.of(executor.comm, executor.comm.size, 0, signature, executor.step_count,
                          executor.seed, executor.config, executor.loss, executor.optimizer,
-                         model, [frozen_full.get(n) for n in frozen])
+                         model, [frozen_full.get(n) for n in frozen],
+                         loop=executor.loop_state())

@@ -22,28 +22,7 @@ parameters' gradients, so their verdicts are summed across the group (``across_t
 """
 from tvm import relax
 
-
-#: a reduction this long is split so that it runs on every core (compiler/schedule.py treats
-#: a reduction of >= 16384 elements with no data-parallel outer loop as a serial fallback)
-_SERIAL_LIMIT = 16384
-_CHUNK = 256
-
-
-def _sum_all(bb: relax.BlockBuilder, g: relax.Expr) -> relax.Var:
-    """sum(g) as sums of rows of _CHUNK elements (a data-parallel outer loop), repeated until
-    what is left is short, then one final sum. Zero padding keeps NaN and inf."""
-    op = relax.op
-    numel = 1
-    for dim in g.ty.shape:
-        numel *= int(dim)
-    flat = bb.emit(op.reshape(g, (numel,)))
-    while numel >= _SERIAL_LIMIT:
-        rows = -(-numel // _CHUNK)
-        if rows * _CHUNK != numel:
-            flat = bb.emit(op.nn.pad(flat, [0, rows * _CHUNK - numel]))
-        flat = bb.emit(op.sum(op.reshape(flat, (rows, _CHUNK)), axis=[1]))
-        numel = rows
-    return bb.emit(op.sum(flat))
+from ..ir.utils import sum_all
 
 
 def finite_flag(bb: relax.BlockBuilder, grads: list, loss: relax.Expr = None,
@@ -52,7 +31,7 @@ def finite_flag(bb: relax.BlockBuilder, grads: list, loss: relax.Expr = None,
     gradients are split across tensor-parallel ranks, so each rank's verdict is summed over
     the tp group (g, passes/tp_ops.py) and the update runs only where every rank's is set."""
     op = relax.op
-    terms = [_sum_all(bb, g) for g in grads] + ([loss] if loss is not None else [])
+    terms = [sum_all(bb, g) for g in grads] + ([loss] if loss is not None else [])
     flag = None
     for term in terms:
         finite = bb.emit(op.isfinite(term))

@@ -204,11 +204,13 @@ def _spec(ty):
     return tuple(int(d) for d in ty.shape), str(ty.dtype)
 
 
-def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32"):
+def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32", clip=None):
     """``train_step(*params, *states, *hypers, *grad_accs, loss_sum) -> (loss_sum, *params,
     *states)``: the optimizer over the accumulated gradients, each through a gradient marker
     (so AllReduceGradients / ShardZeRO reduce them over the dp group), with the layout and
-    in-place attributes of build_train_step."""
+    in-place attributes of build_train_step. ``clip`` (a passes.clipping.Clip, or None under
+    ZeRO, whose pass clips): the reduced gradients clipped by the global norm, the loss output
+    [loss_sum, norm]."""
     params = [relax.Var(_ident(n), relax.TensorType(s, d))
               for n, (s, d) in zip(param_names, param_specs)]
     states = [relax.Var(f"{_ident(n)}__{st}", p.ty) for n, p in zip(param_names, params)
@@ -225,7 +227,7 @@ def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32")
             # the loss passes through an identity so the DP pass can average a computed value
             loss_value = bb.emit(relax.op.add(loss_sum, relax.const(0.0, loss_dtype)))
             out = _emit_update(bb, optimizer, grads, loss_value, params, states, hypers, [],
-                               None, False)
+                               None, False, clip)
         bb.emit_func_output(out)
     n, k = len(params), len(optimizer.state_names)
     func = bb.get()["train_step"].with_attrs({

@@ -29,6 +29,7 @@ from tvm import relax
 from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                         UPDATED_ARGUMENTS)
 from ..ir.ops import mark_gradient
+from ..passes import clipping
 from ..passes.auto_cast import auto_cast
 from ..passes.batch_norm import DecomposeBatchNorm, has_training_batch_norm
 from ..passes.pipeline import strip_stage_markers
@@ -85,11 +86,14 @@ def missing_gradients(func):
 
 
 ACCUMULATE = (None, "partial", "final")
+#: the hyper that unscales the gradients under dynamic loss scaling (runtime/loss_scale.py)
+GRAD_UNSCALE = "grad_unscale"
 
 
 def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=None,
                      loss_weight=False, tensor_parallel=False, accumulate=None,
-                     compute_dtype=None, reduce_dtype=None):
+                     compute_dtype=None, reduce_dtype=None, loss_scale=False,
+                     max_grad_norm=None, tp_split=()):
     """Return (IRModule with "train_step", TrainStepSignature).
 
     ``loss_weight``: the step takes a 0-d ``loss_weight`` argument right after the target that
@@ -107,12 +111,23 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     *new_buffers)``: forward and backward of one microbatch added into the accumulators, no
     marker, no update. ``"final"`` is the ordinary step with ``*grad_accs, loss_acc`` between
     the hypers and the buffers, added to the last microbatch's gradients (before their
-    markers: the collectives reduce the sums) and loss."""
+    markers: the collectives reduce the sums) and loss.
+
+    ``loss_scale`` (dynamic loss scaling, runtime/loss_scale.py): the step takes a
+    ``loss_weight`` (the host passes weight x scale) and one more hyper, ``grad_unscale``
+    (1 / scale), that multiplies every gradient right before its marker (the collectives
+    reduce true gradients; the reduction is linear, an overflow stays inf).
+
+    ``max_grad_norm``: the gradients the optimizer reads are clipped by their global L2 norm
+    (passes/clipping.py) and the loss output becomes [loss, norm]; ``tp_split``: the names
+    of the parameters split across tensor-parallel ranks (their sums of squares are added
+    over the tp group). Under ZeRO the distribution pass clips instead (give None here)."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     if nonfinite_guard not in (None, "gradients", "gradients_and_loss"):
         raise ValueError(f"nonfinite_guard must be None, 'gradients' or 'gradients_and_loss', "
                          f"got {nonfinite_guard!r}")
+    loss_weight = loss_weight or loss_scale
     forward, out_info = _training_forward(model, compute_dtype)
     n_buffers = len(getattr(model, "buffer_names", ()))
     target_shape, target_dtype = (None, None) if target_spec is None else target_spec
@@ -138,7 +153,8 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
                   for p, v in zip(trainable, param_vars) for s in optimizer.state_names]
     specs = dict(zip(model.param_names, model.param_specs()))
     hyper_dtype = specs[trainable[0]][1]
-    hyper_vars = {h: relax.Var(h, relax.TensorType((), hyper_dtype)) for h in optimizer.hyper_names}
+    hyper_names = list(optimizer.hyper_names) + ([GRAD_UNSCALE] if loss_scale else [])
+    hyper_vars = {h: relax.Var(h, relax.TensorType((), hyper_dtype)) for h in hyper_names}
     n_states = len(optimizer.state_names)
 
     bb = relax.BlockBuilder()
@@ -158,7 +174,11 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     value = {b.var: b.value for block in adjoint.body.blocks for b in block.bindings}
     grads = [_follow(g, value) for g in grads]
 
+    unscale = hyper_vars.get(GRAD_UNSCALE)
+
     def marked(grad, i):
+        if unscale is not None:  # the loss was scaled: the gradients are too
+            grad = bb.emit(relax.op.multiply(grad, unscale))
         if reduce_dtype is None or str(grad.ty.dtype) == reduce_dtype:
             return bb.emit(mark_gradient(grad, i))
         return bb.emit(mark_gradient(bb.emit(relax.op.astype(grad, reduce_dtype)), i))
@@ -183,8 +203,11 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
             else:
                 if accumulate == "final":
                     loss_value = bb.emit(relax.op.add(loss_acc, loss_value))
+                clip = None if max_grad_norm is None else clipping.Clip(
+                    float(max_grad_norm), tuple(n in set(tp_split) for n in trainable))
                 out = _emit_update(bb, optimizer, grads, loss_value, param_vars, state_vars,
-                                   hyper_vars, new_buffers, nonfinite_guard, tensor_parallel)
+                                   hyper_vars, new_buffers, nonfinite_guard, tensor_parallel,
+                                   clip)
         bb.emit_func_output(out)
     step_mod = bb.get()
     attrs = _layout_attrs(accumulate, len(inputs) + len(targets), n_params, n_states,
@@ -192,7 +215,7 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     step_mod["train_step"] = step_mod["train_step"].with_attrs(attrs)
     step_mod = relax.transform.DeadCodeElimination(["train_step"])(step_mod)
     return step_mod, _signature(model, target_spec, trainable, specs, optimizer, frozen,
-                                loss_weight, out_info)
+                                loss_weight, out_info, hyper_names)
 
 
 def _training_forward(model, compute_dtype=None):
@@ -265,9 +288,15 @@ def _emit_backward(bb, adjoint, grads, mark):
 
 
 def _emit_update(bb, optimizer, grads, loss_value, param_vars, state_vars, hyper_vars,
-                 new_buffers, nonfinite_guard, tensor_parallel):
-    """The optimizer's update of every parameter (skipped on a non-finite step when guarded);
-    returns the step's output tuple (loss, *params, *states, *buffers)."""
+                 new_buffers, nonfinite_guard, tensor_parallel, clip=None):
+    """The optimizer's update of every parameter (skipped on a non-finite step when guarded;
+    ``clip``, a passes.clipping.Clip: the gradients clipped first); returns the step's output
+    tuple (loss or [loss, norm], *params, *states, *buffers)."""
+    norm = None
+    if clip is not None:
+        norm = clipping.global_norm(bb, grads, clip)
+        coef = clipping.clip_coefficient(bb, norm, clip.max_norm)
+        clipped = [clipping.scaled(bb, g, coef) for g in grads]
     flag = None
     if nonfinite_guard:
         flag = nonfinite.finite_flag(
@@ -276,26 +305,32 @@ def _emit_update(bb, optimizer, grads, loss_value, param_vars, state_vars, hyper
     n_states = len(optimizer.state_names)
     keep = (None if flag is None else
             lambda new, old: nonfinite.keep_unless(bb, flag, new, old))
+    if norm is not None:
+        grads = clipped
     new_params, new_states = [], []
+    optimizer_hypers = {h: v for h, v in hyper_vars.items() if h != GRAD_UNSCALE}
     for i, (param, grad) in enumerate(zip(param_vars, grads)):
         states = state_vars[i * n_states:(i + 1) * n_states]
         # the states are kept (or not) where they are computed: optimizer.emit_update
-        new_param, updated = optimizer.emit_update(bb, param, grad, states, hyper_vars,
+        new_param, updated = optimizer.emit_update(bb, param, grad, states, optimizer_hypers,
                                                    keep=keep)
         if flag is not None:
             new_param = nonfinite.keep_unless(bb, flag, new_param, param)
         new_params.append(new_param)
         new_states.extend(updated)
+    if norm is not None:
+        loss_value = clipping.with_norm(bb, loss_value, norm)
     if flag is not None:
         loss_value = nonfinite.flag_loss(bb, flag, loss_value)
     return bb.emit_output(relax.Tuple([loss_value, *new_params, *new_states, *new_buffers]))
 
 
-def _signature(model, target_spec, trainable, specs, optimizer, frozen, loss_weight, out_info):
+def _signature(model, target_spec, trainable, specs, optimizer, frozen, loss_weight, out_info,
+               hyper_names):
     return TrainStepSignature(
         input_specs=list(model.input_specs), target_spec=tuple(target_spec),
         param_names=trainable, param_specs=[specs[n] for n in trainable],
-        state_names=list(optimizer.state_names), hyper_names=list(optimizer.hyper_names),
+        state_names=list(optimizer.state_names), hyper_names=list(hyper_names),
         dropout_specs=list(model.dropout_specs),
         frozen_names=[n for n in model.param_names if n in frozen],
         frozen_specs=[specs[n] for n in model.param_names if n in frozen],

@@ -1,9 +1,11 @@
-"""Mixed precision (bf16) on N = 2 ranks vs one process in bf16 on the same global batch.
+"""Mixed precision on N = 2 ranks vs one process in the same precision on the same global
+batch.
 
 Usage: amp_train.py MODEL LAYOUT[,LAYOUT...] [STEPS]
 LAYOUT: dp | zero1 | zero2 | zero3 | tp (tensor_parallel_size = N), with "+bf16grads" for
-grad_reduce_dtype="bfloat16". Rank 0 trains the references alone: bf16 and fp32. Each layout
-must give the bf16 reference's losses and parameters within TOL_FACTOR x the bf16 reference's
+grad_reduce_dtype="bfloat16", and "@fp16" for precision="fp16" (dynamic loss scaling: the
+scale must also be the reference's) instead of "bf16". Rank 0 trains the references alone:
+the low precision and fp32. Each layout must give its reference's losses and parameters within TOL_FACTOR x the bf16 reference's
 own distance from fp32 (the size of bf16's rounding on this case, measured in the same run, so
 the verdict does not depend on the machine): the layouts round other partial sums to bf16 (a
 rank's half of a weight gradient), never more often. Parameters must be float32. With
@@ -28,6 +30,7 @@ TOL_FACTOR = 1.5
 
 def train(name, layout, steps, n, rank):
     config = {"enable_data_parallel": True, "zero_opt_level": 0, "tensor_parallel_size": 1}
+    layout, _, precision = layout.partition("@")
     kind, _, grads = layout.partition("+")
     if kind.startswith("zero"):
         config["zero_opt_level"] = int(kind[4:])
@@ -39,11 +42,13 @@ def train(name, layout, steps, n, rank):
     xs, ys = x[rank * local:(rank + 1) * local] if kind != "tp" else x, y[
         rank * local:(rank + 1) * local] if kind != "tp" else y
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (xs,)),
-                               optimizer=raf_optimizer("adamw"), precision="bf16",
+                               optimizer=raf_optimizer("adamw"), precision=precision or "bf16",
                                grad_reduce_dtype="bfloat16" if grads else "float32")
-    assert 'dtype="bfloat16") = R.matmul(' in trainer.executor.ir.script(), layout
+    dtype = "float16" if precision == "fp16" else "bfloat16"
+    assert f'dtype="{dtype}") = R.matmul(' in trainer.executor.ir.script(), layout
     losses = [trainer.step(xs.numpy(), ys.numpy()) for _ in range(steps)]
-    return losses, trainer.state_dict(), trainer.stats()["comm_bytes_last_step"]
+    return (losses, trainer.state_dict(), trainer.stats()["comm_bytes_last_step"],
+            trainer.loss_scale)
 
 
 def main():
@@ -51,20 +56,26 @@ def main():
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     comm = dist.get_communicator()
     n, rank = comm.size, comm.rank
-    ref_losses, ref_params, _ = single_process_reference(name, "adamw", GLOBAL_BATCH, steps,
-                                                         precision="bf16")
     fp_losses, fp_params, _ = single_process_reference(name, "adamw", GLOBAL_BATCH, steps)
-    spread = max(rel_err(ref_losses, fp_losses),
-                 max(rel_err(ref_params[k], fp_params[k]) for k in fp_params))
-    assert spread > 0, "bf16 gave the float32 result: nothing was computed in bf16"
-    tol = TOL_FACTOR * spread
+    references = {}
     traffic = {}
     for layout in layouts:
-        losses, params, comm_bytes = train(name, layout, steps, n, rank)
+        precision = layout.partition("@")[2] or "bf16"
+        if precision not in references:  # (losses, params, tolerance, loss scale)
+            ref_losses, ref_params, _, kept = single_process_reference(
+                name, "adamw", GLOBAL_BATCH, steps, keep=("loss_scale",), precision=precision)
+            scale = kept["loss_scale"]
+            spread = max(rel_err(ref_losses, fp_losses),
+                         max(rel_err(ref_params[k], fp_params[k]) for k in fp_params))
+            assert spread > 0, f"{precision} gave the float32 result: nothing was low precision"
+            references[precision] = (ref_losses, ref_params, TOL_FACTOR * spread, scale)
+        ref_losses, ref_params, tol, ref_scale = references[precision]
+        losses, params, comm_bytes, scale = train(name, layout, steps, n, rank)
+        assert scale == ref_scale, (layout, scale, ref_scale)
         traffic[layout] = comm_bytes
         err = max([rel_err(losses, ref_losses)]
                   + [rel_err(params[k], ref_params[k]) for k in ref_params])
-        print(f"rank {rank}: {name} {layout}: max rel err {err:.2e} (bf16 vs fp32 {spread:.2e})")
+        print(f"rank {rank}: {name} {layout}: max rel err {err:.2e} (tolerance {tol:.2e})")
         assert err <= tol, (layout, err, tol, losses, ref_losses)
         assert all(params[k].dtype == np.float32 for k in params), layout
         base = layout.partition("+")[0]

@@ -98,6 +98,12 @@ def main():
     assert isinstance(digest, str) and "config" in description
     assert isinstance(walk("num_grad_buckets"), int)
     assert isinstance(walk("update_guarded"), bool)
+    assert walk("last_lr") == raf_optimizer("adamw").lr  # no schedule: the constructor's
+    assert walk("loss_scale") is None  # fp32: no loss scaling
+    assert walk("last_grad_norm") is None  # no clipping
+    metrics = walk("metrics")()
+    assert metrics["step"] == len(SIZES) and metrics["loss"] == losses[-1], metrics
+    assert metrics["step_time_s"] > 0 and 0 < metrics["mfu"] <= 1, metrics
     stats = walk("stats")()
     for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes", "planned_peak_bytes",
                 "comm_bytes_last_step"):

@@ -1,0 +1,130 @@
+"""Gradient clipping by the global L2 norm, inside the step (``Trainer(max_grad_norm=...)``;
+DESIGN.md section 1, "Training-loop essentials"), as ``torch.nn.utils.clip_grad_norm_`` on one
+process computes it:
+
+    norm = sqrt(sum over every parameter of sum(g * g))
+    g    = g * min(1, max_norm / (norm + 1e-6))
+
+Every element is counted once whatever the layout, because the step knows how each gradient
+is held when the optimizer reads it:
+  - one process, data parallelism: every gradient whole (after the allreduce, the same on
+    every rank): a local sum;
+  - tensor parallelism: a split parameter's gradient is this tp rank's piece, so those sums
+    are added over the tp group (``tp_reduce``); a replicated parameter's gradient is whole
+    and the same on every tp rank, so it is counted once, locally;
+  - ZeRO (passes/zero.py): each rank holds a shard of every gradient; the shards' sums are
+    added over the dp group in the one small allreduce that also carries the non-finite
+    verdict (padding is zeros); split / replicated as above;
+  - pipelining (runtime/pipeline.py): each stage's sum, added over the pp group; a tied
+    parameter only on the stage that holds it first.
+The norm is float32 (gradients of another dtype widen first) and goes back to the host as
+the second element of the step's loss output (``with_norm``), the same float on every rank.
+"""
+import dataclasses
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+from tvm import relax
+
+from ..ir.ops import tp_reduce
+from ..ir.utils import sum_all
+
+#: binds one value, returns its variable (BlockBuilder.emit, or a pass's own binder)
+Emit = Callable[[relax.Expr], Any]
+
+#: torch.nn.utils.clip_grad_norm_'s guard against dividing by a zero norm
+EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Clip:
+    """What a step that clips needs to know of its gradients (one flag per parameter, step
+    order): ``split``, a tensor-parallel piece (its sum of squares added over tp);
+    ``counted``, counted on this rank (False: a tied parameter another pp rank counts;
+    default all); ``across_pp``: this rank holds some pipeline stages (the sums are added
+    over the pp group)."""
+
+    max_norm: float
+    split: Tuple[bool, ...]
+    counted: Tuple[bool, ...] = ()
+    across_pp: bool = False
+
+    @property
+    def any_split(self) -> bool:
+        return any(s for k, s in enumerate(self.split) if self.kind(k) is not None)
+
+    def kind(self, k: int) -> Optional[bool]:
+        """None: not counted here; else whether parameter k is a tensor-parallel piece."""
+        if self.counted and not self.counted[k]:
+            return None
+        return bool(self.split[k]) if k < len(self.split) else False
+
+
+def global_norm(bb: relax.BlockBuilder, grads: Sequence[relax.Expr], clip: Clip) -> relax.Expr:
+    """The 0-d float32 global L2 norm of the (whole, reduced) ``grads`` as ``clip`` says they
+    are held: tensor-parallel pieces' sums added over tp, the total over pp."""
+    counted = [(g, bool(clip.kind(k))) for k, g in enumerate(grads)
+               if clip.kind(k) is not None]
+    squares = sum_of_squares(bb, [g for g, _ in counted], [s for _, s in counted])
+    if clip.across_pp:
+        squares = bb.emit(relax.op.ccl.allreduce(squares, "sum"))
+    return bb.emit(relax.op.sqrt(squares))
+
+
+def sum_of_squares(bb: relax.BlockBuilder, grads: Sequence[relax.Expr],
+                   split: Sequence[bool] = (), emit: Optional[Emit] = None) -> relax.Expr:
+    """The 0-d float32 sum of every element squared of ``grads``; ``split[i]``: gradient i is
+    a tensor-parallel piece (its sum is added over the tp group). ``emit``: how a value is
+    bound (default ``bb.emit``)."""
+    op = relax.op
+    if emit is None:  # long sums split across the cores (ir/utils.sum_all)
+        bind: Emit = bb.emit
+
+        def total(x: relax.Expr) -> Any:
+            return sum_all(bb, x)
+    else:  # a caller's binder: one op per binding
+        bind = emit
+
+        def total(x: relax.Expr) -> Any:
+            return bind(op.sum(x))
+    local, pieces = None, None
+    for i, g in enumerate(grads):
+        if str(g.ty.dtype) != "float32":
+            g = bind(op.astype(g, "float32"))
+        term = total(bind(op.multiply(g, g)))
+        if i < len(split) and split[i]:
+            pieces = term if pieces is None else bind(op.add(pieces, term))
+        else:
+            local = term if local is None else bind(op.add(local, term))
+    if pieces is not None:
+        pieces = bind(tp_reduce(pieces))
+        local = pieces if local is None else bind(op.add(local, pieces))
+    return local if local is not None else relax.const(0.0, "float32")
+
+
+def clip_coefficient(bb: relax.BlockBuilder, norm: relax.Expr, max_norm: float,
+                     emit: Optional[Emit] = None) -> relax.Expr:
+    """min(1, max_norm / (norm + 1e-6)), 0-d float32."""
+    emit = bb.emit if emit is None else emit
+    op = relax.op
+    coef = emit(op.divide(relax.const(float(max_norm), "float32"),
+                          emit(op.add(norm, relax.const(EPS, "float32")))))
+    return emit(op.minimum(coef, relax.const(1.0, "float32")))
+
+
+def scaled(bb: relax.BlockBuilder, grad: relax.Expr, coef: relax.Expr,
+           emit: Optional[Emit] = None) -> relax.Expr:
+    """``grad * coef`` in the gradient's dtype (float32 here: master gradients)."""
+    emit = bb.emit if emit is None else emit
+    if str(grad.ty.dtype) != "float32":
+        coef = emit(relax.op.astype(coef, str(grad.ty.dtype)))
+    return emit(relax.op.multiply(grad, coef))
+
+
+def with_norm(bb: relax.BlockBuilder, loss: relax.Expr, norm: relax.Expr,
+              emit: Optional[Emit] = None) -> relax.Expr:
+    """The step's loss output when it clips: [loss, norm] (float32[2])."""
+    emit = bb.emit if emit is None else emit
+    op = relax.op
+    if str(loss.ty.dtype) != "float32":
+        loss = emit(op.astype(loss, "float32"))
+    return emit(op.concat([emit(op.reshape(loss, [1])), emit(op.reshape(norm, [1]))], axis=0))

@@ -1,0 +1,18 @@
+"""Distributed tier for clipping by the global gradient norm (Trainer(max_grad_norm=...)):
+every layout's norms, losses and parameters equal one process on the global batch
+(workers/clip_train.py; one process equals torch.nn.utils.clip_grad_norm_ in
+tests/numeric/test_training_loop.py). The tied-embedding LM puts each way of counting an
+element twice in play: tensor-parallel duplicates (replicated parameters), ZeRO shards,
+pipeline stages, the tied embedding on two pp ranks. Real mpiexec under a hard timeout."""
+import pytest
+
+from mpi_launch import assert_ranks_ok, check_mpi
+
+
+@pytest.mark.parametrize("ranks,layouts", [
+    (2, "dp,z1,z3,tp2,pp2.m2"),
+    (4, "tp2.z1.m2,tp2.z3,pp2.tp2.m2,pp2.z1.m2"),
+], ids=["2-ranks", "4-ranks"])
+def test_clipping_counts_every_element_once(ranks, layouts):
+    out = check_mpi("clip_train.py", ranks, "tied", layouts, timeout=600)
+    assert_ranks_ok(out, ranks, marker="CLIP OK")

@@ -1,0 +1,123 @@
+"""Numeric tier for the training loop's essentials (DESIGN.md section 1): learning-rate
+schedules equal transformers' own and ``torch.optim.lr_scheduler.LambdaLR`` on a real run,
+through a skipped non-finite step and a checkpoint resume."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import raf_dist
+from raf_dist.optim import schedules
+from models import make, raf_optimizer, rel_err, torch_loss, torch_optimizer
+
+# float32 sums in another order per step: ~1e-7 each; ten steps stay far below 1e-5
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("warmup,total", [(0, 7), (3, 10), (10, 10)])
+def test_schedules_equal_transformers(warmup, total):
+    """The multipliers of every update k in [0, total] are transformers'."""
+    from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
+                              get_linear_schedule_with_warmup)
+
+    cases = [(schedules.warmup_cosine(warmup, total), get_cosine_schedule_with_warmup,
+              (warmup, total)),
+             (schedules.warmup_linear(warmup, total), get_linear_schedule_with_warmup,
+              (warmup, total)),
+             (schedules.constant(warmup), get_constant_schedule_with_warmup, (warmup,))]
+    for ours, make_theirs, args in cases:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        theirs = make_theirs(opt, *args)
+        for k in range(total + 1):
+            assert math.isclose(ours(k), opt.param_groups[0]["lr"], abs_tol=1e-12), (
+                make_theirs.__name__, k)
+            opt.step()
+            theirs.step()
+
+
+def test_schedule_floor_and_bad_arguments():
+    f = schedules.warmup_cosine(2, 10, min_ratio=0.1)
+    assert f(0) == 0.0 and f(2) == 1.0 and math.isclose(f(10), 0.1) and math.isclose(f(50), 0.1)
+    assert math.isclose(schedules.warmup_linear(0, 4, min_ratio=0.5)(2), 0.75)
+    with pytest.raises(ValueError, match="warmup_steps .* must not exceed total_steps"):
+        schedules.warmup_cosine(5, 4)
+    with pytest.raises(ValueError, match=r"min_ratio must be in \[0, 1\]"):
+        schedules.warmup_linear(0, 4, min_ratio=2.0)
+    module, x, _ = make("mlp", 8)
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    with pytest.raises(TypeError, match="lr_schedule must be a callable"):
+        raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), lr_schedule=0.5)
+
+
+def test_lr_schedule_equals_lambda_lr_through_a_skip_and_a_resume(tmp_path):
+    """AdamW (its decoupled decay reads the lr too) under warm-up + cosine: 10 updates equal
+    PyTorch's AdamW + LambdaLR. A NaN batch after the third update is skipped and does not
+    advance the schedule; the run is saved after the fifth update and a fresh Trainer resumes
+    it (the schedule's position comes from the checkpoint's step counts)."""
+    schedule = schedules.warmup_cosine(3, 10, min_ratio=0.1)
+    module, x, y = make("mlp", 8)
+    torch_module = make("mlp", 8)[0]
+    opt = torch_optimizer("adamw", torch_module.parameters())
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    ref_losses, ref_lrs = [], []
+    for _ in range(10):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(torch_module(x), y)
+        loss.backward()
+        ref_lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        lambda_lr.step()
+        ref_losses.append(loss.item())
+
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+
+    def trainer():
+        return raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), lr_schedule=schedule,
+                                nonfinite="skip")
+
+    first = trainer()
+    assert first.last_lr == ref_lrs[0] == 0.0  # warm-up starts at 0, as LambdaLR's
+    losses, lrs = [], []
+    for k in range(5):
+        if k == 3:
+            bad = x.numpy().copy()
+            bad[0, 0] = np.nan
+            assert math.isnan(first.step(bad, y.numpy()))
+            assert first.last_lr == ref_lrs[3]  # the lr it would have used; not advanced
+        losses.append(first.step(x.numpy(), y.numpy()))
+        lrs.append(first.last_lr)
+    assert first.skipped_steps == 1 and first.step_count == 6
+    first.save_checkpoint(tmp_path)
+    second = trainer()
+    second.load_checkpoint(tmp_path)
+    assert (second.step_count, second.skipped_steps) == (6, 1)
+    for _ in range(5):
+        losses.append(second.step(x.numpy(), y.numpy()))
+        lrs.append(second.last_lr)
+    assert np.allclose(lrs, ref_lrs, rtol=1e-12, atol=0), (lrs, ref_lrs)
+    assert rel_err(losses, ref_losses) <= TOL, (losses, ref_losses)
+    for name, p in torch_module.named_parameters():
+        assert rel_err(second.state_dict()[name], p.detach().numpy()) <= TOL, name
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_metrics_count_the_flops_pytorch_counts(name):
+    """metrics(): the step's FLOPs equal torch.utils.flop_counter's count of the same forward
+    and backward (matmuls and convolutions), rates are positive, MFU in (0, 1]."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    module, x, y = make(name, 8)
+    trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
+                               optimizer=raf_optimizer("adamw"))
+    assert trainer.metrics() == {}
+    counter = FlopCounterMode(display=False)
+    with counter:
+        torch_loss(module(x), y).backward()
+    for _ in range(2):
+        loss = trainer.step(x.numpy(), y.numpy())
+    m = trainer.metrics()
+    assert m["step"] == 2 and m["loss"] == loss and m["lr"] == raf_optimizer("adamw").lr
+    assert m["flops_per_step"] == counter.get_total_flops(), (m, counter.get_total_flops())
+    assert m["step_time_s"] > 0 and m["rows_per_s"] == pytest.approx(8 / m["step_time_s"])
+    assert 0 < m["mfu"] <= 1 and m["flops_per_s"] > 0 and m["grad_norm"] is None
