@@ -272,3 +272,8 @@ def check_arguments(model: Any, loss: Any, optimizer: Any, device: Any, nonfinit
         raise TypeError("optimizer must be a raf_dist.optim optimizer (SGD, Adam, AdamW), "
                         f"got {optimizer!r}")
     device_lib.parse(device)  # a bad device string fails before anything starts
+    # parameter groups: every group valid and every pattern matching a trained parameter of
+    # the whole model (a pipeline rank or tp piece sees only some of them)
+    optimizer.groups()
+    frozen = set(getattr(model, "frozen_params", ()))
+    optimizer.assign([n for n in model.param_names if n not in frozen])

@@ -121,3 +121,64 @@ def test_metrics_count_the_flops_pytorch_counts(name):
     assert m["flops_per_step"] == counter.get_total_flops(), (m, counter.get_total_flops())
     assert m["step_time_s"] > 0 and m["rows_per_s"] == pytest.approx(8 / m["step_time_s"])
     assert 0 < m["mfu"] <= 1 and m["flops_per_s"] > 0 and m["grad_norm"] is None
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum"])
+def test_param_groups_equal_torch_param_groups(opt_name, tmp_path):
+    """Biases without weight decay, the first layer with its own lr (and betas / momentum):
+    4 steps equal torch.optim with the same param groups; a parameter no pattern matches
+    takes the constructor's values. The groups' patterns are saved in a checkpoint, and one
+    trained with other groups is refused on load."""
+    groups = [{"params": ["*.bias"], "weight_decay": 0.0},
+              {"params": ["layers.0.*"], "lr": 1e-3,
+               **({"betas": (0.8, 0.99)} if opt_name == "adamw" else {"momentum": 0.5})}]
+    module, x, y = make("mlp", 8)
+    torch_module = make("mlp", 8)[0]
+    named = dict(torch_module.named_parameters())
+    first_layer = [n for n in named if n.startswith("layers.0.") and not n.endswith(".bias")]
+    torch_groups = [{**groups[0], "params": [named[n] for n in named if n.endswith(".bias")]},
+                    {**groups[1], "params": [named[n] for n in first_layer]},
+                    {"params": [named[n] for n in named
+                                if not n.endswith(".bias") and n not in first_layer]}]
+    if opt_name == "adamw":
+        opt = torch.optim.AdamW(torch_groups, lr=1e-2, weight_decay=0.1)
+        ours = raf_dist.optim.AdamW(lr=1e-2, weight_decay=0.1, param_groups=groups)
+    else:
+        opt = torch.optim.SGD(torch_groups, lr=0.05, momentum=0.9, weight_decay=1e-2)
+        ours = raf_dist.optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-2, param_groups=groups)
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    trainer = raf_dist.Trainer(model, optimizer=ours)
+    losses, ref = [], []
+    for _ in range(4):
+        losses.append(trainer.step(x.numpy(), y.numpy()))
+        opt.zero_grad()
+        loss = torch_loss(torch_module(x), y)
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    assert rel_err(losses, ref) <= TOL, (losses, ref)
+    for name, p in named.items():
+        assert rel_err(trainer.state_dict()[name], p.detach().numpy()) <= TOL, name
+    trainer.save_checkpoint(tmp_path)
+    regrouped = [{"params": ["*.weight"], "weight_decay": 0.0}]
+    other = raf_dist.Trainer(model, optimizer=(
+        raf_dist.optim.AdamW(lr=1e-2, param_groups=regrouped) if opt_name == "adamw" else
+        raf_dist.optim.SGD(lr=0.05, momentum=0.9, param_groups=regrouped)))
+    with pytest.raises(raf_dist.checkpoint.CheckpointError, match="param_groups"):
+        other.load_checkpoint(tmp_path)
+
+
+def test_bad_param_groups_are_refused_naming_the_problem():
+    module, x, _ = make("mlp", 8)
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    with pytest.raises(ValueError, match=r"param_groups\[1\] pattern 'decoder\.\*' matches no"):
+        raf_dist.Trainer(model, optimizer=raf_dist.optim.AdamW(param_groups=[
+            {"params": ["*.bias"], "weight_decay": 0.0}, {"params": ["decoder.*"]}]))
+    with pytest.raises(ValueError, match=r"param_groups\[0\] sets \['momentum'\]"):
+        raf_dist.Trainer(model, optimizer=raf_dist.optim.AdamW(param_groups=[
+            {"params": ["*.bias"], "momentum": 0.9}]))
+    with pytest.raises(ValueError, match="changes the optimizer's state"):
+        raf_dist.Trainer(model, optimizer=raf_dist.optim.SGD(lr=0.1, param_groups=[
+            {"params": ["*.bias"], "momentum": 0.9}]))
+    with pytest.raises(ValueError, match="must be a dict with a 'params' list"):
+        raf_dist.optim.AdamW(param_groups=[{"lr": 0.1}])

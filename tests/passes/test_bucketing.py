@@ -67,6 +67,20 @@ def test_marker_buckets_uses_each_markers_bytes():
     assert marker_buckets([], 16) == []
 
 
+def test_a_bucket_holds_one_optimizer_group():
+    """Parameter groups (raf_dist.update_groups): a bucket closes where backward moves on to
+    another group's gradient (ZeRO runs one update chain per bucket), also in the step's
+    attribute as gradient_buckets reads it."""
+    markers = find_markers(Step["train_step"].body.blocks[0])  # backward: params 2, 1, 0
+    assert marker_buckets(markers, 100, groups=[0, 0, 0]) == [[2, 1, 0]]
+    assert marker_buckets(markers, 100, groups=[1, 0, 0]) == [[2, 1], [0]]
+    assert marker_buckets(markers, 100, groups=[0, 1, 0]) == [[2], [1], [0]]
+    assert marker_buckets(markers, 100, groups=[1, 1, 0]) == [[2], [1, 0]]
+    assert marker_buckets(markers, 12, groups=[1, 1, 0]) == [[2], [1], [0]]  # bytes too
+    grouped = Step["train_step"].with_attr("raf_dist.update_groups", [1, 0, 0])
+    assert gradient_buckets(tvm.IRModule({"train_step": grouped}), 100) == [[2, 1], [0]]
+
+
 def test_assign_buckets_keeps_an_oversized_item_alone():
     assert assign_buckets([4, 100, 4], 8) == [[0, 1], [2]]
     assert assign_buckets([100, 4, 4], 8) == [[0], [1, 2]]

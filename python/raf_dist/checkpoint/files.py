@@ -271,6 +271,13 @@ def check_compatible(meta, signature, optimizer):
             f"the checkpoint's optimizer ({meta['optimizer']['class']}) keeps state "
             f"{meta['optimizer']['state_names']}; {type(optimizer).__name__} here keeps "
             f"{list(signature.state_names)}")
+    saved_groups = [g["params"] for g in meta["optimizer"]["config"].get("param_groups", [])]
+    groups = [list(g["params"]) for g in getattr(optimizer, "param_groups", [])]
+    if saved_groups != groups:  # which parameters share hyper-parameters; values may change
+        raise CheckpointError(
+            f"the checkpoint was trained with optimizer param_groups {saved_groups} (patterns "
+            f"per group); this optimizer has {groups}. Build the optimizer with the same "
+            "groups (their lr / weight_decay may differ)")
 
 
 class OpenFiles:

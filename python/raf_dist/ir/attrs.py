@@ -9,6 +9,9 @@ LAYOUT_STATES_PER_PARAM = "raf_dist.states_per_param"
 # parameters, then the optimizer states): compiler.UpdateInPlace makes the step write it into
 # that argument's buffer
 UPDATED_ARGUMENTS = "raf_dist.updated_arguments"
+# the optimizer parameter group of each trained parameter (step order), when there are several:
+# a ZeRO bucket holds one group (it runs one update chain)
+UPDATE_GROUPS = "raf_dist.update_groups"
 # a TIR block annotated with it is never inlined by the CPU schedule (compiler/schedule.py):
 # a value computed once and read many times (passes/fast_math.py)
 MATERIALIZE = "raf_dist.materialize"

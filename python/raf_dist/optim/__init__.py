@@ -6,7 +6,7 @@ learning-rate schedules need no recompilation), and emits its update as Relax op
 """
 from . import schedules
 from .adam import Adam, AdamW
-from .optimizer import Optimizer
+from .optimizer import Optimizer, group_hyper_name
 from .sgd import SGD
 
-__all__ = ["Adam", "AdamW", "Optimizer", "SGD", "schedules"]
+__all__ = ["Adam", "AdamW", "Optimizer", "SGD", "group_hyper_name", "schedules"]

@@ -10,7 +10,7 @@ float64, like torch does in Python, and passed in each step.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from tvm import relax
 
@@ -23,8 +23,9 @@ class Adam(Optimizer):
     decoupled = False
 
     def __init__(self, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
-        super().__init__(lr)
+                 weight_decay: float = 0.0,
+                 param_groups: Sequence[Mapping[str, Any]] | None = None) -> None:
+        super().__init__(lr, param_groups)
         if len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
         _check_beta("betas[0]", betas[0])
@@ -74,5 +75,6 @@ class AdamW(Adam):
     decoupled = True
 
     def __init__(self, lr: float = 1e-3, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01) -> None:
-        super().__init__(lr, betas, eps, weight_decay)
+                 weight_decay: float = 0.01,
+                 param_groups: Sequence[Mapping[str, Any]] | None = None) -> None:
+        super().__init__(lr, betas, eps, weight_decay, param_groups)

@@ -1,6 +1,9 @@
 """The optimizer interface the training-step builder uses."""
 from __future__ import annotations
 
+import copy
+import fnmatch
+import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 from tvm import relax
@@ -16,9 +19,60 @@ class Optimizer:
     state_names: tuple[str, ...] = ()  # per-parameter state tensors, each shaped like the parameter
     hyper_names: tuple[str, ...] = ()  # per-step float scalars computed on the host
 
-    def __init__(self, lr: float) -> None:
+    def __init__(self, lr: float, param_groups: Sequence[Mapping[str, Any]] | None = None) -> None:
         _check_positive("lr", lr, allow_zero=True)
         self.lr = float(lr)
+        self.param_groups = _checked_groups(param_groups)
+
+    # ---- parameter groups (DESIGN.md section 1, "Training-loop essentials") -----------------
+    def group_options(self) -> tuple[str, ...]:
+        """The hyper-parameters a parameter group may set: the constructor's, but the groups."""
+        names = inspect.signature(type(self).__init__).parameters
+        return tuple(n for n in names if n not in ("self", "param_groups"))
+
+    def groups(self) -> list[Optimizer]:
+        """One optimizer per group: [this one's values (parameters no group matches), then
+        each of ``param_groups`` with its own values over this one's]. Every group keeps the
+        same state (a group turning SGD's momentum on or off is refused)."""
+        out: list[Optimizer] = [self]
+        own = {n: getattr(self, n) for n in self.group_options()}
+        for i, group in enumerate(self.param_groups):
+            bad = sorted(set(group) - {"params"} - set(own))
+            if bad:
+                raise ValueError(f"param_groups[{i}] sets {bad}, which {type(self).__name__} "
+                                 f"does not have; a group may set {sorted(own)}")
+            options = {**own, **{k: v for k, v in group.items() if k != "params"}}
+            member = type(self)(**options)
+            if tuple(member.state_names) != tuple(self.state_names):
+                raise ValueError(f"param_groups[{i}] changes the optimizer's state "
+                                 f"({list(self.state_names)} -> {list(member.state_names)}); "
+                                 "every group must keep the same state (e.g. momentum on "
+                                 "in every group or in none)")
+            out.append(member)
+        return out
+
+    def assign(self, names: Sequence[str], check: bool = True) -> list[int]:
+        """The group of each parameter name: the first group with a pattern (fnmatch) that
+        matches it (1-based: param_groups[0] is 1), else 0 (this optimizer's own values).
+        ``check``: a pattern that matches none of ``names`` is a ValueError naming it."""
+        index = []
+        for name in names:
+            found = 0
+            for g, group in enumerate(self.param_groups, start=1):
+                if any(fnmatch.fnmatchcase(name, p) for p in group["params"]):
+                    found = g
+                    break
+            index.append(found)
+        if check:
+            for g, group in enumerate(self.param_groups):
+                for pattern in group["params"]:
+                    if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                        shown = ", ".join(list(names)[:8]) + (", ..." if len(names) > 8 else "")
+                        raise ValueError(
+                            f"param_groups[{g}] pattern {pattern!r} matches no trained "
+                            f"parameter (names as state_dict() gives them: {shown}); fix "
+                            "the pattern or drop it")
+        return index
 
     def hyper_values(self, step: int, lr: float | None = None) -> dict[str, float]:
         """Scalars for 1-based ``step``, as a dict name -> float (computed in float64).
@@ -39,7 +93,7 @@ class Optimizer:
 
     def config(self) -> dict[str, Any]:
         """Hyper-parameters, for checkpoints and cache keys."""
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return {k: copy.deepcopy(v) for k, v in vars(self).items() if not k.startswith("_")}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
@@ -54,6 +108,32 @@ def kept(keep: Keep | None, new: relax.Expr, old: relax.Expr) -> relax.Expr:
 def const(value: float, like: relax.Expr) -> relax.Expr:
     """A scalar constant of ``like``'s dtype."""
     return relax.const(value, like.ty.dtype)
+
+
+def group_hyper_name(group: int, name: str) -> str:
+    """The step argument of hyper ``name`` for parameter group ``group`` (0: the plain name)."""
+    return name if group == 0 else f"group{group}_{name}"
+
+
+def _checked_groups(groups: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    """``param_groups`` as a list of plain dicts, each with a non-empty list of patterns."""
+    if groups is None:
+        return []
+    if isinstance(groups, (str, bytes, Mapping)) or not isinstance(groups, Sequence):
+        raise TypeError(f"param_groups must be a list of dicts, got {groups!r}")
+    out = []
+    for i, group in enumerate(groups):
+        if not isinstance(group, Mapping) or "params" not in group:
+            raise ValueError(f"param_groups[{i}] must be a dict with a 'params' list of "
+                             f"fnmatch patterns over state_dict() names, got {group!r}")
+        patterns = group["params"]
+        if isinstance(patterns, str):
+            patterns = [patterns]
+        if not patterns or not all(isinstance(p, str) for p in patterns):
+            raise ValueError(f"param_groups[{i}]['params'] must be a non-empty list of "
+                             f"patterns (strings), got {group['params']!r}")
+        out.append({**dict(group), "params": list(patterns)})
+    return out
 
 
 def _check_positive(name: str, value: object, allow_zero: bool = False) -> None:

@@ -3,7 +3,7 @@
 zero-initialised buffer gives exactly); d = d + momentum*buf if nesterov else buf; p -= lr*d."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from tvm import relax
 
@@ -14,8 +14,9 @@ class SGD(Optimizer):
     hyper_names: tuple[str, ...] = ("lr",)
 
     def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-                 nesterov: bool = False) -> None:
-        super().__init__(lr)
+                 nesterov: bool = False,
+                 param_groups: Sequence[Mapping[str, Any]] | None = None) -> None:
+        super().__init__(lr, param_groups)
         _check_positive("momentum", momentum, allow_zero=True)
         _check_positive("weight_decay", weight_decay, allow_zero=True)
         if nesterov and momentum <= 0:

@@ -40,17 +40,45 @@ def bucket_layout(numels, elem_bytes):
     return offsets, end
 
 
-def marker_buckets(markers, bucket_bytes):
-    """Parameter indices per gradient bucket, from gradient markers in backward order."""
+def marker_buckets(markers, bucket_bytes, groups=None):
+    """Parameter indices per gradient bucket, from gradient markers in backward order
+    (``bucket_runs``'s buckets)."""
     return [[markers[i].param_index for i in idx]
-            for idx in assign_buckets([m.nbytes for m in markers], bucket_bytes)]
+            for idx in bucket_runs(markers, bucket_bytes, groups)]
+
+
+def bucket_runs(markers, bucket_bytes, groups=None):
+    """Marker indices per gradient bucket, from gradient markers in backward order.
+    ``groups`` (the optimizer parameter group of each parameter, ``raf_dist.update_groups``):
+    a bucket holds one group's gradients (ZeRO updates a bucket with one update chain), so a
+    bucket also closes where backward moves on to another group's gradient."""
+    runs = [[0]] if markers else []
+    for i in range(1, len(markers)):
+        same = groups is None or (groups[markers[i].param_index]
+                                  == groups[markers[i - 1].param_index])
+        if same:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return [[run[i] for i in idx] for run in runs
+            for idx in assign_buckets([markers[i].nbytes for i in run], bucket_bytes)]
+
+
+def update_groups(func):
+    """``raf_dist.update_groups`` of a step function, or None (one group)."""
+    from ..ir.attrs import UPDATE_GROUPS
+    attrs = func.attrs
+    if attrs is None or UPDATE_GROUPS not in attrs:
+        return None
+    return [int(g) for g in attrs[UPDATE_GROUPS]]
 
 
 def gradient_buckets(mod, bucket_bytes, func_name="train_step"):
     """Parameter indices per gradient bucket, in the order backward produces them: what
     AllReduceGradients and ShardZeRO reduce together."""
     from .gradient_markers import find_markers
-    return marker_buckets(find_markers(mod[func_name].body.blocks[0]), bucket_bytes)
+    func = mod[func_name]
+    return marker_buckets(find_markers(func.body.blocks[0]), bucket_bytes, update_groups(func))
 
 
 class Segments:

@@ -21,7 +21,8 @@ and read (split) only after it, so the memory planner keeps its storage until th
 import tvm
 from tvm import relax
 
-from .bucketing import Segments, assemble, assign_buckets, bucket_layout, collective
+from .bucketing import (Segments, assemble, bucket_layout, bucket_runs, collective,
+                        update_groups)
 from .gradient_markers import StripGradientMarkers, find_markers
 
 
@@ -66,7 +67,7 @@ def _rewrite(func, world_size, bucket_bytes, overlap, group):
                          "build_train_step emits it; run it before other block-splitting passes")
     block = body.blocks[0]
     markers = find_markers(block)
-    buckets = assign_buckets([m.nbytes for m in markers], bucket_bytes)
+    buckets = bucket_runs(markers, bucket_bytes, update_groups(func))
     bucket_of = {m.var: b for b, idx in enumerate(buckets) for m in (markers[i] for i in idx)}
     closes_bucket = {markers[idx[-1]].position: b for b, idx in enumerate(buckets)}
     marker_positions = {m.position for m in markers}

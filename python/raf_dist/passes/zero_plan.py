@@ -12,7 +12,7 @@ import tvm_ffi
 from tvm import relax
 
 from ..layout import StateLayout, shard_size, state_layout
-from .bucketing import assign_buckets, marker_buckets
+from .bucketing import assign_buckets, marker_buckets, update_groups
 from .gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                                UPDATED_ARGUMENTS, Marker, find_markers, tensor_numel)
 
@@ -213,15 +213,24 @@ def _owners(step: Step) -> Owner:
 
 def _check_one_rule(step: Step, update: UpdateChains, owner: Owner) -> None:
     """A bucket runs its first parameter's chain for all of its parameters: refuse a step
-    whose parameters are updated by different rules (different learning rates, say)."""
+    whose parameters are updated by different rules (different learning rates, say) unless
+    they are in different optimizer parameter groups (``raf_dist.update_groups``), which
+    never share a bucket (bucketing.marker_buckets)."""
     scalars = set(step.func.params) | {b.var for b in update.shared + update.tail}
-    reference = _describe_chain(step, update, owner, scalars, 0) if step.params else None
-    for k in range(1, len(step.params)):
-        if _describe_chain(step, update, owner, scalars, k) != reference:
+    groups = update_groups(step.func) or [0] * len(step.params)
+    first: Dict[int, int] = {}
+    references: Dict[int, tuple] = {}
+    for k in range(len(step.params)):
+        g = groups[k]
+        described = _describe_chain(step, update, owner, scalars, k)
+        if g not in references:
+            first[g], references[g] = k, described
+        elif described != references[g]:
             raise ValueError(
                 f"ShardZeRO: parameter {step.params[k].name}'s update differs from "
-                f"{step.params[0].name}'s; ZeRO updates a bucket of parameters with one "
-                "elementwise computation, so every parameter needs the same update rule")
+                f"{step.params[first[g]].name}'s; ZeRO updates a bucket of parameters with one "
+                "elementwise computation, so every parameter of an optimizer group needs the "
+                "same update rule")
 
 
 def _describe_chain(step: Step, update: UpdateChains, owner: Owner, scalars: Set[relax.Var],
@@ -331,7 +340,8 @@ def plan_zero(func: relax.Function, level: int, world_size: int, bucket_bytes: i
     update = update_chains(step)
     params = step.params
     grad_buckets = tuple(Bucket.of(b, keys, [params[k].ty for k in keys], world_size)
-                         for b, keys in enumerate(marker_buckets(step.markers, bucket_bytes)))
+                         for b, keys in enumerate(
+                             marker_buckets(step.markers, bucket_bytes, update_groups(func))))
     # new arguments: parameter shards (level 3); optimizer state as one flat [S] shard per
     # bucket and state (bucket-major), the layout the update runs on, so no copy gathers or
     # scatters it around each step: raf_dist.layout's StateLayout, which the executors,

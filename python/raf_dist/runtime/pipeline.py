@@ -57,7 +57,7 @@ from ..training import batch_size as batching
 from ..training import pipeline_schedule as schedules
 from ..training.loss import check_targets, num_classes
 from ..training.pipeline import build_stage_functions, build_update_step
-from ..training.step import TrainStepSignature
+from ..training.step import TrainStepSignature, hyper_arguments
 from . import agreement, batches
 from . import predict as predict_lib
 from . import state as held
@@ -168,7 +168,8 @@ class PipelineExecutor:
         self.signature = TrainStepSignature(
             input_specs=list(model.input_specs), target_spec=self._captured_target_spec(),
             param_names=self.param_names, param_specs=self.param_specs,
-            state_names=list(optimizer.state_names), hyper_names=list(optimizer.hyper_names),
+            state_names=list(optimizer.state_names),
+            hyper_names=hyper_arguments(optimizer, self.param_names),
             frozen_names=self.frozen_names, frozen_specs=[specs[n] for n in self.frozen_names],
             buffer_names=list(getattr(model, "buffer_names", ())),
             buffer_specs=model.buffer_specs() if getattr(model, "buffer_names", ()) else [])

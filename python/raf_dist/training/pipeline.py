@@ -33,12 +33,12 @@ import tvm
 from tvm import relax
 
 from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
-                        UPDATED_ARGUMENTS)
+                        UPDATE_GROUPS, UPDATED_ARGUMENTS)
 from ..ir.ops import mark_gradient
 from ..passes.pipeline import emit_function
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from .loss import build_loss
-from .step import _emit_update, _follow, _ident, _loss_and_grads, missing_gradients
+from .step import _emit_update, _follow, _groups, _ident, _loss_and_grads, missing_gradients
 
 
 @dataclasses.dataclass
@@ -216,7 +216,8 @@ def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32",
     states = [relax.Var(f"{_ident(n)}__{st}", p.ty) for n, p in zip(param_names, params)
               for st in optimizer.state_names]
     dtype = param_specs[0][1] if param_specs else loss_dtype
-    hypers = {h: relax.Var(h, relax.TensorType((), dtype)) for h in optimizer.hyper_names}
+    updaters, hyper_names, groups = _groups(optimizer, param_names)
+    hypers = {h: relax.Var(h, relax.TensorType((), dtype)) for h in hyper_names}
     accs = [relax.Var(f"{_ident(n)}__grad_acc", p.ty) for n, p in zip(param_names, params)]
     loss_sum = relax.Var("loss_sum", relax.TensorType((), loss_dtype))
     arguments = params + states + list(hypers.values()) + accs + [loss_sum]
@@ -226,11 +227,13 @@ def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32",
             grads = [bb.emit(mark_gradient(a, i)) for i, a in enumerate(accs)]
             # the loss passes through an identity so the DP pass can average a computed value
             loss_value = bb.emit(relax.op.add(loss_sum, relax.const(0.0, loss_dtype)))
-            out = _emit_update(bb, optimizer, grads, loss_value, params, states, hypers, [],
+            out = _emit_update(bb, updaters, grads, loss_value, params, states, hypers, [],
                                None, False, clip)
         bb.emit_func_output(out)
     n, k = len(params), len(optimizer.state_names)
-    func = bb.get()["train_step"].with_attrs({
-        LAYOUT_PARAM_OFFSET: 0, LAYOUT_NUM_PARAMS: n, LAYOUT_STATES_PER_PARAM: k,
-        UPDATED_ARGUMENTS: list(range(n * (1 + k)))})
+    attrs = {LAYOUT_PARAM_OFFSET: 0, LAYOUT_NUM_PARAMS: n, LAYOUT_STATES_PER_PARAM: k,
+             UPDATED_ARGUMENTS: list(range(n * (1 + k)))}
+    if len(set(groups)) > 1:
+        attrs[UPDATE_GROUPS] = groups
+    func = bb.get()["train_step"].with_attrs(attrs)
     return tvm.IRModule({tvm.ir.GlobalVar("train_step"): func})

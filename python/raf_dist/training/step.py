@@ -27,8 +27,9 @@ import tvm
 from tvm import relax
 
 from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
-                        UPDATED_ARGUMENTS)
+                        UPDATE_GROUPS, UPDATED_ARGUMENTS)
 from ..ir.ops import mark_gradient
+from ..optim import group_hyper_name
 from ..passes import clipping
 from ..passes.auto_cast import auto_cast
 from ..passes.batch_norm import DecomposeBatchNorm, has_training_batch_norm
@@ -153,7 +154,8 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
                   for p, v in zip(trainable, param_vars) for s in optimizer.state_names]
     specs = dict(zip(model.param_names, model.param_specs()))
     hyper_dtype = specs[trainable[0]][1]
-    hyper_names = list(optimizer.hyper_names) + ([GRAD_UNSCALE] if loss_scale else [])
+    updaters, hyper_names, groups = _groups(optimizer, trainable)
+    hyper_names += [GRAD_UNSCALE] if loss_scale else []
     hyper_vars = {h: relax.Var(h, relax.TensorType((), hyper_dtype)) for h in hyper_names}
     n_states = len(optimizer.state_names)
 
@@ -205,13 +207,15 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
                     loss_value = bb.emit(relax.op.add(loss_acc, loss_value))
                 clip = None if max_grad_norm is None else clipping.Clip(
                     float(max_grad_norm), tuple(n in set(tp_split) for n in trainable))
-                out = _emit_update(bb, optimizer, grads, loss_value, param_vars, state_vars,
+                out = _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars,
                                    hyper_vars, new_buffers, nonfinite_guard, tensor_parallel,
                                    clip)
         bb.emit_func_output(out)
     step_mod = bb.get()
     attrs = _layout_attrs(accumulate, len(inputs) + len(targets), n_params, n_states,
                           len(params), n_buffers)
+    if len(set(groups)) > 1:
+        attrs[UPDATE_GROUPS] = groups
     step_mod["train_step"] = step_mod["train_step"].with_attrs(attrs)
     step_mod = relax.transform.DeadCodeElimination(["train_step"])(step_mod)
     return step_mod, _signature(model, target_spec, trainable, specs, optimizer, frozen,
@@ -287,7 +291,25 @@ def _emit_backward(bb, adjoint, grads, mark):
     return marked
 
 
-def _emit_update(bb, optimizer, grads, loss_value, param_vars, state_vars, hyper_vars,
+def _groups(optimizer, names):
+    """(per parameter: (its group's optimizer, {hyper name: step argument name}); the hyper
+    arguments of the groups in use, in order; each parameter's group index). The Trainer
+    checked that every pattern matches a parameter of the whole model."""
+    members = optimizer.groups()
+    index = optimizer.assign(names, check=False)
+    hyper_names = [group_hyper_name(g, h) for g in sorted(set(index))
+                   for h in members[g].hyper_names]
+    updaters = [(members[g], {h: group_hyper_name(g, h) for h in members[g].hyper_names})
+                for g in index]
+    return updaters, hyper_names, index
+
+
+def hyper_arguments(optimizer, names):
+    """The hyper arguments of a step updating parameters ``names`` (their groups' hypers)."""
+    return _groups(optimizer, names)[1]
+
+
+def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_vars,
                  new_buffers, nonfinite_guard, tensor_parallel, clip=None):
     """The optimizer's update of every parameter (skipped on a non-finite step when guarded;
     ``clip``, a passes.clipping.Clip: the gradients clipped first); returns the step's output
@@ -302,18 +324,19 @@ def _emit_update(bb, optimizer, grads, loss_value, param_vars, state_vars, hyper
         flag = nonfinite.finite_flag(
             bb, grads, loss_value if nonfinite_guard == "gradients_and_loss" else None,
             across_tp=tensor_parallel)
-    n_states = len(optimizer.state_names)
+    n_states = len(updaters[0][0].state_names) if updaters else 0
     keep = (None if flag is None else
             lambda new, old: nonfinite.keep_unless(bb, flag, new, old))
     if norm is not None:
         grads = clipped
     new_params, new_states = [], []
-    optimizer_hypers = {h: v for h, v in hyper_vars.items() if h != GRAD_UNSCALE}
     for i, (param, grad) in enumerate(zip(param_vars, grads)):
         states = state_vars[i * n_states:(i + 1) * n_states]
+        optimizer, arguments = updaters[i]  # the parameter's group
         # the states are kept (or not) where they are computed: optimizer.emit_update
-        new_param, updated = optimizer.emit_update(bb, param, grad, states, optimizer_hypers,
-                                                   keep=keep)
+        new_param, updated = optimizer.emit_update(
+            bb, param, grad, states, {h: hyper_vars[a] for h, a in arguments.items()},
+            keep=keep)
         if flag is not None:
             new_param = nonfinite.keep_unless(bb, flag, new_param, param)
         new_params.append(new_param)

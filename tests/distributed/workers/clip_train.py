@@ -1,13 +1,14 @@
-"""Clipping by the global gradient norm (Trainer(max_grad_norm=...)) on a mesh vs one process
-on the global batch, which tests/numeric/test_training_loop.py holds to
-torch.nn.utils.clip_grad_norm_.
+"""Clipping by the global gradient norm (Trainer(max_grad_norm=...)) and optimizer parameter
+groups on a mesh vs one process on the global batch, which tests/numeric/test_training_loop.py
+holds to torch.nn.utils.clip_grad_norm_ and to torch's param groups.
 
 Usage: clip_train.py MODEL LAYOUT[,LAYOUT...] [STEPS]
 LAYOUT: "pp{P}.tp{T}.z{Z}.m{M}" (any part may be left out: 1, 1, 0, 1), or "dp" (all left
 out); dp = N / (P x T).
 MAX_NORM is small enough that every step clips (the reference's norms are checked to exceed
 it), so a norm counted twice or half (a tensor-parallel duplicate, a ZeRO shard, a pipeline
-stage, a tied parameter) changes every update. Each layout's per-step norms, losses and final
+stage, a tied parameter) changes every update. GROUPS give the bias and the positions no
+weight decay and the tied embedding its own lr, so ZeRO's buckets hold one group each. Each layout's per-step norms, losses and final
 parameters must equal the reference's (norm-relative <= TOL, the distributed tier's float32
 summation-order tolerance), and every rank must report the very same norm.
 Prints 'rank R: CLIP OK'."""
@@ -19,11 +20,16 @@ import torch
 import raf_dist
 from raf_dist import distributed as dist
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
-from models import make, raf_optimizer, rel_err  # noqa: E402
+from models import make, rel_err  # noqa: E402
 
 GLOBAL_BATCH = 8
 MAX_NORM = 0.05
 TOL = 5e-5  # as pp_train.py / the ZeRO workers: float32 sums in another order per rank
+GROUPS = [{"params": ["*.bias", "pos"], "weight_decay": 0.0}, {"params": ["tok.*"], "lr": 5e-3}]
+
+
+def optimizer():
+    return raf_dist.optim.AdamW(lr=1e-2, param_groups=GROUPS)
 
 
 def parse(layout):
@@ -41,7 +47,7 @@ def reference(name, steps):
     if comm.rank == 0:
         module, x, y = make(name, GLOBAL_BATCH, seed=0)
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
-                                   optimizer=raf_optimizer("adamw"), local=True,
+                                   optimizer=optimizer(), local=True,
                                    max_grad_norm=MAX_NORM)
         losses, norms = [], []
         for _ in range(steps):
@@ -65,7 +71,7 @@ def train(name, layout, steps):
     local = GLOBAL_BATCH // dp
     rows = slice(mesh.dp_rank * local, (mesh.dp_rank + 1) * local)
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x[rows],)),
-                               optimizer=raf_optimizer("adamw"), max_grad_norm=MAX_NORM)
+                               optimizer=optimizer(), max_grad_norm=MAX_NORM)
     # the layout holds what the norm must count once: tensor-parallel pieces, tied
     # parameters on two pp ranks
     assert tp == 1 or trainer.tp_plan.placements, layout
