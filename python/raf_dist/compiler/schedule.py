@@ -183,7 +183,7 @@ def _stores_16bit_constant(sblock):
     TypeError at build), so such a fill stays scalar; it is parallel all the same."""
     body = sblock.body
     return (isinstance(body, tvm.tirx.BufferStore) and isinstance(body.value, tvm.tirx.FloatImm)
-            and str(body.value.dtype) in ("bfloat16", "float16"))
+            and str(body.buffer.dtype) in ("bfloat16", "float16"))  # (FloatImm has no dtype)
 
 
 def _schedule_block(sch, block):

@@ -6,16 +6,13 @@ backward): 2·M·N·K per matmul, 2·(output elements)·(input channels / groups
 elements) per convolution; the elementwise work, a few percent of a transformer's, is left
 out as Megatron's and PaLM's MFU formulas do. The peak is the machine's, not a datasheet's:
 a float32 GEMM measured once through the BLAS the steps call (numpy's), with the threads
-this process uses, and cached per process and in ``~/.cache/raf_dist/peak_flops.json``
-keyed by CPU model and thread count (a measured peak says what this process could reach;
+this process uses, once per process (a measured peak says what this process could reach;
 MFU against it is the share of the GEMM rate the whole step achieves).
 """
-import json
 import logging
 import os
 import platform
 import time
-from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -84,14 +81,10 @@ def module_flops(functions: Iterable[relax.Function]) -> int:
 
 def peak_flops(threads: int) -> float:
     """This machine's float32 GEMM rate (FLOP/s) with ``threads`` BLAS threads, measured
-    once (best of 5 at n = 1024) and cached."""
+    once per process (best of 5 at n = 1024, ~0.2 s) and kept. Not cached across processes:
+    a peak measured while something else ran would make every later MFU too high."""
     key = f"{_cpu_model()}|threads={threads}|float32"
     if key in _peaks:
-        return _peaks[key]
-    path = Path(os.path.expanduser("~")) / ".cache" / "raf_dist" / "peak_flops.json"
-    cached = _read(path)
-    if key in cached:
-        _peaks[key] = float(cached[key])
         return _peaks[key]
     rng = np.random.default_rng(0)
     a = rng.standard_normal((_GEMM_N, _GEMM_N), dtype=np.float32)
@@ -103,20 +96,7 @@ def peak_flops(threads: int) -> float:
         np.matmul(a, b)
         best = min(best, time.perf_counter() - start)
     _peaks[key] = 2.0 * _GEMM_N ** 3 / best
-    cached[key] = _peaks[key]
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cached, indent=1))
-    except OSError:  # a read-only home: measured again by the next process
-        pass
     return _peaks[key]
-
-
-def _read(path: Path) -> Dict[str, Any]:
-    try:
-        return dict(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        return {}
 
 
 def _cpu_model() -> str:

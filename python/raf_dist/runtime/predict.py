@@ -38,7 +38,8 @@ def in_pieces(x: np.ndarray, batch: int, respecialize: bool,
               run_piece: Callable[[np.ndarray, int], np.ndarray]) -> np.ndarray:
     """The outputs of ``run_piece(rows_array, rows)`` over ``x`` cut into pieces of ``batch``
     rows, concatenated; ``respecialize``: whether the last, shorter piece runs at its own
-    size (else it is padded with zero rows, whose outputs are cut off)."""
+    size (else it is padded with zero rows, whose outputs are cut off). An output with k rows
+    per input row (nanoGPT's logits flattened to (rows * seq, vocab)) keeps k per row."""
     outputs: List[np.ndarray] = []
     for start in range(0, len(x), batch):
         piece = x[start:start + batch]
@@ -47,7 +48,9 @@ def in_pieces(x: np.ndarray, batch: int, respecialize: bool,
             padded = np.zeros((rows,) + piece.shape[1:], dtype=piece.dtype)
             padded[:len(piece)] = piece
             piece = padded
-        outputs.append(run_piece(np.ascontiguousarray(piece), rows)[:min(batch, len(x) - start)])
+        out = run_piece(np.ascontiguousarray(piece), rows)
+        per_row = out.shape[0] // rows if out.ndim and out.shape[0] % rows == 0 else 1
+        outputs.append(out[:min(batch, len(x) - start) * per_row])
     return np.concatenate(outputs)
 
 
