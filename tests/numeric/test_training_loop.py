@@ -1,6 +1,7 @@
 """Numeric tier for the training loop's essentials (DESIGN.md section 1): learning-rate
 schedules equal transformers' own and ``torch.optim.lr_scheduler.LambdaLR`` on a real run,
 through a skipped non-finite step and a checkpoint resume."""
+import logging
 import math
 
 import numpy as np
@@ -102,20 +103,24 @@ def test_lr_schedule_equals_lambda_lr_through_a_skip_and_a_resume(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
-def test_metrics_count_the_flops_pytorch_counts(name):
+def test_metrics_count_the_flops_pytorch_counts(name, caplog):
     """metrics(): the step's FLOPs equal torch.utils.flop_counter's count of the same forward
-    and backward (matmuls and convolutions), rates are positive, MFU in (0, 1]."""
+    and backward (matmuls and convolutions), rates are positive, MFU in (0, 1]; log_every
+    logs them on the raf_dist logger."""
     from torch.utils.flop_counter import FlopCounterMode
 
     module, x, y = make(name, 8)
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
-                               optimizer=raf_optimizer("adamw"))
+                               optimizer=raf_optimizer("adamw"), log_every=2)
     assert trainer.metrics() == {}
     counter = FlopCounterMode(display=False)
     with counter:
         torch_loss(module(x), y).backward()
-    for _ in range(2):
-        loss = trainer.step(x.numpy(), y.numpy())
+    with caplog.at_level(logging.INFO, logger="raf_dist"):
+        for _ in range(2):
+            loss = trainer.step(x.numpy(), y.numpy())
+    assert any(r.getMessage().startswith("step 2: loss ") and "mfu" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
     m = trainer.metrics()
     assert m["step"] == 2 and m["loss"] == loss and m["lr"] == raf_optimizer("adamw").lr
     assert m["flops_per_step"] == counter.get_total_flops(), (m, counter.get_total_flops())
@@ -182,3 +187,18 @@ def test_bad_param_groups_are_refused_naming_the_problem():
             {"params": ["*.bias"], "momentum": 0.9}]))
     with pytest.raises(ValueError, match="must be a dict with a 'params' list"):
         raf_dist.optim.AdamW(param_groups=[{"lr": 0.1}])
+
+
+def test_clipping_under_bf16_takes_the_norm_in_float32():
+    """precision="bf16" with clipping: the norm is taken in float32 over the float32 master
+    gradients, within bf16's rounding of the float32 run's (PyTorch autocast's own distance
+    from float32 on this case is ~1e-3), and the step clips."""
+    module, x, y = make("transformer", 8)
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    norms = {}
+    for precision in ("fp32", "bf16"):
+        trainer = raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), precision=precision,
+                                   max_grad_norm=0.1)
+        trainer.step(x.numpy(), y.numpy())
+        norms[precision] = trainer.last_grad_norm
+    assert norms["fp32"] > 0.1 and abs(norms["bf16"] - norms["fp32"]) <= 0.02 * norms["fp32"], norms
