@@ -191,3 +191,17 @@ def host_target() -> str | tvm.target.Target:
     if not name or name == "generic":
         return "llvm"
     return tvm.target.Target({"kind": "llvm", "mcpu": name})
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_info(field: str) -> str:
+    """The value of ``field`` ("model name", "flags") on the first line of /proc/cpuinfo that
+    has it; "" where there is none (another OS). Read once per field."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

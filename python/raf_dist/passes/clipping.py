@@ -61,20 +61,19 @@ class Clip:
 
 def global_norm(bb: relax.BlockBuilder, grads: Sequence[relax.Expr], clip: Clip) -> relax.Expr:
     """The 0-d float32 global L2 norm of the (whole, reduced) ``grads`` as ``clip`` says they
-    are held: tensor-parallel pieces' sums added over tp, the total over pp."""
+    are held (``norm_of``)."""
     counted = [(g, bool(clip.kind(k))) for k, g in enumerate(grads)
                if clip.kind(k) is not None]
-    squares = sum_of_squares(bb, [g for g, _ in counted], [s for _, s in counted])
-    if clip.across_pp:
-        squares = bb.emit(relax.op.ccl.allreduce(squares, "sum"))
-    return bb.emit(relax.op.sqrt(squares))
+    replicated, pieces = squares_by_kind(bb, [g for g, _ in counted], [s for _, s in counted])
+    return norm_of(bb, replicated, pieces, clip)
 
 
-def sum_of_squares(bb: relax.BlockBuilder, grads: Sequence[relax.Expr],
-                   split: Sequence[bool] = (), emit: Optional[Emit] = None) -> relax.Expr:
-    """The 0-d float32 sum of every element squared of ``grads``; ``split[i]``: gradient i is
-    a tensor-parallel piece (its sum is added over the tp group). ``emit``: how a value is
-    bound (default ``bb.emit``)."""
+def squares_by_kind(bb: relax.BlockBuilder, grads: Sequence[relax.Expr],
+                    split: Sequence[bool] = (), emit: Optional[Emit] = None
+                    ) -> Tuple[relax.Expr, Optional[relax.Expr]]:
+    """This rank's 0-d float32 sums of every element squared of ``grads``: (those held whole,
+    those that are tensor-parallel pieces, ``split[i]``; None when there are none).
+    ``emit``: how a value is bound (default ``bb.emit``, whose long sums run on every core)."""
     op = relax.op
     if emit is None:  # long sums split across the cores (ir/utils.sum_all)
         bind: Emit = bb.emit
@@ -95,10 +94,19 @@ def sum_of_squares(bb: relax.BlockBuilder, grads: Sequence[relax.Expr],
             pieces = term if pieces is None else bind(op.add(pieces, term))
         else:
             local = term if local is None else bind(op.add(local, term))
-    if pieces is not None:
-        pieces = bind(tp_reduce(pieces))
-        local = pieces if local is None else bind(op.add(local, pieces))
-    return local if local is not None else relax.const(0.0, "float32")
+    return (local if local is not None else relax.const(0.0, "float32")), pieces
+
+
+def norm_of(bb: relax.BlockBuilder, replicated: relax.Expr, pieces: Optional[relax.Expr],
+            clip: Clip, emit: Optional[Emit] = None) -> relax.Expr:
+    """sqrt(replicated + the pieces' sum over tp), added over pp first when ``clip`` says so:
+    the norm from this rank's sums (each already reduced over dp under ZeRO)."""
+    emit = bb.emit if emit is None else emit
+    op = relax.op
+    squares = replicated if pieces is None else emit(op.add(replicated, emit(tp_reduce(pieces))))
+    if clip.across_pp:  # this pp rank's stages: added over the pp group
+        squares = emit(op.ccl.allreduce(squares, "sum"))
+    return emit(op.sqrt(squares))
 
 
 def clip_coefficient(bb: relax.BlockBuilder, norm: relax.Expr, max_norm: float,

@@ -51,7 +51,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import tvm
 from tvm import relax
 
-from ..ir.ops import tp_reduce
 from . import clipping
 
 from .bucketing import Segments, assemble, collective
@@ -342,11 +341,9 @@ class _Emitter:
         if self.clip is None:
             return None
         replicated, pieces = values
-        squares = self.bind("grad_squares", op.add(replicated, self.bind(
-            "grad_squares_tp", tp_reduce(pieces)))) if self.clip.any_split else replicated
-        if self.clip.across_pp:  # this pp rank's stages: added over the pp group
-            squares = self.bind("grad_squares_pp", op.ccl.allreduce(squares, "sum"))
-        norm = self.bind("grad_norm", op.sqrt(squares))
+        norm = clipping.norm_of(self.seg.builder, replicated,
+                                pieces if self.clip.any_split else None, self.clip,
+                                emit=self._binder("grad_norm"))
         coef = clipping.clip_coefficient(self.seg.builder, norm, self.clip.max_norm,
                                          emit=self._binder("clip_coef"))
         self.loss = clipping.with_norm(self.seg.builder, self.loss, norm,
@@ -384,7 +381,7 @@ class _Emitter:
                 if kind is not None:
                     (pieces if kind else replicated).append(shard)
         zero = relax.const(0.0, "float32")
-        return [clipping.sum_of_squares(self.seg.builder, group, emit=self._binder(name))
+        return [clipping.squares_by_kind(self.seg.builder, group, emit=self._binder(name))[0]
                 if group else zero
                 for name, group in (("squares", replicated), ("squares_tp", pieces))]
 

@@ -19,6 +19,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .. import device as device_lib
+
 _LOG = logging.getLogger("raf_dist")
 _GEMM_N = 1024
 _peaks: Dict[str, float] = {}
@@ -100,14 +102,7 @@ def peak_flops(threads: int) -> float:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return device_lib.cpu_info("model name") or platform.processor() or platform.machine()
 
 
 class StepMetrics:

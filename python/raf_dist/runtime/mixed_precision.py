@@ -34,11 +34,4 @@ def compute_dtype(precision: str, device: str = "cpu") -> Optional[str]:
 
 
 def _cpu_flags() -> Set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set(device_lib.cpu_info("flags").split())

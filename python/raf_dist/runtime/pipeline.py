@@ -62,7 +62,7 @@ from . import agreement, batches
 from . import predict as predict_lib
 from . import state as held
 from . import metrics as metrics_lib
-from .loop import update_hypers
+from .loop import LoopScalars
 from .plan import RunPlan
 from .schedule_run import ScheduleRun
 from .tensors import check_array, nbytes
@@ -92,7 +92,7 @@ class _StageSet:
     flops: Optional[int] = None  # one microbatch through these stages (metrics)
 
 
-class PipelineExecutor:
+class PipelineExecutor(LoopScalars):
     """The executor for ``pipeline_parallel_size`` > 1 (module docstring): the whole Trainer
     surface over this rank's stages (``profile``, ``buffers_dict``, ``predict``,
     checkpoints, any batch size of at least ``num_microbatches`` rows)."""
@@ -173,9 +173,10 @@ class PipelineExecutor:
             frozen_names=self.frozen_names, frozen_specs=[specs[n] for n in self.frozen_names],
             buffer_names=list(getattr(model, "buffer_names", ())),
             buffer_specs=model.buffer_specs() if getattr(model, "buffer_names", ()) else [])
+        self._holding_ranks = self._parameter_holders(stage_plan)
         self._build_update(optimizer, cache_dir)
         self._init_parameters(model)
-        self._tied = self._tied_parameters(stage_plan)
+        self._tied = self._tied_parameters()
         self.step_count = 0
         self.skipped_steps = 0
         self.lr_schedule, self._last_lr = lr_schedule, None
@@ -231,13 +232,10 @@ class PipelineExecutor:
         that holds them only."""
         if self.max_grad_norm is None:
             return None
-        first = {}
-        for s in range(self.num_stages):
-            for name in self.plan.params[s]:
-                first[name] = min(first.get(name, self.pp), stage_rank(s, self.pp))
         split = set(self.tp_plan.placements) if self.tp_plan is not None else set()
         return Clip(float(self.max_grad_norm), tuple(n in split for n in self.param_names),
-                    tuple(first[n] == self.pp_rank for n in self.param_names), across_pp=True)
+                    tuple(self._holders()[n] == self.pp_rank for n in self.param_names),
+                    across_pp=True)
 
     def _init_parameters(self, model):
         """This rank's stages' parameters at world rank 0's initial values (whatever each
@@ -363,14 +361,18 @@ class PipelineExecutor:
             return tuple(shape[:-1]), "int64"
         return tuple(shape), str(out.dtype)
 
-    def _tied_parameters(self, stage_plan):
-        """The trained parameters held on more than one pp rank (tied embeddings), sorted:
-        their gradients are summed over the pp group before the update."""
+    def _parameter_holders(self, stage_plan):
+        """{parameter name: the pp ranks whose stages read it}."""
         holders = {}
         for s in range(self.num_stages):
             for name in stage_plan.params[s]:
                 holders.setdefault(name, set()).add(stage_rank(s, self.pp))
-        return sorted(n for n, ranks in holders.items()
+        return holders
+
+    def _tied_parameters(self):
+        """The trained parameters held on more than one pp rank (tied embeddings), sorted:
+        their gradients are summed over the pp group before the update."""
+        return sorted(n for n, ranks in self._holding_ranks.items()
                       if len(ranks) > 1 and n not in self._frozen_names)
 
     # ---- the step --------------------------------------------------------------------------
@@ -457,15 +459,11 @@ class PipelineExecutor:
     def _stage_flops(stage_set):
         """FLOPs of one microbatch through this rank's stages: forward and backward (a
         recomputed forward is not counted: MFU counts the model's FLOPs)."""
-        if getattr(stage_set, "flops", None) is None:
+        if stage_set.flops is None:
             stage_set.flops = sum(metrics_lib.function_flops(st.functions.mod[name])
                                   for st in stage_set.stages.values()
                                   for name in ("forward", "backward"))
         return stage_set.flops
-
-    def metrics(self):
-        """The last step's measurements (runtime/metrics.py); {} before the first."""
-        return dict(self._metrics.last)
 
     def _run_schedule(self, inputs, y, pieces, sets, weights):
         """This rank's actions on microbatches of ``pieces`` rows (runtime/schedule_run.py);
@@ -523,8 +521,7 @@ class PipelineExecutor:
                                               if n in accs}, self._tied, self._specs)
             for name, host in summed.items():
                 accs[name] = tvm.runtime.tensor(host, self._device)
-        hypers, self._last_lr = update_hypers(self.optimizer, self.lr_schedule,
-                                              self.step_count - self.skipped_steps)
+        hypers, self._last_lr = self._next_hypers()
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype),
                                          self._device) for h in self.signature.hyper_names]
         params = [self._tensors[n] for n in self.param_names]
@@ -535,10 +532,7 @@ class PipelineExecutor:
         for i, name in enumerate(self.param_names):
             self._tensors[name] = out[1 + i]
         self._states = [out[1 + n + i] for i in range(len(self._states))]
-        loss = out[0].numpy()  # averaged over dp on the last stage
-        if self.max_grad_norm is not None:  # [loss, norm]: the norm is every rank's
-            loss, self._last_grad_norm = loss[0], float(loss[1])
-        loss = float(loss)
+        loss = self._loss_of(out[0])  # averaged over dp on the last stage; the norm everyone's
         return self.transport.broadcast_from_last_stage(loss)
 
     # ---- state ------------------------------------------------------------------------------
@@ -555,12 +549,7 @@ class PipelineExecutor:
 
     def _holders(self):
         """{parameter name: the lowest pp rank holding it} from the stage plan."""
-        holders = {}
-        for s in range(self.num_stages):
-            for name in self.plan.params[s]:
-                rank = stage_rank(s, self.pp)
-                holders[name] = min(rank, holders.get(name, rank))
-        return holders
+        return {name: min(ranks) for name, ranks in self._holding_ranks.items()}
 
     def state_dict(self):
         """Every full parameter on every rank (gathered over pp and tp: every rank calls it)."""
@@ -668,28 +657,6 @@ class PipelineExecutor:
         self.step_count, self.seed = int(meta["step"]), int(meta["seed"])
         self.load_loop_state(meta.get("loop", {}))
         return meta.get("extra")
-
-    loss_scale = None  # precision="fp16" is refused under pipelining (no loss scaling)
-
-    @property
-    def last_grad_norm(self):
-        """The last step's global gradient norm before clipping (None without clipping)."""
-        return self._last_grad_norm
-
-    @property
-    def last_lr(self) -> float:
-        """The learning rate of the last step (before the first: the one it will use)."""
-        if self._last_lr is None:
-            return update_hypers(self.optimizer, self.lr_schedule, 0)[1]
-        return self._last_lr
-
-    def loop_state(self):
-        """The loop's host state a checkpoint keeps: the steps the non-finite guard skipped
-        (the optimizer's own step count leaves them out)."""
-        return {"skipped_steps": self.skipped_steps}
-
-    def load_loop_state(self, state):
-        self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
 def check_pipeline_config(config, model):

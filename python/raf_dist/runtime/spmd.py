@@ -30,11 +30,12 @@ from ..training import build_train_step
 from ..training import batch_size as batching
 from ..training.loss import check_targets, num_classes
 from ..training.step import GRAD_UNSCALE
+from ..training.tensor_parallel import trained_names
 from . import agreement, batches, mixed_precision
 from . import metrics as metrics_lib
 from . import predict as predict_lib
 from . import state as held
-from .loop import update_hypers
+from .loop import LoopScalars
 from .loss_scale import LossScaler
 from .plan import RunPlan
 from .tensors import check_array, nbytes, to_device
@@ -42,7 +43,7 @@ from .tensors import check_array, nbytes, to_device
 _LOG = logging.getLogger("raf_dist")
 
 
-class SPMDExecutor:
+class SPMDExecutor(LoopScalars):
     """Train ``model`` (a :class:`raf_dist.model.Model`) with ``loss`` and ``optimizer``.
 
     ``step(x, y)`` takes this rank's slice of the global batch (numpy arrays) and returns the
@@ -84,6 +85,7 @@ class SPMDExecutor:
         self._target = device_lib.target_for(self._device)
 
         model = self.model = self._split_for_tp(model, tensor_parallel_plan)
+        self._clip = self._make_clip(max_grad_norm)
         self._build_step(model)
         # from the fingerprint check on the ranks meet in collectives (and compile barriers):
         # an exception on one rank ends the job (Communicator.collective_work)
@@ -140,17 +142,20 @@ class SPMDExecutor:
         return dict(nonfinite_guard=self._nonfinite_guard(), loss_weight=self._weighted_loss,
                     tensor_parallel=self.tp > 1, compute_dtype=self.compute_dtype,
                     reduce_dtype=self._reduce_dtype, loss_scale=self._scaler is not None,
-                    # under ZeRO the distribution pass clips (the shards: _passes)
-                    max_grad_norm=None if self._sharded_update() else self.max_grad_norm,
-                    tp_split=self._tp_split())
+                    # under ZeRO the distribution pass clips the shards (_passes)
+                    clip=None if self._sharded_update() else self._clip)
 
     def _sharded_update(self):
         """Whether ShardZeRO emits the update (ZeRO over data-parallel ranks)."""
         return self.data_parallel and self.zero_level > 0
 
-    def _tp_split(self):
-        """The trained parameters held as tensor-parallel pieces (their gradients too)."""
-        return sorted(self.tp_plan.placements) if self.tp_plan is not None else []
+    def _make_clip(self, max_grad_norm):
+        """Clipping's view of the trained parameters (passes/clipping.py): which are
+        tensor-parallel pieces; None without ``max_grad_norm``."""
+        if max_grad_norm is None:
+            return None
+        split = set(self.tp_plan.placements) if self.tp_plan is not None else set()
+        return Clip(float(max_grad_norm), tuple(n in split for n in trained_names(self.model)))
 
     def _compile_captured(self, model):
         """The gradient buckets, the StateLayout and the step compiled at the captured size."""
@@ -205,11 +210,7 @@ class SPMDExecutor:
         """The plan as explicit pass arguments. ``local``: for a step without gradient
         collectives (the microbatches before the last)."""
         reduce = self.data_parallel and not local
-        clip = None
-        if self.max_grad_norm is not None and reduce and self.zero_level > 0:
-            split = set(self._tp_split())
-            clip = Clip(float(self.max_grad_norm),
-                        tuple(n in split for n in self.signature.param_names))
+        clip = self._clip if reduce and self.zero_level > 0 else None
         return step_passes(self.zero_level if reduce else 0, self.world if reduce else 1,
                            self.bucket_bytes, overlap=self.run_plan.overlap_comm,
                            group=self.dp_group, guard=self._guard_under_zero(),
@@ -286,8 +287,7 @@ class SPMDExecutor:
         began = time.perf_counter()
         rows_per_rank = self._rows_per_rank(rows)  # a small collective under data parallelism
         # the optimizer's own step count (Adam's bias correction): skipped steps do not count
-        hypers, lr = update_hypers(self.optimizer, self.lr_schedule,
-                                   self.step_count - self.skipped_steps)
+        hypers, lr = self._next_hypers()
         if self._scaler is not None:
             hypers[GRAD_UNSCALE] = 1.0 / self._scaler.scale
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype), self._device)
@@ -321,10 +321,7 @@ class SPMDExecutor:
         first_buffer = 1 + n + len(self._states)
         self._buffers = [out[first_buffer + i] for i in range(len(self._buffers))]
         self._keep_rank0_buffers()
-        loss = out[0].numpy()
-        if self.max_grad_norm is not None:  # [loss, global gradient norm before clipping]
-            loss, self._last_grad_norm = loss[0], float(loss[1])
-        loss = float(loss)
+        loss = self._loss_of(out[0])
         self._last_lr = lr
         if self._scaler is not None:
             loss = self._scaled_step(loss)
@@ -335,10 +332,6 @@ class SPMDExecutor:
                              self._flops_per_row * rows, sum(rows_per_rank),
                              grad_norm=self._last_grad_norm, loss_scale=self.loss_scale)
         return loss
-
-    def metrics(self):
-        """The last step's measurements (runtime/metrics.py); {} before the first."""
-        return dict(self._metrics.last)
 
     def _traffic(self):
         """(bus bytes by collective kind, by mesh axis) so far, as comm_counters gives them."""
@@ -447,37 +440,6 @@ class SPMDExecutor:
         without ZeRO; under ZeRO with nonfinite="skip" or loss scaling (ShardZeRO's guard,
         which waits for every gradient before any update)."""
         return not (self.data_parallel and self.zero_level > 0) or self._guard_under_zero()
-
-    @property
-    def last_lr(self) -> float:
-        """The learning rate of the last step (before the first: the one it will use)."""
-        if self._last_lr is None:
-            return update_hypers(self.optimizer, self.lr_schedule, 0)[1]
-        return self._last_lr
-
-    @property
-    def last_grad_norm(self):
-        """The global gradient norm of the last step, before clipping (None without
-        ``max_grad_norm`` or before the first step)."""
-        return self._last_grad_norm
-
-    @property
-    def loss_scale(self):
-        """The current loss scale under precision="fp16" (None otherwise)."""
-        return None if self._scaler is None else self._scaler.scale
-
-    def loop_state(self):
-        """The loop's host state a checkpoint keeps (JSON): the steps the non-finite guard
-        skipped (the optimizer's own step count leaves them out) and the loss scaler's."""
-        state = {"skipped_steps": self.skipped_steps}
-        if self._scaler is not None:
-            state["loss_scale"] = self._scaler.state_dict()
-        return state
-
-    def load_loop_state(self, state):
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        if self._scaler is not None and "loss_scale" in state:
-            self._scaler.load_state_dict(state["loss_scale"])
 
     def _init_frozen(self, model):
         """Runtime tensors of the frozen parameters (full on every rank: rank 0's values)."""

@@ -93,8 +93,7 @@ GRAD_UNSCALE = "grad_unscale"
 
 def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=None,
                      loss_weight=False, tensor_parallel=False, accumulate=None,
-                     compute_dtype=None, reduce_dtype=None, loss_scale=False,
-                     max_grad_norm=None, tp_split=()):
+                     compute_dtype=None, reduce_dtype=None, loss_scale=False, clip=None):
     """Return (IRModule with "train_step", TrainStepSignature).
 
     ``loss_weight``: the step takes a 0-d ``loss_weight`` argument right after the target that
@@ -119,10 +118,9 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     (1 / scale), that multiplies every gradient right before its marker (the collectives
     reduce true gradients; the reduction is linear, an overflow stays inf).
 
-    ``max_grad_norm``: the gradients the optimizer reads are clipped by their global L2 norm
-    (passes/clipping.py) and the loss output becomes [loss, norm]; ``tp_split``: the names
-    of the parameters split across tensor-parallel ranks (their sums of squares are added
-    over the tp group). Under ZeRO the distribution pass clips instead (give None here)."""
+    ``clip`` (a passes.clipping.Clip over the trained parameters): the gradients the
+    optimizer reads are clipped by their global L2 norm and the loss output becomes
+    [loss, norm]. Under ZeRO the distribution pass clips instead (give None here)."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     if nonfinite_guard not in (None, "gradients", "gradients_and_loss"):
@@ -205,8 +203,6 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
             else:
                 if accumulate == "final":
                     loss_value = bb.emit(relax.op.add(loss_acc, loss_value))
-                clip = None if max_grad_norm is None else clipping.Clip(
-                    float(max_grad_norm), tuple(n in set(tp_split) for n in trainable))
                 out = _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars,
                                    hyper_vars, new_buffers, nonfinite_guard, tensor_parallel,
                                    clip)
