@@ -29,9 +29,16 @@ if [ "${GPU_CHECK_OFFLINE:-0}" = 1 ]; then
   fi
   cd "$work/src"
   # CMake looks for the NCCL wheel in the install's own site-packages; point it at python3's
-  NCCL_ROOT="$("$py" -c "import importlib.util, os; print(next(os.path.join(p, 'nccl') for p in
-    importlib.util.find_spec('nvidia').submodule_search_locations
-    if os.path.isdir(os.path.join(p, 'nccl'))))")"
+  # (nvidia/nccl for the cu12 wheels; the cu13 ones may nest it deeper): the folder that holds
+  # include/nccl.h, unless NCCL_ROOT is set already
+  if [ -z "${NCCL_ROOT:-}" ]; then
+    NCCL_ROOT="$("$py" -c "import glob, importlib.util, os
+spec = importlib.util.find_spec('nvidia')
+roots = list(spec.submodule_search_locations) if spec else []
+hits = [h for r in roots for h in glob.glob(os.path.join(r, '**', 'include', 'nccl.h'), recursive=True)]
+print(os.path.dirname(os.path.dirname(hits[0])) if hits else '')")"
+  fi
+  echo "NCCL_ROOT=${NCCL_ROOT:-<none found>}"
   export NCCL_ROOT
   USE_CUDA=ON USE_NCCL=ON "$py" -m pip install -q --no-index --no-build-isolation --no-deps -e .
 else
@@ -59,13 +66,25 @@ from raf_dist.device import cuda_compiler
 assert cuda_compiler(), "no CUDA kernel compiler: put nvcc on PATH or pip install cuda-bindings"
 print("CUDA kernels compiled with", cuda_compiler())
 PY
-"$py" -m pytest -q -rs tests/gpu tests/passes/test_cuda_build.py tests/unit/test_device.py
-"$py" bench/step_time.py --device cuda --steps 20 --rounds 3
+# Each stage runs even when one before it failed (a GPU session is short: one failure should
+# not hide the others' results); the script fails at the end if any stage did.
+failed=()
+stage() { echo "=== $1"; shift; "$@" || failed+=("$*"); }
+stage "GPU tier: GPU vs CPU results, single-rank NCCL" \
+  "$py" -m pytest -q -rs --durations=0 -p no:cacheprovider tests/gpu tests/unit/test_device.py
+stage "GPU step time: raf_dist vs PyTorch eager" \
+  "$py" bench/step_time.py --device cuda --steps 20 --rounds 3
+stage "CUDA build tier" "$py" -m pytest -q -rs -p no:cacheprovider tests/passes/test_cuda_build.py
 # every GPU of the machine, one rank each: data parallelism with NCCL collectives between ranks
 ngpu="$("$py" -c 'import tvm; print(sum(tvm.cuda(i).exist for i in range(64)))')"
 if [ "$ngpu" -ge 2 ]; then
   launcher="$(dirname "$py")/mpiexec"  # the mpich wheel's, else the system MPI's
   [ -x "$launcher" ] || launcher=mpiexec
-  timeout 600 "$launcher" -n "$ngpu" "$py" scripts/distributed/dist_example.py \
-    --device cuda --epochs 2 --global-batch $((16 * ngpu))
+  stage "distributed example on $ngpu GPUs" timeout 600 "$launcher" -n "$ngpu" "$py" \
+    scripts/distributed/dist_example.py --device cuda --epochs 2 --global-batch $((16 * ngpu))
 fi
+if [ "${#failed[@]}" -gt 0 ]; then
+  printf 'FAILED: %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "gpu_check: all stages passed"

@@ -1,11 +1,13 @@
 """GPU tier (skipped without an NVIDIA GPU, CuPy and a native runtime built with NCCL — run
 scripts/gpu_check.sh on a GPU machine): the same training steps on cuda(0) as on the CPU,
 with matmul/convolution on cuBLAS through CuPy, and a single-rank NCCL run (ZeRO-2 in a
-world of one: reduce_scatter, allgather, local_shard and buckets on GPU memory)."""
+world of one: reduce_scatter, allgather, local_shard and buckets on GPU memory), and bf16
+mixed precision on the GPU."""
 import pytest
 import tvm
 
-from models import make, rel_err, train_zero
+import raf_dist
+from models import make, raf_optimizer, rel_err, torch_reference, train_zero
 from raf_dist import _native
 
 
@@ -58,3 +60,27 @@ def test_predict_on_gpu():
     _, _, trainer = _train("mlp", "cuda", steps=1)
     module, x, _ = make("mlp", 8)
     assert trainer.predict(x.numpy()).shape == (8, 5)
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_bf16_on_gpu_as_close_to_fp32_as_torch_autocast(name):
+    """Trainer(precision="bf16") on cuda(0), held to the bar tests/numeric/test_mixed_precision.py
+    holds the CPU run to: as close to PyTorch's float32 run as PyTorch's own bf16 autocast is,
+    within the same factor (3.0; the calibration is explained there)."""
+    import torch
+
+    module, x, y = make(name, 8)
+    trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
+                               optimizer=raf_optimizer("adamw"), precision="bf16", device="cuda")
+    losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(5)]
+    params = trainer.state_dict()
+    fp32_losses, fp32_params = torch_reference(name, "adamw", 8, 5)
+    amp_losses, amp_params = torch_reference(name, "adamw", 8, 5, autocast=torch.bfloat16)
+
+    def distance(run_losses, run_params):
+        return max([rel_err(run_losses, fp32_losses)]
+                   + [rel_err(run_params[k], fp32_params[k]) for k in fp32_params])
+
+    ours, theirs = distance(losses, params), distance(amp_losses, amp_params)
+    print(f"{name} on GPU: raf_dist bf16 {ours:.2e}, torch autocast {theirs:.2e} from float32")
+    assert 0 < ours <= 3.0 * theirs, (ours, theirs)
