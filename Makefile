@@ -37,8 +37,13 @@ $(STAMP): setup.py pyproject.toml $(NATIVE)
 demo: install
 	$(MPIRUN) -np $(NP) $(PY) scripts/distributed/dist_example.py
 
+# the single-process tiers on JOBS workers (pytest-xdist; their tests share the session's
+# build cache), then the multi-process tiers one test at a time (each mpiexec job already uses
+# every core)
+JOBS      ?= 2
 test: install typecheck
-	$(PY) -m pytest -q --durations=40 tests
+	$(PY) -m pytest -q -n $(JOBS) --durations=20 tests/unit tests/passes tests/numeric
+	$(PY) -m pytest -q --durations=30 tests/distributed tests/gpu
 
 test-faults: install  # the whole fault-injection matrix (~10 min on 2 cores)
 	$(PY) -m pytest -q -m faults tests/distributed/test_faults.py

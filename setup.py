@@ -62,7 +62,7 @@ setup(
         # transformers / torchvision: third-party models for the tests only (raf_dist never
         # imports them); torchvision 0.28.0 is the release built against torch 2.13.0
         # mypy / import-linter: `make typecheck` and the layer contracts of pyproject.toml
-        "test": ["pytest>=8", "pytest-timeout", "scikit-learn", "safetensors", "tqdm", "matplotlib",
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist==3.8.0", "scikit-learn", "safetensors", "tqdm", "matplotlib",
                  "transformers==5.23.0", "torchvision==0.28.0", "mypy==2.4.1",
                  "import-linter==2.16"],
         "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12>=2.18", "nvidia-ml-py"],

@@ -7,7 +7,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/mpi_launch.py, tests/models.py
 
-# Compiled steps are cached per test session (never in the user's cache); subprocesses inherit it.
+# Compiled steps are cached per test session (never in the user's cache); subprocesses inherit it,
+# pytest-xdist's workers too (the controller sets it before it starts them).
 os.environ.setdefault("RAF_DIST_CACHE_DIR", tempfile.mkdtemp(prefix="raf_dist_test_cache_"))
 
 

@@ -11,21 +11,26 @@ from mpi_launch import assert_ranks_ok, check_mpi
 @pytest.mark.parametrize("model,optimizer,tp,zero,ranks,extra", [
     # column -> row pair, SGD with momentum; dp 2 x tp 2 with 3 microbatches of 2 + 1 + 1 rows
     # (gradient accumulation: the dp allreduce once per step)
-    ("mlp", "sgd_momentum", 2, 0, 4, ("--microbatches", 3)),
+    # (selective recomputation of activations: passes/remat.py)
+    ("mlp", "sgd_momentum", 2, 0, 4, ("--microbatches", 3, "--recompute", "selective")),
     ("transformer4", "adamw", 4, 0, 4, ()),          # heads over 4 ranks, vocab-parallel head
-    ("transformer4", "sgd_momentum", 2, 3, 4, ()),   # dp 2 x tp 2, ZeRO-3 over dp
+    # dp 2 x tp 2, ZeRO-3 over dp, full recomputation
+    ("transformer4", "sgd_momentum", 2, 3, 4, ("--recompute", "full")),
     # fused qkv, tied vocab-parallel embedding; a vocabulary of 37 (as GPT-2's 50257, odd):
     # padded to 38, the padded logits masked (divisible vocabularies: the cases above)
     ("hf_gpt2", "hf_adamw", 2, 0, 2, ("--vocab", 37)),
     # grouped-query attention, rotary, SwiGLU; an untied table (103 rows > the 64 ids a step
     # looks up: split) and head, each padded to 104
     ("hf_llama", "hf_adamw", 2, 0, 2, ("--vocab", 103)),
-], ids=["mlp-dp2xtp2-microbatches", "transformer-tp4", "transformer-dp2xtp2-zero3",
+], ids=["mlp-dp2xtp2-microbatches-selective", "transformer-tp4",
+        "transformer-dp2xtp2-zero3-full",
         "gpt2-tp2-vocab37", "llama-tp2-vocab103"])
 def test_tensor_parallel_equals_one_process(model, optimizer, tp, zero, ranks, extra):
     out = check_mpi("tp_train.py", ranks, model, optimizer, tp, zero, 3, *extra, timeout=420)
     assert_ranks_ok(out, ranks, "TP OK")
     assert "colwise" in out and "rowwise" in out
+    if "--recompute" in extra:
+        assert "values recomputed" in out, out
     if "--vocab" in extra:  # tp_train.py checked shapes and values; the plan says it padded
         assert "the vocabulary of %s is padded" % extra[extra.index("--vocab") + 1] in out, out
 

@@ -35,8 +35,17 @@ class DistConfig:
             2; GPipe and 1F1B hold one stage per rank).
         pipeline_split_points: None (the partitioner balances the stages) or the module
             names where stages 1 .. S-1 start, e.g. ["layers.4"] (S - 1 names).
-        activation_checkpointing: pipeline stages keep only their input per microbatch and
-            run the forward again in backward. Default False.
+        activation_checkpointing: recompute activations in backward instead of keeping them
+            (passes/remat.py). False (default); True or "full": keep each block's input
+            (blocks end at residual joins) and recompute the rest of the block; "selective":
+            keep the outputs of matmuls and convolutions, recompute the cheap work between
+            them. Results are identical either way. Under pipelining, True / "full" make each
+            stage keep only its input per microbatch and run its forward again in backward.
+        activation_memory_budget_mb: None (default) or the MB the step's planned temporaries
+            (activations and workspace; not parameters, gradients held between steps or
+            optimizer state) may take: the compiler picks the least recomputation (none,
+            "selective", "full") whose planned peak fits, or the Trainer says at construction
+            the smallest peak it can reach. Replaces activation_checkpointing's choice.
 
     The failure-handling settings of the runtime (read once, when the process joins the job:
     set them before the first ``get_communicator()`` or Trainer; the
@@ -67,7 +76,8 @@ class DistConfig:
     pipeline_schedule: str = "1f1b"
     pipeline_stages_per_rank: int = 2
     pipeline_split_points: list[str] | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False
+    activation_memory_budget_mb: float | None = None
     collective_timeout_s: float = 600.0
     barrier_timeout_s: float = 3600.0
     check_collectives: bool = False
@@ -113,6 +123,24 @@ class DistConfig:
                 "pipeline_schedule='zero_bubble' is not built yet (it needs the backward split "
                 "into input and weight gradients); use 'interleaved_1f1b', '1f1b' or 'gpipe'")
 
+        if self.activation_memory_budget_mb is not None and self.pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                "activation_memory_budget_mb is not built for pipeline stages yet (the stages' "
+                "budgets would differ with the microbatches each holds): use "
+                "activation_checkpointing=True with pipeline_parallel_size > 1")
+        if self.activation_checkpointing == "selective" and self.pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                "activation_checkpointing='selective' is not built for pipeline stages yet "
+                "(a stage recomputes its whole forward): use True / 'full' with "
+                "pipeline_parallel_size > 1")
+
+    @property
+    def recompute(self) -> str | None:
+        """The recomputation policy activation_checkpointing asks for: None, "full" or
+        "selective"."""
+        value = self.activation_checkpointing
+        return "full" if value is True else (value or None)
+
     def reset(self) -> DistConfig:
         """Back to the defaults (tests use this between cases)."""
         for field in dataclasses.fields(self):
@@ -143,8 +171,19 @@ def _validate(name: str, value: Any) -> Any:
             forever = "" if name == "watchdog_grace_s" else ", or 0 to wait forever"
             raise ValueError(f"{name} must be a number of seconds{forever}, got {value!r}")
         return float(value)
+    if name == "activation_memory_budget_mb":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < float("inf")):
+            raise ValueError(f"activation_memory_budget_mb must be None or a number of MB > 0, "
+                             f"got {value!r}")
+        return None if value is None else float(value)
+    if name == "activation_checkpointing":
+        if not (isinstance(value, bool) or value in ("full", "selective")):
+            raise ValueError(f"activation_checkpointing must be False, True, 'full' or "
+                             f"'selective', got {value!r}")
+        return value
     if name in ("enable_data_parallel", "overlap_comm", "sync_batch_norm",
-                "activation_checkpointing", "check_collectives", "watchdog"):
+                "check_collectives", "watchdog"):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
         return value

@@ -52,6 +52,7 @@ def step_description(executor: Any) -> Dict[str, Any]:
         "optimizer_config": executor.optimizer.config(), "config": executor.config,
         "world_size": executor.world, "tensor_parallel_size": executor.tp,
         "precision": executor.precision, "grad_reduce_dtype": executor.grad_reduce_dtype,
+        "recompute": getattr(executor, "recompute", None),
         "versions": [__version__, tvm.__version__]}
 
 

@@ -37,7 +37,8 @@ class RunPlan:
     schedule: str
     stages_per_rank: int
     split_points: Optional[Tuple[Any, ...]]
-    activation_checkpointing: bool
+    activation_checkpointing: Optional[str]  # the recomputation policy: None, full, selective
+    activation_memory_budget_mb: Optional[float]  # chooses the policy when set
 
     @property
     def sync_batch_norm_world(self) -> int:
@@ -71,7 +72,8 @@ def plan_run(config: Any, world_size: int, local: bool = False) -> RunPlan:
         stages_per_rank=(int(config.pipeline_stages_per_rank)
                          if schedule == "interleaved_1f1b" else 1),
         split_points=config.pipeline_split_points,
-        activation_checkpointing=bool(config.activation_checkpointing))
+        activation_checkpointing=config.recompute,
+        activation_memory_budget_mb=config.activation_memory_budget_mb)
 
 
 def build_mesh(plan: RunPlan, config: Any, world_size: int) -> ProcessMesh:

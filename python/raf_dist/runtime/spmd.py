@@ -19,6 +19,7 @@ from .. import checkpoint as ckpt
 from .. import device as device_lib
 from .. import profiler
 from ..compiler import compile_step
+from ..compiler.build import plan_memory
 from ..compiler.step_passes import forward_passes, nonfinite_guard, step_passes
 from ..distributed import collectives
 from ..distributed.communicator import raised_on_every_rank
@@ -128,6 +129,9 @@ class SPMDExecutor(LoopScalars):
         step_model = model
         if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
             step_model = decompose_forward(model, self.sync_batch_norm_world)
+        self.recompute = self.run_plan.activation_checkpointing
+        if self.run_plan.activation_memory_budget_mb is not None:
+            self.recompute = self._recompute_within_budget(step_model)
         self.ir, self.signature = build_train_step(step_model, self.loss, self.optimizer,
                                                    **self._step_options())
         batching.check_target_splits(self.signature.target_spec, model.batch_size,
@@ -137,13 +141,38 @@ class SPMDExecutor(LoopScalars):
         self._hyper_dtype = (self.signature.param_specs[0][1] if self.signature.param_specs
                              else "float32")
 
+    def _recompute_within_budget(self, step_model):
+        """The least recomputation (none, "selective", "full") whose planned step temporaries
+        fit activation_memory_budget_mb, planned with this rank's passes; a ValueError naming
+        the smallest reachable peak when none does (before any collective: every rank of an
+        SPMD job plans the same step)."""
+        budget = self.run_plan.activation_memory_budget_mb
+        peaks = {}
+        for policy in (None, "selective", "full"):
+            self.recompute = policy
+            ir, _ = build_train_step(step_model, self.loss, self.optimizer,
+                                     **self._step_options())
+            peaks[policy] = plan_memory(ir, self._passes(), self._target)
+            if peaks[policy] <= budget * 2**20:
+                _LOG.info("activation_memory_budget_mb=%g: recomputation %s (planned "
+                          "temporaries %.1f MB)", budget, policy or "none",
+                          peaks[policy] / 2**20)
+                return policy
+        best = min(peaks, key=lambda p: peaks[p])
+        raise ValueError(
+            f"activation_memory_budget_mb={budget:g}: the step's planned temporaries cannot "
+            f"fit; the smallest reachable is {peaks[best] / 2**20:.1f} MB (recomputation "
+            f"{best or 'none'}; none {peaks[None] / 2**20:.1f} MB). Raise the budget, lower "
+            "the batch per rank, or split the model further (tensor_parallel_size, ZeRO-3)")
+
     def _step_options(self):
         """build_train_step's arguments from the plan (every batch size's step alike)."""
         return dict(nonfinite_guard=self._nonfinite_guard(), loss_weight=self._weighted_loss,
                     tensor_parallel=self.tp > 1, compute_dtype=self.compute_dtype,
                     reduce_dtype=self._reduce_dtype, loss_scale=self._scaler is not None,
                     # under ZeRO the distribution pass clips the shards (_passes)
-                    clip=None if self._sharded_update() else self._clip)
+                    clip=None if self._sharded_update() else self._clip,
+                    recompute=self.recompute)
 
     def _sharded_update(self):
         """Whether ShardZeRO emits the update (ZeRO over data-parallel ranks)."""

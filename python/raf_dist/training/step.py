@@ -34,6 +34,7 @@ from ..passes import clipping
 from ..passes.auto_cast import auto_cast
 from ..passes.batch_norm import DecomposeBatchNorm, has_training_batch_norm
 from ..passes.pipeline import strip_stage_markers
+from ..passes.remat import rematerialize
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from . import nonfinite
 from .loss import build_loss
@@ -93,7 +94,8 @@ GRAD_UNSCALE = "grad_unscale"
 
 def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=None,
                      loss_weight=False, tensor_parallel=False, accumulate=None,
-                     compute_dtype=None, reduce_dtype=None, loss_scale=False, clip=None):
+                     compute_dtype=None, reduce_dtype=None, loss_scale=False, clip=None,
+                     recompute=None):
     """Return (IRModule with "train_step", TrainStepSignature).
 
     ``loss_weight``: the step takes a 0-d ``loss_weight`` argument right after the target that
@@ -120,7 +122,10 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
 
     ``clip`` (a passes.clipping.Clip over the trained parameters): the gradients the
     optimizer reads are clipped by their global L2 norm and the loss output becomes
-    [loss, norm]. Under ZeRO the distribution pass clips instead (give None here)."""
+    [loss, norm]. Under ZeRO the distribution pass clips instead (give None here).
+
+    ``recompute`` (None, ``"full"`` or ``"selective"``): the backward reads recomputed copies
+    of the forward values the policy does not keep (passes/remat.py)."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     if nonfinite_guard not in (None, "gradients", "gradients_and_loss"):
@@ -139,7 +144,9 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     n_all = len(model.param_names)
     n_params = len(trainable)
     trains = [name not in frozen for name in model.param_names]
-    adjoint = _adjoint(forward, loss_func, n_in, trains)
+    adjoint, n_forward = _adjoint(forward, loss_func, n_in, trains)
+    if recompute is not None:
+        adjoint = rematerialize(adjoint, n_forward, len(model.input_specs), recompute)
     adjoint_params = adjoint.params[n_in:n_in + n_all]  # the adjoint's own Var objects
     param_vars = [v for v, t in zip(adjoint_params, trains) if t]
     buffer_vars = list(adjoint.params[n_in + n_all:n_in + n_all + n_buffers])
@@ -246,13 +253,15 @@ def _training_forward(model, compute_dtype=None):
 
 def _adjoint(forward, loss_func, n_in, trains):
     """TVM's adjoint of ``loss_func(forward(...))``: gradients of the parameters whose
-    ``trains`` flag is set (never of the data, the frozen parameters or the buffers)."""
+    ``trains`` flag is set (never of the data, the frozen parameters or the buffers); and
+    how many of its leading bindings are the forward and the loss (the backward follows)."""
     mod = tvm.IRModule({tvm.ir.GlobalVar("main"): forward.with_attr("global_symbol", "main")})
     mod = relax.training.AppendLoss("main", loss_func, num_backbone_outputs=1)(mod)
     forward_params = mod["main_loss"].params[n_in:n_in + len(trains)]
     require = [v for v, t in zip(forward_params, trains) if t]
+    n_forward = sum(len(block.bindings) for block in mod["main_loss"].body.blocks)
     mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
-    return mod["main_loss_adjoint"]
+    return mod["main_loss_adjoint"], n_forward
 
 
 def _layout_attrs(accumulate, first, n_params, n_states, n_args, n_buffers):

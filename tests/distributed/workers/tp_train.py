@@ -2,7 +2,7 @@
 batch.
 
 Usage: tp_train.py MODEL OPTIMIZER TP ZERO STEPS [--save DIR] [--load DIR] [--microbatches M]
-                   [--vocab V]
+                   [--vocab V] [--recompute full|selective]
 World = dp x TP. Every rank passes the slice of the global batch of its data-parallel index;
 after STEPS steps losses, full parameters (state_dict) and optimizer state must equal a
 single-process run on the global batch (norm-relative <= 5e-5), and the bus bytes on the tp
@@ -16,7 +16,10 @@ reference then covers the loaded steps too. --save writes a checkpoint at the en
 --vocab V: the Hugging Face models (tests/hf.py) with a vocabulary of V; one TP does not
 divide is padded: the split parameters hold ceil(V / TP) rows each, predict() and
 state_dict() show V, a checkpoint holds V rows and loads back into zero-padded pieces.
+--recompute sets activation_checkpointing (passes/remat.py): the same results, and the same
+tp traffic (collectives are never recomputed).
 Prints 'rank R: TP OK'."""
+import re
 import sys
 
 import numpy as np
@@ -41,7 +44,8 @@ def main():
     config = dist.get_config()
     config.update({"tensor_parallel_size": tp, "enable_data_parallel": dp > 1 or zero > 0,
                    "zero_opt_level": zero,
-                   "num_microbatches": int(flags.get("--microbatches", 1))})
+                   "num_microbatches": int(flags.get("--microbatches", 1)),
+                   "activation_checkpointing": flags.get("--recompute", False)})
     mesh = dist.get_mesh()
     if "--vocab" in flags:  # the reference (models.make on rank 0) builds the same model
         import hf
@@ -57,6 +61,11 @@ def main():
     xs, ys = x[rows].numpy(), y[rows].numpy()
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x[rows],)),
                                optimizer=raf_optimizer(opt_name))
+    if "--recompute" in flags:  # the backward reads recomputed copies (named <value>_re)
+        copies = len(re.findall(r"\w_re: ", trainer.executor.ir.script()))
+        assert copies > 0, "nothing recomputed"
+        if comm.rank == 0:
+            print(f"{copies} values recomputed ({flags['--recompute']})")
     loaded = 0
     if "--load" in flags:
         trainer.load_checkpoint(flags["--load"])

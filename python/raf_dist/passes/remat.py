@@ -1,0 +1,159 @@
+"""Activation recomputation (rematerialization) inside the training step.
+
+TVM's Gradient pass writes the step as the forward's bindings followed by the backward's, and
+every forward value the backward reads stays alive from the forward to its last backward
+use: the activations are most of a step's planned memory. This pass rewrites the adjoint so
+that the backward reads *copies* of chosen forward values, recomputed from kept values right
+before their first backward use; the originals then die in the forward and the memory planner
+(StaticPlanBlockMemory, which sees the whole step) reuses their storage. What is kept:
+
+- ``"full"`` (Megatron's full recomputation, RAF's rematerialization with every block
+  recomputed): each block's input. A block ends at a *residual join* — a single-tensor cut of
+  the forward (exactly one data-dependent value crosses it) produced by an ``add`` of two
+  data-dependent values, the residual stream of transformers and ResNets; a model without one
+  (a chain of layers: every position is a cut) is cut into about sqrt(n) segments of its
+  n cut points (Chen et al. 2016). Values after the last block boundary (the head and the
+  loss, whose backward runs right after) are kept.
+- ``"selective"`` (Megatron's selective recomputation): the outputs of matmuls and
+  convolutions; the cheap work between them (elementwise, normalisation, softmax, casts,
+  reshapes) is recomputed.
+
+Under either, the outputs of collectives (tensor parallelism's allreduces, synchronized batch
+norm's) and of raf_dist's markers are kept: recomputing one would repeat its communication
+and change the traffic the tp plan accounts for. Values computed from the parameters alone (transposed or cast weights) are
+recomputed in the backward instead of being held through the step. Dropout masks are
+arguments of the step (frontend/dropout.py), and every recomputed op is a pure function of its
+operands, so the recomputed values are the originals' bits: losses and parameters are
+identical with and without recomputation (tests/numeric/test_remat.py).
+
+The pass runs on the adjoint, before the step's markers, distribution and lowering, so the
+collectives and memory planning of every layout see the recomputed step."""
+import math
+
+import tvm
+from tvm import relax
+
+from .gradient_markers import SubstituteVars
+
+POLICIES = ("full", "selective")
+#: ops whose outputs "selective" keeps: the ones that cost far more than the bytes they write
+KEEP_OUTPUTS = ("relax.matmul", "relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.conv3d",
+                "relax.nn.conv1d_transpose", "relax.nn.conv2d_transpose")
+
+
+#: ops never recomputed (module docstring): communication and raf_dist's markers
+NEVER_RECOMPUTED_PREFIXES = ("raf_dist.", "relax.ccl.")
+
+
+def _op_name(value):
+    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+        return value.op.name
+    return None
+
+
+def _free_vars(expr):
+    return list(relax.analysis.free_vars(expr))
+
+
+class _Forward:
+    """The adjoint's first ``n_forward`` bindings (the forward and the loss) read for
+    recomputation: which values depend on the data, and the single-tensor cuts."""
+
+    def __init__(self, bindings, data_params):
+        self.bindings = bindings
+        self.index = {b.var: i for i, b in enumerate(bindings)}
+        self.reads = [_free_vars(b.value) for b in bindings]
+        data = set(data_params)
+        for b, reads in zip(bindings, self.reads):
+            if any(v in data for v in reads):
+                data.add(b.var)
+        self.data = data
+
+    def cuts(self, output):
+        """Positions p (binding p starts a new segment) where exactly one data-dependent
+        value defined before p is read at or after p (by the forward or its ``output``),
+        with that value."""
+        last = {}
+        for i, reads in enumerate(self.reads):
+            for v in reads:
+                last[v] = i
+        for v in _free_vars(output):
+            last[v] = len(self.bindings)
+        live, cuts = set(), []
+        for p in range(1, len(self.bindings)):
+            var = self.bindings[p - 1].var
+            if var in self.data and last.get(var, -1) >= p:
+                live.add(var)
+            live = {v for v in live if last[v] >= p}
+            if len(live) == 1:
+                cuts.append((p, next(iter(live))))
+        return cuts
+
+    def is_residual_join(self, var):
+        value = self.bindings[self.index[var]].value
+        return (_op_name(value) == "relax.add"
+                and all(isinstance(a, relax.Var) and a in self.data for a in value.args))
+
+
+def _full_boundaries(fwd, output):
+    """The kept block inputs of ``"full"`` (module docstring): [(position, var)]."""
+    cuts = [(p, v) for p, v in fwd.cuts(output) if isinstance(v.ty, relax.TensorType)]
+    joins = [(p, v) for p, v in cuts if fwd.is_residual_join(v)]
+    if joins:
+        return joins
+    stride = max(1, round(math.sqrt(len(cuts))))
+    return cuts[stride - 1::stride]
+
+
+def rematerialize(adjoint, n_forward, n_data, policy):
+    """``adjoint`` (TVM's Gradient output, one dataflow block: ``n_forward`` forward and loss
+    bindings, then the backward) with the backward reading recomputed copies of the forward
+    values ``policy`` does not keep. ``n_data``: the adjoint's leading data arguments (inputs;
+    the dropout masks and parameters after them are not data)."""
+    if policy not in POLICIES:
+        raise ValueError(f"recomputation policy must be one of {POLICIES}, got {policy!r}")
+    if len(adjoint.body.blocks) != 1:
+        raise ValueError("recomputation expects the adjoint as one dataflow block")
+    block = adjoint.body.blocks[0]
+    bindings = list(block.bindings)
+    fwd = _Forward(bindings[:n_forward], adjoint.params[:n_data])
+    forward_vars = set(fwd.index)
+    if policy == "full":
+        # the model's output: the value the loss bindings start from (the last cut before
+        # the loss is the latest boundary a block can end at)
+        boundaries = _full_boundaries(fwd, relax.Tuple([b.var for b in bindings[n_forward:]]))
+        last = boundaries[-1][0] if boundaries else 0
+        kept = {v for _, v in boundaries}
+        kept |= {b.var for b in bindings[last:n_forward]}  # the head and the loss
+    else:
+        kept = {b.var for b in bindings[:n_forward] if _op_name(b.value) in KEEP_OUTPUTS}
+    kept |= {b.var for b in bindings[:n_forward]
+             if (_op_name(b.value) or "").startswith(NEVER_RECOMPUTED_PREFIXES)}
+
+    new_bindings = list(bindings[:n_forward])
+    copies = {}
+
+    def copy_of(var):
+        """The recomputed copy of forward ``var`` (emitting it and what it needs first)."""
+        if var in copies:
+            return copies[var]
+        producer = bindings[fwd.index[var]]
+        mapping = {v: copy_of(v) for v in fwd.reads[fwd.index[var]] if needs_copy(v)}
+        value = SubstituteVars(mapping).visit_expr(producer.value) if mapping else producer.value
+        new = relax.DataflowVar(f"{var.name}_re", var.ty)
+        new_bindings.append(relax.VarBinding(new, value))
+        copies[var] = new
+        return new
+
+    def needs_copy(var):
+        return var in forward_vars and var not in kept and isinstance(var, relax.DataflowVar)
+
+    for binding in bindings[n_forward:]:
+        mapping = {v: copy_of(v) for v in _free_vars(binding.value) if needs_copy(v)}
+        if mapping:
+            binding = relax.VarBinding(binding.var,
+                                       SubstituteVars(mapping).visit_expr(binding.value))
+        new_bindings.append(binding)
+    body = relax.SeqExpr([relax.DataflowBlock(new_bindings)], adjoint.body.body)
+    func = relax.Function(adjoint.params, body, adjoint.ret_ty, adjoint.is_pure, adjoint.attrs)
+    return relax.BlockBuilder().normalize(func)  # the new sequence's types
