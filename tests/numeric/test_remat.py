@@ -39,8 +39,13 @@ def _distance(losses, params, ref_losses, ref_params):
                + [rel_err(params[k], ref_params[k]) for k in ref_params])
 
 
-@pytest.mark.parametrize("name, batch", [("transformer", 8), ("cnn", 32)])
-def test_float32_recomputation_is_bit_for_bit(dist_config, name, batch):
+# the transformer: blocks at residual joins; the CNN: no join, ~sqrt(n) segments; the
+# residual CNN with batch norm: a join, and running statistics that leave the function (they
+# must not hide the cuts). Its peak is not asserted: on a model this small the recomputed
+# normalisations live at the backward's peak (selective 202 KB, full 176 KB, none 176 KB)
+@pytest.mark.parametrize("name, batch, falls", [("transformer", 8, True), ("cnn", 32, True),
+                                                ("bn_cnn", 32, False)])
+def test_float32_recomputation_is_bit_for_bit(dist_config, name, batch, falls):
     losses, params, plain = _train(name, False, "fp32", 1, batch)
     peaks = {False: plain.stats()["planned_peak_bytes"]}
     for policy in ("selective", "full"):
@@ -48,9 +53,11 @@ def test_float32_recomputation_is_bit_for_bit(dist_config, name, batch):
         assert got_losses == losses, (policy, got_losses, losses)
         for key, value in params.items():
             np.testing.assert_array_equal(got_params[key], value, err_msg=f"{policy}: {key}")
+        for key, value in plain.buffers_dict().items():  # running statistics
+            np.testing.assert_array_equal(trainer.buffers_dict()[key], value, err_msg=key)
         assert "_re: " in trainer.executor.ir.script(), f"{policy}: nothing recomputed"
         peaks[policy] = trainer.stats()["planned_peak_bytes"]
-        assert peaks[policy] < peaks[False], policy
+        assert peaks[policy] < peaks[False] or not falls, policy
     if name == "transformer":
         _check_budget(dist_config, peaks, losses)
 
@@ -75,7 +82,10 @@ def test_bad_values_are_refused(dist_config):
     dist_config.update({"activation_checkpointing": False, "activation_memory_budget_mb": 64})
     with pytest.raises(NotImplementedError, match="activation_memory_budget_mb is not built"):
         dist_config.check_supported()
-    dist_config.update({"pipeline_parallel_size": 1})
+    dist_config.update({"pipeline_parallel_size": 1, "num_microbatches": 2})
+    with pytest.raises(NotImplementedError, match="with num_microbatches > 1 is not built"):
+        dist_config.check_supported()
+    dist_config.update({"num_microbatches": 1})
     for bad in (0, -1.0, True, "64"):
         with pytest.raises(ValueError, match="None or a number of MB > 0"):
             dist_config.activation_memory_budget_mb = bad

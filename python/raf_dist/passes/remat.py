@@ -28,6 +28,7 @@ identical with and without recomputation (tests/numeric/test_remat.py).
 
 The pass runs on the adjoint, before the step's markers, distribution and lowering, so the
 collectives and memory planning of every layout see the recomputed step."""
+import logging
 import math
 
 import tvm
@@ -41,6 +42,7 @@ KEEP_OUTPUTS = ("relax.matmul", "relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.
                 "relax.nn.conv1d_transpose", "relax.nn.conv2d_transpose")
 
 
+_LOG = logging.getLogger("raf_dist")
 #: ops never recomputed (module docstring): communication and raf_dist's markers
 NEVER_RECOMPUTED_PREFIXES = ("raf_dist.", "relax.ccl.")
 
@@ -69,20 +71,32 @@ class _Forward:
                 data.add(b.var)
         self.data = data
 
-    def cuts(self, output):
+    def ancestors(self, var):
+        """``var`` and every forward value it is computed from."""
+        seen, todo = set(), [var]
+        while todo:
+            v = todo.pop()
+            if v in seen or v not in self.index:
+                continue
+            seen.add(v)
+            todo.extend(self.reads[self.index[v]])
+        return seen
+
+    def cuts(self, loss):
         """Positions p (binding p starts a new segment) where exactly one data-dependent
-        value defined before p is read at or after p (by the forward or its ``output``),
-        with that value."""
+        value on the way to ``loss`` defined before p is read at or after p, with that value.
+        Values off that way (batch norm's new running statistics, which only leave the
+        function) do not count: they would stay live from the first normalisation to the
+        end and leave no cut."""
+        on_the_way = self.ancestors(loss)
         last = {}
         for i, reads in enumerate(self.reads):
             for v in reads:
                 last[v] = i
-        for v in _free_vars(output):
-            last[v] = len(self.bindings)
         live, cuts = set(), []
         for p in range(1, len(self.bindings)):
             var = self.bindings[p - 1].var
-            if var in self.data and last.get(var, -1) >= p:
+            if var in self.data and var in on_the_way and last.get(var, -1) >= p:
                 live.add(var)
             live = {v for v in live if last[v] >= p}
             if len(live) == 1:
@@ -95,14 +109,30 @@ class _Forward:
                 and all(isinstance(a, relax.Var) and a in self.data for a in value.args))
 
 
-def _full_boundaries(fwd, output):
+def _full_boundaries(fwd, loss):
     """The kept block inputs of ``"full"`` (module docstring): [(position, var)]."""
-    cuts = [(p, v) for p, v in fwd.cuts(output) if isinstance(v.ty, relax.TensorType)]
+    cuts = [(p, v) for p, v in fwd.cuts(loss) if isinstance(v.ty, relax.TensorType)]
     joins = [(p, v) for p, v in cuts if fwd.is_residual_join(v)]
     if joins:
         return joins
     stride = max(1, round(math.sqrt(len(cuts))))
     return cuts[stride - 1::stride]
+
+
+def _loss_var(adjoint):
+    """The forward's loss value in the adjoint, which returns (loss, grads) or ((loss, *new
+    buffers), grads)."""
+    bound = {b.var: b.value for b in adjoint.body.blocks[0].bindings}
+
+    def resolve(expr):
+        while isinstance(expr, relax.Var) and isinstance(bound.get(expr), (relax.Var,
+                                                                           relax.Tuple)):
+            expr = bound[expr]
+        return expr
+
+    loss = resolve(adjoint.body.body).fields[0]
+    outputs = resolve(loss)
+    return outputs.fields[0] if isinstance(outputs, relax.Tuple) else loss
 
 
 def rematerialize(adjoint, n_forward, n_data, policy):
@@ -119,9 +149,7 @@ def rematerialize(adjoint, n_forward, n_data, policy):
     fwd = _Forward(bindings[:n_forward], adjoint.params[:n_data])
     forward_vars = set(fwd.index)
     if policy == "full":
-        # the model's output: the value the loss bindings start from (the last cut before
-        # the loss is the latest boundary a block can end at)
-        boundaries = _full_boundaries(fwd, relax.Tuple([b.var for b in bindings[n_forward:]]))
+        boundaries = _full_boundaries(fwd, _loss_var(adjoint))
         last = boundaries[-1][0] if boundaries else 0
         kept = {v for _, v in boundaries}
         kept |= {b.var for b in bindings[last:n_forward]}  # the head and the loss
@@ -154,6 +182,10 @@ def rematerialize(adjoint, n_forward, n_data, policy):
             binding = relax.VarBinding(binding.var,
                                        SubstituteVars(mapping).visit_expr(binding.value))
         new_bindings.append(binding)
+    if not copies:
+        _LOG.warning("activation_checkpointing=%r recomputed nothing: %s", policy,
+                     "the forward has no single-tensor cut to end a block at" if policy == "full"
+                     else "the backward reads only values the policy keeps")
     body = relax.SeqExpr([relax.DataflowBlock(new_bindings)], adjoint.body.body)
     func = relax.Function(adjoint.params, body, adjoint.ret_ty, adjoint.is_pure, adjoint.attrs)
     return relax.BlockBuilder().normalize(func)  # the new sequence's types
