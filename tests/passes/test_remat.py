@@ -24,7 +24,8 @@ def _adjoint():
             mm2 = bb.emit(relax.op.matmul(join1, w2), "mm2")
             act2 = bb.emit(relax.op.tanh(mm2), "act2")
             join2 = bb.emit(relax.op.add(act2, join1), "join2")
-            loss = bb.emit_output(relax.op.sum(bb.emit(relax.op.multiply(join2, join2), "sq")))
+            loss = bb.emit_output(relax.op.sum(bb.emit(relax.op.multiply(join2, join2), "sq")),
+                                  "loss")
         bb.emit_func_output(loss)
     mod = bb.get()
     forward = mod["main"]
@@ -67,8 +68,8 @@ def test_without_recomputation_the_backward_reads_the_activations():
                                    "join1": "relax.add", "join2": "relax.add"}),
 ])
 def test_the_backward_reads_only_what_the_policy_keeps(policy, kept, recomputed):
-    adjoint, n_forward, _ = _adjoint()
-    after = rematerialize(adjoint, n_forward, 1, policy)
+    adjoint, n_forward, names = _adjoint()
+    after = rematerialize(adjoint, n_forward, 1, policy, names["loss"])
     # the forward is untouched
     tvm.ir.assert_structural_equal(
         relax.DataflowBlock(list(after.body.blocks[0].bindings[:n_forward])),
@@ -80,8 +81,8 @@ def test_the_backward_reads_only_what_the_policy_keeps(policy, kept, recomputed)
 
 
 def test_a_copy_is_made_once_right_before_its_first_backward_use():
-    adjoint, n_forward, _ = _adjoint()
-    after = rematerialize(adjoint, n_forward, 1, "full")
+    adjoint, n_forward, names = _adjoint()
+    after = rematerialize(adjoint, n_forward, 1, "full", names["loss"])
     bindings = list(after.body.blocks[0].bindings)
     position = {b.var.name: i for i, b in enumerate(bindings)}
     names = [b.var.name for b in bindings]
@@ -93,6 +94,6 @@ def test_a_copy_is_made_once_right_before_its_first_backward_use():
 
 
 def test_unknown_policy_is_refused():
-    adjoint, n_forward, _ = _adjoint()
+    adjoint, n_forward, names = _adjoint()
     with pytest.raises(ValueError, match="'full', 'selective'"):
-        rematerialize(adjoint, n_forward, 1, "everything")
+        rematerialize(adjoint, n_forward, 1, "everything", names["loss"])

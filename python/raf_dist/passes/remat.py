@@ -119,27 +119,12 @@ def _full_boundaries(fwd, loss):
     return cuts[stride - 1::stride]
 
 
-def _loss_var(adjoint):
-    """The forward's loss value in the adjoint, which returns (loss, grads) or ((loss, *new
-    buffers), grads)."""
-    bound = {b.var: b.value for b in adjoint.body.blocks[0].bindings}
-
-    def resolve(expr):
-        while isinstance(expr, relax.Var) and isinstance(bound.get(expr), (relax.Var,
-                                                                           relax.Tuple)):
-            expr = bound[expr]
-        return expr
-
-    loss = resolve(adjoint.body.body).fields[0]
-    outputs = resolve(loss)
-    return outputs.fields[0] if isinstance(outputs, relax.Tuple) else loss
-
-
-def rematerialize(adjoint, n_forward, n_data, policy):
+def rematerialize(adjoint, n_forward, n_data, policy, loss):
     """``adjoint`` (TVM's Gradient output, one dataflow block: ``n_forward`` forward and loss
     bindings, then the backward) with the backward reading recomputed copies of the forward
     values ``policy`` does not keep. ``n_data``: the adjoint's leading data arguments (inputs;
-    the dropout masks and parameters after them are not data)."""
+    the dropout masks and parameters after them are not data); ``loss``: the forward's loss
+    value (the blocks of "full" lie on the way to it)."""
     if policy not in POLICIES:
         raise ValueError(f"recomputation policy must be one of {POLICIES}, got {policy!r}")
     if len(adjoint.body.blocks) != 1:
@@ -149,7 +134,7 @@ def rematerialize(adjoint, n_forward, n_data, policy):
     fwd = _Forward(bindings[:n_forward], adjoint.params[:n_data])
     forward_vars = set(fwd.index)
     if policy == "full":
-        boundaries = _full_boundaries(fwd, _loss_var(adjoint))
+        boundaries = _full_boundaries(fwd, loss)
         last = boundaries[-1][0] if boundaries else 0
         kept = {v for _, v in boundaries}
         kept |= {b.var for b in bindings[last:n_forward]}  # the head and the loss

@@ -129,11 +129,13 @@ class SPMDExecutor(LoopScalars):
         step_model = model
         if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
             step_model = decompose_forward(model, self.sync_batch_norm_world)
-        self.recompute = self.run_plan.activation_checkpointing
         if self.run_plan.activation_memory_budget_mb is not None:
-            self.recompute = self._recompute_within_budget(step_model)
-        self.ir, self.signature = build_train_step(step_model, self.loss, self.optimizer,
-                                                   **self._step_options())
+            self.recompute, (self.ir, self.signature) = self._recompute_within_budget(
+                step_model)
+        else:
+            self.recompute = self.run_plan.activation_checkpointing
+            self.ir, self.signature = build_train_step(step_model, self.loss, self.optimizer,
+                                                       **self._step_options(self.recompute))
         batching.check_target_splits(self.signature.target_spec, model.batch_size,
                                      self.microbatches, model.source)
         # for the target check: the model's classes (all of them under tensor parallelism)
@@ -142,22 +144,21 @@ class SPMDExecutor(LoopScalars):
                              else "float32")
 
     def _recompute_within_budget(self, step_model):
-        """The least recomputation (none, "selective", "full") whose planned step temporaries
-        fit activation_memory_budget_mb, planned with this rank's passes; a ValueError naming
-        the smallest reachable peak when none does (before any collective: every rank of an
-        SPMD job plans the same step)."""
+        """(policy, (step IR, signature)): the least recomputation (none, "selective", "full")
+        whose planned step temporaries fit activation_memory_budget_mb, planned with this
+        rank's passes, and its step; a ValueError naming the smallest reachable peak when
+        none does (before any collective: every rank of an SPMD job plans the same step)."""
         budget = self.run_plan.activation_memory_budget_mb
         peaks = {}
         for policy in (None, "selective", "full"):
-            self.recompute = policy
-            ir, _ = build_train_step(step_model, self.loss, self.optimizer,
-                                     **self._step_options())
-            peaks[policy] = plan_memory(ir, self._passes(), self._target)
+            built = build_train_step(step_model, self.loss, self.optimizer,
+                                     **self._step_options(policy))
+            peaks[policy] = plan_memory(built[0], self._passes(), self._target)
             if peaks[policy] <= budget * 2**20:
                 _LOG.info("activation_memory_budget_mb=%g: recomputation %s (planned "
                           "temporaries %.1f MB)", budget, policy or "none",
                           peaks[policy] / 2**20)
-                return policy
+                return policy, built
         best = min(peaks, key=lambda p: peaks[p])
         raise ValueError(
             f"activation_memory_budget_mb={budget:g}: the step's planned temporaries cannot "
@@ -165,14 +166,15 @@ class SPMDExecutor(LoopScalars):
             f"{best or 'none'}; none {peaks[None] / 2**20:.1f} MB). Raise the budget, lower "
             "the batch per rank, or split the model further (tensor_parallel_size, ZeRO-3)")
 
-    def _step_options(self):
-        """build_train_step's arguments from the plan (every batch size's step alike)."""
+    def _step_options(self, recompute):
+        """build_train_step's arguments from the plan (every batch size's step alike), with
+        the recomputation policy ``recompute``."""
         return dict(nonfinite_guard=self._nonfinite_guard(), loss_weight=self._weighted_loss,
                     tensor_parallel=self.tp > 1, compute_dtype=self.compute_dtype,
                     reduce_dtype=self._reduce_dtype, loss_scale=self._scaler is not None,
                     # under ZeRO the distribution pass clips the shards (_passes)
                     clip=None if self._sharded_update() else self._clip,
-                    recompute=self.recompute)
+                    recompute=recompute)
 
     def _sharded_update(self):
         """Whether ShardZeRO emits the update (ZeRO over data-parallel ranks)."""
@@ -574,7 +576,7 @@ class SPMDExecutor(LoopScalars):
         if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
             step_model = decompose_forward(model, self.sync_batch_norm_world)
         ir, signature = build_train_step(step_model, self.loss, self.optimizer,
-                                         accumulate=kind, **self._step_options())
+                                         accumulate=kind, **self._step_options(self.recompute))
         batching.check_same_state(self.signature, signature, rows)
         if (self.data_parallel and kind != "partial"
                 and gradient_buckets(ir, self.bucket_bytes) != self.grad_buckets):

@@ -145,8 +145,11 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     n_params = len(trainable)
     trains = [name not in frozen for name in model.param_names]
     adjoint, n_forward = _adjoint(forward, loss_func, n_in, trains)
+    # recomputation rewrites only the backward's binding values: these stay the adjoint's
+    loss_value, grads, new_buffers = _loss_and_grads(adjoint)
     if recompute is not None:
-        adjoint = rematerialize(adjoint, n_forward, len(model.input_specs), recompute)
+        adjoint = rematerialize(adjoint, n_forward, len(model.input_specs), recompute,
+                                loss_value)
     adjoint_params = adjoint.params[n_in:n_in + n_all]  # the adjoint's own Var objects
     param_vars = [v for v, t in zip(adjoint_params, trains) if t]
     buffer_vars = list(adjoint.params[n_in + n_all:n_in + n_all + n_buffers])
@@ -175,7 +178,6 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     else:
         params = (inputs + targets + param_vars + state_vars + list(hyper_vars.values())
                   + buffer_vars)
-    loss_value, grads, new_buffers = _loss_and_grads(adjoint)
     # Gradient ends with `p_adjoint_out = p_adjoint` aliases in parameter order: follow them
     # to the binding backward really produces, so each marker sits where its gradient is made.
     value = {b.var: b.value for block in adjoint.body.blocks for b in block.bindings}
