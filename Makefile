@@ -18,10 +18,10 @@ TYPED     := python/raf_dist/data.py python/raf_dist/device.py python/raf_dist/m
              python/raf_dist/passes/zero.py python/raf_dist/passes/zero_plan.py \
              python/raf_dist/runtime/mixed_precision.py python/raf_dist/runtime/loss_scale.py \
              python/raf_dist/runtime/loop.py python/raf_dist/runtime/metrics.py \
-             python/raf_dist/passes/clipping.py
+             python/raf_dist/passes/clipping.py python/raf_dist/process_memory.py
 NATIVE    := $(wildcard src/*/*.cc src/*/*.h cmake/modules/*.cmake) CMakeLists.txt config.cmake
 
-.PHONY: install demo test test-fast typecheck bench clean
+.PHONY: install demo test test-fast test-faults test-slow typecheck bench clean
 
 install: $(STAMP)
 
@@ -47,6 +47,9 @@ test: install typecheck
 
 test-faults: install  # the whole fault-injection matrix (~10 min on 2 cores)
 	$(PY) -m pytest -q -m faults tests/distributed/test_faults.py
+
+test-slow: install  # checkpoint resharding across pp / tp layouts and the like (~5 min)
+	$(PY) -m pytest -q -m slow tests/distributed
 
 test-fast: install
 	$(PY) -m pytest -q -x tests/unit tests/passes tests/numeric

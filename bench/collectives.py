@@ -7,8 +7,9 @@ pre-wrapped tensors), so the figure includes its validation, the hand-off to the
 communication thread and the wait; mpi4py calls MPI directly, in a job that never imports
 raf_dist. Each side is its own `mpiexec -n N` job (bench/harness.py), the sides alternating for
 ``--rounds`` rounds; within a job each measurement sits between barriers (slowest rank) and the
-median is kept. Bus bytes follow nccl-tests: allreduce 2(N-1)/N*S, reduce_scatter and
-allgather (N-1)/N*S, S = the full buffer.
+median is kept. Bus bytes follow nccl-tests: allreduce 2(N-1)/N*S, reduce_scatter,
+allgather and alltoall (N-1)/N*S, S = the full buffer. ``alltoallv`` is the same exchange
+given per-rank counts and offsets (MPI_Alltoallv on both sides).
 """
 import argparse
 import statistics
@@ -22,7 +23,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-KINDS = ("allreduce", "reduce_scatter", "allgather")
+KINDS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "alltoallv")
 
 
 def bus_bytes(kind, n, count):
@@ -34,10 +35,17 @@ def make_calls(side, comm, count):
     n = comm.size
     full, out_full = np.ones(count, np.float32), np.empty(count, np.float32)
     part, out_part = np.ones(count // n, np.float32), np.empty(count // n, np.float32)
+    splits = np.full(n, count // n, np.int64)  # alltoall: N equal blocks of the buffer
+    displs = np.arange(n, dtype=np.int64) * (count // n)
+    blocks, out_blocks = full[:count // n * n], out_full[:count // n * n]
     if side == "mpi4py":
+        spec = [splits.astype(np.int32), displs.astype(np.int32)]
         return {"allreduce": lambda: comm.Allreduce(full, out_full, op=MPI.SUM),
                 "reduce_scatter": lambda: comm.Reduce_scatter_block(full, out_part, op=MPI.SUM),
-                "allgather": lambda: comm.Allgather(part, out_full)}
+                "allgather": lambda: comm.Allgather(part, out_full),
+                "alltoall": lambda: comm.Alltoall(blocks, out_blocks),
+                "alltoallv": lambda: comm.Alltoallv([blocks, *spec, MPI.FLOAT],
+                                                    [out_blocks, *spec, MPI.FLOAT])}
     import tvm_ffi
 
     from raf_dist import _native
@@ -45,7 +53,10 @@ def make_calls(side, comm, count):
     t, g = tvm_ffi.from_dlpack, dist.get_communicator().group
     calls = {"allreduce": (_native.func("allreduce"), (t(full), "sum", g, t(out_full))),
              "reduce_scatter": (_native.func("reduce_scatter"), (t(full), "sum", g, t(out_part))),
-             "allgather": (_native.func("allgather"), (t(part), g, t(out_full)))}
+             "allgather": (_native.func("allgather"), (t(part), g, t(out_full))),
+             "alltoall": (_native.func("alltoall"), (t(blocks), g, t(out_blocks))),
+             "alltoallv": (_native.func("alltoall"), (t(blocks), t(splits), t(splits), g,
+                                                      t(out_blocks)))}
     return {kind: (lambda f=f, a=a: f(*a)) for kind, (f, a) in calls.items()}
 
 

@@ -12,7 +12,14 @@ and its ratio to no recomputation (median of the per-round ratios [spread]), the
 temporaries (``stats()["planned_peak_bytes"]``) and their ratio, and the process's peak RSS
 (VmHWM) after the timed steps.
 
-    python bench/remat.py --side none|selective|full --model gpt
+    python bench/remat.py --budget-mb 600 [--model gemm_gpt]
+
+instead finds, for each policy, the largest batch (even) whose planned temporaries fit the
+budget (TVM's memory planner on the step, nothing run), then trains each policy at its batch
+alone and prints the batch against no recomputation's and the samples/s against its
+(issue #31's target: >= 2x the batch at >= 90% of the samples/s).
+
+    python bench/remat.py --side none|selective|full --model gpt [--batch B]
 """
 import argparse
 import statistics
@@ -34,18 +41,66 @@ def _peak_rss_bytes():
     return 0
 
 
-def raf_side(name, policy, steps, cache_dir):
+def make_at(name, batch=None):
+    """(module, x, y) of bench/mixed_precision.py's model ``name`` with ``batch`` rows
+    (default: its own batch)."""
+    module, x, y = make(name)
+    if batch is None or batch == len(x):
+        return module, x, y
+    import torch
+
+    gen = torch.Generator().manual_seed(2)
+    vocab = SHAPES[name][0]["vocab"]
+    return (module, torch.randint(0, vocab, (batch,) + tuple(x.shape[1:]), generator=gen),
+            torch.randint(0, vocab, (batch,) + tuple(y.shape[1:]), generator=gen))
+
+
+def planned_temporaries(name, policy, batch):
+    """The planned step temporaries of ``name`` at ``batch`` rows under ``policy`` (TVM's
+    memory planner on the step the Trainer would build on one process; nothing compiled)."""
+    import raf_dist
+    from raf_dist.compiler import plan_memory
+    from raf_dist.compiler.step_passes import nonfinite_guard, step_passes
+    from raf_dist.training import build_train_step
+
+    module, x, _ = make_at(name, batch)
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    mod, _ = build_train_step(model, "cross_entropy", raf_dist.optim.AdamW(lr=1e-3),
+                              nonfinite_guard=nonfinite_guard(0, 1),
+                              recompute=POLICIES[policy] or None)
+    return plan_memory(mod, step_passes(0, 1, 25 * 2**20))
+
+
+def largest_batch(name, policy, budget_bytes, start):
+    """The largest batch (a multiple of 2 from ``start``) whose planned temporaries fit."""
+    fits = {}
+
+    def fit(batch):
+        if batch not in fits:
+            fits[batch] = planned_temporaries(name, policy, batch) <= budget_bytes
+        return fits[batch]
+
+    low, high = 0, start
+    while fit(high):  # double until one does not fit
+        low, high = high, high * 2
+    while high - low > 2:  # then halve the gap (even batches)
+        mid = (low + high) // 2 // 2 * 2
+        low, high = (mid, high) if fit(mid) else (low, mid)
+    return low
+
+
+def raf_side(name, policy, steps, cache_dir, batch=None):
     import raf_dist
     from raf_dist import distributed as dist
 
     dist.get_config().activation_checkpointing = POLICIES[policy]
-    module, x, y = make(name)
+    module, x, y = make_at(name, batch)
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                optimizer=raf_dist.optim.AdamW(lr=1e-3), cache_dir=cache_dir)
     xn, yn = x.numpy(), y.numpy()
     ms = harness.median_ms(lambda: trainer.step(xn, yn), steps)
     return {"ms": ms, "planned_peak_bytes": trainer.stats()["planned_peak_bytes"],
-            "peak_rss_bytes": _peak_rss_bytes()}
+            "peak_rss_bytes": _peak_rss_bytes(), "rows": len(xn)}
 
 
 def main():
@@ -54,11 +109,18 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cores", type=int, default=None)
+    parser.add_argument("--budget-mb", type=float, default=None,
+                        help="instead: the largest batch each policy fits in this many MB of "
+                             "planned temporaries, and its samples/s")
     parser.add_argument("--side", choices=list(POLICIES), help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        return harness.report(raf_side(args.model, args.side, args.steps, args.cache_dir))
+        return harness.report(raf_side(args.model, args.side, args.steps, args.cache_dir,
+                                       args.batch))
+    if args.budget_mb is not None:
+        return batch_at_budget(args)
 
     names = list(SHAPES) if args.model == "all" else [args.model]
     cpu_set = harness.cores(args.cores)
@@ -80,6 +142,36 @@ def main():
                 print(f"{name:9s} {p:10s} {statistics.median(ms[p]):8.1f} "
                       f"{harness.format_ratio(ms[p], ms['none']):>21s} {temps / 2**20:9.1f} "
                       f"{temps / base:12.2f} {rss / 2**20:11.1f}")
+
+
+def batch_at_budget(args):
+    """For each model and policy: the largest batch whose planned temporaries fit
+    ``--budget-mb`` (planned, not run), then that batch trained alone for samples/s."""
+    names = list(SHAPES) if args.model == "all" else [args.model]
+    cpu_set = harness.cores(args.cores)
+    budget = args.budget_mb * 2**20
+    print(f"# raf_dist, float32, AdamW; {harness.machine()}; planned temporaries <= "
+          f"{args.budget_mb:g} MB; each side alone, {args.rounds} alternating rounds of "
+          f"{args.steps} steps")
+    print(f"{'model':9s} {'policy':10s} {'batch':>6s} {'x none':>7s} {'samples/s':>10s} "
+          f"{'samples/s x none [spread]':>26s}")
+    with tempfile.TemporaryDirectory() as cache_dir:
+        for name in names:
+            batches = {p: largest_batch(name, p, budget, SHAPES[name][1]) for p in POLICIES}
+            common = [sys.executable, __file__, "--model", name, "--steps", str(args.steps),
+                      "--cache-dir", cache_dir]
+            res = harness.alternate({p: common + ["--side", p, "--batch", str(batches[p])]
+                                     for p in POLICIES if batches[p]}, args.rounds, cpu_set)
+            rate = {p: [r["rows"] / r["ms"] * 1e3 for r in v] for p, v in res.items()}
+            for p in POLICIES:
+                if not batches[p]:
+                    print(f"{name:9s} {p:10s} {'-':>6s}  (no batch fits)")
+                    continue
+                ratio = (harness.format_ratio(rate[p], rate["none"]) if "none" in rate
+                         else "-")
+                print(f"{name:9s} {p:10s} {batches[p]:6d} "
+                      f"{batches[p] / max(batches['none'], 1):7.2f} "
+                      f"{statistics.median(rate[p]):10.1f} {ratio:>26s}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ import importlib
 from ._version import __version__  # noqa: E402,F401
 
 from . import distributed  # noqa: F401,E402
+from . import process_memory  # noqa: E402
+
+process_memory.watch_imports()  # the compiler's imports measured for stats() (process_memory.py)
 
 _LAZY = {"Trainer": ("trainer", "Trainer"), "Model": ("model", "Model"),
          "estimate_memory": ("tools.estimate_memory", "estimate_memory"),

@@ -74,7 +74,17 @@ class Model:
                              f"and cannot be captured again at {rows} rows (no frontend hook); "
                              f"pass batches of {self.batch_size} rows or capture it through "
                              "raf_dist.frontend.from_pytorch / from_relax_nn")
-        return self.respecialize(rows)
+        # the frontend's capture holds no values (frontend/pytorch.py captures a twin of the
+        # module whose parameters hold no memory): the parameters are this model's
+        return dataclasses.replace(self.respecialize(rows), init_params=self.init_params)
+
+    def without_values(self) -> Model:
+        """This model with its initial parameter values let go: each becomes a read-only
+        placeholder of its shape and dtype that holds no memory (``np.broadcast_to`` of one
+        zero). The executors keep this once their own tensors hold the parameters, so a
+        Trainer holds one copy of the weights (DESIGN.md section 1, "Memory")."""
+        return dataclasses.replace(self, init_params={n: value_placeholder(v)
+                                                      for n, v in self.init_params.items()})
 
     @property
     def forward(self) -> relax.Function:
@@ -96,3 +106,9 @@ class Model:
 
     def num_params(self) -> int:
         return int(sum(np.prod(v.shape) for v in self.init_params.values()))
+
+
+def value_placeholder(value: np.ndarray) -> np.ndarray:
+    """A read-only array of ``value``'s shape and dtype that holds no memory (every element
+    is one zero: stride 0)."""
+    return np.broadcast_to(np.zeros((), dtype=value.dtype), value.shape)

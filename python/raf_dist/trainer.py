@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import device as device_lib
-from . import env
+from . import env, process_memory
 from .distributed import get_communicator, get_config
 from .model import Model
 from .optim import Optimizer
@@ -113,6 +113,7 @@ class Trainer:
                                  precision=precision, grad_reduce_dtype=grad_reduce_dtype,
                                  lr_schedule=lr_schedule, log_every=log_every,
                                  max_grad_norm=max_grad_norm)
+        process_memory.return_free_heap()  # what compiling freed (the RSS stays the run's)
         if env.profile_dir() is not None:
             self.profile(env.profile_steps(), env.profile_dir())
 
@@ -168,9 +169,20 @@ class Trainer:
 
     def stats(self) -> Dict[str, Any]:
         """What this rank holds between steps (``param_bytes``, ``grad_bytes``,
-        ``optimizer_state_bytes``), the step's ``planned_peak_bytes`` and the bus bytes it
-        sent in the last step by collective kind (``comm_bytes_last_step``)."""
+        ``optimizer_state_bytes``), the step's ``planned_peak_bytes``, the process's
+        ``compiled_code_bytes`` and ``library_bytes`` (TVM and torch.export as loading them
+        grew the RSS: raf_dist.process_memory), their sum ``total_bytes`` (the predicted RSS
+        growth since ``import raf_dist``) and the bus bytes it sent in the last step by
+        collective kind (``comm_bytes_last_step``)."""
         return self.executor.stats()
+
+    def memory_report(self, file: Any = None) -> str:
+        """stats()'s memory as a table, beside the process's measured RSS growth since
+        ``import raf_dist``; printed to ``file`` (default stdout) and returned."""
+        text = process_memory.report(self.stats(), process_memory.rss_bytes(),
+                                     process_memory.baseline_rss())
+        print(text, file=file)
+        return text
 
     def save_checkpoint(self, path: Any, extra: Any = None, keep: int = 2) -> Any:
         """Write this rank's share of every parameter, optimizer state and buffer under

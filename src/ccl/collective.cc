@@ -30,6 +30,8 @@ const char* KindName(CollectiveKind kind) {
       return "recv";
     case CollectiveKind::kBarrier:
       return "barrier";
+    case CollectiveKind::kAllToAll:
+      return "alltoall";
     default:
       return "unknown";
   }

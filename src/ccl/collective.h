@@ -16,6 +16,11 @@
  *    above), then of t_2, and so on; an allgather of such a shard buffer writes every full
  *    tensor t_i in place. Each tensor is exchanged where it lives: no packed copy of the
  *    bucket exists on either side. One tensor is exactly the single-tensor form.
+ *  - alltoall: without splits, send and recv have the same element count S, a multiple of N;
+ *    block j (S / N elements) of send goes to rank j, and block j of recv comes from rank j.
+ *    With splits (alltoallv): send_splits[j] elements go to rank j, back to back in send, and
+ *    recv_splits[j] come from rank j, back to back in recv; rank i's send_splits[j] must equal
+ *    rank j's recv_splits[i] (checked under RAF_DIST_CHECK_COLLECTIVES). Not in place.
  */
 #ifndef RAF_DIST_CCL_COLLECTIVE_H_
 #define RAF_DIST_CCL_COLLECTIVE_H_
@@ -45,6 +50,7 @@ enum class CollectiveKind : int {
   kSend,
   kRecv,
   kBarrier,
+  kAllToAll,
   kNumKinds
 };
 const char* KindName(CollectiveKind kind);
@@ -80,6 +86,9 @@ struct CollectiveCall {
   // tensors (recv undefined); the counts above are then their total elements and the shards'
   std::vector<ffi::Tensor> parts;
   int peer = 0;            // root for broadcast, peer for send/recv
+  // alltoall: elements sent to / received from each rank (empty: equal blocks)
+  std::vector<int64_t> send_splits;
+  std::vector<int64_t> recv_splits;
 };
 
 /*! \brief Seconds a wait may block before raising; RAF_DIST_COLLECTIVE_TIMEOUT_S, 0 = none. */

@@ -29,8 +29,9 @@ Counters& GlobalCounters() {
 
 namespace {
 
-/*! \brief Bus bytes as nccl-tests defines them, so numbers compare with DESIGN.md section 3. */
-double BusBytes(const CollectiveCall& c, int n) {
+/*! \brief Bus bytes as nccl-tests defines them, so numbers compare with DESIGN.md section 3;
+ *         an uneven alltoall counts the bytes this rank sends to the others. */
+double BusBytes(const CollectiveCall& c, int n, int rank) {
   double esize = static_cast<double>(ElemSize(c.elem));
   double ratio = static_cast<double>(n - 1) / n;
   switch (c.kind) {
@@ -45,6 +46,12 @@ double BusBytes(const CollectiveCall& c, int n) {
       return c.recv_count * esize;
     case CollectiveKind::kSend:
       return c.send_count * esize;
+    case CollectiveKind::kAllToAll: {
+      if (c.send_splits.empty()) return ratio * c.send_count * esize;
+      int64_t out = 0;
+      for (int j = 0; j < n; ++j) out += j == rank ? 0 : c.send_splits[j];
+      return out * esize;
+    }
     default:
       return 0.0;
   }
@@ -57,7 +64,9 @@ std::string Describe(const int64_t* sig) {
   if (kind == CollectiveKind::kAllReduce || kind == CollectiveKind::kReduceScatter) {
     os << ReduceOpName(static_cast<ReduceOp>(sig[1])) << ", ";
   }
-  if (kind != CollectiveKind::kBarrier) {
+  if (kind != CollectiveKind::kBarrier && sig[3] < 0) {  // an uneven alltoall's counts differ
+    os << ElemTypeName(static_cast<ElemType>(sig[2])) << ", uneven splits, ";
+  } else if (kind != CollectiveKind::kBarrier) {
     os << ElemTypeName(static_cast<ElemType>(sig[2])) << ", send " << sig[3] << ", recv "
        << sig[4] << ", ";
   }
@@ -143,6 +152,9 @@ void Group::Validate(CollectiveCall* c) const {
             << " (one padded shard of the output per rank)";
       }
       break;
+    case CollectiveKind::kAllToAll:
+      ValidateAllToAll(*c);
+      break;
     default:
       break;
   }
@@ -156,6 +168,73 @@ void Group::Validate(CollectiveCall* c) const {
       c->peer == rank_) {
     TVM_FFI_THROW(ValueError) << name << ": rank " << rank_
                               << " cannot exchange a message with itself";
+  }
+}
+
+void Group::ValidateAllToAll(const CollectiveCall& c) const {
+  if (DataPtr(c.send) == DataPtr(c.recv)) {
+    TVM_FFI_THROW(ValueError) << "alltoall cannot run in place: give it an output buffer of "
+                                 "its own";
+  }
+  if (c.send_splits.empty() != c.recv_splits.empty()) {
+    TVM_FFI_THROW(ValueError) << "alltoall: give both send and receive splits, or neither";
+  }
+  if (c.send_splits.empty()) {
+    if (c.send_count != c.recv_count || c.send_count % size_ != 0) {
+      TVM_FFI_THROW(ValueError)
+          << "alltoall: input has " << c.send_count << " elements and output "
+          << c.recv_count << "; both must hold the same count, a multiple of the " << size_
+          << " ranks (one equal block per rank), or pass splits (alltoallv)";
+    }
+    return;
+  }
+  const std::vector<int64_t>* splits[2] = {&c.send_splits, &c.recv_splits};
+  const int64_t counts[2] = {c.send_count, c.recv_count};
+  const char* names[2] = {"send", "receive"};
+  for (int side = 0; side < 2; ++side) {
+    const std::vector<int64_t>& s = *splits[side];
+    if (static_cast<int>(s.size()) != size_) {
+      TVM_FFI_THROW(ValueError) << "alltoallv: " << s.size() << " " << names[side]
+                                << " splits for a group of " << size_
+                                << " ranks; give one count per rank";
+    }
+    int64_t total = 0;
+    for (int j = 0; j < size_; ++j) {
+      if (s[j] < 0) {
+        TVM_FFI_THROW(ValueError) << "alltoallv: " << names[side] << " split " << j << " is "
+                                  << s[j] << "; counts cannot be negative";
+      }
+      total += s[j];
+    }
+    if (total != counts[side]) {
+      TVM_FFI_THROW(ValueError) << "alltoallv: the " << names[side] << " splits sum to " << total
+                                << " elements but the " << (side ? "output" : "input")
+                                << " holds " << counts[side] << "; they must match";
+    }
+  }
+}
+
+void Group::CheckSplits(const CollectiveCall& c) {
+  // what every rank sends me must be what I expect from it: one alltoall of the splits, then
+  // every rank learns whether any rank saw a difference (so all raise, none hangs)
+  std::vector<int64_t> incoming(size_);
+  MPI_Alltoall(c.send_splits.data(), 1, MPI_INT64_T, incoming.data(), 1, MPI_INT64_T,
+               check_comm_);
+  std::ostringstream mine;
+  for (int j = 0; j < size_; ++j) {
+    if (incoming[j] != c.recv_splits[j]) {
+      mine << "\n  rank " << j << " sends " << incoming[j] << " elements to rank " << rank_
+           << ", which expects " << c.recv_splits[j];
+    }
+  }
+  int ok = mine.str().empty() ? 1 : 0, all_ok = 0;
+  MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, check_comm_);
+  if (!all_ok) {
+    TVM_FFI_THROW(RuntimeError)
+        << "collective mismatch detected by RAF_DIST_CHECK_COLLECTIVES (seen on rank " << rank_
+        << "): the alltoallv splits disagree"
+        << (ok ? std::string(" on another rank") : mine.str())
+        << "\nRank i's send split j must equal rank j's receive split i.";
   }
 }
 
@@ -204,6 +283,8 @@ void Group::CheckSignature(const CollectiveCall& c) {
                            static_cast<int64_t>(c.elem), c.send_count,
                            c.recv_count, sequence_};
   if (c.kind == CollectiveKind::kBarrier) mine[1] = mine[2] = mine[3] = mine[4] = 0;
+  const bool uneven = c.kind == CollectiveKind::kAllToAll && !c.send_splits.empty();
+  if (uneven) mine[3] = mine[4] = -1;  // counts differ by rank: CheckSplits pairs them
   std::vector<int64_t> all(static_cast<size_t>(kFields) * size_);
   MPI_Allgather(mine, kFields, MPI_INT64_T, all.data(), kFields, MPI_INT64_T, check_comm_);
   std::ostringstream mismatches;
@@ -223,6 +304,7 @@ void Group::CheckSignature(const CollectiveCall& c) {
         << "\nEvery rank must issue the same collectives, with the same dtypes and sizes, in "
            "the same order.";
   }
+  if (uneven) CheckSplits(c);
 }
 
 Backend* Group::BackendFor(const CollectiveCall& c) {
@@ -265,7 +347,7 @@ Backend* Group::Prepare(CollectiveCall* call) {
   if (check_signatures_ && !point_to_point) CheckSignature(*call);
   if (!point_to_point) ++sequence_;
   RecordFlight(id_, size_, sequence_, *call);
-  double bytes = BusBytes(*call, size_);
+  double bytes = BusBytes(*call, size_, rank_);
   GlobalCounters().Add(call->kind, bytes);
   counters_.Add(call->kind, bytes);
   return backend;

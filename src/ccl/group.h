@@ -52,7 +52,11 @@ class Group {
   void Validate(CollectiveCall* call) const;
   /*! \brief Validate a reduce_scatter / allgather of several full tensors (`parts`). */
   void ValidateParts(CollectiveCall* call) const;
+  /*! \brief Validate an alltoall's counts and splits (collective.h). */
+  void ValidateAllToAll(const CollectiveCall& call) const;
   void CheckSignature(const CollectiveCall& call);
+  /*! \brief Under the signature check: every rank's alltoallv splits pair up. */
+  void CheckSplits(const CollectiveCall& call);
   Backend* BackendFor(const CollectiveCall& call);
   /*! \brief Validate, pick the backend, check the signature and count: everything that
    *         happens before a collective is handed to its backend. */

@@ -356,6 +356,31 @@ MPI_Request MpiBackend::Run(const CollectiveCall& c) {
     case CollectiveKind::kBarrier:
       CheckMpi(MPI_Barrier(comm_), "Barrier");
       break;
+    case CollectiveKind::kAllToAll: {
+      if (c.send_splits.empty()) {
+        const int block = ToInt(c.send_count / size_);
+        CheckMpi(MPI_Alltoall(DataPtr(c.send), block, dtype, DataPtr(c.recv), block, dtype,
+                              comm_),
+                 "Alltoall");
+        break;
+      }
+      std::vector<int> send_counts(size_), send_displs(size_), recv_counts(size_),
+          recv_displs(size_);
+      int64_t send_offset = 0, recv_offset = 0;
+      for (int r = 0; r < size_; ++r) {
+        send_counts[r] = ToInt(c.send_splits[r]);
+        send_displs[r] = ToInt(send_offset);
+        send_offset += c.send_splits[r];
+        recv_counts[r] = ToInt(c.recv_splits[r]);
+        recv_displs[r] = ToInt(recv_offset);
+        recv_offset += c.recv_splits[r];
+      }
+      CheckMpi(MPI_Alltoallv(DataPtr(c.send), send_counts.data(), send_displs.data(), dtype,
+                             DataPtr(c.recv), recv_counts.data(), recv_displs.data(), dtype,
+                             comm_),
+               "Alltoallv");
+      break;
+    }
     default:
       TVM_FFI_THROW(InternalError) << "unknown collective kind";
   }

@@ -270,6 +270,24 @@ class NcclBackend : public Backend {
       case CollectiveKind::kRecv:
         CheckNccl(ncclRecv(DataPtr(c.recv), c.recv_count, dtype, c.peer, comm_, stream_), "Recv");
         break;
+      case CollectiveKind::kAllToAll: {
+        // one send and one receive per rank (itself included) in one NCCL group, as
+        // nccl-tests' alltoall does; equal blocks without splits
+        const char* send = static_cast<const char*>(DataPtr(c.send));
+        char* recv = static_cast<char*>(DataPtr(c.recv));
+        size_t send_offset = 0, recv_offset = 0;
+        CheckNccl(ncclGroupStart(), "GroupStart");
+        for (int r = 0; r < size_; ++r) {
+          size_t out = c.send_splits.empty() ? c.send_count / size_ : c.send_splits[r];
+          size_t in = c.recv_splits.empty() ? c.recv_count / size_ : c.recv_splits[r];
+          CheckNccl(ncclSend(send + send_offset * esize, out, dtype, r, comm_, stream_), "Send");
+          CheckNccl(ncclRecv(recv + recv_offset * esize, in, dtype, r, comm_, stream_), "Recv");
+          send_offset += out;
+          recv_offset += in;
+        }
+        CheckNccl(ncclGroupEnd(), "GroupEnd");
+        break;
+      }
       default:
         TVM_FFI_THROW(InternalError) << KindName(c.kind) << " has no NCCL form";
     }

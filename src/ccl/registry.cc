@@ -8,7 +8,8 @@
  *  - in place: R.call_packed("raf_dist.ccl.allreduce", g, "sum", 0, g) (input aliases output)
  * reduce_scatter takes several inputs and allgather several outputs (a ZeRO bucket's tensors,
  * exchanged where they live; collective.h): reduce_scatter(t_1, ..., t_k, op, group, shards),
- * allgather(shards, group, t_1, ..., t_k).
+ * allgather(shards, group, t_1, ..., t_k); alltoall(send, group, recv) in equal blocks, or
+ * alltoall(send, send_splits, recv_splits, group, recv) with int64 host tensors of counts.
  * `<name>_start` takes the same arguments and returns an int64 handle; `raf_dist.ccl.wait`
  * completes it. Extra arguments to wait are ignored: passing the in-flight buffers there keeps
  * them named until the wait, so a memory planner cannot reuse their storage (DESIGN.md s.5).
@@ -91,6 +92,16 @@ CollectiveCall MakeCall(CollectiveKind kind, ffi::Optional<ffi::Tensor> send,
   return call;
 }
 
+/*! \brief The values of a host int64 tensor (alltoall's splits). */
+std::vector<int64_t> HostInt64s(const ffi::Tensor& t, const char* what) {
+  if (t.device().device_type != kDLCPU || t.dtype().code != kDLInt || t.dtype().bits != 64) {
+    TVM_FFI_THROW(TypeError) << what << " must be an int64 tensor in host memory";
+  }
+  const int64_t n = ContiguousNumel(t, what);
+  const int64_t* data = static_cast<const int64_t*>(DataPtr(t));
+  return std::vector<int64_t>(data, data + n);
+}
+
 // One builder per collective; each is registered in a blocking and a _start form.
 CollectiveCall AllReduceCall(ffi::Tensor send, ffi::String op, ffi::Tensor recv) {
   return MakeCall(CollectiveKind::kAllReduce, send, recv, ParseReduceOp(op));
@@ -126,6 +137,22 @@ std::pair<int64_t, CollectiveCall> AllGatherCall(ffi::PackedArgs args) {
     call.parts.clear();
   }
   return {args[1].cast<int64_t>(), std::move(call)};
+}
+/*! \brief alltoall(send, group, recv) or alltoall(send, send_splits, recv_splits, group,
+ *         recv): the splits are int64 tensors on the host, one count per rank (collective.h). */
+std::pair<int64_t, CollectiveCall> AllToAllCall(ffi::PackedArgs args) {
+  if (args.size() != 3 && args.size() != 5) {
+    TVM_FFI_THROW(TypeError) << "raf_dist.ccl.alltoall(send, group, recv) or "
+                                "raf_dist.ccl.alltoall(send, send_splits, recv_splits, group, recv)";
+  }
+  const int n = args.size();
+  CollectiveCall call = MakeCall(CollectiveKind::kAllToAll, args[0].cast<ffi::Tensor>(),
+                                 args[n - 1].cast<ffi::Tensor>());
+  if (n == 5) {
+    call.send_splits = HostInt64s(args[1].cast<ffi::Tensor>(), "alltoall send splits");
+    call.recv_splits = HostInt64s(args[2].cast<ffi::Tensor>(), "alltoall receive splits");
+  }
+  return {args[n - 2].cast<int64_t>(), std::move(call)};
 }
 CollectiveCall BroadcastCall(ffi::Tensor send, int64_t root, ffi::Tensor recv) {
   return MakeCall(CollectiveKind::kBroadcast, send, recv, ReduceOp::kSum, static_cast<int>(root));
@@ -255,6 +282,16 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def_packed("raf_dist.ccl.allgather_start",
                   [](ffi::PackedArgs args, ffi::Any* rv) {
                     auto [g, call] = AllGatherCall(args);
+                    *rv = StartCall(g, std::move(call));
+                  })
+      .def_packed("raf_dist.ccl.alltoall",
+                  [](ffi::PackedArgs args, ffi::Any*) {
+                    auto [g, call] = AllToAllCall(args);
+                    RunCall(g, std::move(call));
+                  })
+      .def_packed("raf_dist.ccl.alltoall_start",
+                  [](ffi::PackedArgs args, ffi::Any* rv) {
+                    auto [g, call] = AllToAllCall(args);
                     *rv = StartCall(g, std::move(call));
                   })
       .def("raf_dist.ccl.broadcast",

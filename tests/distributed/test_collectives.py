@@ -45,10 +45,16 @@ def test_hostfile_with_localhost_slots():
     assert {i["local_size"] for i in infos} == {4}
 
 
-@pytest.mark.parametrize("mode", ["count", "kind"])
+@pytest.mark.parametrize("mode", ["count", "kind", "splits"])
 def test_mismatch_check_names_ranks_and_signatures(mode):
     out = check_mpi("ccl_mismatch.py", 2, mode, env={"RAF_DIST_CHECK_COLLECTIVES": "1"},
                     timeout=60)
+    if mode == "splits":  # both ranks raise; the one whose expectation is wrong says which
+        reports = dict(re.findall(r"rank (\d) MISMATCH: (.*?receive split i\.)", out, flags=re.S))
+        assert sorted(reports) == ["0", "1"], out
+        assert "rank 1 sends 2 elements to rank 0, which expects 3" in reports["0"], out
+        assert "the alltoallv splits disagree on another rank" in reports["1"], out
+        return
     # one report per rank; ranks share stdout, so find each report rather than split lines
     reports = dict(re.findall(r"rank (\d) MISMATCH: (.*?same order\.)", out, flags=re.S))
     assert sorted(reports) == ["0", "1"], out  # both ranks raised

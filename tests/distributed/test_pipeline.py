@@ -32,7 +32,9 @@ def test_pipeline_equals_one_process(model, optimizer, pp, tp, zero, ranks, extr
     assert "pipeline stages" in out
 
 
-@pytest.mark.parametrize("ranks,sync", [(4, 0), (4, 1)],
+# without synchronized statistics (72 s): make test-slow; the synchronized case runs the same
+# stages and microbatches with the statistics allreduced on top
+@pytest.mark.parametrize("ranks,sync", [pytest.param(4, 0, marks=pytest.mark.slow), (4, 1)],
                          ids=["pp2xdp2", "pp2xdp2-sync-batch-norm"])
 def test_batch_norm_pipelined_equals_one_process_accumulating(ranks, sync, tmp_path):
     """A residual CNN with BatchNorm after every convolution, 2 stages x 2 microbatches: each
@@ -42,14 +44,25 @@ def test_batch_norm_pipelined_equals_one_process_accumulating(ranks, sync, tmp_p
     assert_ranks_ok(out, ranks, "PP BN OK")
 
 
-def test_checkpoint_resumes_across_pp_and_dp(tmp_path):
-    """Saved at dp 2 x pp 2 (ZeRO-1, 1F1B), resumed at dp 4 without pipelining and at pp 4
-    (GPipe): each continues exactly as one process that never stopped."""
-    ckpt = tmp_path / "ckpt"
+def _save_at_dp2_pp2(ckpt):
     assert_ranks_ok(check_mpi("pp_train.py", 4, "transformer", "adamw", 2, 1, 1, 2,
                               "--microbatches", 2, "--save", ckpt, timeout=300), 4, "PP OK")
+
+
+def test_checkpoint_resumes_across_pp_and_dp(tmp_path):
+    """Saved at dp 2 x pp 2 (ZeRO-1, 1F1B), resumed at dp 4 without pipelining: it continues
+    exactly as one process that never stopped."""
+    ckpt = tmp_path / "ckpt"
+    _save_at_dp2_pp2(ckpt)
     assert_ranks_ok(check_mpi("tp_train.py", 4, "transformer", "adamw", 1, 1, 2, "--load", ckpt,
                               timeout=300), 4, "TP OK")
+
+
+@pytest.mark.slow  # 85 s: make test-slow (the pp -> dp case above runs in make test)
+def test_checkpoint_resumes_at_another_pp(tmp_path):
+    """Saved at dp 2 x pp 2, resumed at pp 4 (GPipe): the same continuation."""
+    ckpt = tmp_path / "ckpt"
+    _save_at_dp2_pp2(ckpt)
     assert_ranks_ok(check_mpi("pp_train.py", 4, "transformer", "adamw", 4, 1, 0, 2, "--schedule",
                               "gpipe", "--microbatches", 2, "--load", ckpt, timeout=300),
                     4, "PP OK")

@@ -35,6 +35,7 @@ def test_tensor_parallel_equals_one_process(model, optimizer, tp, zero, ranks, e
         assert "the vocabulary of %s is padded" % extra[extra.index("--vocab") + 1] in out, out
 
 
+@pytest.mark.slow  # 95 s: make test-slow (dp x ZeRO resharding: test_checkpoint.py)
 def test_checkpoint_reshards_across_tp_dp_and_zero(tmp_path):
     """Saved at dp 2 x tp 2 (ZeRO-1), resumed at dp 4 (ZeRO-2, no tp) and at tp 4: each
     continues exactly as one process that never stopped."""

@@ -1,8 +1,8 @@
 """GPU tier (skipped without an NVIDIA GPU, CuPy and a native runtime built with NCCL — run
 scripts/gpu_check.sh on a GPU machine): the same training steps on cuda(0) as on the CPU,
 with matmul/convolution on cuBLAS through CuPy, and a single-rank NCCL run (ZeRO-2 in a
-world of one: reduce_scatter, allgather, local_shard and buckets on GPU memory), and bf16
-mixed precision on the GPU."""
+world of one: reduce_scatter, allgather, local_shard and buckets on GPU memory; alltoall),
+and bf16 mixed precision on the GPU."""
 import pytest
 import tvm
 
@@ -54,6 +54,25 @@ def test_gpu_step_matches_cpu(name):
 
 def test_single_rank_nccl_zero2_matches_cpu():
     _close(_train("mlp", "cuda", level=2), _train("mlp", "cpu"))
+
+
+def test_single_rank_nccl_alltoall():
+    """The alltoall kind on GPU memory through NCCL (grouped send/recv), equal blocks and
+    per-rank counts, in a world of one (the exchange is a copy to itself)."""
+    import cupy
+    import numpy as np
+    import tvm_ffi
+
+    from raf_dist import distributed as dist
+
+    group, t = dist.get_communicator().group, tvm_ffi.from_dlpack
+    x = cupy.arange(6, dtype=cupy.float32)
+    out, out_v = cupy.zeros_like(x), cupy.zeros_like(x)
+    _native.func("alltoall")(t(x), group, t(out))
+    splits = np.array([6], np.int64)
+    _native.func("alltoall")(t(x), t(splits), t(splits), group, t(out_v))
+    assert cupy.array_equal(out, x) and cupy.array_equal(out_v, x)
+    assert dist.comm_counters()["alltoall"]["calls"] >= 2
 
 
 def test_predict_on_gpu():

@@ -25,7 +25,7 @@ import tvm
 import tvm_ffi
 from tvm.relax.backend.cpu_generic import pipeline as cpu_pipeline
 
-from .. import env
+from .. import env, process_memory
 from .._version import __version__
 from .inplace_buckets import WriteGradientsIntoBuckets
 from .inplace_update import UpdateInPlace
@@ -184,6 +184,7 @@ def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
     meta_path = cache / f"step-{key}.json"
     if lib_path.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())
+        process_memory.loaded_code(str(lib_path))
         return CompiledStep(tvm.runtime.load_module(str(lib_path)), meta["planned_peak_bytes"],
                             str(lib_path), True)
 
@@ -203,4 +204,10 @@ def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
     meta_tmp = meta_path.with_suffix(f".tmp{os.getpid()}")
     meta_tmp.write_text(json.dumps({"planned_peak_bytes": peak, "target": str(target)}))
     os.replace(meta_tmp, meta_path)
-    return CompiledStep(executable, peak, str(lib_path), False)
+    process_memory.loaded_code(str(lib_path))
+    if target.kind.name == "cuda":  # (a CUDA library loads only where a CUDA runtime is)
+        return CompiledStep(executable, peak, str(lib_path), False)
+    # run the library just written, as a cache hit would: the in-memory executable holds
+    # the build's intermediate modules, which the process would keep for its lifetime
+    del executable, lowered, planned
+    return CompiledStep(tvm.runtime.load_module(str(lib_path)), peak, str(lib_path), False)

@@ -128,6 +128,43 @@ def allgather(x, numel=None, out=None, async_op=False, group=None):
     return _run("allgather", args, out, (x, out), async_op)
 
 
+def alltoall(x, out=None, async_op=False, group=None):
+    """Personalised exchange in equal blocks: ``x`` (flattened, a multiple of N elements)
+    is cut into N blocks, block j goes to rank j; the result's block j came from rank j
+    (MPI_Alltoall; a grouped NCCL send/recv per rank on GPU memory)."""
+    x = np.ascontiguousarray(x).reshape(-1)
+    size = get_communicator().size if group is None else _native.func("group_size")(group)
+    if x.size % size:
+        raise ValueError(f"alltoall: the input has {x.size} elements, not a multiple of the "
+                         f"{size} ranks (one equal block per rank); pad it, or use alltoallv "
+                         "with per-rank counts")
+    out = _output(out, x, x.size)
+    args = (_as_tensor(x, "input"), _group(group), _as_tensor(out, "out"))
+    return _run("alltoall", args, out, (x, out), async_op)
+
+
+def alltoallv(x, send_counts, recv_counts=None, out=None, async_op=False, group=None):
+    """Personalised exchange in uneven blocks: the first ``send_counts[0]`` elements of ``x``
+    (flattened) go to rank 0, the next ``send_counts[1]`` to rank 1, and so on; the result
+    holds ``recv_counts[j]`` elements from each rank j, in rank order. Without
+    ``recv_counts`` the ranks first exchange their counts (an alltoall of N integers), as
+    the DLRM and torchrec embedding exchanges do."""
+    x = np.ascontiguousarray(x).reshape(-1)
+    size = get_communicator().size if group is None else _native.func("group_size")(group)
+    send_counts = np.ascontiguousarray(send_counts, dtype=np.int64).reshape(-1)
+    if send_counts.size != size or (send_counts < 0).any() or send_counts.sum() != x.size:
+        raise ValueError(f"alltoallv: send_counts {send_counts.tolist()} must give one "
+                         f"non-negative count per rank ({size}) summing to the input's "
+                         f"{x.size} elements")
+    if recv_counts is None:
+        recv_counts = alltoall(send_counts, group=group)
+    recv_counts = np.ascontiguousarray(recv_counts, dtype=np.int64).reshape(-1)
+    out = _output(out, x, int(recv_counts.sum()))
+    args = (_as_tensor(x, "input"), _as_tensor(send_counts, "send_counts"),
+            _as_tensor(recv_counts, "recv_counts"), _group(group), _as_tensor(out, "out"))
+    return _run("alltoall", args, out, (x, out, send_counts, recv_counts), async_op)
+
+
 def broadcast(x, root=0, async_op=False, group=None):
     """Overwrite ``x`` on every rank with rank ``root``'s ``x`` (in place)."""
     t = _as_tensor(x, "buffer")
@@ -155,8 +192,9 @@ def comm_counters(group=None):
     (e.g. ``dist.get_mesh().tp_group``), that group's traffic only.
 
     Bus bytes follow nccl-tests: allreduce 2(N-1)/N*S, reduce_scatter and allgather
-    (N-1)/N*S (S = the full, unsharded buffer), broadcast/send/recv S, where N is the size of
-    the group the collective ran on.
+    (N-1)/N*S (S = the full, unsharded buffer), alltoall (N-1)/N*S (S = this rank's input; an
+    uneven alltoallv counts the elements it sends to the other ranks), broadcast/send/recv
+    S, where N is the size of the group the collective ran on.
     """
     get_communicator()
     raw = _native.func("counters")() if group is None else _native.func("group_counters")(group)

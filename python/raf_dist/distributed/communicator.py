@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .. import _native
+from .. import _native, process_memory
 from . import settings
 from . import config, rendezvous, watchdog
 
@@ -316,29 +316,35 @@ def get_communicator():
         if _COMM is None:
             timeout = settings.collective_timeout_s()  # a bad value fails here, before any MPI call
             config.runtime_started()  # from here on the runtime settings are in force
-            # the native runtime takes the validated value (0 = none) before any group. With a
-            # timeout, blocking collectives also run on the communication thread
-            # (src/ccl/mpi_backend.cc: a wait can give up, an MPI call cannot)
-            _native.func("set_timeout")(float(timeout or 0))
-            from mpi4py import MPI
-
-            check = settings.check_collectives()
-            placement = rendezvous.placement_from_environment()
-            if placement is not None and MPI.COMM_WORLD.Get_size() > 1:
-                # raf_dist.run's variables inherited into an mpirun job: MPI's world wins
-                logger.warning("raf_dist.run's variables are set but MPI started %d ranks: "
-                               "using MPI's world", MPI.COMM_WORLD.Get_size())
-                placement = None
-            if placement is None:
-                _COMM = Communicator(MPI.COMM_WORLD, check)
-            else:
-                world, reach_address = rendezvous.join_world(placement)
-                _COMM = Communicator(world, check, placement, reach_address)
+            with process_memory.measuring(process_memory.MPI):  # stats()'s library_bytes
+                _COMM = _start_world(timeout)
             atexit.register(_shutdown)
             _install_abort_on_exception(_COMM)
             if _COMM.size > 1 and settings.watchdog_enabled():
                 _COMM.start_watchdog(settings.watchdog_grace_s())
         return _COMM
+
+
+def _start_world(timeout):
+    """MPI started (mpi4py's import initialises it), the native runtime loaded, and the world
+    communicator (get_communicator)."""
+    # the native runtime takes the validated value (0 = none) before any group. With a
+    # timeout, blocking collectives also run on the communication thread
+    # (src/ccl/mpi_backend.cc: a wait can give up, an MPI call cannot)
+    _native.func("set_timeout")(float(timeout or 0))
+    from mpi4py import MPI
+
+    check = settings.check_collectives()
+    placement = rendezvous.placement_from_environment()
+    if placement is not None and MPI.COMM_WORLD.Get_size() > 1:
+        # raf_dist.run's variables inherited into an mpirun job: MPI's world wins
+        logger.warning("raf_dist.run's variables are set but MPI started %d ranks: "
+                       "using MPI's world", MPI.COMM_WORLD.Get_size())
+        placement = None
+    if placement is None:
+        return Communicator(MPI.COMM_WORLD, check)
+    world, reach_address = rendezvous.join_world(placement)
+    return Communicator(world, check, placement, reach_address)
 
 
 def _shutdown():

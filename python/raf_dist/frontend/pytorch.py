@@ -6,6 +6,7 @@ module's. PyTorch is an optional dependency (``pip install -e .[torch]``).
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Union
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from tvm import relax
 
+from .. import process_memory
 from ..ir.ops import dropout_marker
 from ..model import Model
 from . import buffers, decompositions, parameters, torch_ops
@@ -24,6 +26,8 @@ if TYPE_CHECKING:  # PyTorch is optional: imported where a capture needs it
 
     #: one tensor, or a tuple or list of them (a single input need not be wrapped)
     ExampleInputs = Union[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor]]
+
+_LOG = logging.getLogger(__name__)
 
 #: an importer hook: (FX node, TVM's ExportedProgram importer) -> the Relax value of the node
 Converter = Callable[["torch.fx.Node", Any], relax.Expr]
@@ -43,7 +47,19 @@ def from_pytorch(module: torch.nn.Module, example_inputs: ExampleInputs) -> Mode
     writes become IR constants; buffers the forward writes (BatchNorm running statistics) become
     state the step carries and updates as PyTorch's train mode does (``frontend/buffers.py``),
     and the evaluation-mode forward is captured too, for ``Trainer.predict``.
+
+    The Model holds one copy of the parameters (its ``init_params``) and no reference to
+    ``module``: capturing again at another batch size uses a twin of the module whose
+    parameters hold no memory (``_weightless_twin``), so dropping ``module`` gives its
+    tensors back.
     """
+    return _capture(module, example_inputs, _weightless_twin(module))
+
+
+def _capture(module: torch.nn.Module, example_inputs: ExampleInputs, twin: torch.nn.Module,
+             again: bool = False) -> Model:
+    """from_pytorch's capture; ``twin``: what Model.at_batch captures again; ``again``: this
+    is that capture (the values are not copied: Model.at_batch supplies its own)."""
     try:
         import torch
         import tvm
@@ -60,7 +76,8 @@ def from_pytorch(module: torch.nn.Module, example_inputs: ExampleInputs) -> Mode
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with buffers.cumulative_batch_norm(module) as cumulative:
+            with buffers.cumulative_batch_norm(module) as cumulative, \
+                    process_memory.measuring("torch.export"):  # its first use loads dynamo
                 exported = torch.export.export(module, example_inputs)
             imported = buffers.import_program(
                 exported, module, {**torch_ops.converters(), **_dropout_converters(dropouts),
@@ -93,7 +110,9 @@ def from_pytorch(module: torch.nn.Module, example_inputs: ExampleInputs) -> Mode
                         for name, f in functions.items()})
     buffer_values = {n: b.detach().cpu().numpy().copy() for n, b in module.named_buffers()}
     persistent = set(module.state_dict())
-    init = {n: named[n].detach().cpu().numpy().copy() for n in names}
+    # a snapshot of the values; the twin's are never read (Model.at_batch supplies them)
+    init = {n: (named[n].detach().numpy() if again
+                else named[n].detach().cpu().numpy().copy()) for n in names}
     specs = [(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in example_inputs]
     dropout_specs = [(tuple(int(d) for d in ty.shape), str(ty.dtype), rate) for rate, ty in dropouts]
     return Model(mod=mod, input_specs=specs, param_names=names, init_params=init,
@@ -104,13 +123,14 @@ def from_pytorch(module: torch.nn.Module, example_inputs: ExampleInputs) -> Mode
                  buffer_order=list(buffer_values),
                  non_persistent_buffers=[n for n in buffer_values if n not in persistent],
                  tied_params=tied, frozen_params=parameters.frozen_parameters(module, names),
-                 respecialize=functools.partial(_at_batch, module, example_inputs))
+                 respecialize=functools.partial(_at_batch, twin, example_inputs))
 
 
 def _at_batch(module: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
               rows: int) -> Model:
-    """``module`` captured again with ``rows`` rows: each example input whose dim 0 is the
-    example batch is repeated and cut to ``rows`` (real rows, so index inputs stay in range)."""
+    """``module`` (a twin) captured again with ``rows`` rows: each example input whose dim 0
+    is the example batch is repeated and cut to ``rows`` (real rows, so index inputs stay in
+    range)."""
     batch = example_inputs[0].shape[0]
 
     def resize(tensor: torch.Tensor) -> torch.Tensor:
@@ -119,7 +139,32 @@ def _at_batch(module: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
         repeats = -(-rows // batch)
         return tensor.repeat(repeats, *([1] * (tensor.dim() - 1)))[:rows].contiguous()
 
-    return from_pytorch(module, tuple(resize(t) for t in example_inputs))
+    return _capture(module, tuple(resize(t) for t in example_inputs), module, again=True)
+
+
+def _weightless_twin(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``module`` whose parameters are views of one ``torch.empty`` buffer as
+    large as the largest of them: capture reads only their shapes and dtypes (torch.export
+    traces with fake tensors), so the buffer is never written and holds no resident memory.
+    Buffers are copied (their values are IR constants). A module deepcopy cannot copy is
+    returned itself (it then stays alive with the Model: logged)."""
+    import copy
+
+    import torch
+
+    params = {id(p): p for p in module.parameters()}  # tied parameters once
+    largest = max((p.numel() * p.element_size() for p in params.values()), default=0)
+    arena = torch.empty(largest, dtype=torch.uint8)
+    memo: dict[int, Any] = {
+        key: torch.nn.Parameter(arena[:p.numel() * p.element_size()].view(p.dtype).view(p.shape),
+                                requires_grad=p.requires_grad)
+        for key, p in params.items()}
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception as err:  # noqa: BLE001 - any module-specific copy failure
+        _LOG.info("%s cannot be deep-copied (%s): the Model keeps the module itself for "
+                  "capturing it at other batch sizes", type(module).__name__, err)
+        return module
 
 
 def _tie(imported: buffers.ImportedProgram, num_inputs: int,

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
-from ..model import Model
+from ..model import Model, value_placeholder
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -52,10 +52,13 @@ def from_relax_nn(module: nn.Module, input_specs: Sequence[tuple[Sequence[int], 
     mod = tvm.IRModule({tvm.ir.GlobalVar("forward"): func})
     batch = int(input_specs[0][0][0]) if len(input_specs[0][0]) else None
 
+    # Model.at_batch gives the capture at another size this model's values: none kept here
+    shapes = {name: value_placeholder(value) for name, value in init.items()}
+
     def at_batch(rows: int) -> Model:  # every input whose dim 0 is the batch gets ``rows`` rows
         specs = [((rows, *shape[1:]) if len(shape) and int(shape[0]) == batch else shape, dtype)
                  for shape, dtype in input_specs]
-        return from_relax_nn(module, specs, init_params=init, seed=seed)
+        return from_relax_nn(module, specs, init_params=shapes, seed=seed)
 
     return Model(mod=mod, input_specs=[(tuple(s), d) for s, d in input_specs],
                  param_names=names, init_params=init, source=f"raf_dist.nn {type(module).__name__}",

@@ -40,6 +40,7 @@ import tvm
 from tvm import relax
 
 from .. import checkpoint as ckpt
+from .. import process_memory
 from .. import device as device_lib
 from .. import profiler
 from ..compiler import compile_step
@@ -195,6 +196,12 @@ class PipelineExecutor(LoopScalars):
         schedules.check_actions(self.actions, self.num_stages, self.microbatches)
         agreement.check_fingerprints(comm, *self.fingerprint())
         self._buffer_tensors = self._init_buffers(model)
+        # the parameter tensors hold the values now: the models keep their shapes only (one
+        # copy of the weights in the process; Model.without_values)
+        lean = self.model.without_values()
+        self.full_model = (lean if self.full_model is self.model
+                           else self.full_model.without_values())
+        self.model = lean
         self._forwards = predict_lib.Forwards(  # predict's compiled forwards by rows
             self.full_model.at_batch, forward_passes(), self._target, self._device, cache_dir)
 
@@ -606,7 +613,7 @@ class PipelineExecutor(LoopScalars):
         """As the SPMD executor's, plus ``pipeline``: this rank's stages, the most microbatches (and
         bytes) of saved activations each stage held at once, and the stage plan's costs."""
         params = [self._tensors[n] for n in self.param_names + self.frozen_names]
-        return {
+        return process_memory.with_total({
             "param_bytes": sum(nbytes(p) for p in params),
             "grad_bytes": sum(nbytes(self._tensors[n]) for n in self.param_names),
             "optimizer_state_bytes": sum(nbytes(s) for s in self._states),
@@ -621,7 +628,8 @@ class PipelineExecutor(LoopScalars):
                 "peak_saved_bytes": dict(self._peak_saved_bytes),
                 "stage_costs": list(self.plan.costs)},
             **device_lib.memory_stats(self._device),
-        }
+            **process_memory.overheads(),  # compiled code, libraries loaded
+        })
 
     def save_checkpoint(self, path, extra=None, keep=2):
         """The full tensors written as any layout writes them (full_train_state), so a

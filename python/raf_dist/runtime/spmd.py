@@ -16,6 +16,7 @@ import tvm
 from tvm import relax
 
 from .. import checkpoint as ckpt
+from .. import process_memory
 from .. import device as device_lib
 from .. import profiler
 from ..compiler import compile_step
@@ -96,6 +97,8 @@ class SPMDExecutor(LoopScalars):
             self._compile_captured(model)
             init = self._initial_params(model)
         self._init_state(model, init)
+        del init
+        self._keep_shapes_only()
         # FLOPs scale with the rows (every matmul / convolution has the batch in it)
         self._flops_per_row = metrics_lib.function_flops(self.ir["train_step"]) / self.batch_size
         self._metrics = metrics_lib.StepMetrics(
@@ -105,6 +108,22 @@ class SPMDExecutor(LoopScalars):
             self._target, self._device, cache_dir, self.compute_dtype)
 
     # ---- construction, in steps --------------------------------------------------------------
+    def _keep_shapes_only(self):
+        """Once the runtime tensors hold the parameters, the models this executor keeps
+        (for their IR, shapes and recapture) let go of their initial values: the process
+        holds one copy of the weights (Model.without_values)."""
+        lean = {}
+
+        def shapes_only(model):
+            if id(model) not in lean:
+                lean[id(model)] = model.without_values()
+            return lean[id(model)]
+
+        self.model, self.full_model = shapes_only(self.model), shapes_only(self.full_model)
+        self._models = {rows: shapes_only(m) for rows, m in self._models.items()}
+        for variant in self._variants.values():
+            variant.model = shapes_only(variant.model)
+
     def _split_for_tp(self, model, tensor_parallel_plan):
         """This rank's tp piece of ``model`` (training/tensor_parallel.py), or ``model``."""
         self.tp_plan = None
@@ -758,7 +777,7 @@ class SPMDExecutor(LoopScalars):
         """What this rank holds between steps (parameters, optimizer state), the gradient
         bytes that outlive their bucket's collective, the step's planned temporaries and the
         bus bytes it sent in the last step by collective kind."""
-        return {
+        return process_memory.with_total({
             "param_bytes": sum(nbytes(p) for p in self._params + self._frozen),
             # levels 0-1 keep every full gradient until backward ends; 2-3 keep shards
             "grad_bytes": self.layout.grad_bytes(),
@@ -768,4 +787,5 @@ class SPMDExecutor(LoopScalars):
             # the same bus bytes by mesh axis (with tensor parallelism): {"tp": ..., "dp": ...}
             "comm_bytes_by_axis": dict(self._comm_by_axis),
             **device_lib.memory_stats(self._device),  # GPU: used / total (pynvml)
-        }
+            **process_memory.overheads(),  # compiled code, libraries loaded
+        })

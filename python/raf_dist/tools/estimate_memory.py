@@ -13,7 +13,9 @@ which the step writes into the buffers it was given) come from building the
 step for that world size and level and running TVM's memory planner on it, without MPI and
 without compiling code: the same figure ``Trainer.stats()["planned_peak_bytes"]`` reports for
 the run. Capture the model with the per-rank batch, as the run would.
-Peak = parameters + optimizer state + planned temporaries, as in the ZeRO accounting.
+Peak = parameters + optimizer state + planned temporaries, as in the ZeRO accounting;
+``process_bytes`` adds what loading TVM, torch.export and MPI added to this process (measured
+as they loaded: raf_dist.process_memory), the RSS growth a run would show (``+libraries``).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
+from .. import process_memory
 from ..layout import state_layout
 
 if TYPE_CHECKING:
@@ -74,6 +77,10 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
                          overlap=overlap_comm)
     out["planned_peak_bytes"] = plan_memory(mod, passes)
     out["peak_bytes"] = out["param_bytes"] + out["optimizer_state_bytes"] + out["planned_peak_bytes"]
+    # what loading TVM, torch.export and MPI added to this process (measured when they loaded:
+    # raf_dist.process_memory); a run's process pays the same, plus its compiled code
+    out["library_bytes"] = sum(process_memory.library_bytes().values())
+    out["process_bytes"] = out["peak_bytes"] + out["library_bytes"]
     return out
 
 
@@ -89,11 +96,12 @@ def _fmt(nbytes: float | None) -> str:
 
 def _table(rows: Sequence[Mapping[str, int]]) -> str:
     header = ["ranks", "level", "params", "grads", "optim state", "model states",
-              "temporaries", "peak/rank"]
+              "temporaries", "peak/rank", "+libraries"]
     lines = [header] + [[str(r["world_size"]), str(r["level"]), _fmt(r["param_bytes"]),
                          _fmt(r["grad_bytes"]), _fmt(r["optimizer_state_bytes"]),
                          _fmt(r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"]),
-                         _fmt(r.get("planned_peak_bytes")), _fmt(r.get("peak_bytes"))]
+                         _fmt(r.get("planned_peak_bytes")), _fmt(r.get("peak_bytes")),
+                         _fmt(r.get("process_bytes"))]
                         for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)

@@ -41,8 +41,10 @@ def shard_model(model, plan: TensorParallelPlan, tp_rank: int, full_params: dict
     init = {n: np.ascontiguousarray(plan.local_shard(n, np.asarray(full_params[n]), tp_rank))
             for n in model.param_names}
 
-    def respecialize(rows):  # the Trainer keeps its own parameter tensors: no init values
-        other = model.at_batch(rows)  # are kept here (the full ones would stay alive)
+    shapes_only = model.without_values()  # the full initial values are not kept alive here
+
+    def respecialize(rows):  # Model.at_batch gives the result this piece's init_params
+        other = shapes_only.at_batch(rows)
         return shard_model(other, plan, tp_rank, other.init_params)
 
     return dataclasses.replace(model, mod=mod, init_params=init,

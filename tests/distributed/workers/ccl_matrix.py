@@ -1,5 +1,6 @@
 """Every collective x dtype x reduce op, on sizes that do and do not divide by N (and sizes
-smaller than N), checked against numpy. Each rank regenerates every rank's input from its
+smaller than N), checked against numpy; alltoall in equal blocks and alltoallv with uneven
+(and empty) blocks, with its bus-byte count. Each rank regenerates every rank's input from its
 seed, so the expected result is computed locally. Prints 'ALL OK <checks>' on success."""
 import ml_dtypes
 import numpy as np
@@ -72,6 +73,28 @@ def main():
             recv.wait()
             np.testing.assert_array_equal(got, inputs[(rank - 1) % n])
             checks += 4
+            # alltoall: every rank sends block j of its n * size elements to rank j
+            blocks = np.stack([data(r, n * size, dtype) for r in range(n)])
+            got = dist.alltoall(blocks[rank])
+            expected = np.concatenate([blocks[j][rank * size:(rank + 1) * size]
+                                       for j in range(n)])
+            np.testing.assert_array_equal(got, expected, err_msg=f"alltoall {dtype} {size}")
+            # alltoallv: rank r sends counts[r][j] elements to rank j (some zero)
+            counts = [[(r + 2 * j + size) % 5 for j in range(n)] for r in range(n)]
+            sent = [data(r, sum(counts[r]), dtype) for r in range(n)]
+            got = dist.alltoallv(sent[rank], counts[rank])
+            expected = np.concatenate([sent[j][sum(counts[j][:rank]):
+                                               sum(counts[j][:rank + 1])] for j in range(n)])
+            np.testing.assert_array_equal(got, expected, err_msg=f"alltoallv {dtype} {size}")
+            checks += 2
+    # bus bytes: an even alltoall counts (N-1)/N of its input, an uneven one what leaves
+    dist.reset_comm_counters()
+    dist.alltoall(np.ones(4 * n, np.float32))
+    dist.alltoallv(np.ones(3 * n, np.float64), [3] * n, [3] * n, async_op=True).wait()
+    got = dist.comm_counters()["alltoall"]
+    assert got["calls"] == 2, got
+    assert got["bus_bytes"] == (n - 1) / n * 16 * n + 3 * (n - 1) * 8, got
+    checks += 1
     dist.barrier()
     print(f"rank {rank}: ALL OK {checks}")
 

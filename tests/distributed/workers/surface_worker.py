@@ -11,6 +11,7 @@ Steps run at three global batch sizes (8, then 6, then 5 rows: uneven over dp an
 microbatches); losses and parameters must equal one process that takes the same batches.
 Prints 'rank R: SURFACE OK <layout>'."""
 import inspect
+import io
 import json
 import sys
 from pathlib import Path
@@ -106,8 +107,10 @@ def main():
     assert metrics["step_time_s"] > 0 and 0 < metrics["mfu"] <= 1, metrics
     stats = walk("stats")()
     for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes", "planned_peak_bytes",
-                "comm_bytes_last_step"):
+                "comm_bytes_last_step", "compiled_code_bytes", "library_bytes", "total_bytes"):
         assert key in stats, (key, stats)
+    report = walk("memory_report")(file=io.StringIO())  # the same figures, as a table
+    assert f"{stats['param_bytes'] / 2**20:.1f}" in report and "measured RSS growth" in report
     # predict at 3 rows (another size): PyTorch with the trained parameters says what it is
     module.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
     with torch.no_grad():

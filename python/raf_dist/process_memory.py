@@ -1,0 +1,200 @@
+"""What the process holds that is not a tensor: the resident memory loading the compiler's
+libraries added, measured when raf_dist loads them.
+
+``Trainer.stats()`` and ``raf_dist.estimate_memory`` add these to the tensors' bytes so their
+total predicts the process's resident set (DESIGN.md section 1, "Memory"). Two loads are
+measured, each the first time it happens after ``import raf_dist``:
+
+- ``COMPILER``: importing Apache TVM (its shared libraries and registries; ~240 MiB of RSS
+  on this machine) and raf_dist's own compiler modules, which load on first use, seen by a
+  ``sys.meta_path`` hook around those imports;
+- ``"torch.export"``: the first ``torch.export.export`` (``from_pytorch``): PyTorch's
+  dynamo, FX and sympy machinery (~100 MiB).
+
+A library loaded before ``import raf_dist`` is not counted: it is part of the baseline the
+user's process already had. Light on purpose: no TVM import here.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.abc
+import importlib.machinery
+import sys
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional, Sequence, Set
+
+_LOADED: Dict[str, int] = {}  # name -> RSS growth in bytes while it first loaded
+_CODE: Set[str] = set()  # paths of the compiled step libraries this process loaded
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (VmRSS; 0 where /proc is absent)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def library_bytes() -> Dict[str, int]:
+    """{library: RSS bytes its first load added} for the loads measured so far."""
+    return dict(_LOADED)
+
+
+@contextlib.contextmanager
+def measuring(name: str) -> Iterator[None]:
+    """Record the RSS growth of the block under ``name`` (only its first time)."""
+    if name in _LOADED:
+        yield
+        return
+    before = rss_bytes()
+    try:
+        yield
+    finally:
+        _LOADED[name] = max(0, rss_bytes() - before)
+
+
+class _MeasureImports(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for TVM and raf_dist's own compiler modules it asks the other
+    finders for the spec and wraps the loader, so that executing the module is measured
+    (the outermost such import only: what it imports in turn is inside its figure)."""
+
+    depth = 0
+
+    @staticmethod
+    def _watched(fullname: str) -> Optional[str]:
+        """The library_bytes() key ``fullname``'s import counts under (None: not watched)."""
+        if fullname == "tvm" or fullname.startswith("raf_dist."):
+            return COMPILER
+        if fullname in ("mpi4py", "mpi4py.MPI"):  # mpi4py.MPI initialises MPI on import
+            return MPI
+        return None
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]],
+                  target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
+        # (a find_spec alone, as packages probing what is installed do, measures nothing)
+        key = self._watched(fullname)
+        if key is None or fullname in sys.modules:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader: Any = spec.loader
+        found: importlib.machinery.ModuleSpec = spec
+        counted: str = key
+
+        class _Measured(importlib.abc.Loader):
+            def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+                return _measured(counted, loader.create_module, spec)  # an extension's init
+
+            def exec_module(self, module: Any) -> None:
+                module.__loader__ = found.loader = loader  # the real one from now on
+                _measured(counted, loader.exec_module, module)
+
+            def __getattr__(self, attr: str) -> Any:  # get_code (runpy, python -m), ...
+                return getattr(loader, attr)
+
+        spec.loader = _Measured()
+        return spec
+
+
+#: library_bytes()'s key for TVM with raf_dist's compiler modules (imported on first use)
+COMPILER = "tvm and raf_dist's compiler"
+MPI = "mpi"  # mpi4py and the MPI library it initialises
+
+
+def _measured(key: str, call: Any, arg: Any) -> Any:
+    """``call(arg)``, its RSS growth added to ``key`` when no watched import encloses it."""
+    outermost = _MeasureImports.depth == 0
+    before = rss_bytes() if outermost else 0
+    _MeasureImports.depth += 1
+    try:
+        return call(arg)
+    finally:
+        _MeasureImports.depth -= 1
+        if outermost:
+            _LOADED[key] = _LOADED.get(key, 0) + max(0, rss_bytes() - before)
+
+
+def watch_imports() -> None:
+    """Measure the imports of TVM and raf_dist's compiler modules from now on (called at the
+    end of ``import raf_dist``: what that import loaded is the baseline)."""
+    if not any(isinstance(f, _MeasureImports) for f in sys.meta_path):
+        sys.meta_path.insert(0, _MeasureImports())
+
+
+def return_free_heap() -> None:
+    """Give the allocator's free heap back to the system (glibc ``malloc_trim``; elsewhere
+    nothing): compiling a step frees many small IR objects whose pages glibc otherwise keeps
+    for the process's lifetime."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def loaded_code(path: str) -> None:
+    """Note a compiled library the process loaded (compiler/build.py)."""
+    _CODE.add(str(path))
+
+
+def code_bytes() -> int:
+    """Bytes of the compiled step libraries the process loaded (the files' sizes: what
+    mapping them adds at most; a file removed since counts 0)."""
+    total = 0
+    for path in sorted(_CODE):
+        try:
+            total += Path(path).stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def overheads() -> Dict[str, int]:
+    """The process's memory that is not tensors, for ``stats()``: ``compiled_code_bytes``
+    and ``library_bytes`` (the measured loads, summed)."""
+    return {"compiled_code_bytes": code_bytes(), "library_bytes": sum(_LOADED.values())}
+
+
+def with_total(stats: Dict[str, Any]) -> Dict[str, Any]:
+    """``stats`` with ``total_bytes``: parameters, optimizer state, the step's planned
+    temporaries (the gradients are among them), compiled code and libraries — what the
+    process's RSS grows by from ``import raf_dist`` to training (the measured loads
+    included), the user's own tensors aside."""
+    keys = ("param_bytes", "optimizer_state_bytes", "planned_peak_bytes",
+            "compiled_code_bytes", "library_bytes")
+    return {**stats, "total_bytes": int(sum(int(stats.get(k, 0)) for k in keys))}
+
+
+REPORT_ROWS = (("parameters", "param_bytes"), ("optimizer state", "optimizer_state_bytes"),
+               ("step temporaries (planned; gradients among them)", "planned_peak_bytes"),
+               ("compiled code", "compiled_code_bytes"),
+               ("libraries loaded (TVM, torch.export)", "library_bytes"))
+
+
+def report(stats: Dict[str, Any], measured_rss: Optional[int] = None,
+           baseline_rss: Optional[int] = None) -> str:
+    """``stats``'s memory as a table (MiB and share of the total); with the process's RSS
+    now and at ``import raf_dist`` (``baseline_rss``), the measured growth beside the total."""
+    total = with_total(stats)["total_bytes"]
+    lines = [f"{'':52s}{'MiB':>10s}{'share':>8s}"]
+    for label, key in REPORT_ROWS:
+        value = int(stats.get(key, 0))
+        lines.append(f"{label:52s}{value / 2**20:10.1f}{100 * value / max(total, 1):7.1f}%")
+    lines.append(f"{'total (predicted growth of the RSS)':52s}{total / 2**20:10.1f}")
+    if measured_rss is not None and baseline_rss is not None:
+        growth = measured_rss - baseline_rss
+        lines.append(f"{'measured RSS growth since import raf_dist':52s}{growth / 2**20:10.1f}"
+                     f"{100 * growth / max(total, 1):7.1f}%")
+    return "\n".join(lines)
+
+
+_BASELINE = rss_bytes()  # at import raf_dist (this module is imported first)
+
+
+def baseline_rss() -> int:
+    """The RSS when raf_dist was imported."""
+    return _BASELINE
