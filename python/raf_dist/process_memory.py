@@ -6,8 +6,9 @@ total predicts the process's resident set (DESIGN.md section 1, "Memory"). Two l
 measured, each the first time it happens after ``import raf_dist``:
 
 - ``COMPILER``: importing Apache TVM (its shared libraries and registries; ~240 MiB of RSS
-  on this machine) and raf_dist's own compiler modules, which load on first use, seen by a
-  ``sys.meta_path`` hook around those imports;
+  on this machine) and raf_dist's own compiler modules, which load on first use, with what
+  they import that was not loaded yet (PyTorch itself when the script had not imported it),
+  seen by a ``sys.meta_path`` hook around those imports;
 - ``"torch.export"``: the first ``torch.export.export`` (``from_pytorch``): PyTorch's
   dynamo, FX and sympy machinery (~100 MiB).
 
@@ -21,10 +22,12 @@ import ctypes
 import importlib.abc
 import importlib.machinery
 import sys
+import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Sequence, Set
+from typing import Any, Dict, Iterator, Optional, Sequence, Set, Tuple
 
-_LOADED: Dict[str, int] = {}  # name -> RSS growth in bytes while it first loaded
+_LOADED: Dict[str, int] = {}  # name -> anonymous RSS growth in bytes while it first loaded
+_FILES: Dict[str, Set[str]] = {}  # name -> the files that load mapped (shared libraries)
 _CODE: Set[str] = set()  # paths of the compiled step libraries this process loaded
 
 
@@ -39,30 +42,93 @@ def rss_bytes() -> int:
     return 0
 
 
+def _status_kib(key: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _mapped_files() -> Set[str]:
+    """The files this process maps (its shared libraries among them)."""
+    try:
+        return {fields[5] for fields in (line.split(None, 5) for line in
+                                         Path("/proc/self/maps").read_text().splitlines())
+                if len(fields) == 6 and fields[5].startswith("/")}
+    except OSError:
+        return set()
+
+
+def _resident_file_bytes(paths: Set[str]) -> int:
+    """Resident bytes of the mappings of ``paths`` now (/proc/self/smaps)."""
+    if not paths:
+        return 0
+    total, counting = 0, False
+    try:
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+                counting = len(fields) >= 6 and line.split(None, 5)[5] in paths
+            elif counting and fields and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
+def _start() -> Tuple[int, Set[str]]:
+    return _status_kib("RssAnon"), _mapped_files()
+
+
+def _finish(name: str, start: Tuple[int, Set[str]], add: bool) -> None:
+    anon, files = _status_kib("RssAnon"), _mapped_files()
+    with _LOCK:
+        grown = max(0, anon - start[0]) * 1024
+        _LOADED[name] = _LOADED.get(name, 0) + grown if add else _LOADED.get(name, grown)
+        _FILES.setdefault(name, set()).update(files - start[1])
+
+
 def library_bytes() -> Dict[str, int]:
-    """{library: RSS bytes its first load added} for the loads measured so far."""
-    return dict(_LOADED)
+    """{library: bytes} for the loads measured so far: the anonymous memory each load added
+    (registries, Python modules, heap) plus the resident pages, now, of the shared libraries
+    it mapped (code pages become resident as they first run, so this is read each time)."""
+    with _LOCK:
+        names = list(_LOADED)
+    return {name: _LOADED[name] + _resident_file_bytes(_FILES.get(name, set()))
+            for name in names}
 
 
 @contextlib.contextmanager
 def measuring(name: str) -> Iterator[None]:
-    """Record the RSS growth of the block under ``name`` (only its first time)."""
-    if name in _LOADED:
+    """Record the RSS growth of the block under ``name`` (only its first time, and only
+    when no other measurement encloses it: the watched imports inside count here)."""
+    if name in _LOADED or _STATE.depth:
         yield
         return
-    before = rss_bytes()
+    start = _start()
+    _STATE.depth += 1
     try:
         yield
     finally:
-        _LOADED[name] = max(0, rss_bytes() - before)
+        _STATE.depth -= 1
+        _finish(name, start, add=False)
+
+
+class _Depth(threading.local):
+    depth = 0  # measurements open on this thread (the outermost one records)
+
+
+_STATE = _Depth()
+_LOCK = threading.Lock()
 
 
 class _MeasureImports(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for TVM and raf_dist's own compiler modules it asks the other
     finders for the spec and wraps the loader, so that executing the module is measured
     (the outermost such import only: what it imports in turn is inside its figure)."""
-
-    depth = 0
 
     @staticmethod
     def _watched(fullname: str) -> Optional[str]:
@@ -79,7 +145,13 @@ class _MeasureImports(importlib.abc.MetaPathFinder):
         key = self._watched(fullname)
         if key is None or fullname in sys.modules:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec = None
+        for finder in sys.meta_path:  # the finders after this one find the real spec
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader: Any = spec.loader
@@ -102,21 +174,22 @@ class _MeasureImports(importlib.abc.MetaPathFinder):
 
 
 #: library_bytes()'s key for TVM with raf_dist's compiler modules (imported on first use)
-COMPILER = "tvm and raf_dist's compiler"
+COMPILER = "tvm, raf_dist's compiler and what they import"
 MPI = "mpi"  # mpi4py and the MPI library it initialises
 
 
 def _measured(key: str, call: Any, arg: Any) -> Any:
-    """``call(arg)``, its RSS growth added to ``key`` when no watched import encloses it."""
-    outermost = _MeasureImports.depth == 0
-    before = rss_bytes() if outermost else 0
-    _MeasureImports.depth += 1
+    """``call(arg)``, its RSS growth added to ``key`` when no measurement on this thread
+    encloses it (the RSS is the process's: another thread allocating meanwhile counts too)."""
+    outermost = _STATE.depth == 0
+    start = _start() if outermost else None
+    _STATE.depth += 1
     try:
         return call(arg)
     finally:
-        _MeasureImports.depth -= 1
-        if outermost:
-            _LOADED[key] = _LOADED.get(key, 0) + max(0, rss_bytes() - before)
+        _STATE.depth -= 1
+        if start is not None:
+            _finish(key, start, add=True)
 
 
 def watch_imports() -> None:
@@ -142,21 +215,16 @@ def loaded_code(path: str) -> None:
 
 
 def code_bytes() -> int:
-    """Bytes of the compiled step libraries the process loaded (the files' sizes: what
-    mapping them adds at most; a file removed since counts 0)."""
-    total = 0
-    for path in sorted(_CODE):
-        try:
-            total += Path(path).stat().st_size
-        except OSError:
-            pass
-    return total
+    """Resident bytes of the compiled step libraries the process loaded."""
+    with _LOCK:
+        paths = set(_CODE)
+    return _resident_file_bytes(paths)
 
 
 def overheads() -> Dict[str, int]:
     """The process's memory that is not tensors, for ``stats()``: ``compiled_code_bytes``
     and ``library_bytes`` (the measured loads, summed)."""
-    return {"compiled_code_bytes": code_bytes(), "library_bytes": sum(_LOADED.values())}
+    return {"compiled_code_bytes": code_bytes(), "library_bytes": sum(library_bytes().values())}
 
 
 def with_total(stats: Dict[str, Any]) -> Dict[str, Any]:

@@ -172,9 +172,19 @@ void Group::Validate(CollectiveCall* c) const {
 }
 
 void Group::ValidateAllToAll(const CollectiveCall& c) const {
-  if (DataPtr(c.send) == DataPtr(c.recv)) {
+  // overlapping buffers (an empty one has no extent: a zero-size GPU array's pointer is null)
+  const char* send = static_cast<const char*>(DataPtr(c.send));
+  const char* recv = static_cast<const char*>(DataPtr(c.recv));
+  const int64_t esize = static_cast<int64_t>(ElemSize(c.elem));
+  if (c.send_count > 0 && c.recv_count > 0 && send < recv + c.recv_count * esize &&
+      recv < send + c.send_count * esize) {
     TVM_FFI_THROW(ValueError) << "alltoall cannot run in place: give it an output buffer of "
                                  "its own";
+  }
+  if (c.send_count > INT32_MAX || c.recv_count > INT32_MAX) {  // MPI's int counts and offsets
+    TVM_FFI_THROW(ValueError) << "alltoall of " << std::max(c.send_count, c.recv_count)
+                              << " elements exceeds MPI's int counts and offsets; split the "
+                                 "exchange";
   }
   if (c.send_splits.empty() != c.recv_splits.empty()) {
     TVM_FFI_THROW(ValueError) << "alltoall: give both send and receive splits, or neither";
@@ -200,9 +210,10 @@ void Group::ValidateAllToAll(const CollectiveCall& c) const {
     }
     int64_t total = 0;
     for (int j = 0; j < size_; ++j) {
-      if (s[j] < 0) {
+      if (s[j] < 0 || s[j] > counts[side]) {  // (bounded, so the sum cannot overflow)
         TVM_FFI_THROW(ValueError) << "alltoallv: " << names[side] << " split " << j << " is "
-                                  << s[j] << "; counts cannot be negative";
+                                  << s[j] << "; each count must be between 0 and the "
+                                  << counts[side] << " elements of the buffer";
       }
       total += s[j];
     }

@@ -277,14 +277,29 @@ class NcclBackend : public Backend {
         char* recv = static_cast<char*>(DataPtr(c.recv));
         size_t send_offset = 0, recv_offset = 0;
         CheckNccl(ncclGroupStart(), "GroupStart");
+        struct CloseGroup {  // an error inside must not leave the group open (later calls
+          bool open = true;  // would be deferred for ever)
+          ~CloseGroup() {
+            if (open) ncclGroupEnd();
+          }
+        } group;
         for (int r = 0; r < size_; ++r) {
           size_t out = c.send_splits.empty() ? c.send_count / size_ : c.send_splits[r];
           size_t in = c.recv_splits.empty() ? c.recv_count / size_ : c.recv_splits[r];
-          CheckNccl(ncclSend(send + send_offset * esize, out, dtype, r, comm_, stream_), "Send");
-          CheckNccl(ncclRecv(recv + recv_offset * esize, in, dtype, r, comm_, stream_), "Recv");
+          // empty blocks are skipped on both sides alike (rank i's send count to j is rank
+          // j's receive count from i), as PyTorch's uneven alltoall does
+          if (out > 0) {
+            CheckNccl(ncclSend(send + send_offset * esize, out, dtype, r, comm_, stream_),
+                      "Send");
+          }
+          if (in > 0) {
+            CheckNccl(ncclRecv(recv + recv_offset * esize, in, dtype, r, comm_, stream_),
+                      "Recv");
+          }
           send_offset += out;
           recv_offset += in;
         }
+        group.open = false;
         CheckNccl(ncclGroupEnd(), "GroupEnd");
         break;
       }

@@ -6,14 +6,16 @@ with ``stats()["total_bytes"]`` (parameters, optimizer state, planned step tempo
 compiled code, and the libraries loading them added: TVM, torch.export, MPI;
 raf_dist/process_memory.py).
 
-Measured on this 2-core machine (growth / total; cold build cache, as this session's):
-wide_mlp 1.09, gpt2 (transformers) 1.10, resnet (torchvision) 1.20; with the step already
-compiled (a warm cache) 1.06, 1.07, 1.13. What is not accounted for, ~40-80 MiB whatever the
-model: the compiler's freed heap that glibc cannot return (fragmented by live IR objects),
-the IR and VM objects themselves, the first step's allocator arenas. The bound below (1.3) is
-therefore a check that no large term is missing — before this accounting (no library term,
-a second copy of the weights held by the Model and the torch module kept alive by the
-capture) the same runs gave 1.7-2.0 — not a 10% agreement, which two of the three meet.
+Measured on this 2-core machine (growth / total): wide_mlp 1.06-1.10, gpt2 (transformers)
+1.07-1.11, resnet (torchvision) 1.13-1.24, the high ends with the step compiled in the process
+(a cold build cache, as this test session's). Libraries count their anonymous memory at load
+plus their shared objects' resident pages read when stats() is called (code pages become
+resident as they first run). What is not accounted for, ~40-90 MiB whatever the model: the
+compiler's freed heap that glibc cannot return (fragmented by live IR objects), the IR and VM
+objects themselves, the first step's allocator arenas. The bound below (1.4) is therefore a
+check that no large term is missing — before this accounting (no library term, a second copy
+of the weights held by the Model and the torch module kept alive by the capture) the same
+runs gave 1.7-2.0 — not a 10% agreement, which two of the three meet.
 """
 import json
 import os
@@ -22,6 +24,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from raf_dist import process_memory
 
 PROBE = Path(__file__).resolve().parent / "memory_probe.py"
 
@@ -37,13 +41,13 @@ def _probe(name):
 def test_stats_total_predicts_rss_growth(name):
     got = _probe(name)
     growth, total = got["growth"], got["total_bytes"]
-    assert set(got["libraries"]) >= {"tvm and raf_dist's compiler", "torch.export"}
+    assert set(got["libraries"]) >= {process_memory.COMPILER, "torch.export"}
     # the parts add up, and the total is what the process grew by, within the bound above
     parts = ("param_bytes", "optimizer_state_bytes", "planned_peak_bytes",
              "compiled_code_bytes", "library_bytes")
     assert total == sum(got[k] for k in parts)
     assert got["compiled_code_bytes"] > 0 and got["library_bytes"] > 100 * 2**20
-    assert 0.9 * total <= growth <= 1.3 * total, (name, growth / total, got)
+    assert 0.9 * total <= growth <= 1.4 * total, (name, growth / total, got)
 
 
 def test_capture_keeps_no_reference_to_the_module():

@@ -277,6 +277,11 @@ def test_transformer_block_plan_and_sharded_forward(block4, tp):
             local[plan.placements[name].dim] //= tp
         assert shape_of(params[name]) == tuple(local), name
         assert sharded.init_params[name].shape == tuple(local), name
+    # a re-capture's pieces without values (training/tensor_parallel.py): the same shapes,
+    # computed, no memory
+    shapes_only = shard_model(block4, plan, 0, block4.init_params, values=False)
+    for name, value in shapes_only.init_params.items():
+        assert value.shape == sharded.init_params[name].shape and value.strides == (0,) * value.ndim
 
 
 def _classify_reduces(step):

@@ -35,7 +35,29 @@ def test_counters_count_calls_and_zero_bus_bytes():
     counters = dist.comm_counters()
     assert counters["allreduce"] == {"calls": 1, "bus_bytes": 0.0}  # (N-1)/N = 0
     assert set(counters) == {"allreduce", "reduce_scatter", "allgather", "broadcast",
-                             "send", "recv", "barrier"}
+                             "send", "recv", "barrier", "alltoall"}
+
+
+def test_alltoall_in_a_world_of_one_and_its_errors():
+    """The exchange is a copy to itself; bad counts name the problem before any message."""
+    x = np.arange(6, dtype=np.float32)
+    np.testing.assert_array_equal(dist.alltoall(x), x)
+    np.testing.assert_array_equal(dist.alltoallv(x, [6]), x)
+    native = _native.func("alltoall")
+    t = tvm_ffi.from_dlpack
+    with pytest.raises(ValueError, match="cannot run in place"):
+        native(t(x), 0, t(x))
+    with pytest.raises(ValueError, match="send splits sum to 5 elements but the input holds 6"):
+        native(t(x), t(np.array([5], np.int64)), t(np.array([6], np.int64)), 0,
+               t(np.empty(6, np.float32)))
+    with pytest.raises(ValueError, match="2 receive splits for a group of 1 ranks"):
+        native(t(x), t(np.array([6], np.int64)), t(np.array([3, 3], np.int64)), 0,
+               t(np.empty(6, np.float32)))
+    with pytest.raises(TypeError, match="int64 tensor in host memory"):
+        native(t(x), t(np.array([6], np.int32)), t(np.array([6], np.int64)), 0,
+               t(np.empty(6, np.float32)))
+    with pytest.raises(ValueError, match="send_counts"):
+        dist.alltoallv(x, [-1])
 
 
 def test_errors_name_the_problem():

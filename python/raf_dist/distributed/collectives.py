@@ -147,8 +147,10 @@ def alltoallv(x, send_counts, recv_counts=None, out=None, async_op=False, group=
     """Personalised exchange in uneven blocks: the first ``send_counts[0]`` elements of ``x``
     (flattened) go to rank 0, the next ``send_counts[1]`` to rank 1, and so on; the result
     holds ``recv_counts[j]`` elements from each rank j, in rank order. Without
-    ``recv_counts`` the ranks first exchange their counts (an alltoall of N integers), as
-    the DLRM and torchrec embedding exchanges do."""
+    ``recv_counts`` the ranks first exchange their counts (an alltoall of N integers, which
+    comm_counters and the flight recorder show as one more alltoall), as the DLRM and
+    torchrec embedding exchanges do. Counts differ by rank, so a bad count raises on its
+    rank only: under RAF_DIST_CHECK_COLLECTIVES the ranks compare them first."""
     x = np.ascontiguousarray(x).reshape(-1)
     size = get_communicator().size if group is None else _native.func("group_size")(group)
     send_counts = np.ascontiguousarray(send_counts, dtype=np.int64).reshape(-1)

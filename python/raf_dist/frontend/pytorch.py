@@ -111,7 +111,7 @@ def _capture(module: torch.nn.Module, example_inputs: ExampleInputs, twin: torch
     buffer_values = {n: b.detach().cpu().numpy().copy() for n, b in module.named_buffers()}
     persistent = set(module.state_dict())
     # a snapshot of the values; the twin's are never read (Model.at_batch supplies them)
-    init = {n: (named[n].detach().numpy() if again
+    init = {n: (named[n].detach().cpu().numpy() if again
                 else named[n].detach().cpu().numpy().copy()) for n in names}
     specs = [(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in example_inputs]
     dropout_specs = [(tuple(int(d) for d in ty.shape), str(ty.dtype), rate) for rate, ty in dropouts]
@@ -143,27 +143,32 @@ def _at_batch(module: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...],
 
 
 def _weightless_twin(module: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of ``module`` whose parameters are views of one ``torch.empty`` buffer as
-    large as the largest of them: capture reads only their shapes and dtypes (torch.export
-    traces with fake tensors), so the buffer is never written and holds no resident memory.
-    Buffers are copied (their values are IR constants). A module deepcopy cannot copy is
-    returned itself (it then stays alive with the Model: logged)."""
+    """A deep copy of ``module`` whose parameters are views of one ``torch.empty`` buffer per
+    device, as large as the largest parameter there: capture reads only their shapes, dtypes
+    and devices (torch.export traces with fake tensors), so the buffer is never written and
+    holds no resident host memory. Buffers are copied (their values are IR constants). A
+    module deepcopy cannot copy is returned itself (it then stays alive with the Model)."""
     import copy
 
     import torch
 
     params = {id(p): p for p in module.parameters()}  # tied parameters once
-    largest = max((p.numel() * p.element_size() for p in params.values()), default=0)
-    arena = torch.empty(largest, dtype=torch.uint8)
+    largest: dict[Any, int] = {}
+    for p in params.values():
+        largest[p.device] = max(largest.get(p.device, 0), p.numel() * p.element_size())
+    arenas = {device: torch.empty(size, dtype=torch.uint8, device=device)
+              for device, size in largest.items()}
     memo: dict[int, Any] = {
-        key: torch.nn.Parameter(arena[:p.numel() * p.element_size()].view(p.dtype).view(p.shape),
-                                requires_grad=p.requires_grad)
+        key: torch.nn.Parameter(
+            arenas[p.device][:p.numel() * p.element_size()].view(p.dtype).view(p.shape),
+            requires_grad=p.requires_grad)
         for key, p in params.items()}
     try:
         return copy.deepcopy(module, memo)
     except Exception as err:  # noqa: BLE001 - any module-specific copy failure
-        _LOG.info("%s cannot be deep-copied (%s): the Model keeps the module itself for "
-                  "capturing it at other batch sizes", type(module).__name__, err)
+        _LOG.warning("%s cannot be deep-copied (%s): the Model keeps the module itself (and "
+                     "its parameters' memory) for capturing it at other batch sizes",
+                     type(module).__name__, err)
         return module
 
 

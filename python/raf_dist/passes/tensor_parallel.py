@@ -91,6 +91,19 @@ class TensorParallelPlan:
         piece = seg.take(rank, axis=p.dim + 1)
         return piece.reshape(shape[:p.dim] + (shape[p.dim] // self.tp,) + shape[p.dim + 1:])
 
+    def local_shape(self, name, shape):
+        """The shape of this tp rank's piece of parameter ``name`` of ``shape`` (what
+        local_shard returns, without computing it)."""
+        shape = list(shape)
+        p = self.placements.get(name)
+        if p is None:
+            return tuple(shape)
+        pad = self.padding.get(name)
+        if pad is not None:
+            shape[pad.dim] = pad.padded
+        shape[p.dim] //= self.tp
+        return tuple(shape)
+
     def assemble(self, name, pieces):
         """The full parameter from every tp rank's piece, in tp-rank order."""
         p = self.placements.get(name)

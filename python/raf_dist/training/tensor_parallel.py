@@ -27,10 +27,12 @@ def make_plan(model, tp: int, plan=None, loss="cross_entropy") -> TensorParallel
                                 plan=plan, split_output=loss == "cross_entropy")
 
 
-def shard_model(model, plan: TensorParallelPlan, tp_rank: int, full_params: dict):
+def shard_model(model, plan: TensorParallelPlan, tp_rank: int, full_params: dict,
+                values: bool = True):
     """``model`` with its forward (and evaluation forward) split by ``plan``, its parameters
-    this tp rank's pieces of ``full_params`` and a ``respecialize`` that splits the model
-    captured at another batch size the same way."""
+    this tp rank's pieces of ``full_params`` (``values=False``: placeholders of the pieces'
+    shapes, no memory) and a ``respecialize`` that splits the model captured at another
+    batch size the same way."""
     trained = trained_names(model)
     functions = {}
     for gvar, func in model.mod.functions_items():
@@ -38,14 +40,20 @@ def shard_model(model, plan: TensorParallelPlan, tp_rank: int, full_params: dict
             func = shard_forward(func, plan.tp, list(model.param_names), trained, plan)
         functions[gvar] = func
     mod = tvm.IRModule(functions)
-    init = {n: np.ascontiguousarray(plan.local_shard(n, np.asarray(full_params[n]), tp_rank))
-            for n in model.param_names}
+    if values:
+        init = {n: np.ascontiguousarray(plan.local_shard(n, np.asarray(full_params[n]),
+                                                         tp_rank))
+                for n in model.param_names}
+    else:
+        init = {n: np.broadcast_to(np.zeros((), np.asarray(full_params[n]).dtype),
+                                   plan.local_shape(n, np.shape(full_params[n])))
+                for n in model.param_names}
 
     shapes_only = model.without_values()  # the full initial values are not kept alive here
 
     def respecialize(rows):  # Model.at_batch gives the result this piece's init_params
         other = shapes_only.at_batch(rows)
-        return shard_model(other, plan, tp_rank, other.init_params)
+        return shard_model(other, plan, tp_rank, other.init_params, values=False)
 
     return dataclasses.replace(model, mod=mod, init_params=init,
                                output_split_classes=plan.tp if plan.output_split else 0,
