@@ -33,13 +33,7 @@ _CODE: Set[str] = set()  # paths of the compiled step libraries this process loa
 
 def rss_bytes() -> int:
     """This process's resident set size (VmRSS; 0 where /proc is absent)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _status_kib("VmRSS") * 1024
 
 
 def _status_kib(key: str) -> int:
