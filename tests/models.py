@@ -453,3 +453,52 @@ def make_dlrm(batch, seed=0, bag_items=3, **sizes):
     offsets = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), c]) for c in cuts])
     dense = torch.randn(batch, module.bottom[0].in_features, generator=gen)
     return module, (dense, indices, offsets), torch.randint(0, 2, (batch,), generator=gen)
+
+
+class ShardedRec(nn.Module):
+    """A DLRM-style recommender whose inputs all lead with the batch (what data parallelism
+    splits), for embedding-table parallelism: a bottom MLP on the dense features; three
+    ``nn.EmbeddingBag`` tables of different sizes looked up with bags of ``bag`` ids per sample
+    (a sum bag with per-sample weights, a mean bag whose padding id 0 shortens some bags, a
+    plain sum bag) and one ``nn.Embedding`` of a categorical feature; the pairwise dot
+    products of the vectors (DLRM's interactions); a top MLP.
+    ``forward(dense (B, F), ids (B, 3, bag), category (B,), weights (B, bag))``."""
+
+    def __init__(self, dense=8, dim=8, rows=(40, 60, 12), categories=25, classes=2, hidden=16):
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(dense, hidden), nn.ReLU(), nn.Linear(hidden, dim),
+                                    nn.ReLU())
+        self.tables = nn.ModuleList([nn.EmbeddingBag(rows[0], dim, mode="sum"),
+                                     nn.EmbeddingBag(rows[1], dim, mode="mean", padding_idx=0),
+                                     nn.EmbeddingBag(rows[2], dim, mode="sum")])
+        self.category = nn.Embedding(categories, dim)
+        features = len(rows) + 2
+        pairs = features * (features - 1) // 2
+        self.top = nn.Sequential(nn.Linear(dim + pairs, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, classes))
+        r, c = torch.tril_indices(features, features, offset=-1)
+        self.register_buffer("pair_rows", r, persistent=False)
+        self.register_buffer("pair_cols", c, persistent=False)
+
+    def forward(self, dense, ids, category, weights):
+        x = self.bottom(dense)
+        bags = [self.tables[0](ids[:, 0], per_sample_weights=weights),
+                self.tables[1](ids[:, 1]), self.tables[2](ids[:, 2])]
+        vectors = torch.stack([x, *bags, self.category(category)], dim=1)
+        z = torch.bmm(vectors, vectors.transpose(1, 2))
+        return self.top(torch.cat([x, z[:, self.pair_rows, self.pair_cols]], dim=1))
+
+
+def make_sharded_rec(batch, seed=0, bag=4):
+    """(module, (dense, ids, category, weights), target) for ShardedRec: random initial
+    values, ids uniform over each table (the mean bag's padding id 0 included, so its bags
+    have different lengths)."""
+    torch.manual_seed(seed)
+    module = ShardedRec()
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.stack([torch.randint(0, t.num_embeddings, (batch, bag), generator=gen)
+                       for t in module.tables], dim=1)
+    inputs = (torch.randn(batch, module.bottom[0].in_features, generator=gen), ids,
+              torch.randint(0, module.category.num_embeddings, (batch,), generator=gen),
+              torch.rand(batch, bag, generator=gen))
+    return module, inputs, torch.randint(0, 2, (batch,), generator=gen)

@@ -43,7 +43,8 @@ class Trainer:
                  local: bool = False, precision: str = "fp32",
                  grad_reduce_dtype: str = "float32",
                  lr_schedule: Optional[Callable[[int], float]] = None,
-                 log_every: int = 0, max_grad_norm: Optional[float] = None) -> None:
+                 log_every: int = 0, max_grad_norm: Optional[float] = None,
+                 embedding_plan: Optional[Dict[str, int]] = None) -> None:
         """``nonfinite``: what ``step`` does when the loss or a gradient is NaN or infinite:
         ``"raise"`` (default) raises FloatingPointError naming the step, ``"skip"`` returns the
         NaN loss and logs a warning on the ``raf_dist`` logger; either way the update is not
@@ -85,7 +86,13 @@ class Trainer:
         ``max_grad_norm``: clip the gradients by their global L2 norm as
         ``torch.nn.utils.clip_grad_norm_`` on one process on the global batch, whatever the
         mesh (every element counted once: passes/clipping.py); ``last_grad_norm`` is the norm
-        before clipping, the same float on every rank."""
+        before clipping, the same float on every rank.
+
+        ``embedding_plan`` (with ``embedding_parallel="table"``): {table name or pattern
+        (module "tables.3" or parameter "tables.3.weight"): dp rank} places those tables; the
+        others are balanced by bytes around them (passes/embedding_parallel.py). A name that
+        is no table of the model, or a rank outside the dp group, is refused here on every
+        rank."""
         check_arguments(model, loss, optimizer, device, nonfinite)
         check_precision(precision, grad_reduce_dtype)
         if lr_schedule is not None and not callable(lr_schedule):
@@ -103,16 +110,18 @@ class Trainer:
         comm = get_communicator()
         plan = plan_run(config, comm.size, local)  # the config, read once
         if comm.size > 1 and not plan.local:  # before any other collective
-            agree(comm, plan, model, loss, optimizer, device)
+            agree(comm, plan, model, loss, optimizer, device, embedding_plan)
         mesh = build_mesh(plan, config, comm.size)
         set_num_threads(max(1, available_cores() // max(1, comm.local_size)))
         executor = PipelineExecutor if plan.pp > 1 else SPMDExecutor
+        # pipelining refuses sharded tables (DistConfig.check_supported)
+        extra = {} if plan.pp > 1 else {"embedding_plan": embedding_plan}
         self.executor = executor(model, loss, optimizer, device, plan, mesh, comm,
                                  cache_dir=cache_dir, seed=seed, nonfinite=nonfinite,
                                  tensor_parallel_plan=tensor_parallel_plan,
                                  precision=precision, grad_reduce_dtype=grad_reduce_dtype,
                                  lr_schedule=lr_schedule, log_every=log_every,
-                                 max_grad_norm=max_grad_norm)
+                                 max_grad_norm=max_grad_norm, **extra)
         process_memory.return_free_heap()  # what compiling freed (the RSS stays the run's)
         if env.profile_dir() is not None:
             self.profile(env.profile_steps(), env.profile_dir())

@@ -3,6 +3,7 @@ executors decide them once from the run's plan; no pass reads the config)."""
 from ..passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, MaxPoolGradient,
                       ShardZeRO, StripGradientMarkers)
 from ..passes.auto_cast import AccumulateInFloat32
+from ..passes.embedding_parallel import LowerEmbeddingExchange
 from ..passes.lower_allreduce import LowerAllReduce
 from ..passes.propagate_nan import PropagateNaN
 from ..passes.tp_ops import LowerTensorParallel
@@ -19,14 +20,16 @@ def nonfinite_guard(zero_level: int, world_size: int, nonfinite: str = "raise"):
 
 def step_passes(zero_level: int, world_size: int, bucket_bytes: int, overlap: bool = True,
                 group: int = 0, guard: bool = False, tp_group=None, sync_batch_norm_group=None,
-                clip=None):
+                clip=None, embedding_group=None):
     """The raf_dist passes a training step goes through (before TVM's lowering): the
     distribution pass for the ZeRO level (0: data parallel allreduce; world size 1 at level 0:
     none), then the lowering of tensor-parallel ops (``tp_group``) and of synchronized batch
     norm's allreduces (``sync_batch_norm_group``), library dispatch and fast math. ``guard``:
     under ZeRO, no update unless every rank's gradients are finite (nonfinite="skip";
     passes/zero.py); ``clip`` (a passes.clipping.Clip): under ZeRO, the gradient shards clipped
-    by the global norm (without ZeRO the step builder clips)."""
+    by the global norm (without ZeRO the step builder clips). ``embedding_group``: the
+    tables are sharded over that (dp) group: their exchanges become all-to-alls and the
+    non-finite verdict an allreduce there (passes/embedding_parallel.py)."""
     if zero_level:
         distribute = ShardZeRO(zero_level, world_size, bucket_bytes, overlap=overlap, group=group,
                                guard=guard, clip=clip)
@@ -37,8 +40,12 @@ def step_passes(zero_level: int, world_size: int, bucket_bytes: int, overlap: bo
     lowering = []
     if tp_group is not None:  # f and g (passes/tp_ops.py), after autodiff
         lowering.append(LowerTensorParallel(tp_group))
-    if sync_batch_norm_group is not None:  # the statistics' allreduce ops, after autodiff
-        lowering.append(LowerAllReduce(sync_batch_norm_group))
+    if embedding_group is not None:  # the tables' exchanges (passes/embedding_parallel.py)
+        lowering.append(LowerEmbeddingExchange(embedding_group))
+    if sync_batch_norm_group is not None or embedding_group is not None:
+        # synchronized batch norm's statistics, the sharded tables' non-finite verdict
+        lowering.append(LowerAllReduce(sync_batch_norm_group if sync_batch_norm_group
+                                       is not None else embedding_group))
     return [distribute, *lowering, *function_passes()]
 
 
@@ -48,7 +55,8 @@ def function_passes():
             MaxPoolGradient()]
 
 
-def forward_passes(tp_group=None):
+def forward_passes(tp_group=None, embedding_group=None):
     """The passes of an evaluation forward (``predict``)."""
-    return ([LowerTensorParallel(tp_group)] if tp_group is not None else []) + [
+    return ([LowerTensorParallel(tp_group)] if tp_group is not None else []) + (
+        [LowerEmbeddingExchange(embedding_group)] if embedding_group is not None else []) + [
         PropagateNaN(), DispatchToBLAS(), AccumulateInFloat32()]

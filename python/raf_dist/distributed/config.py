@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 _ZERO_LEVELS = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+EMBEDDING_MODES = ("none", "table", "row")
 
 
 @dataclasses.dataclass
@@ -46,6 +47,11 @@ class DistConfig:
             optimizer state) may take: the compiler picks the least recomputation (none,
             "selective", "full") whose planned peak fits, or the Trainer says at construction
             the smallest peak it can reach. Replaces activation_checkpointing's choice.
+        embedding_parallel: "none" (default: embedding tables replicated like any
+            parameter), "table" (each table whole on one rank of the dp group, placed by
+            bytes or by Trainer(embedding_plan=...)) or "row" (each table's rows split over
+            the dp group): ids and rows travel by all-to-all, the dense layers stay data
+            parallel (passes/embedding_parallel.py). Requires enable_data_parallel.
 
     The failure-handling settings of the runtime (read once, when the process joins the job:
     set them before the first ``get_communicator()`` or Trainer; the
@@ -78,6 +84,7 @@ class DistConfig:
     pipeline_split_points: list[str] | None = None
     activation_checkpointing: bool | str = False
     activation_memory_budget_mb: float | None = None
+    embedding_parallel: str = "none"
     collective_timeout_s: float = 600.0
     barrier_timeout_s: float = 3600.0
     check_collectives: bool = False
@@ -114,6 +121,11 @@ class DistConfig:
                 "ranks, so it requires enable_data_parallel=True; set "
                 "dist.get_config().enable_data_parallel = True or use zero_opt_level=0"
             )
+        if self.embedding_parallel != "none" and not self.enable_data_parallel:
+            raise ValueError(
+                f"embedding_parallel={self.embedding_parallel!r} shards the tables over the "
+                "data-parallel ranks, so it requires enable_data_parallel=True; set "
+                "dist.get_config().enable_data_parallel = True or embedding_parallel='none'")
 
     def check_supported(self) -> None:
         """Refuse the contract's values this version cannot run yet (the Trainer calls it
@@ -133,6 +145,17 @@ class DistConfig:
                 "activation_memory_budget_mb with num_microbatches > 1 is not built yet (the "
                 "budget would have to be planned on the microbatch's step): choose "
                 "activation_checkpointing='selective' or 'full' yourself")
+        if self.embedding_parallel != "none":
+            for field, value, allowed in (
+                    ("zero_opt_level", self.zero_opt_level, 0),
+                    ("tensor_parallel_size", self.tensor_parallel_size, 1),
+                    ("pipeline_parallel_size", self.pipeline_parallel_size, 1)):
+                if value != allowed:
+                    raise NotImplementedError(
+                        f"embedding_parallel={self.embedding_parallel!r} with {field}={value} "
+                        f"is not built yet (the sharded tables' gradients and state sit "
+                        f"outside the ZeRO buckets and the tp / pp pieces); use {field}="
+                        f"{allowed} with sharded tables, or embedding_parallel='none'")
         if self.activation_checkpointing == "selective" and self.pipeline_parallel_size > 1:
             raise NotImplementedError(
                 "activation_checkpointing='selective' is not built for pipeline stages yet "
@@ -215,6 +238,11 @@ def _validate(name: str, value: Any) -> Any:
             raise ValueError(f"pipeline_split_points must be None or a list of module names "
                              f"(e.g. ['layers.4']), got {value!r}")
         return list(value)
+    if name == "embedding_parallel":
+        if value not in EMBEDDING_MODES:
+            raise ValueError(f"embedding_parallel must be one of {EMBEDDING_MODES}, got "
+                             f"{value!r}")
+        return value
     if name == "pipeline_schedule":
         if value not in PIPELINE_SCHEDULES:
             raise ValueError(f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got "

@@ -13,6 +13,11 @@ the backward by itself):
   IR stays the same on every rank; the runtime answers, ``TP_RANK_FUNC``).
 - ``raf_dist.pipeline_stage`` / ``raf_dist.pipeline_stage_grad``: a pipeline stage boundary
   in the forward and its mirror in the backward (identity; each the other's gradient).
+- ``raf_dist.ep_exchange(x)`` (attributes ``send``, ``recv``: rows per rank of the dp group):
+  the personalised all-to-all of embedding-table parallelism (passes/embedding_parallel.py):
+  rows ``[sum(send[:j]), sum(send[:j + 1]))`` of ``x`` go to rank j, and the result holds
+  ``recv[j]`` rows from each rank j in rank order. Its gradient is the reverse exchange
+  (``send`` and ``recv`` swapped).
 
 Markers (``R.call_pure_packed(symbol, x, R.prim_value(i))``, rewritten by a pass before
 lowering):
@@ -36,6 +41,7 @@ TP_RANK = "raf_dist.tp_rank"
 TP_RANK_FUNC = "raf_dist.tp_rank_tensor"
 STAGE_MARKER = "raf_dist.pipeline_stage"
 STAGE_MARKER_GRAD = "raf_dist.pipeline_stage_grad"
+EP_EXCHANGE = "raf_dist.ep_exchange"
 DROPOUT_MARKER = "raf_dist.dropout"
 MARK_GRADIENT = "raf_dist.mark_gradient"
 
@@ -71,6 +77,18 @@ def register_op(name, description, gradient=None, infer=None, argument="the tens
     return op
 
 
+def _exchange_type(call, ctx):
+    """The rows ``call.attrs["recv"]`` add up to, each of the input's row shape."""
+    x = call.args[0]
+    rows = sum(int(r) for r in call.attrs["recv"])
+    return relax.TensorType([rows] + [int(d) for d in list(x.ty.shape)[1:]], x.ty.dtype)
+
+
+def _exchange_attrs(send, recv):
+    return tvm.ir.make_node("ir.DictAttrs", send=[int(r) for r in send],
+                            recv=[int(r) for r in recv])
+
+
 _OPS = {  # name -> registered op (the gradients refer to each other through this table)
     TP_COPY: register_op(TP_COPY, "identity forward, allreduce(sum) over the tp group backward",
                          gradient=lambda var, call, grad, ctx: [relax.Call(_OPS[TP_REDUCE],
@@ -91,6 +109,12 @@ _OPS = {  # name -> registered op (the gradients refer to each other through thi
         STAGE_MARKER_GRAD, "the stage boundary in the backward (identity)",
         gradient=lambda var, call, grad, ctx: [relax.Call(_OPS[STAGE_MARKER], [grad])],
         argument="the activation crossing the stage boundary"),
+    EP_EXCHANGE: register_op(
+        EP_EXCHANGE, "all-to-all of rows over the dp group (embedding-table parallelism)",
+        infer=_exchange_type, argument="the rows to send, in destination-rank order",
+        gradient=lambda var, call, grad, ctx: [relax.Call(
+            _OPS[EP_EXCHANGE], [grad], attrs=_exchange_attrs(call.attrs["recv"],
+                                                             call.attrs["send"]))]),
 }
 _TP_OPS = tuple(_OPS[n] for n in (TP_COPY, TP_REDUCE, TP_MAX, TP_RANK))
 
@@ -135,6 +159,20 @@ def stage_boundary(x):
 def is_stage_marker(expr, backward=False):
     op = _op(STAGE_MARKER_GRAD if backward else STAGE_MARKER)
     return isinstance(expr, relax.Call) and expr.op.same_as(op)
+
+
+# ---- embedding-table parallelism ----------------------------------------------------------
+def ep_exchange(x, send, recv):
+    """The all-to-all of ``x``'s rows over the dp group: ``send[j]`` rows to rank j (in
+    order), ``recv[j]`` rows from rank j (module docstring)."""
+    if sum(int(r) for r in send) != int(x.ty.shape[0]):
+        raise ValueError(f"ep_exchange sends {sum(send)} rows of a tensor of "
+                         f"{int(x.ty.shape[0])}")
+    return relax.Call(_op(EP_EXCHANGE), [x], attrs=_exchange_attrs(send, recv))
+
+
+def is_ep_exchange(expr):
+    return isinstance(expr, relax.Call) and expr.op.same_as(_op(EP_EXCHANGE))
 
 
 # ---- markers ------------------------------------------------------------------------------

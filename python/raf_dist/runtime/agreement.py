@@ -14,7 +14,8 @@ from ..distributed.communicator import raised_on_every_rank
 from .plan import PARALLELISM_FIELDS, RunPlan
 
 
-def agree(comm: Any, plan: RunPlan, model: Any, loss: str, optimizer: Any, device: str) -> None:
+def agree(comm: Any, plan: RunPlan, model: Any, loss: str, optimizer: Any, device: str,
+          embedding_plan: Any = None) -> None:
     """Before its first collective (the mesh's splits, the device check, the parameter
     broadcast) a Trainer in a world of several ranks meets every rank, whatever its own
     config asks for: a barrier with a timeout whose error names the ranks that never came,
@@ -36,7 +37,9 @@ def agree(comm: Any, plan: RunPlan, model: Any, loss: str, optimizer: Any, devic
         "optimizer": [type(optimizer).__name__, optimizer.config()],
         "model": [[n, list(map(int, s)), str(d)] for n, (s, d) in
                   zip(model.param_names, model.param_specs())],
-        "inputs": [[list(map(int, s)), str(d)] for s, d in model.input_specs]}
+        "inputs": [[list(map(int, s)), str(d)] for s, d in model.input_specs],
+        "embedding_plan": ({str(k): repr(v) for k, v in embedding_plan.items()}
+                           if isinstance(embedding_plan, dict) else repr(embedding_plan))}
     raise_if_ranks_differ(comm.mpi_comm.allgather(description), "built different Trainers")
 
 

@@ -8,7 +8,7 @@ from ..distributed.mesh import ProcessMesh, check_mesh, get_mesh, local_mesh
 #: the settings that decide whether and how the ranks train together (checked by every
 #: Trainer of a world of several ranks: agreement.agree)
 PARALLELISM_FIELDS = ("enable_data_parallel", "zero_opt_level", "tensor_parallel_size",
-                      "pipeline_parallel_size")
+                      "pipeline_parallel_size", "embedding_parallel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,12 @@ class RunPlan:
     split_points: Optional[Tuple[Any, ...]]
     activation_checkpointing: Optional[str]  # the recomputation policy: None, full, selective
     activation_memory_budget_mb: Optional[float]  # chooses the policy when set
+    embedding_parallel: str = "none"  # "table" / "row": tables sharded over the dp ranks
+
+    @property
+    def embeddings_sharded(self) -> bool:
+        """Tables sharded over several data-parallel ranks (passes/embedding_parallel.py)."""
+        return self.embedding_parallel != "none" and self.data_parallel and self.world > 1
 
     @property
     def sync_batch_norm_world(self) -> int:
@@ -73,7 +79,8 @@ def plan_run(config: Any, world_size: int, local: bool = False) -> RunPlan:
                          if schedule == "interleaved_1f1b" else 1),
         split_points=config.pipeline_split_points,
         activation_checkpointing=config.recompute,
-        activation_memory_budget_mb=config.activation_memory_budget_mb)
+        activation_memory_budget_mb=config.activation_memory_budget_mb,
+        embedding_parallel=config.embedding_parallel)
 
 
 def build_mesh(plan: RunPlan, config: Any, world_size: int) -> ProcessMesh:
@@ -88,7 +95,7 @@ def build_mesh(plan: RunPlan, config: Any, world_size: int) -> ProcessMesh:
 def check_local(config: Any) -> None:
     """A ``local=True`` Trainer asks for no parallelism (it joins no collective)."""
     alone = {"enable_data_parallel": False, "zero_opt_level": 0, "tensor_parallel_size": 1,
-             "pipeline_parallel_size": 1}
+             "pipeline_parallel_size": 1, "embedding_parallel": "none"}
     asked = {k: getattr(config, k) for k in PARALLELISM_FIELDS if getattr(config, k) != alone[k]}
     if asked:
         raise ValueError(

@@ -30,6 +30,7 @@ from ..passes.batch_norm import decompose_forward, has_training_batch_norm
 from ..passes.clipping import Clip
 from ..training import build_train_step
 from ..training import batch_size as batching
+from ..training import embedding_parallel as ep_lib
 from ..training.loss import check_targets, num_classes
 from ..training.step import GRAD_UNSCALE
 from ..training.tensor_parallel import trained_names
@@ -55,7 +56,7 @@ class SPMDExecutor(LoopScalars):
     def __init__(self, model, loss, optimizer, device, plan: RunPlan, mesh, comm,
                  cache_dir=None, seed=0, nonfinite="raise", tensor_parallel_plan=None,
                  precision="fp32", grad_reduce_dtype="float32", lr_schedule=None,
-                 log_every=0, max_grad_norm=None):
+                 log_every=0, max_grad_norm=None, embedding_plan=None):
         """See raf_dist.Trainer: the arguments are checked and the ranks agreed (the front
         did both); ``plan`` is the config read once, ``mesh`` the mesh it runs on."""
         self.run_plan, self.config, self.comm, self.mesh = plan, plan.config, comm, mesh
@@ -87,6 +88,7 @@ class SPMDExecutor(LoopScalars):
         self._target = device_lib.target_for(self._device)
 
         model = self.model = self._split_for_tp(model, tensor_parallel_plan)
+        model = self.model = self._split_for_embeddings(model, embedding_plan, max_grad_norm)
         self._clip = self._make_clip(max_grad_norm)
         self._build_step(model)
         # from the fingerprint check on the ranks meet in collectives (and compile barriers):
@@ -104,7 +106,8 @@ class SPMDExecutor(LoopScalars):
         self._metrics = metrics_lib.StepMetrics(
             metrics_lib.tokens_per_row(self.signature.input_specs), log_every)
         self._forwards = predict_lib.Forwards(  # predict's compiled forwards by rows
-            self._model_at, forward_passes(self.mesh.tp_group if self.tp > 1 else None),
+            self._model_at, forward_passes(self.mesh.tp_group if self.tp > 1 else None,
+                                           self._embedding_group()),
             self._target, self._device, cache_dir, self.compute_dtype)
 
     # ---- construction, in steps --------------------------------------------------------------
@@ -134,6 +137,36 @@ class SPMDExecutor(LoopScalars):
             raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1; set "
                              "dist.get_config().tensor_parallel_size first")
         return model
+
+    def _split_for_embeddings(self, model, embedding_plan, max_grad_norm):
+        """This rank's model with the embedding tables sharded over the dp group
+        (training/embedding_parallel.py), or ``model``; the ids check of each step."""
+        self.ep_plan, self._check_ids = None, None
+        mode = self.run_plan.embedding_parallel
+        if embedding_plan is not None and mode != "table":
+            raise ValueError("embedding_plan places whole tables on ranks: it needs "
+                             "dist.get_config().embedding_parallel = 'table' (got "
+                             f"{mode!r})")
+        if not self.run_plan.embeddings_sharded:
+            return model
+        if max_grad_norm is not None:
+            raise NotImplementedError(
+                f"max_grad_norm with embedding_parallel={mode!r} is not built yet (the sharded "
+                "tables' squared norms would be summed over the dp group); clip without "
+                "sharded tables, or embedding_parallel='none'")
+        self.ep_plan = ep_lib.make_plan(model, mode, self.world, embedding_plan)
+        full = {}
+        for name in model.param_names:  # dp rank 0's tables, as DDP starts from rank 0's
+            value = np.ascontiguousarray(model.init_params[name])
+            full[name] = (collectives.broadcast(value.copy(), root=0, group=self.dp_group)
+                          if name in self.ep_plan.shapes else value)
+        self._check_ids = ep_lib.IdsCheck(self.ep_plan, model.at_batch,
+                                          len(model.input_specs))
+        return ep_lib.shard_model(model, self.ep_plan, self.dp_rank, full)
+
+    def _embedding_group(self):
+        """The dp group the tables are sharded over, or None."""
+        return self.dp_group if self.ep_plan is not None else None
 
     def _build_step(self, model):
         """The training step's IR and signature at the captured batch size, checked."""
@@ -193,7 +226,9 @@ class SPMDExecutor(LoopScalars):
                     reduce_dtype=self._reduce_dtype, loss_scale=self._scaler is not None,
                     # under ZeRO the distribution pass clips the shards (_passes)
                     clip=None if self._sharded_update() else self._clip,
-                    recompute=recompute)
+                    recompute=recompute,
+                    local_grads=((tuple(self.ep_plan.names), self.world)
+                                 if self.ep_plan is not None else None))
 
     def _sharded_update(self):
         """Whether ShardZeRO emits the update (ZeRO over data-parallel ranks)."""
@@ -234,6 +269,8 @@ class SPMDExecutor(LoopScalars):
                 for n in self.signature.param_names}
         if self.data_parallel and self.world > 1:
             for name in self.signature.param_names:
+                if self.ep_plan is not None and name in self.ep_plan.shapes:
+                    continue  # this rank's rows of rank 0's table (_split_for_embeddings)
                 init[name] = collectives.broadcast(init[name].copy(), root=0,
                                                    group=self.dp_group)
         return init
@@ -253,8 +290,11 @@ class SPMDExecutor(LoopScalars):
         """(digest, description): what every rank of a job must agree on before the first
         collective: the model (parameter names, shapes, dtypes; inputs), loss, optimizer,
         config and versions. The compiled step is a function of these."""
+        signature = (held.full_signature(self) if self.ep_plan is not None
+                     else self.signature)  # table-wise, the ranks hold other tables
         return agreement.fingerprint(dict(
-            agreement.step_description(self), model=ckpt.model_description(self.signature)))
+            agreement.step_description(self), model=ckpt.model_description(signature),
+            embedding_plan=self.ep_plan.describe() if self.ep_plan is not None else None))
 
     def _passes(self, local=False):
         """The plan as explicit pass arguments. ``local``: for a step without gradient
@@ -266,7 +306,8 @@ class SPMDExecutor(LoopScalars):
                            group=self.dp_group, guard=self._guard_under_zero(),
                            tp_group=self.mesh.tp_group if self.tp > 1 else None,
                            sync_batch_norm_group=(self.dp_group if self.sync_batch_norm_world > 1
-                                                  else None), clip=clip)
+                                                  else None), clip=clip,
+                           embedding_group=self._embedding_group())
 
     def _compile(self, cache_dir):
         """Under data parallelism every rank builds the same Trainer and compiles the same IR
@@ -318,6 +359,8 @@ class SPMDExecutor(LoopScalars):
                                                      self.batch_size), "target")
         if self._classes is not None:  # before any collective: the message names the value
             check_targets(y, self._classes)
+        if self._check_ids is not None:  # every id a row of its table, before any exchange
+            self._check_ids(inputs, rows)
         pieces = batching.microbatches(rows, self.microbatches)
         # local work, before collectives: the compiled steps for these sizes
         variants = ([self._step_variant(r, "partial") for r in pieces[:-1]]
@@ -652,6 +695,9 @@ class SPMDExecutor(LoopScalars):
         parallelism parameters are sharded, so this gathers them: every rank must call it."""
         local = {n: ckpt.host_array(v) for n, v in self._in_model_order(
             self._local_params()).items()}  # frozen ones too, in named_parameters() order
+        if self.ep_plan is not None:
+            return {n: held.full_table(self.ep_plan, n, v, self.dp_group)
+                    for n, v in local.items()}
         if self.tp == 1:
             return local
         return {n: held.full_parameter(self.tp_plan, n, v, self.mesh.tp_group, self.tp)
@@ -699,8 +745,12 @@ class SPMDExecutor(LoopScalars):
     def optimizer_state_dict(self):
         """Optimizer state as {param name: {state name: array}}, full shapes. Under ZeRO the
         state is sharded, so this gathers it: every rank must call it."""
-        return held.full_optimizer_states(self.layout, self._states, self.dp_group, self.tp_plan,
-                                          self.mesh.tp_group, self.tp)
+        states = held.full_optimizer_states(self.layout, self._states, self.dp_group,
+                                            self.tp_plan, self.mesh.tp_group, self.tp)
+        if self.ep_plan is None:
+            return states
+        return {p: {s: held.full_table(self.ep_plan, p, v, self.dp_group) for s, v in d.items()}
+                for p, d in states.items()}
 
     def _unpack_states(self):
         """{(param, state): array} of what this rank holds."""
@@ -717,8 +767,8 @@ class SPMDExecutor(LoopScalars):
         position) comes back from load_checkpoint. Atomic: ``path/latest`` moves to the new
         checkpoint only once every rank's file is on disk. Keeps the newest ``keep``
         checkpoints. Returns the checkpoint's directory. Every rank must call it."""
-        if self.tp > 1:  # the full tensors, as any layout writes them (full_train_state)
-            full = self.state_dict()
+        if self.tp > 1 or self.ep_plan is not None:  # the full tensors, as any layout writes
+            full = self.state_dict()  # them (full_train_state)
             states = {(p, s): v for p, d in self.optimizer_state_dict().items()
                       for s, v in d.items()}
             return ckpt.save(held.full_train_state(self, full), path,
@@ -742,7 +792,8 @@ class SPMDExecutor(LoopScalars):
         sha256 of each file a rank reads, and the model's names, shapes and dtypes are checked
         first, on every rank, and any problem raises the same CheckpointError everywhere before any data moves;
         nothing on disk is modified. Every rank must call it."""
-        if self.tp > 1:  # full tensors in (full_train_state), this rank's pieces kept
+        if self.tp > 1 or self.ep_plan is not None:  # full tensors in (full_train_state),
+            # this rank's pieces kept
             params, states, buffers, frozen, meta = ckpt.load(held.full_train_state(self, {}),
                                                               path)
             params, states, frozen = self._pieces(params, states, frozen)
@@ -762,6 +813,8 @@ class SPMDExecutor(LoopScalars):
         """This rank's pieces of full parameters (signature order), optimizer states and
         frozen parameters: its tp piece, then its dp shard where ZeRO shards them."""
         def piece(name, array):
+            if self.ep_plan is not None:  # this rank's rows of a sharded table
+                return self.ep_plan.local_shard(name, np.asarray(array), self.dp_rank)
             return self.tp_plan.local_shard(name, np.asarray(array), self.mesh.tp_rank)
 
         names = self.signature.param_names

@@ -39,6 +39,35 @@ def full_parameter(plan: Any, name: str, local: np.ndarray, tp_group: int,
     return plan.assemble(name, pieces)
 
 
+def full_table(plan: Any, name: str, local: np.ndarray, dp_group: int) -> np.ndarray:
+    """The whole of ``name`` from every dp rank's rows of it when ``plan`` (an EmbeddingPlan)
+    shards it (a broadcast from the owner table-wise, an allgather of the blocks row-wise;
+    every dp rank must call it), else ``local``."""
+    if plan is None or name not in plan.shapes:
+        return local
+    rows, dim = (int(d) for d in plan.shapes[name])
+    if plan.mode == "table":
+        owner = plan.owners[name]
+        whole = (np.ascontiguousarray(local) if local.shape[0] == rows
+                 else np.empty((rows, dim), dtype=local.dtype))
+        return collectives.broadcast(whole, root=owner, group=dp_group)
+    local = np.ascontiguousarray(local)
+    flat = collectives.allgather(local.reshape(-1), group=dp_group)
+    return flat.reshape(-1, dim)[:rows]
+
+
+def full_signature(executor: Any) -> Any:
+    """The executor's step signature with every trained and frozen parameter of the full
+    model at its true shape (what the ranks of a job agree on, what a checkpoint holds)."""
+    model = executor.full_model
+    specs = dict(zip(model.param_names, model.param_specs()))
+    names = tp_lib.trained_names(model)
+    frozen = [n for n in model.param_names if n not in set(names)]
+    return dataclasses.replace(
+        executor.signature, param_names=names, param_specs=[specs[n] for n in names],
+        frozen_names=frozen, frozen_specs=[specs[n] for n in frozen])
+
+
 def gather_shards(tensor: Any, shape: Sequence[int], world: int, dp_group: int) -> np.ndarray:
     """The whole tensor of ``shape`` from every dp rank's flat padded shard (a collective
     over dp when ``world`` > 1)."""
@@ -76,12 +105,8 @@ def full_train_state(executor: Any, frozen_full: Dict[str, Any]) -> TrainState:
     and the executor keeps its pieces. ``frozen_full``: the full frozen parameters when
     saving ({} when loading: not read)."""
     model = executor.full_model
-    specs = dict(zip(model.param_names, model.param_specs()))
-    names = tp_lib.trained_names(model)
-    frozen = [n for n in model.param_names if n not in set(names)]
-    signature = dataclasses.replace(
-        executor.signature, param_names=names, param_specs=[specs[n] for n in names],
-        frozen_names=frozen, frozen_specs=[specs[n] for n in frozen])
+    signature = full_signature(executor)
+    frozen = signature.frozen_names
     return TrainState.of(executor.comm, executor.comm.size, 0, signature, executor.step_count,
                          executor.seed, executor.config, executor.loss, executor.optimizer,
                          model, [frozen_full.get(n) for n in frozen],

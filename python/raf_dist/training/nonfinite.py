@@ -26,10 +26,12 @@ from ..ir.utils import sum_all
 
 
 def finite_flag(bb: relax.BlockBuilder, grads: list, loss: relax.Expr = None,
-                across_tp: bool = False) -> relax.Var:
+                across_tp: bool = False, across_dp: bool = False) -> relax.Var:
     """A 0-d bool: every gradient (and ``loss`` when given) is finite. ``across_tp``: the
     gradients are split across tensor-parallel ranks, so each rank's verdict is summed over
-    the tp group (g, passes/tp_ops.py) and the update runs only where every rank's is set."""
+    the tp group (g, passes/tp_ops.py) and the update runs only where every rank's is set.
+    ``across_dp``: some gradients are this rank's alone (sharded embedding tables), so the
+    verdict is summed over the dp group too (``R.ccl.allreduce``, passes/lower_allreduce.py)."""
     op = relax.op
     terms = [sum_all(bb, g) for g in grads] + ([loss] if loss is not None else [])
     flag = None
@@ -41,6 +43,10 @@ def finite_flag(bb: relax.BlockBuilder, grads: list, loss: relax.Expr = None,
 
         bad = bb.emit(op.where(flag, relax.const(0.0, "float32"), relax.const(1.0, "float32")))
         flag = bb.emit(op.less(bb.emit(tp_reduce(bad)), relax.const(0.5, "float32")))
+    if across_dp and flag is not None:
+        bad = bb.emit(op.where(flag, relax.const(0.0, "float32"), relax.const(1.0, "float32")))
+        flag = bb.emit(op.less(bb.emit(op.ccl.allreduce(bad, "sum")),
+                               relax.const(0.5, "float32")))
     return flag
 
 

@@ -95,7 +95,7 @@ GRAD_UNSCALE = "grad_unscale"
 def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=None,
                      loss_weight=False, tensor_parallel=False, accumulate=None,
                      compute_dtype=None, reduce_dtype=None, loss_scale=False, clip=None,
-                     recompute=None):
+                     recompute=None, local_grads=None):
     """Return (IRModule with "train_step", TrainStepSignature).
 
     ``loss_weight``: the step takes a 0-d ``loss_weight`` argument right after the target that
@@ -125,7 +125,13 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     [loss, norm]. Under ZeRO the distribution pass clips instead (give None here).
 
     ``recompute`` (None, ``"full"`` or ``"selective"``): the backward reads recomputed copies
-    of the forward values the policy does not keep (passes/remat.py)."""
+    of the forward values the policy does not keep (passes/remat.py).
+
+    ``local_grads`` ((names, world) or None): the trained parameters whose gradient this rank
+    computes whole for the dp group (embedding tables sharded over it: the exchange's
+    backward already summed every rank's rows, passes/embedding_parallel.py). They get no
+    marker (no collective reduces them) and are divided by ``world``, the average the
+    allreduce gives the others; the non-finite verdict is then agreed over the dp group."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     if nonfinite_guard not in (None, "gradients", "gradients_and_loss"):
@@ -184,10 +190,15 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     grads = [_follow(g, value) for g in grads]
 
     unscale = hyper_vars.get(GRAD_UNSCALE)
+    local_names, dp_world = local_grads if local_grads is not None else ((), 1)
+    local = {i for i, n in enumerate(trainable) if n in set(local_names)}
 
     def marked(grad, i):
         if unscale is not None:  # the loss was scaled: the gradients are too
             grad = bb.emit(relax.op.multiply(grad, unscale))
+        if i in local:  # summed over the dp ranks by the exchange: their mean, unreduced
+            return bb.emit(relax.op.multiply(grad, relax.const(1.0 / dp_world,
+                                                               str(grad.ty.dtype))))
         if reduce_dtype is None or str(grad.ty.dtype) == reduce_dtype:
             return bb.emit(mark_gradient(grad, i))
         return bb.emit(mark_gradient(bb.emit(relax.op.astype(grad, reduce_dtype)), i))
@@ -214,7 +225,7 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
                     loss_value = bb.emit(relax.op.add(loss_acc, loss_value))
                 out = _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars,
                                    hyper_vars, new_buffers, nonfinite_guard, tensor_parallel,
-                                   clip)
+                                   clip, across_dp=bool(local) and dp_world > 1)
         bb.emit_func_output(out)
     step_mod = bb.get()
     attrs = _layout_attrs(accumulate, len(inputs) + len(targets), n_params, n_states,
@@ -317,7 +328,7 @@ def hyper_arguments(optimizer, names):
 
 
 def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_vars,
-                 new_buffers, nonfinite_guard, tensor_parallel, clip=None):
+                 new_buffers, nonfinite_guard, tensor_parallel, clip=None, across_dp=False):
     """The optimizer's update of every parameter (skipped on a non-finite step when guarded;
     ``clip``, a passes.clipping.Clip: the gradients clipped first); returns the step's output
     tuple (loss or [loss, norm], *params, *states, *buffers)."""
@@ -330,7 +341,7 @@ def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_
     if nonfinite_guard:
         flag = nonfinite.finite_flag(
             bb, grads, loss_value if nonfinite_guard == "gradients_and_loss" else None,
-            across_tp=tensor_parallel)
+            across_tp=tensor_parallel, across_dp=across_dp)
     n_states = len(updaters[0][0].state_names) if updaters else 0
     keep = (None if flag is None else
             lambda new, old: nonfinite.keep_unless(bb, flag, new, old))

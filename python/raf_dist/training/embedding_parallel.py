@@ -1,0 +1,101 @@
+"""A captured model with its embedding tables sharded over the data-parallel ranks
+(passes/embedding_parallel.py), and the model this rank trains: the same parameter names, the
+tables' shapes this rank's rows (table-wise: the whole table on its owner, (0, dim) elsewhere;
+row-wise: one block of rows). The lookups exchange ids and rows by all-to-all; the dense
+layers stay data parallel. Table-wise, each rank's forward differs (it looks up its own
+tables), so each rank compiles its own step."""
+import dataclasses
+from typing import Any, Dict, Mapping, Optional
+
+import numpy as np
+import tvm
+
+from ..passes.embedding_parallel import EmbeddingPlan, find_tables, plan_embeddings, \
+    shard_embedding_forward
+from .tensor_parallel import trained_names
+
+
+def make_plan(model: Any, mode: str, world: int,
+              user_plan: Optional[Mapping[str, int]] = None) -> EmbeddingPlan:
+    """The plan for ``model``'s tables over ``world`` dp ranks (raises ValueError naming a
+    bad plan or a model without tables)."""
+    tables = find_tables(model.forward, list(model.param_names), trained_names(model))
+    itemsize = max((np.dtype(model.init_params[n].dtype).itemsize for n in tables), default=4)
+    return plan_embeddings(tables, mode, world, user_plan, itemsize)
+
+
+def shard_model(model: Any, plan: EmbeddingPlan, rank: int, full_params: Dict[str, Any],
+                values: bool = True) -> Any:
+    """``model`` with its forwards looking up the tables by exchange and its tables this
+    rank's rows of ``full_params`` (``values=False``: placeholders of their shapes); a
+    ``respecialize`` that shards the model captured at another batch size the same way."""
+    functions = {}
+    for gvar, func in model.mod.functions_items():
+        if gvar.name_hint in ("forward", "forward_eval"):
+            func = shard_embedding_forward(func, plan, rank, list(model.param_names))
+        functions[gvar] = func
+    init = {}
+    for n in model.param_names:
+        full = np.asarray(full_params[n])
+        if values:
+            init[n] = np.ascontiguousarray(plan.local_shard(n, full, rank))
+        else:
+            init[n] = np.broadcast_to(np.zeros((), full.dtype),
+                                      plan.local_shape(n, full.shape, rank))
+    shapes_only = model.without_values()
+
+    def respecialize(rows):  # Model.at_batch gives the result this piece's init_params
+        other = shapes_only.at_batch(rows)
+        return shard_model(other, plan, rank, other.init_params, values=False)
+
+    return dataclasses.replace(model, mod=tvm.IRModule(functions), init_params=init,
+                               respecialize=respecialize if model.respecialize else None)
+
+
+class IdsCheck:
+    """The check, before any exchange, that every id a step looks up is a row of its table
+    (PyTorch raises IndexError for the same lookup; an id outside the table would read another
+    rank's memory or nothing). The ids are computed from the step's inputs by the forward's
+    own ops (passes/embedding_parallel.py ``lookup_ids_function``), compiled once per batch
+    size for the host."""
+
+    def __init__(self, plan: EmbeddingPlan, full_model_at: Any, num_inputs: int) -> None:
+        self.plan, self._full_model_at, self._num_inputs = plan, full_model_at, num_inputs
+        self._functions: Dict[int, Any] = {}
+
+    def _function(self, rows: int) -> Any:
+        if rows not in self._functions:
+            from tvm import relax
+
+            from ..passes.embedding_parallel import lookup_ids_function
+
+            model = self._full_model_at(rows)
+            mod, names = lookup_ids_function(model.forward, self.plan.names,
+                                             list(model.param_names), self._num_inputs)
+            if mod is None:
+                self._functions[rows] = (None, [])
+            else:
+                vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+                self._functions[rows] = (vm["lookup_ids"], names)
+        return self._functions[rows]
+
+    def __call__(self, inputs: Any, rows: int) -> None:
+        """Raise ValueError naming the table and the id when an id of ``inputs`` (this
+        rank's batch of ``rows`` rows) is outside its table."""
+        function, names = self._function(int(rows))
+        if function is None:
+            return
+        out = function(*[tvm.runtime.tensor(np.ascontiguousarray(a), tvm.cpu())
+                         for a in inputs[:self._num_inputs]])
+        values = [out[i].numpy() for i in range(len(names))]
+        for name, ids in zip(names, values):
+            if ids.size == 0:
+                continue
+            table_rows = int(self.plan.shapes[name][0])
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= table_rows:
+                bad = low if low < 0 else high
+                raise ValueError(
+                    f"embedding table {name!r} has {table_rows} rows and was asked for row "
+                    f"{bad}: ids must be in [0, {table_rows}) (PyTorch raises IndexError for "
+                    "the same lookup). Check this batch's ids (nothing was exchanged)")

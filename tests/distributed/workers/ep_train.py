@@ -1,0 +1,161 @@
+"""Embedding-table parallelism (passes/embedding_parallel.py) vs one process on the global
+batch, and one process vs PyTorch.
+
+Usage: ep_train.py MODE OPTIMIZER STEPS [--save DIR] [--load DIR] [--plan TABLE=RANK]
+MODE: "table" or "row" (or "none": a world of one resuming a checkpoint).
+The model is tests/models.py ShardedRec (three EmbeddingBag tables of 40, 60 and 12 rows:
+a sum bag with per-sample weights, a mean bag with a padding id, a sum bag; an nn.Embedding
+of 25 rows; DLRM's dot interactions). Every rank passes its slice of a global batch of 12.
+After STEPS steps:
+- the losses, the full parameters (state_dict) and optimizer state equal a single-process
+  raf_dist run on the global batch (norm-relative <= 5e-5), and that run equals PyTorch's
+  (within 4x PyTorch's own float32-vs-float64 spread on the same steps);
+- each rank holds at most 1/N of the table bytes plus the largest table (table-wise) or plus
+  one block of every table (row-wise), and the dense parameters whole;
+- the all-to-all bytes of a step equal the analytic count (exchange_bytes); the dense
+  gradients still travel by allreduce;
+--load resumes from a checkpoint (written at any layout) first; the references then cover
+the loaded steps too. --save writes a checkpoint at the end.
+Prints 'rank R: EP OK'."""
+import sys
+
+import numpy as np
+import torch
+
+import raf_dist
+from raf_dist import distributed as dist
+from raf_dist.passes.embedding_parallel import exchange_bytes
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+from models import make_sharded_rec, raf_optimizer, rel_err, torch_loss, torch_optimizer  # noqa: E402
+
+GLOBAL_BATCH = 12
+TOL = 5e-5  # float reduction order (the exchanges' sums too), amplified by Adam: tp_train.py
+
+
+def torch_reference(opt_name, steps):
+    """(losses, parameters, spread): PyTorch on the global batch in float32, and the
+    norm-relative distance of its float32 parameters from its own float64 run (the
+    calibration of the raf_dist-vs-PyTorch tolerance)."""
+    runs = {}
+    for dtype in (torch.float32, torch.float64):
+        module, x, y = make_sharded_rec(GLOBAL_BATCH)
+        module = module.to(dtype)
+        x = tuple(a.to(dtype) if a.is_floating_point() else a for a in x)
+        opt = torch_optimizer(opt_name, module.parameters())
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = torch_loss(module(*x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        runs[dtype] = (losses, {k: v.detach().double().numpy()
+                                for k, v in module.state_dict().items()})
+    (losses, params), (_, exact) = runs[torch.float32], runs[torch.float64]
+    spread = max(rel_err(params[k], exact[k]) for k in params)
+    return losses, {k: v.astype(np.float32) for k, v in params.items()}, spread
+
+
+def references(opt_name, steps):
+    """Rank 0 trains raf_dist alone on the global batch and PyTorch; every rank gets the
+    raf_dist run (losses, state_dict, optimizer_state_dict). Collective."""
+    comm = dist.get_communicator()
+    reference = None
+    if comm.rank == 0:
+        config = dist.get_config()
+        saved = config.as_dict()
+        config.update({"enable_data_parallel": False, "embedding_parallel": "none"})
+        module, x, y = make_sharded_rec(GLOBAL_BATCH)
+        trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, x),
+                                   optimizer=raf_optimizer(opt_name), local=True)
+        arrays = [a.numpy() for a in x]
+        losses = [trainer.step(arrays, y.numpy()) for _ in range(steps)]
+        reference = (losses, trainer.state_dict(), trainer.optimizer_state_dict())
+        torch_losses, torch_params, spread = torch_reference(opt_name, steps)
+        tol = max(4 * spread, 1e-6)
+        assert rel_err(losses, torch_losses) <= tol, (losses, torch_losses, spread)
+        for key, value in torch_params.items():
+            assert rel_err(reference[1][key], value) <= tol, (key, spread)
+        print(f"one process vs PyTorch within {tol:.2g} (PyTorch's float32 vs float64: "
+              f"{spread:.2g})")
+        config.update({k: saved[k] for k in ("enable_data_parallel", "embedding_parallel")})
+    comm.idle_barrier()
+    return comm.mpi_comm.bcast(reference, root=0)
+
+
+def main():
+    mode, opt_name, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    flags = dict(zip(sys.argv[4::2], sys.argv[5::2]))
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    comm = dist.get_communicator()
+    n = comm.size
+    if n > 1:
+        dist.get_config().update({"enable_data_parallel": True, "embedding_parallel": mode})
+    module, x, y = make_sharded_rec(GLOBAL_BATCH)
+    if comm.rank > 0:  # the Trainer must start every rank from rank 0's parameters
+        for p in module.parameters():
+            p.data.normal_()
+    local = GLOBAL_BATCH // n
+    rows = slice(comm.rank * local, (comm.rank + 1) * local)
+    xs, ys = [a[rows] for a in x], y[rows].numpy()
+    plan = None
+    if "--plan" in flags:
+        table, rank = flags["--plan"].split("=")
+        plan = {table: int(rank)}
+    trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, tuple(xs)),
+                               optimizer=raf_optimizer(opt_name), embedding_plan=plan)
+    loaded = 0
+    if "--load" in flags:
+        trainer.load_checkpoint(flags["--load"])
+        loaded = trainer.step_count
+    arrays = [a.numpy() for a in xs]
+    losses = [trainer.step(arrays, ys) for _ in range(steps)]
+
+    ref_losses, ref_params, ref_states = references(opt_name, loaded + steps)
+    assert rel_err(losses, ref_losses[loaded:]) <= TOL, (losses, ref_losses)
+    params = trainer.state_dict()
+    assert list(params) == list(ref_params)
+    for key, value in ref_params.items():
+        assert params[key].shape == value.shape, (key, params[key].shape)
+        assert rel_err(params[key], value) <= TOL, (key, rel_err(params[key], value))
+    states = trainer.optimizer_state_dict()
+    for key, by_state in ref_states.items():
+        for state, value in by_state.items():
+            assert states[key][state].shape == value.shape, (key, state)
+            assert rel_err(states[key][state], value) <= TOL, (key, state)
+
+    ep = trainer.executor.ep_plan
+    stats = trainer.stats()
+    if n > 1:
+        assert ep is not None and ep.mode == mode, ep
+        tables = {name: params[name].nbytes for name in ep.shapes}
+        dense = sum(v.nbytes for k, v in params.items() if k not in tables)
+        held = stats["param_bytes"] - dense
+        assert held == ep.held_bytes(comm.rank), (held, ep.held_bytes(comm.rank))
+        if mode == "table":
+            bound = sum(tables.values()) / n + max(tables.values())
+        else:
+            bound = sum(tables.values()) / n + sum(
+                ep.block_rows(t) * ep.shapes[t][1] * 4 for t in tables)
+        assert held <= bound, (held, bound)
+        # the ids each step looks up: three bags of 4 per row, one category per row
+        lookups = {"tables.0.weight": [local * 4], "tables.1.weight": [local * 4],
+                   "tables.2.weight": [local * 4], "category.weight": [local]}
+        expected = exchange_bytes(ep, comm.rank, lookups)
+        got = stats["comm_bytes_last_step"].get("alltoall", 0)
+        assert got == expected, (got, expected)
+        assert stats["comm_bytes_last_step"]["allreduce"] > 0  # the dense gradients
+        if comm.rank == 0:
+            print(f"{mode}-wise over {n}: tables {ep.describe()['owners'] or 'split by rows'};"
+                  f" rank 0 holds {held} of {sum(tables.values())} table bytes, sends "
+                  f"{got} bytes by all-to-all a step")
+        if plan is not None:
+            assert ep.owners[next(iter(plan))] == plan[next(iter(plan))], ep.owners
+
+    if "--save" in flags:
+        trainer.save_checkpoint(flags["--save"])
+    print(f"rank {comm.rank}: EP OK")
+
+
+if __name__ == "__main__":
+    main()
