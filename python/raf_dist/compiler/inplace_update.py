@@ -168,6 +168,8 @@ def _rewrite(builder, mod, func, name):
 
         if _is_argument(info, field, argument):
             continue  # already written in place (ShardZeRO's allgather into the parameters)
+        if _static(argument.ty) and any(int(d) == 0 for d in argument.ty.shape):
+            continue  # no element to copy (a table another rank holds: embedding_parallel)
         alloc = _allocation(info, field) if isinstance(field, relax.Var) else None
         if alloc is None:
             refuse("its new value is not computed into an allocation of its own")

@@ -426,7 +426,7 @@ def scatter_add_loops(func):
     seq = scope.body if isinstance(scope, tvm.tirx.AttrStmt) else scope
     loops = list(seq.seq) if isinstance(seq, tvm.tirx.SeqStmt) else [seq]
     if not all(isinstance(l, tvm.tirx.For) and l.kind == tvm.tirx.ForKind.SERIAL
-               and isinstance(l.extent, tvm.tirx.IntImm) and 0 < int(l.extent) < 2 ** 31
+               and isinstance(l.extent, tvm.tirx.IntImm) and 0 <= int(l.extent) < 2 ** 31
                for l in loops):
         return None
     return realize, block, scope, loops

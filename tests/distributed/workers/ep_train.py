@@ -149,8 +149,9 @@ def main():
             print(f"{mode}-wise over {n}: tables {ep.describe()['owners'] or 'split by rows'};"
                   f" rank 0 holds {held} of {sum(tables.values())} table bytes, sends "
                   f"{got} bytes by all-to-all a step")
-        if plan is not None:
-            assert ep.owners[next(iter(plan))] == plan[next(iter(plan))], ep.owners
+        if plan is not None:  # the module name placed the table's weight
+            (table, rank), = plan.items()
+            assert ep.owners[table + ".weight"] == rank, ep.owners
 
     if "--save" in flags:
         trainer.save_checkpoint(flags["--save"])

@@ -1,0 +1,42 @@
+"""Embedding-table parallelism on real processes (workers/ep_train.py): a DLRM-style model's
+tables sharded table-wise or row-wise over N ranks trains like one process on the global
+batch (and that process like PyTorch), each rank holding its share of the table bytes, the
+all-to-all bytes the analytic count; checkpoints reshard table-wise -> row-wise -> one
+process; bad plans and bad ids are refused on every rank before any exchange
+(workers/ep_errors.py)."""
+import pytest
+
+from mpi_launch import assert_ranks_ok, check_mpi
+
+
+@pytest.mark.parametrize("mode,optimizer,ranks,extra", [
+    # four tables on four ranks, one placed by the user's plan (module name)
+    ("table", "adamw", 4, ("--plan", "tables.2=3")),
+    pytest.param("row", "sgd_momentum", 4, (), marks=pytest.mark.slow),
+    pytest.param("table", "sgd_momentum", 3, (), marks=pytest.mark.slow),
+], ids=["table-adamw-4-plan", "row-sgd-4", "table-sgd-3"])
+def test_sharded_tables_equal_one_process(mode, optimizer, ranks, extra):
+    out = check_mpi("ep_train.py", ranks, mode, optimizer, 3, *extra, timeout=420)
+    assert_ranks_ok(out, ranks, "EP OK")
+    assert f"{mode}-wise over {ranks}" in out and "one process vs PyTorch" in out, out
+
+
+def test_checkpoint_reshards_table_to_row_to_one_process(tmp_path):
+    """Saved table-wise at N=2 (AdamW: two states per table), resumed
+    row-wise at N=3, then by one process: each continues exactly as one process that never
+    stopped, and state_dict() is the full tables throughout."""
+    ckpt = tmp_path / "ckpt"
+    assert_ranks_ok(check_mpi("ep_train.py", 2, "table", "adamw", 2, "--save", ckpt,
+                              timeout=300), 2, "EP OK")
+    assert_ranks_ok(check_mpi("ep_train.py", 3, "row", "adamw", 2, "--load", ckpt, "--save",
+                              ckpt, timeout=300), 3, "EP OK")
+    assert_ranks_ok(check_mpi("ep_train.py", 1, "none", "adamw", 1, "--load", ckpt,
+                              timeout=300), 1, "EP OK")
+
+
+def test_bad_plans_and_ids_are_refused_on_every_rank():
+    out = check_mpi("ep_errors.py", 2, timeout=180)
+    assert_ranks_ok(out, 2, "EP ERRORS OK")
+    for message in ("which is no embedding table", "outside the data-parallel group",
+                    "needs dist.get_config().embedding_parallel", "was asked for row"):
+        assert out.count(message) == 2, (message, out)

@@ -1,0 +1,61 @@
+"""Bad input to embedding-table parallelism is refused on every rank before any exchange:
+
+- an embedding_plan naming no table of the model, a rank outside the dp group, or given
+  with row-wise sharding: ValueError at Trainer construction, naming the key / the rank;
+- a batch with an id outside its table: ValueError naming the table and the id, before any
+  all-to-all (the native counters show none); the Trainer then trains on a good batch as if
+  nothing happened (nothing lost, nothing hung).
+Prints 'rank R: refused: <message>' per case and 'rank R: EP ERRORS OK'."""
+import sys
+
+import raf_dist
+from raf_dist import distributed as dist
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+from models import make_sharded_rec, raf_optimizer  # noqa: E402
+
+
+def refused(build, expect):
+    try:
+        build()
+    except ValueError as err:
+        assert expect in str(err), (expect, str(err))
+        print(f"rank {dist.get_communicator().rank}: refused: {err}")
+        return
+    raise AssertionError(f"not refused: {expect}")
+
+
+def main():
+    comm = dist.get_communicator()
+    config = dist.get_config()
+    config.update({"enable_data_parallel": True, "embedding_parallel": "table"})
+    module, x, y = make_sharded_rec(4 * comm.size)
+    rows = slice(comm.rank * 4, comm.rank * 4 + 4)
+    xs, ys = [a[rows].numpy() for a in x], y[rows].numpy()
+    model = raf_dist.frontend.from_pytorch(module, tuple(a[rows] for a in x))
+
+    def trainer(plan=None):
+        return raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), embedding_plan=plan)
+
+    refused(lambda: trainer({"tables.9": 0}), "'tables.9', which is no embedding table")
+    refused(lambda: trainer({"tables.1": comm.size}),
+            f"outside the data-parallel group of {comm.size} ranks")
+    config.embedding_parallel = "row"
+    refused(lambda: trainer({"tables.1": 0}), "needs dist.get_config().embedding_parallel = "
+                                              "'table'")
+    config.embedding_parallel = "table"
+
+    good = trainer({"tables.1": comm.size - 1})
+    bad = [a.copy() for a in xs]
+    bad[1][0, 1, 2] = 60 + comm.rank  # table 1 has 60 rows
+    dist.reset_comm_counters()
+    refused(lambda: good.step(bad, ys), f"'tables.1.weight' has 60 rows and was asked for row "
+                                        f"{60 + comm.rank}")
+    assert dist.comm_counters().get("alltoall", {"calls": 0})["calls"] == 0
+    loss = good.step(xs, ys)
+    assert loss == loss and good.step_count == 1, loss
+    assert dist.comm_counters()["alltoall"]["calls"] > 0
+    print(f"rank {comm.rank}: EP ERRORS OK")
+
+
+if __name__ == "__main__":
+    main()
