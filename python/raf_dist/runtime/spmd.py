@@ -160,8 +160,8 @@ class SPMDExecutor(LoopScalars):
             value = np.ascontiguousarray(model.init_params[name])
             full[name] = (collectives.broadcast(value.copy(), root=0, group=self.dp_group)
                           if name in self.ep_plan.shapes else value)
-        self._check_ids = ep_lib.IdsCheck(self.ep_plan, model.at_batch,
-                                          len(model.input_specs))
+        self._check_ids = ep_lib.IdsCheck(self.ep_plan, model.without_values().at_batch,
+                                          len(model.input_specs))  # shapes only: one copy
         return ep_lib.shard_model(model, self.ep_plan, self.dp_rank, full)
 
     def _embedding_group(self):
