@@ -2,7 +2,8 @@
 (``embedding_parallel``) against PyTorch DDP (gloo) with the tables replicated, each alone
 (DESIGN.md section 6), as issue #32 asks.
 
-    python bench/dlrm.py [--np 2] [--mode table|row] [--rows 1000000] [--steps 6] [--rounds 2]
+    python bench/dlrm.py [--np 2] [--mode table|row] [--rows 1000000] [--tables 8]
+                         [--steps 6] [--rounds 2] [--only raf]
 
 The model (the DLRM benchmark's shape, Naumov et al. 2019): 13 dense features through a
 bottom MLP 13-512-256-64; 8 ``nn.EmbeddingBag(rows, 64, mode="sum")`` tables (8 x 1M x 64
@@ -15,6 +16,10 @@ barrier before it) after 2 warm-up steps.
 Printed: the median step time and the largest rank's steady RSS (VmRSS after the steps) of
 each side, and the ratios raf_dist / PyTorch (median of per-round ratios [spread]): the
 targets are a step time <= DDP's and a per-rank memory about half of DDP's.
+
+``--only raf`` runs raf_dist's side alone (tables larger than DDP's replicas fit): the
+sparse update's scaling is the step time at ``--rows 1000000`` against ``--rows 4000000``
+with the same ids per step.
 
     python bench/dlrm.py --side raf|torch ...       one side, one BENCH line (under mpiexec)
 """
@@ -33,11 +38,10 @@ import harness  # noqa: E402
 
 GLOBAL_BATCH = 512
 BAG = 8
-TABLES = 8
 DIM = 64
 
 
-def build(rows):
+def build(rows, tables=8):
     """(module, (dense, ids), target) for the global batch: ids (batch, tables, bag)."""
     import torch
     from torch import nn
@@ -48,8 +52,8 @@ def build(rows):
             self.bottom = nn.Sequential(nn.Linear(13, 512), nn.ReLU(), nn.Linear(512, 256),
                                         nn.ReLU(), nn.Linear(256, DIM), nn.ReLU())
             self.tables = nn.ModuleList(nn.EmbeddingBag(rows, DIM, mode="sum")
-                                        for _ in range(TABLES))
-            features = TABLES + 1
+                                        for _ in range(tables))
+            features = tables + 1
             pairs = features * (features - 1) // 2
             self.top = nn.Sequential(nn.Linear(DIM + pairs, 512), nn.ReLU(),
                                      nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 2))
@@ -67,7 +71,7 @@ def build(rows):
     module = DLRM()
     gen = torch.Generator().manual_seed(1)
     dense = torch.randn(GLOBAL_BATCH, 13, generator=gen)
-    ids = torch.randint(0, rows, (GLOBAL_BATCH, TABLES, BAG), generator=gen)
+    ids = torch.randint(0, rows, (GLOBAL_BATCH, tables, BAG), generator=gen)
     return module, (dense, ids), torch.randint(0, 2, (GLOBAL_BATCH,), generator=gen)
 
 
@@ -100,12 +104,12 @@ def _local(arrays, rank, size):
     return [a[rank * rows:(rank + 1) * rows] for a in arrays]
 
 
-def raf_side(mode, rows, steps, cache_dir):
+def raf_side(mode, rows, tables, steps, cache_dir):
     import raf_dist
     from raf_dist import distributed as dist
 
     comm = dist.get_communicator()
-    module, x, y = build(rows)
+    module, x, y = build(rows, tables)
     dist.get_config().update({"enable_data_parallel": True, "embedding_parallel": mode})
     xs = _local(list(x) + [y], comm.rank, comm.size)
     model = raf_dist.frontend.from_pytorch(module, tuple(xs[:-1]))
@@ -126,7 +130,7 @@ def raf_side(mode, rows, steps, cache_dir):
             "alltoall_bytes": stats["comm_bytes_last_step"].get("alltoall", 0)}
 
 
-def torch_side(rows, steps):
+def torch_side(rows, tables, steps):
     import torch
     import torch.distributed as tdist
     import torch.nn.functional as F
@@ -139,7 +143,7 @@ def torch_side(rows, steps):
     port = world.bcast(29500 + os.getpid() % 1000 if world.rank == 0 else None, root=0)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                              rank=world.rank, world_size=world.size)
-    module, x, y = build(rows)
+    module, x, y = build(rows, tables)
     dense, ids, target = _local(list(x) + [y], world.rank, world.size)
     module = DistributedDataParallel(module)
     opt = torch.optim.SGD(module.parameters(), lr=0.01)
@@ -161,32 +165,44 @@ def main():
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--mode", default="table", choices=["table", "row"])
     parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--tables", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--only", choices=["raf"], help="raf_dist's side alone")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--side", choices=["raf", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        result = (raf_side(args.mode, args.rows, args.steps, args.cache_dir)
-                  if args.side == "raf" else torch_side(args.rows, args.steps))
+        result = (raf_side(args.mode, args.rows, args.tables, args.steps, args.cache_dir)
+                  if args.side == "raf" else torch_side(args.rows, args.tables, args.steps))
         if _world().rank == 0:
             harness.report(result)
         return
     print(f"# {harness.machine()}")
     base = [harness.mpiexec(), "-n", str(args.np), sys.executable, __file__, "--rows",
-            str(args.rows), "--steps", str(args.steps), "--mode", args.mode]
+            str(args.rows), "--tables", str(args.tables), "--steps", str(args.steps),
+            "--mode", args.mode]
     with tempfile.TemporaryDirectory() as cache:  # round 1 compiles, later rounds load
-        results = harness.alternate({"raf": base + ["--side", "raf", "--cache-dir", cache],
-                                     "torch": base + ["--side", "torch"]}, args.rounds)
-    raf, peer = results["raf"], results["torch"]
+        sides = {"raf": base + ["--side", "raf", "--cache-dir", cache]}
+        if args.only is None:
+            sides["torch"] = base + ["--side", "torch"]
+        results = harness.alternate(sides, args.rounds)
+    raf = results["raf"]
 
     def med(rows, key, scale=1.0):
         return statistics.median(r[key] for r in rows) / scale
 
     gib = 2**30
-    tables = TABLES * args.rows * DIM * 4 / gib
-    print(f"DLRM {TABLES} x {args.rows} x {DIM} ({tables:.2f} GiB of tables), batch "
-          f"{GLOBAL_BATCH} over {args.np} ranks, {args.mode}-wise vs DDP (replicated):")
+    tables = args.tables * args.rows * DIM * 4 / gib
+    print(f"DLRM {args.tables} x {args.rows} x {DIM} ({tables:.2f} GiB of tables), batch "
+          f"{GLOBAL_BATCH} over {args.np} ranks, {args.mode}-wise"
+          f"{'' if args.only else ' vs DDP (replicated)'}:")
+    if args.only:
+        print(f"  step: raf_dist {med(raf, 'step_ms'):.0f} ms; RSS per rank (largest) "
+              f"{med(raf, 'rss', gib):.2f} GiB; parameters held per rank "
+              f"{med(raf, 'param_bytes', gib):.2f} GiB")
+        return
+    peer = results["torch"]
     print(f"  step: raf_dist {med(raf, 'step_ms'):.0f} ms, PyTorch DDP {med(peer, 'step_ms'):.0f}"
           f" ms, ratio {harness.format_ratio([r['step_ms'] for r in raf], [r['step_ms'] for r in peer])}")
     print(f"  RSS per rank (largest): raf_dist {med(raf, 'rss', gib):.2f} GiB, PyTorch DDP "

@@ -265,6 +265,8 @@ def transformer4():
 
 
 def torch_optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05)
     if name == "sgd_momentum":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
     if name == "sgd_nesterov":
@@ -279,6 +281,8 @@ def torch_optimizer(name, params):
 def raf_optimizer(name):
     import raf_dist
 
+    if name == "sgd":
+        return raf_dist.optim.SGD(lr=0.05)
     if name == "sgd_momentum":
         return raf_dist.optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3)
     if name == "sgd_nesterov":

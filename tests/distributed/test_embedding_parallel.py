@@ -12,9 +12,11 @@ from mpi_launch import assert_ranks_ok, check_mpi
 @pytest.mark.parametrize("mode,optimizer,ranks,extra", [
     # four tables on four ranks, one placed by the user's plan (module name)
     ("table", "adamw", 4, ("--plan", "tables.2=3")),
+    # plain SGD: each table's looked-up rows updated in place (the sparse update)
+    ("row", "sgd", 3, ()),
     pytest.param("row", "sgd_momentum", 4, (), marks=pytest.mark.slow),
-    pytest.param("table", "sgd_momentum", 3, (), marks=pytest.mark.slow),
-], ids=["table-adamw-4-plan", "row-sgd-4", "table-sgd-3"])
+    pytest.param("table", "sgd", 3, (), marks=pytest.mark.slow),
+], ids=["table-adamw-4-plan", "row-sgd-3-sparse", "row-sgd_momentum-4", "table-sgd-3-sparse"])
 def test_sharded_tables_equal_one_process(mode, optimizer, ranks, extra):
     out = check_mpi("ep_train.py", ranks, mode, optimizer, 3, *extra, timeout=420)
     assert_ranks_ok(out, ranks, "EP OK")

@@ -32,6 +32,8 @@ from tvm import relax
 from tvm.s_tir import Schedule
 
 from ..ir.attrs import UPDATED_ARGUMENTS
+from ..ir.ops import EMBEDDING_SGD_ROWS
+from ..ir.utils import is_packed_marker
 from .inplace_buckets import _Function, _static
 
 logger = logging.getLogger("raf_dist")
@@ -84,6 +86,12 @@ def _is_argument(info, field, argument):
     value was written into the argument's buffer by a call that names it (a collective)."""
     while isinstance(field, relax.Var) and isinstance(info.value.get(field), relax.Var):
         field = info.value[field]
+    value = info.value.get(field) if isinstance(field, relax.Var) else None
+    if is_packed_marker(value, EMBEDDING_SGD_ROWS):  # the sparse table update: in place
+        return _is_argument(info, value.args[1], argument)
+    if (isinstance(value, relax.Call) and isinstance(value.op, relax.ExternFunc)
+            and value.op.global_symbol == EMBEDDING_SGD_ROWS):  # the same, lowered
+        return _is_argument(info, value.args[0], argument)
     return isinstance(field, relax.Var) and field.same_as(argument)
 
 

@@ -42,6 +42,9 @@ TP_RANK_FUNC = "raf_dist.tp_rank_tensor"
 STAGE_MARKER = "raf_dist.pipeline_stage"
 STAGE_MARKER_GRAD = "raf_dist.pipeline_stage_grad"
 EP_EXCHANGE = "raf_dist.ep_exchange"
+#: the runtime function of a sharded table's sparse SGD update (runtime/embedding_update.py):
+#: (table, ids, rows' gradients, lr, keep) -> the table, updated in place
+EMBEDDING_SGD_ROWS = "raf_dist.embedding.sgd_rows"
 DROPOUT_MARKER = "raf_dist.dropout"
 MARK_GRADIENT = "raf_dist.mark_gradient"
 

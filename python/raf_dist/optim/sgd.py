@@ -29,6 +29,12 @@ class SGD(Optimizer):
     def hyper_values(self, step: int, lr: float | None = None) -> dict[str, float]:
         return {"lr": self.lr if lr is None else lr}
 
+    @property
+    def updates_rows(self) -> bool:
+        """Plain SGD (no momentum, no weight decay) changes only the rows a table's gradient
+        touches, so a sharded embedding table may be updated sparsely (training/step.py)."""
+        return not self.momentum and not self.weight_decay
+
     def emit_update(self, bb: relax.BlockBuilder, param: relax.Expr, grad: relax.Expr,
                     states: Sequence[relax.Expr], hyper: Mapping[str, relax.Expr],
                     keep: Keep | None = None) -> tuple[relax.Expr, list[relax.Expr]]:

@@ -35,6 +35,7 @@ from ..training.loss import check_targets, num_classes
 from ..training.step import GRAD_UNSCALE
 from ..training.tensor_parallel import trained_names
 from . import agreement, batches, mixed_precision
+from . import embedding_update  # noqa: F401  (registers the sparse table update it runs)
 from . import metrics as metrics_lib
 from . import predict as predict_lib
 from . import state as held
@@ -227,8 +228,13 @@ class SPMDExecutor(LoopScalars):
                     # under ZeRO the distribution pass clips the shards (_passes)
                     clip=None if self._sharded_update() else self._clip,
                     recompute=recompute,
-                    local_grads=((tuple(self.ep_plan.names), self.world)
+                    # plain SGD updates a sharded table's looked-up rows only (on the host:
+                    # runtime/embedding_update.py)
+                    local_grads=((tuple(self.ep_plan.names), self.world, self._on_host())
                                  if self.ep_plan is not None else None))
+
+    def _on_host(self):
+        return self._device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
 
     def _sharded_update(self):
         """Whether ShardZeRO emits the update (ZeRO over data-parallel ranks)."""

@@ -28,6 +28,7 @@ from tvm import relax
 
 from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                         UPDATE_GROUPS, UPDATED_ARGUMENTS)
+from ..ir.ops import EMBEDDING_SGD_ROWS as SGD_ROWS
 from ..ir.ops import mark_gradient
 from ..optim import group_hyper_name
 from ..passes import clipping
@@ -190,10 +191,18 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     grads = [_follow(g, value) for g in grads]
 
     unscale = hyper_vars.get(GRAD_UNSCALE)
-    local_names, dp_world = local_grads if local_grads is not None else ((), 1)
+    local_names, dp_world, sparse_ok = local_grads if local_grads is not None else ((), 1, False)
     local = {i for i, n in enumerate(trainable) if n in set(local_names)}
+    # tables updated sparsely: plain SGD, one update per step, the loss unscaled (the rows'
+    # gradients are the update's whole input: training/embedding_parallel.py)
+    sparse = {} if not sparse_ok or accumulate is not None or loss_scale else {
+        i: pairs for i in sorted(local)
+        if getattr(updaters[i][0], "updates_rows", False)
+        for pairs in [_row_gradients(grads[i], value, param_vars[i])] if pairs}
 
     def marked(grad, i):
+        if i in sparse:  # its rows' gradients feed the update; this one is left unused
+            return grad
         if unscale is not None:  # the loss was scaled: the gradients are too
             grad = bb.emit(relax.op.multiply(grad, unscale))
         if i in local:  # summed over the dp ranks by the exchange: their mean, unreduced
@@ -223,9 +232,11 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
             else:
                 if accumulate == "final":
                     loss_value = bb.emit(relax.op.add(loss_acc, loss_value))
+                rows = {i: _rows_of(bb, pairs, dp_world) for i, pairs in sparse.items()}
                 out = _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars,
                                    hyper_vars, new_buffers, nonfinite_guard, tensor_parallel,
-                                   clip, across_dp=bool(local) and dp_world > 1)
+                                   clip, across_dp=bool(local) and dp_world > 1,
+                                   sparse_rows=rows)
         bb.emit_func_output(out)
     step_mod = bb.get()
     attrs = _layout_attrs(accumulate, len(inputs) + len(targets), n_params, n_states,
@@ -327,11 +338,50 @@ def hyper_arguments(optimizer, names):
     return _groups(optimizer, names)[1]
 
 
+_TAKE_BACKWARD = tvm.ir.Op.get("relax.grad.take_backward")
+_ADD = tvm.ir.Op.get("relax.add")
+
+
+def _row_gradients(grad, value, param):
+    """[(ids, rows)] when ``grad`` (the adjoint's gradient of table ``param``) is a sum of
+    take_backward(rows, param, ids, axis=0) scatter-adds (its lookups' gradients); else
+    None."""
+    bound = value.get(grad) if isinstance(grad, relax.Var) else None
+    if isinstance(bound, relax.Var):
+        return _row_gradients(bound, value, param)
+    if not isinstance(bound, relax.Call):
+        return None
+    if bound.op.same_as(_TAKE_BACKWARD) and bound.args[1].same_as(param) \
+            and bound.attrs.axis is not None and int(bound.attrs.axis) == 0:
+        return [(bound.args[2], bound.args[0])]
+    if bound.op.same_as(_ADD):
+        parts = [_row_gradients(a, value, param) for a in bound.args]
+        return None if None in parts else parts[0] + parts[1]
+    return None
+
+
+def _rows_of(bb, pairs, dp_world):
+    """(ids, rows): a table's lookups' ids and their rows' gradients, one tensor each, the
+    gradients divided by ``dp_world`` as the other local gradients are."""
+    ids = [p[0] for p in pairs]
+    rows = [p[1] for p in pairs]
+    ids = ids[0] if len(ids) == 1 else bb.emit(relax.op.concat(ids, axis=0))
+    rows = rows[0] if len(rows) == 1 else bb.emit(relax.op.concat(rows, axis=0))
+    if dp_world > 1:
+        rows = bb.emit(relax.op.multiply(rows, relax.const(1.0 / dp_world,
+                                                           str(rows.ty.dtype))))
+    return ids, rows
+
+
 def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_vars,
-                 new_buffers, nonfinite_guard, tensor_parallel, clip=None, across_dp=False):
+                 new_buffers, nonfinite_guard, tensor_parallel, clip=None, across_dp=False,
+                 sparse_rows=None):
     """The optimizer's update of every parameter (skipped on a non-finite step when guarded;
     ``clip``, a passes.clipping.Clip: the gradients clipped first); returns the step's output
-    tuple (loss or [loss, norm], *params, *states, *buffers)."""
+    tuple (loss or [loss, norm], *params, *states, *buffers). ``sparse_rows`` {parameter
+    index: (ids, rows' gradients)}: those tables updated in place on the looked-up rows only
+    (plain SGD: runtime/embedding_update.py); the non-finite check reads their rows."""
+    sparse_rows = sparse_rows or {}
     norm = None
     if clip is not None:
         norm = clipping.global_norm(bb, grads, clip)
@@ -340,7 +390,8 @@ def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_
     flag = None
     if nonfinite_guard:
         flag = nonfinite.finite_flag(
-            bb, grads, loss_value if nonfinite_guard == "gradients_and_loss" else None,
+            bb, [sparse_rows[i][1] if i in sparse_rows else g for i, g in enumerate(grads)],
+            loss_value if nonfinite_guard == "gradients_and_loss" else None,
             across_tp=tensor_parallel, across_dp=across_dp)
     n_states = len(updaters[0][0].state_names) if updaters else 0
     keep = (None if flag is None else
@@ -351,6 +402,12 @@ def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_
     for i, (param, grad) in enumerate(zip(param_vars, grads)):
         states = state_vars[i * n_states:(i + 1) * n_states]
         optimizer, arguments = updaters[i]  # the parameter's group
+        if i in sparse_rows:  # in place, the looked-up rows only (runtime/embedding_update.py)
+            ids, rows = sparse_rows[i]
+            new_params.append(bb.emit(relax.call_pure_packed(
+                SGD_ROWS, param, ids, rows, hyper_vars[arguments["lr"]],
+                flag if flag is not None else relax.const(True, "bool"), ty_args=param.ty)))
+            continue
         # the states are kept (or not) where they are computed: optimizer.emit_update
         new_param, updated = optimizer.emit_update(
             bb, param, grad, states, {h: hyper_vars[a] for h, a in arguments.items()},

@@ -48,7 +48,7 @@ def torch_reference(opt_name, steps):
             loss = torch_loss(module(*x), y)
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
         runs[dtype] = (losses, {k: v.detach().double().numpy()
                                 for k, v in module.state_dict().items()})
     (losses, params), (_, exact) = runs[torch.float32], runs[torch.float64]
@@ -128,6 +128,9 @@ def main():
     stats = trainer.stats()
     if n > 1:
         assert ep is not None and ep.mode == mode, ep
+        # plain SGD updates the looked-up rows in place (no dense table gradient is formed)
+        sparse = "raf_dist.embedding.sgd_rows" in trainer.executor.ir.script()
+        assert sparse == (opt_name == "sgd"), (opt_name, sparse)
         tables = {name: params[name].nbytes for name in ep.shapes}
         dense = sum(v.nbytes for k, v in params.items() if k not in tables)
         held = stats["param_bytes"] - dense
