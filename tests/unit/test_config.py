@@ -24,6 +24,7 @@ def test_defaults(cfg):
         "pipeline_split_points": None,
         "activation_checkpointing": False,
         "activation_memory_budget_mb": None,
+        "embedding_parallel": "none",
         "collective_timeout_s": 600.0,
         "barrier_timeout_s": 3600.0,
         "check_collectives": False,
