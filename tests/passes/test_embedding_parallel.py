@@ -143,6 +143,10 @@ def test_config_rules():
         config.update({"enable_data_parallel": True, "zero_opt_level": 1})
         with pytest.raises(NotImplementedError, match="zero_opt_level=1 is not built yet"):
             config.check_supported()
+        config.update({"zero_opt_level": 0, "activation_memory_budget_mb": 100})
+        with pytest.raises(NotImplementedError, match="activation_memory_budget_mb with "
+                                                      "embedding_parallel"):
+            config.check_supported()
     finally:
         config.reset()
 

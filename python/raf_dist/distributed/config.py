@@ -146,6 +146,12 @@ class DistConfig:
                 "budget would have to be planned on the microbatch's step): choose "
                 "activation_checkpointing='selective' or 'full' yourself")
         if self.embedding_parallel != "none":
+            if self.activation_memory_budget_mb is not None:
+                raise NotImplementedError(
+                    "activation_memory_budget_mb with embedding_parallel is not built yet "
+                    "(each rank's planned peak differs with the tables it holds, so the ranks "
+                    "would pick different recomputation); choose activation_checkpointing "
+                    "yourself")
             for field, value, allowed in (
                     ("zero_opt_level", self.zero_opt_level, 0),
                     ("tensor_parallel_size", self.tensor_parallel_size, 1),

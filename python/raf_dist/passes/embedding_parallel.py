@@ -138,13 +138,23 @@ def _lookups(func: relax.Function) -> Tuple[Dict[relax.Var, int], Dict[relax.Var
             value = binding.value
             if (isinstance(value, relax.Call) and value.op.same_as(_TAKE)
                     and isinstance(value.args[0], relax.Var) and value.args[0] in params
-                    and int(value.attrs.axis) == 0):
+                    and value.attrs.axis is not None and int(value.attrs.axis) == 0):
                 takes[value.args[0]] = takes.get(value.args[0], 0) + 1
                 count(value.args[1], other)
             else:
                 count(value, other)
     count(func.body.body, other)
     return takes, other
+
+
+def lookup_count(func: relax.Function, tables: Sequence[str],
+                 param_names: Sequence[str]) -> Dict[str, int]:
+    """{table: row lookups of it in ``func``}."""
+    from .tensor_parallel import vars_by_name
+
+    by_name = vars_by_name(func, list(param_names))
+    takes, _ = _lookups(func)
+    return {n: takes.get(by_name[n], 0) for n in tables if n in by_name}
 
 
 def find_tables(func: relax.Function, param_names: Sequence[str],

@@ -1,6 +1,6 @@
 """The step's rows across the ranks: every rank's count exchanged before a step (under the
 collective timeout) and checked (raised on every rank together)."""
-from typing import Any, List, Sequence
+from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 
@@ -12,12 +12,21 @@ def allgather_rows(mpi_comm: Any, rows: int) -> List[int]:
     """Every rank's row count (an mpi4py communicator's Iallgather). It polls, sleeping
     after the first hundred tests: a rank still compiling the step for a new size must not
     have its core taken by the others' busy-waiting (MPICH's blocking calls spin)."""
-    send, received = np.array([rows], np.int64), np.zeros(mpi_comm.Get_size(), np.int64)
+    return allgather_rows_and_flags(mpi_comm, rows, 0)[0]
+
+
+def allgather_rows_and_flags(mpi_comm: Any, rows: int,
+                             flag: int) -> Tuple[List[int], List[int]]:
+    """(every rank's row count, every rank's ``flag``): ``allgather_rows`` carrying one more
+    integer per rank (a verdict each rank reached alone, e.g. that its batch has a bad id,
+    so every rank raises together instead of one leaving the others in a collective)."""
+    size = mpi_comm.Get_size()
+    send, received = np.array([rows, flag], np.int64), np.zeros(2 * size, np.int64)
     # a rank that never comes must not hang the others
     wait_request(mpi_comm.Iallgather(send, received),
                  "the exchange of every rank's batch rows before the step",
                  "a peer rank has probably died, stalled or is running a different program")
-    return [int(r) for r in received]
+    return [int(r) for r in received[0::2]], [int(f) for f in received[1::2]]
 
 
 def check_rows_per_rank(rows_per_rank: Sequence[int], rank: int) -> None:

@@ -365,8 +365,9 @@ class SPMDExecutor(LoopScalars):
                                                      self.batch_size), "target")
         if self._classes is not None:  # before any collective: the message names the value
             check_targets(y, self._classes)
-        if self._check_ids is not None:  # every id a row of its table, before any exchange
-            self._check_ids(inputs, rows)
+        # every id a row of its table: this rank's verdict, raised on every rank together
+        # with the rows' exchange (_rows_per_rank), before any table exchange
+        bad_ids = self._check_ids.message(inputs, rows) if self._check_ids is not None else None
         pieces = batching.microbatches(rows, self.microbatches)
         # local work, before collectives: the compiled steps for these sizes
         variants = ([self._step_variant(r, "partial") for r in pieces[:-1]]
@@ -377,14 +378,16 @@ class SPMDExecutor(LoopScalars):
         # an exception on this rank ends the job (Communicator.collective_work)
         with self.comm.collective_work(
                 f"step {self.step_count + 1} (last completed: {self.step_count})", self.spmd):
-            loss = self._execute(inputs, y, rows, pieces, variants)
+            loss = self._execute(inputs, y, rows, pieces, variants, bad_ids)
         self.comm.activity = f"work between steps (last completed: {self.step_count})"
         return loss
 
-    def _execute(self, inputs, y, rows, pieces, variants):
-        """The step's collectives and compiled functions on checked inputs; the loss."""
+    def _execute(self, inputs, y, rows, pieces, variants, bad_ids=None):
+        """The step's collectives and compiled functions on checked inputs; the loss.
+        ``bad_ids``: this rank's ids check failed (the message), raised on every rank."""
         began = time.perf_counter()
-        rows_per_rank = self._rows_per_rank(rows)  # a small collective under data parallelism
+        # a small collective under data parallelism
+        rows_per_rank = self._rows_per_rank(rows, bad_ids)
         # the optimizer's own step count (Adam's bias correction): skipped steps do not count
         hypers, lr = self._next_hypers()
         if self._scaler is not None:
@@ -580,6 +583,11 @@ class SPMDExecutor(LoopScalars):
         pieces of the captured batch size, one compiled forward per piece size); returns the
         outputs as one numpy array. Under ZeRO-3 the parameters are gathered first, so every
         rank must call it."""
+        if self.ep_plan is not None:
+            raise NotImplementedError(
+                "predict() with sharded embedding tables is not built yet (its lookups would "
+                "exchange with every rank, each with as many rows); gather the parameters "
+                "with state_dict() and predict with a Trainer(local=True)")
         x = predict_lib.check_rows(x, self.signature.input_specs)
         params = list(self._in_model_order(zip(self.signature.param_names,
                                                 self._params)).values())
@@ -661,11 +669,17 @@ class SPMDExecutor(LoopScalars):
         self._variants[key] = variant
         return variant
 
-    def _rows_per_rank(self, rows):
+    def _rows_per_rank(self, rows, bad_ids=None):
         """Every rank's rows in this step (one small allgather under data parallelism). Raises
-        on every rank together when a rank has none, or when synchronized batch norm would
-        see different row counts (its statistics assume equal ones)."""
-        if self.data_parallel and self.world > 1:
+        on every rank together when a rank has none, when synchronized batch norm would
+        see different row counts (its statistics assume equal ones), and with sharded
+        embedding tables when the counts differ (the exchanges' sizes are compiled in) or a
+        rank's batch has an id outside its table (``bad_ids``, that rank's message)."""
+        if self.data_parallel and self.world > 1 and self.ep_plan is not None:
+            rows_per_rank, bad = batches.allgather_rows_and_flags(self.dp_comm, rows,
+                                                                  int(bad_ids is not None))
+            self._check_sharded_tables_batch(rows_per_rank, bad, bad_ids)
+        elif self.data_parallel and self.world > 1:
             rows_per_rank = batches.allgather_rows(self.dp_comm, rows)
         else:
             rows_per_rank = [int(rows)]
@@ -676,6 +690,22 @@ class SPMDExecutor(LoopScalars):
                 "supported: the synchronized statistics assume every rank holds as many rows. "
                 "Use raf_dist.data.shard(..., drop_last=True) or turn sync_batch_norm off"))
         return rows_per_rank
+
+    def _check_sharded_tables_batch(self, rows_per_rank, bad, bad_ids):
+        """The rows' exchange told every rank the others' rows and ids verdicts: raise the
+        same way on every rank (embedding_parallel)."""
+        if bad_ids is not None:
+            raise raised_on_every_rank(ValueError(bad_ids))
+        if any(bad):
+            ranks = [r for r, flag in enumerate(bad) if flag]
+            raise raised_on_every_rank(ValueError(
+                f"the batch of rank(s) {ranks} has an id outside its embedding table (the "
+                "error there names the table and the id); nothing was exchanged"))
+        if len(set(rows_per_rank)) > 1:
+            raise raised_on_every_rank(ValueError(
+                f"embedding_parallel with different rows per rank ({rows_per_rank}) is not "
+                "supported: the tables' exchanges are compiled for equal batches. Use "
+                "raf_dist.data.shard(..., drop_last=True)"))
 
     def _to_device(self, array, spec, what):
         return to_device(array, spec, what, self._device)

@@ -128,11 +128,13 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     ``recompute`` (None, ``"full"`` or ``"selective"``): the backward reads recomputed copies
     of the forward values the policy does not keep (passes/remat.py).
 
-    ``local_grads`` ((names, world) or None): the trained parameters whose gradient this rank
-    computes whole for the dp group (embedding tables sharded over it: the exchange's
-    backward already summed every rank's rows, passes/embedding_parallel.py). They get no
-    marker (no collective reduces them) and are divided by ``world``, the average the
-    allreduce gives the others; the non-finite verdict is then agreed over the dp group."""
+    ``local_grads`` ((names, world, sparse) or None): the trained parameters whose gradient
+    this rank computes whole for the dp group (embedding tables sharded over it: the
+    exchange's backward already summed every rank's rows, passes/embedding_parallel.py).
+    They get no marker (no collective reduces them) and are divided by ``world``, the average
+    the allreduce gives the others; the non-finite verdict is then agreed over the dp group.
+    ``sparse``: those whose optimizer is plain SGD are updated in place on their looked-up
+    rows only (runtime/embedding_update.py; not with ``accumulate`` or ``loss_scale``)."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     if nonfinite_guard not in (None, "gradients", "gradients_and_loss"):
@@ -378,7 +380,8 @@ def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_
                  sparse_rows=None):
     """The optimizer's update of every parameter (skipped on a non-finite step when guarded;
     ``clip``, a passes.clipping.Clip: the gradients clipped first); returns the step's output
-    tuple (loss or [loss, norm], *params, *states, *buffers). ``sparse_rows`` {parameter
+    tuple (loss or [loss, norm], *params, *states, *buffers). ``across_dp``: the verdict
+    is agreed over the dp group (some gradients are this rank's alone). ``sparse_rows`` {parameter
     index: (ids, rows' gradients)}: those tables updated in place on the looked-up rows only
     (plain SGD: runtime/embedding_update.py); the non-finite check reads their rows."""
     sparse_rows = sparse_rows or {}

@@ -2,9 +2,10 @@
 
 - an embedding_plan naming no table of the model, a rank outside the dp group, or given
   with row-wise sharding: ValueError at Trainer construction, naming the key / the rank;
-- a batch with an id outside its table: ValueError naming the table and the id, before any
-  all-to-all (the native counters show none); the Trainer then trains on a good batch as if
-  nothing happened (nothing lost, nothing hung).
+- one rank's batch with an id outside its table: ValueError on every rank (naming the table
+  and the id there, the rank elsewhere), before any all-to-all (the native counters show
+  none); ranks with different rows: ValueError on every rank; the Trainer then trains on a
+  good batch as if nothing happened (nothing lost, nothing hung).
 Prints 'rank R: refused: <message>' per case and 'rank R: EP ERRORS OK'."""
 import sys
 
@@ -46,14 +47,26 @@ def main():
 
     good = trainer({"tables.1": comm.size - 1})
     bad = [a.copy() for a in xs]
-    bad[1][0, 1, 2] = 60 + comm.rank  # table 1 has 60 rows
+    last = comm.size - 1
+    if comm.rank == last:  # one rank's batch only: every rank raises, none waits
+        bad[1][0, 1, 2] = 60  # table 1 has 60 rows
     dist.reset_comm_counters()
-    refused(lambda: good.step(bad, ys), f"'tables.1.weight' has 60 rows and was asked for row "
-                                        f"{60 + comm.rank}")
+    refused(lambda: good.step(bad, ys),
+            "'tables.1.weight' has 60 rows and was asked for row 60" if comm.rank == last
+            else f"the batch of rank(s) [{last}] has an id outside its embedding table")
+    # ranks with different rows: the exchanges' sizes are compiled in
+    short = [a[:3] for a in xs] if comm.rank == 0 else xs
+    refused(lambda: good.step(short, ys[:3] if comm.rank == 0 else ys),
+            "embedding_parallel with different rows per rank")
     assert dist.comm_counters().get("alltoall", {"calls": 0})["calls"] == 0
     loss = good.step(xs, ys)
     assert loss == loss and good.step_count == 1, loss
     assert dist.comm_counters()["alltoall"]["calls"] > 0
+    try:  # not built: refused alike on every rank (no exchange started)
+        good.predict(xs[0])
+        raise AssertionError("predict() with sharded tables was not refused")
+    except NotImplementedError as err:
+        assert "predict() with sharded embedding tables" in str(err), err
     print(f"rank {comm.rank}: EP ERRORS OK")
 
 
