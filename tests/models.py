@@ -303,9 +303,10 @@ def torch_loss(out, target):
 
 
 def torch_step(module, opt, x, y):
-    """One PyTorch training step with ``torch_loss``; returns the loss as a float."""
+    """One PyTorch training step with ``torch_loss`` (``x``: the input, or a tuple of the
+    inputs); returns the loss as a float."""
     opt.zero_grad()
-    loss = torch_loss(module(x), y)
+    loss = torch_loss(module(*x) if isinstance(x, tuple) else module(x), y)
     loss.backward()
     opt.step()
     return loss.item()

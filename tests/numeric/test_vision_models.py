@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import raf_dist
-from models import make_dlrm, raf_optimizer, rel_err, torch_loss, torch_optimizer
+from models import make_dlrm, raf_optimizer, rel_err, torch_loss, torch_optimizer, torch_step
 from vision import float32_spread, make_vision, summation_order
 
 STEPS = 3
@@ -87,14 +87,7 @@ def _pytorch(name, check, dtype=torch.float64, order="oneDNN"):
     with summation_order(order, module.train(), inputs, dtype) as (module, inputs):
         if check == "training":
             opt = torch_optimizer(OPTIMIZER[name], module.parameters())
-            losses = []
-            for _ in range(STEPS):
-                opt.zero_grad()
-                loss = torch_loss(module(*inputs), y)
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-            out = {"losses": losses}
+            out = {"losses": [torch_step(module, opt, inputs, y) for _ in range(STEPS)]}
             out.update({n: _without_key_bias(n, p.detach().numpy())
                         for n, p in module.named_parameters()})
         else:

@@ -46,8 +46,9 @@ import tvm
 from tvm import relax
 
 from ..ir.ops import ep_exchange, is_ep_exchange
-from .bucketing import Segments, assemble, collective
+from .bucketing import collective
 from .gradient_markers import SubstituteVars
+from .lower_allreduce import lower_blocking, lower_functions
 
 MODES = ("none", "table", "row")
 _TAKE = tvm.ir.Op.get("relax.take")
@@ -333,49 +334,30 @@ def exchange_bytes(plan: EmbeddingPlan, rank: int, lookups: Mapping[str, Sequenc
 
 
 # ---- lowering -----------------------------------------------------------------------------
-def _lower_exchanges(func: relax.Function, group: int) -> relax.Function:
-    seg = Segments()
-    found = False
-    for block in func.body.blocks:
-        dataflow = isinstance(block, relax.DataflowBlock)
-        for binding in block.bindings:
-            value = binding.value
-            if not (isinstance(binding, relax.VarBinding) and is_ep_exchange(value)):
-                seg.add(binding, dataflow)
-                continue
-            found = True
-            x = value.args[0]
-            row = int(np.prod([int(d) for d in list(x.ty.shape)[1:]], dtype=np.int64))
-            send = np.array([int(r) * row for r in value.attrs["send"]], dtype=np.int64)
-            recv = np.array([int(r) * row for r in value.attrs["recv"]], dtype=np.int64)
-            out_ty = binding.var.ty
-            seg.add(relax.VarBinding(binding.var, relax.op.builtin.alloc_tensor(
-                relax.ShapeExpr([int(d) for d in out_ty.shape]), str(out_ty.dtype),
-                relax.prim_value(0))), dataflow)
-            seg.bind(f"{binding.var.name}_alltoall", collective(
-                "raf_dist.ccl.alltoall", x, relax.const(send, "int64"), relax.const(recv, "int64"),
-                relax.prim_value(group), binding.var), dataflow=False)
-    if not found:
-        return func
-    return assemble(func, seg.segments, func.body.body)
+def _alltoall(group):
+    def call(value, out):  # the split counts in elements, int64 host constants
+        x = value.args[0]
+        row = int(np.prod([int(d) for d in list(x.ty.shape)[1:]], dtype=np.int64))
+        send = np.array([int(r) * row for r in value.attrs["send"]], dtype=np.int64)
+        recv = np.array([int(r) * row for r in value.attrs["recv"]], dtype=np.int64)
+        return collective("raf_dist.ccl.alltoall", x, relax.const(send, "int64"),
+                          relax.const(recv, "int64"), relax.prim_value(group), out)
+
+    return call
 
 
 @tvm.transform.module_pass(opt_level=0, name="LowerEmbeddingExchange")
 class LowerEmbeddingExchange:
     """After autodiff: each ``raf_dist.ep_exchange`` becomes a blocking
     ``raf_dist.ccl.alltoall(send, send_counts, recv_counts, group, recv)`` over native process
-    group ``group`` (the dp axis)."""
+    group ``group`` (the dp axis; passes/lower_allreduce.py ``lower_blocking``)."""
 
     def __init__(self, group: int):
         self.group = int(group)
 
     def transform_module(self, mod, ctx):
-        updates = {gvar: _lower_exchanges(func, self.group) for gvar, func in mod.functions_items()
-                   if isinstance(func, relax.Function)}
-        mod = mod.__class__(dict(mod.functions_items()))
-        for gvar, func in updates.items():
-            mod[gvar] = func
-        return relax.transform.Normalize()(mod)
+        return lower_functions(mod, lambda func: lower_blocking(
+            func, is_ep_exchange, _alltoall(self.group), "alltoall"))
 
 
 # ---- the ids a step looks up, for the range check before any exchange ----------------------

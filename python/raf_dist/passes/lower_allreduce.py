@@ -18,30 +18,52 @@ from .bucketing import Segments, assemble, collective
 _ALLREDUCE = tvm.ir.Op.get("relax.ccl.allreduce")
 
 
-def lower_allreduce_op(func, group, op=_ALLREDUCE, op_type=None):
-    """``func`` with every ``op`` call (one tensor in, its allreduce out; ``op_type``, else
-    the call's attribute, else a sum) lowered as the module docstring says."""
+def lower_blocking(func, matches, call, name):
+    """``func`` with every binding ``y = value`` where ``matches(value)`` replaced by ``y =
+    alloc_tensor(y's type)`` and the blocking impure packed call ``call(value, y)`` (named
+    ``<y>_<name>``) that fills it: the lowering every raf_dist collective op gets (this
+    module's allreduce, tp_ops.py's, embedding_parallel.py's exchanges). The dataflow block
+    is split around each call."""
     seg = Segments()
     found = False
     for block in func.body.blocks:
         dataflow = isinstance(block, relax.DataflowBlock)
         for binding in block.bindings:
             value = binding.value
-            if not (isinstance(binding, relax.VarBinding) and isinstance(value, relax.Call)
-                    and value.op == op):
+            if not (isinstance(binding, relax.VarBinding) and matches(value)):
                 seg.add(binding, dataflow)
                 continue
             found = True
-            x = value.args[0]
+            out = binding.var.ty
             seg.add(relax.VarBinding(binding.var, relax.op.builtin.alloc_tensor(
-                relax.ShapeExpr([int(d) for d in x.ty.shape]), str(x.ty.dtype), relax.prim_value(0))), dataflow)
-            seg.bind(f"{binding.var.name}_allreduce", collective(
-                "raf_dist.ccl.allreduce", x, tvm.ir.StringImm(
-                    op_type or (str(value.attrs.op_type) if value.attrs is not None else "sum")),
-                relax.prim_value(group), binding.var), dataflow=False)
+                relax.ShapeExpr([int(d) for d in out.shape]), str(out.dtype),
+                relax.prim_value(0))), dataflow)
+            seg.bind(f"{binding.var.name}_{name}", call(value, binding.var), dataflow=False)
     if not found:
         return func
     return assemble(func, seg.segments, func.body.body)
+
+
+def lower_functions(mod, lower):
+    """``mod`` with ``lower(func)`` in place of each Relax function, normalized."""
+    updates = {gvar: lower(func) for gvar, func in mod.functions_items()
+               if isinstance(func, relax.Function)}
+    mod = mod.__class__(dict(mod.functions_items()))
+    for gvar, func in updates.items():
+        mod[gvar] = func
+    return relax.transform.Normalize()(mod)
+
+
+def lower_allreduce_op(func, group, op=_ALLREDUCE, op_type=None):
+    """``func`` with every ``op`` call (one tensor in, its allreduce out; ``op_type``, else
+    the call's attribute, else a sum) lowered as the module docstring says."""
+    def allreduce(value, out):
+        kind = op_type or (str(value.attrs.op_type) if value.attrs is not None else "sum")
+        return collective("raf_dist.ccl.allreduce", value.args[0], tvm.ir.StringImm(kind),
+                          relax.prim_value(group), out)
+
+    return lower_blocking(func, lambda value: isinstance(value, relax.Call) and value.op == op,
+                          allreduce, "allreduce")
 
 
 @tvm.transform.module_pass(opt_level=0, name="LowerAllReduce")
@@ -52,9 +74,4 @@ class LowerAllReduce:
         self.group = int(group)
 
     def transform_module(self, mod, ctx):
-        updates = {gvar: lower_allreduce_op(func, self.group) for gvar, func in mod.functions_items()
-                   if isinstance(func, relax.Function)}
-        mod = mod.__class__(dict(mod.functions_items()))
-        for gvar, func in updates.items():
-            mod[gvar] = func
-        return relax.transform.Normalize()(mod)
+        return lower_functions(mod, lambda func: lower_allreduce_op(func, self.group))

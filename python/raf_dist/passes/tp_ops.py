@@ -26,7 +26,7 @@ from tvm import relax
 from ..ir.ops import (TP_COPY, TP_MAX, TP_RANK, TP_RANK_FUNC, TP_REDUCE, is_tp_op, tp_copy,
                       tp_max, tp_rank, tp_reduce)
 from ..ir.utils import mutate_functions
-from .lower_allreduce import lower_allreduce_op
+from .lower_allreduce import lower_allreduce_op, lower_functions
 
 __all__ = ["LowerTensorParallel", "TP_COPY", "TP_MAX", "TP_RANK", "TP_REDUCE", "is_tp_op",
            "tp_copy", "tp_max", "tp_rank", "tp_reduce"]
@@ -62,10 +62,6 @@ class LowerTensorParallel:
 
     def transform_module(self, mod, ctx):
         mod = mutate_functions(mod, _StripCopies(mod, self.group))
-        updates = {gvar: lower_allreduce_op(lower_allreduce_op(func, self.group, tvm.ir.Op.get(TP_REDUCE)),
-                                            self.group, tvm.ir.Op.get(TP_MAX), "max")
-                   for gvar, func in mod.functions_items() if isinstance(func, relax.Function)}
-        mod = mod.__class__(dict(mod.functions_items()))
-        for gvar, func in updates.items():
-            mod[gvar] = func
-        return relax.transform.Normalize()(mod)
+        return lower_functions(mod, lambda func: lower_allreduce_op(
+            lower_allreduce_op(func, self.group, tvm.ir.Op.get(TP_REDUCE)),
+            self.group, tvm.ir.Op.get(TP_MAX), "max"))

@@ -26,7 +26,7 @@ import raf_dist
 from raf_dist import distributed as dist
 from raf_dist.passes.embedding_parallel import exchange_bytes
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
-from models import make_sharded_rec, raf_optimizer, rel_err, torch_loss, torch_optimizer  # noqa: E402
+from models import make_sharded_rec, raf_optimizer, rel_err, torch_optimizer, torch_step  # noqa: E402
 
 GLOBAL_BATCH = 12
 TOL = 5e-5  # float reduction order (the exchanges' sums too), amplified by Adam: tp_train.py
@@ -42,13 +42,7 @@ def torch_reference(opt_name, steps):
         module = module.to(dtype)
         x = tuple(a.to(dtype) if a.is_floating_point() else a for a in x)
         opt = torch_optimizer(opt_name, module.parameters())
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = torch_loss(module(*x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = [torch_step(module, opt, x, y) for _ in range(steps)]
         runs[dtype] = (losses, {k: v.detach().double().numpy()
                                 for k, v in module.state_dict().items()})
     (losses, params), (_, exact) = runs[torch.float32], runs[torch.float64]
