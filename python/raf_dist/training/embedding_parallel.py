@@ -5,7 +5,6 @@ row-wise: one block of rows). The lookups exchange ids and rows by all-to-all; t
 layers stay data parallel. Table-wise, each rank's forward differs (it looks up its own
 tables), so each rank compiles its own step (after local rank 0's, which the SPMD build
 order waits for; they cannot share a cache entry)."""
-import dataclasses
 import logging
 from typing import Any, Dict, Mapping, Optional
 
@@ -14,7 +13,7 @@ import tvm
 
 from ..passes.embedding_parallel import EmbeddingPlan, find_tables, lookup_count, \
     plan_embeddings, shard_embedding_forward
-from .tensor_parallel import trained_names
+from .tensor_parallel import piece_model, trained_names
 
 _LOG = logging.getLogger("raf_dist")
 
@@ -33,27 +32,10 @@ def shard_model(model: Any, plan: EmbeddingPlan, rank: int, full_params: Dict[st
     """``model`` with its forwards looking up the tables by exchange and its tables this
     rank's rows of ``full_params`` (``values=False``: placeholders of their shapes); a
     ``respecialize`` that shards the model captured at another batch size the same way."""
-    functions = {}
-    for gvar, func in model.mod.functions_items():
-        if gvar.name_hint in ("forward", "forward_eval"):
-            func = shard_embedding_forward(func, plan, rank, list(model.param_names))
-        functions[gvar] = func
-    init = {}
-    for n in model.param_names:
-        full = np.asarray(full_params[n])
-        if values:
-            init[n] = np.ascontiguousarray(plan.local_shard(n, full, rank))
-        else:
-            init[n] = np.broadcast_to(np.zeros((), full.dtype),
-                                      plan.local_shape(n, full.shape, rank))
-    shapes_only = model.without_values()
-
-    def respecialize(rows):  # Model.at_batch gives the result this piece's init_params
-        other = shapes_only.at_batch(rows)
-        return shard_model(other, plan, rank, other.init_params, values=False)
-
-    return dataclasses.replace(model, mod=tvm.IRModule(functions), init_params=init,
-                               respecialize=respecialize if model.respecialize else None)
+    return piece_model(
+        model, lambda m, func: shard_embedding_forward(func, plan, rank, list(m.param_names)),
+        lambda n, full: plan.local_shard(n, full, rank),
+        lambda n, shape: plan.local_shape(n, shape, rank), full_params, values)
 
 
 class IdsCheck:

@@ -33,28 +33,35 @@ def shard_model(model, plan: TensorParallelPlan, tp_rank: int, full_params: dict
     this tp rank's pieces of ``full_params`` (``values=False``: placeholders of the pieces'
     shapes, no memory) and a ``respecialize`` that splits the model captured at another
     batch size the same way."""
-    trained = trained_names(model)
-    functions = {}
-    for gvar, func in model.mod.functions_items():
-        if gvar.name_hint in ("forward", "forward_eval"):
-            func = shard_forward(func, plan.tp, list(model.param_names), trained, plan)
-        functions[gvar] = func
-    mod = tvm.IRModule(functions)
-    if values:
-        init = {n: np.ascontiguousarray(plan.local_shard(n, np.asarray(full_params[n]),
-                                                         tp_rank))
-                for n in model.param_names}
-    else:
-        init = {n: np.broadcast_to(np.zeros((), np.asarray(full_params[n]).dtype),
-                                   plan.local_shape(n, np.shape(full_params[n])))
-                for n in model.param_names}
+    return piece_model(
+        model, lambda m, func: shard_forward(func, plan.tp, list(m.param_names),
+                                             trained_names(m), plan),
+        lambda n, full: plan.local_shard(n, full, tp_rank), plan.local_shape, full_params,
+        values, output_split_classes=plan.tp if plan.output_split else 0)
+
+
+def piece_model(model, rewrite, local_shard, local_shape, full_params, values=True, **fields):
+    """What a rank keeps of ``model`` when a parallelism splits parameters across ranks
+    (tensor parallelism here, embedding tables in training/embedding_parallel.py): its
+    forward and evaluation forward ``rewrite(model, func)``; its parameters
+    ``local_shard(name, full)`` of ``full_params`` (``values=False``: read-only placeholders
+    of ``local_shape(name, full shape)``, no memory); ``fields`` set on the result; and a
+    ``respecialize`` that captures another batch size and splits it the same way."""
+    functions = {gvar: rewrite(model, func) if gvar.name_hint in ("forward", "forward_eval")
+                 else func for gvar, func in model.mod.functions_items()}
+    init = {}
+    for n in model.param_names:
+        full = np.asarray(full_params[n])
+        init[n] = (np.ascontiguousarray(local_shard(n, full)) if values else
+                   np.broadcast_to(np.zeros((), full.dtype), local_shape(n, full.shape)))
 
     shapes_only = model.without_values()  # the full initial values are not kept alive here
 
     def respecialize(rows):  # Model.at_batch gives the result this piece's init_params
         other = shapes_only.at_batch(rows)
-        return shard_model(other, plan, tp_rank, other.init_params, values=False)
+        return piece_model(other, rewrite, local_shard, local_shape, other.init_params,
+                           values=False, **fields)
 
-    return dataclasses.replace(model, mod=mod, init_params=init,
-                               output_split_classes=plan.tp if plan.output_split else 0,
-                               respecialize=respecialize if model.respecialize else None)
+    return dataclasses.replace(model, mod=tvm.IRModule(functions), init_params=init,
+                               respecialize=respecialize if model.respecialize else None,
+                               **fields)
