@@ -143,10 +143,42 @@ def low_gemm_mode(dtype):
     return _modes[dtype]
 
 
-def matmul(a, b, trans_a, trans_b, out):
-    if str(out.dtype) in LOW_DTYPES and out.device.dlpack_device_type() != _CUDA:
-        _matmul_low(a, b, trans_a, trans_b, out)
+def _matmul_low_cuda(a, b, trans_a, trans_b, out):
+    """A batched 16-bit product on the GPU. CuPy 14 multiplies 2-D bfloat16 matrices (cuBLAS
+    GemmEx) but takes a batched bfloat16 product for an integer one and fails ("data type 'E'
+    not understood"; seen on an H200, the transformer's attention products): torch's CUDA
+    matmul (cuBLAS, float32 accumulation) on the same memory when torch is installed, else
+    one CuPy GEMM per matrix of the broadcast batch."""
+    torch = _torch()
+    if torch is not None:
+        ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
+        if trans_a:
+            ta = ta.transpose(-1, -2)
+        if trans_b:
+            tb = tb.transpose(-1, -2)
+        torch.matmul(ta, tb, out=torch.from_dlpack(out))
         return
+    xp = _xp(out)
+    x, y, o = xp.from_dlpack(a), xp.from_dlpack(b), xp.from_dlpack(out)
+    if trans_a:
+        x = xp.swapaxes(x, -1, -2)
+    if trans_b:
+        y = xp.swapaxes(y, -1, -2)
+    batch = o.shape[:-2]
+    x = xp.broadcast_to(x, batch + x.shape[-2:])
+    y = xp.broadcast_to(y, batch + y.shape[-2:])
+    for index in np.ndindex(*batch):
+        xp.matmul(x[index], y[index], out=o[index])
+
+
+def matmul(a, b, trans_a, trans_b, out):
+    if str(out.dtype) in LOW_DTYPES:
+        if out.device.dlpack_device_type() != _CUDA:
+            _matmul_low(a, b, trans_a, trans_b, out)
+            return
+        if len(out.shape) > 2:
+            _matmul_low_cuda(a, b, trans_a, trans_b, out)
+            return
     xp = _xp(out)
     a = xp.from_dlpack(a)
     b = xp.from_dlpack(b)
