@@ -22,7 +22,8 @@ from mpi_launch import assert_ranks_ok, check_mpi
     # dp 2 x pp 2 x tp 2 on 8 ranks, ZeRO-1 over dp (each stage split over two tp ranks,
     # the vocabulary-parallel head and loss on the last; pp x tp alone is this minus dp);
     # nanoGPT's flattened logits: each microbatch takes its share of the (batch * seq) targets
-    ("flat_lm", "sgd_momentum", 2, 2, 1, 8, ("--microbatches", 2)),
+    # and raf_dist.proxies' extraction of this mesh's step equals what its last step ran
+    ("flat_lm", "sgd_momentum", 2, 2, 1, 8, ("--microbatches", 2, "--check-extraction", 1)),
 ], ids=["mlp8-pp2-gpipe", "mlp8-pp4-1f1b-split-points", "transformer-pp4-interleaved",
         "gpt2-pp2-tied-checkpointing", "flat-lm-dp2xpp2xtp2-zero1"])
 def test_pipeline_equals_one_process(model, optimizer, pp, tp, zero, ranks, extra):
@@ -30,6 +31,8 @@ def test_pipeline_equals_one_process(model, optimizer, pp, tp, zero, ranks, extr
                     timeout=480)
     assert_ranks_ok(out, ranks, "PP OK")
     assert "pipeline stages" in out
+    if "--check-extraction" in extra:
+        assert out.count("extraction equals the step's collectives") == ranks, out
 
 
 # without synchronized statistics (72 s): make test-slow; the synchronized case runs the same

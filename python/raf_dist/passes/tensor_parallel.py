@@ -281,8 +281,11 @@ def _search(func, tp, param_names, trained, plan, split_output):
 
 
 def vars_by_name(func, param_names):
+    """{parameter name: the forward's argument}: the parameters are its arguments from the
+    first one's on, named ``p_<name>`` (from_pytorch) or ``<name>`` (from_relax_nn)."""
     params = [p for p in func.params]
-    start = next((i for i, p in enumerate(params) if p.name == _arg_name(param_names[0])),
+    first = (_arg_name(param_names[0]), param_names[0]) if param_names else ()
+    start = next((i for i, p in enumerate(params) if p.name in first),
                  None) if param_names else 0
     if start is None:
         raise ValueError("the forward's arguments do not include the model's parameters "

@@ -32,16 +32,22 @@ def function_flops(func: relax.Function) -> int:
 
     def visit(expr: relax.Expr) -> None:
         nonlocal total
-        if not (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op)):
-            return
-        name = expr.op.name
-        if name == "relax.matmul":
-            total += _matmul_flops(expr)
-        elif name.startswith("relax.nn.conv"):
-            total += _conv_flops(expr, transpose=name.endswith("_transpose"))
+        total += call_flops(expr)
 
     relax.analysis.post_order_visit(func.body, visit)
     return total
+
+
+def call_flops(expr: relax.Expr) -> int:
+    """Multiply-add FLOPs (x2) of one matmul or convolution call, else 0."""
+    if not (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op)):
+        return 0
+    name = expr.op.name
+    if name == "relax.matmul":
+        return _matmul_flops(expr)
+    if name.startswith("relax.nn.conv"):
+        return _conv_flops(expr, transpose=name.endswith("_transpose"))
+    return 0
 
 
 def _shape(expr: relax.Expr) -> Optional[List[int]]:

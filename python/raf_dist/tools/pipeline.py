@@ -55,30 +55,6 @@ FORWARD_COST = 1.0
 BACKWARD_COST = 2.0
 
 
-def _stage_plan(model: Model, num_stages: int, microbatches: int,
-                split_points: Sequence[str] | None) -> StagePlan:
-    """The StagePlan of ``model`` in ``num_stages`` stages at the microbatch's rows (as
-    PipelineExecutor._forward_graph)."""
-    from ..passes.batch_norm import decompose_forward, has_training_batch_norm
-    from ..passes.pipeline import ForwardGraph, partition
-
-    rows = model.batch_size
-    if rows is None:  # no inputs, or a 0-d first input: no batch to split
-        raise ValueError(f"the model ({model.source}) has no batch dimension (its first input is "
-                         f"{model.input_specs[0] if model.input_specs else 'missing'}): "
-                         "pipelining splits dim 0 of the inputs into microbatches")
-    if rows % microbatches:
-        raise ValueError(f"the model was captured with {rows} rows, which {microbatches} "
-                         "microbatches do not divide; capture it with a multiple of "
-                         "--microbatches rows")
-    at = model.at_batch(rows // microbatches) if microbatches > 1 else model
-    if has_training_batch_norm(at.mod):  # as the PipelineExecutor reads it
-        at = decompose_forward(at)
-    graph = ForwardGraph(at.forward, len(at.input_specs), len(at.dropout_specs), at.param_names,
-                         list(getattr(at, "buffer_names", ())))
-    return partition(graph, num_stages, list(split_points) if split_points else None)
-
-
 def simulate_pipeline(pp: int, microbatches: int = 1, schedule: str = "1f1b",
                       stages_per_rank: int = 1) -> tuple[list[list[Action]], list[TimelineEntry]]:
     """(actions, timeline) of the schedule: ``rank_actions`` and its ``simulate`` with
@@ -114,7 +90,9 @@ def explain_pipeline(model: Model, pp: int, microbatches: int = 1, schedule: str
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     num_stages = ps.num_stages(schedule, pp, stages_per_rank)  # validates the combination
-    plan = _stage_plan(model, num_stages, microbatches, split_points)
+    from ..training.pipeline import stage_plan
+
+    plan = stage_plan(model, num_stages, microbatches, split_points)
     actions, timeline = simulate_pipeline(pp, microbatches, schedule, stages_per_rank)
 
     lines = [plan.describe(), ""]

@@ -237,3 +237,27 @@ def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32",
         attrs[UPDATE_GROUPS] = groups
     func = bb.get()["train_step"].with_attrs(attrs)
     return tvm.IRModule({tvm.ir.GlobalVar("train_step"): func})
+
+
+def stage_plan(model, num_stages, microbatches, split_points=None):
+    """The StagePlan (passes/pipeline.py) of ``model`` in ``num_stages`` stages at the
+    microbatch's rows, as PipelineExecutor._forward_graph reads it (tools/pipeline.py's
+    explanation and proxies/extract.py use it; one process, no MPI)."""
+    from ..passes.batch_norm import decompose_forward, has_training_batch_norm
+    from ..passes.pipeline import ForwardGraph, partition
+
+    rows = model.batch_size
+    if rows is None:  # no inputs, or a 0-d first input: no batch to split
+        raise ValueError(f"the model ({model.source}) has no batch dimension (its first input is "
+                         f"{model.input_specs[0] if model.input_specs else 'missing'}): "
+                         "pipelining splits dim 0 of the inputs into microbatches")
+    if rows % microbatches:
+        raise ValueError(f"the model was captured with {rows} rows, which {microbatches} "
+                         "microbatches do not divide; capture it with a multiple of "
+                         "--microbatches rows")
+    at = model.at_batch(rows // microbatches) if microbatches > 1 else model
+    if has_training_batch_norm(at.mod):  # as the PipelineExecutor reads it
+        at = decompose_forward(at)
+    graph = ForwardGraph(at.forward, len(at.input_specs), len(at.dropout_specs), at.param_names,
+                         list(getattr(at, "buffer_names", ())))
+    return partition(graph, num_stages, list(split_points) if split_points else None)

@@ -58,7 +58,12 @@ def main():
     if "--load" in flags:
         trainer.load_checkpoint(flags["--load"])
         loaded = trainer.step_count
-    losses = [trainer.step(xs, ys) for _ in range(steps)]
+    losses = [trainer.step(xs, ys) for _ in range(steps - 1)]
+    dist.reset_comm_counters()  # the last step's traffic, per group
+    losses.append(trainer.step(xs, ys))
+    if flags.get("--check-extraction") == "1":
+        check_extraction(trainer, module, x[rows], mesh, dp, pp, tp, zero, microbatches,
+                         schedule, opt_name)
 
     assert_like_one_process(trainer, losses, name, opt_name, GLOBAL_BATCH, loaded, TOL)
 
@@ -72,6 +77,35 @@ def main():
         print(trainer.plan.describe())
     print(f"rank {comm.rank}: PP OK stages {stats['stages']} peak "
           f"{stats['peak_saved_microbatches']}")
+
+
+def check_extraction(trainer, module, x, mesh, dp, pp, tp, zero, microbatches, schedule,
+                     opt_name):
+    """The collectives raf_dist.proxies extracts from this mesh's compiled step (one process,
+    no MPI) are the ones the last step ran: per tp and dp group, calls and bus bytes by kind
+    as the native counters recorded them; the pipeline messages' bytes as the transport
+    sent them. (The pipeline's own control collectives on the pp group and the world are
+    not in the extraction; they are not compared.)"""
+    from raf_dist.proxies import MeshSpec, extract
+
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    workload = extract(model, MeshSpec(dp=dp, tp=tp, pp=pp, zero=zero,
+                                       microbatches=microbatches, schedule=schedule),
+                       optimizer=raf_optimizer(opt_name))
+    extracted = workload.bus_bytes(mesh.pp_rank)
+    for axis, group in (("tp", mesh.tp_group), ("dp", mesh.dp_group)):
+        recorded = {k: v for k, v in dist.comm_counters(group=group).items() if v["calls"]}
+        want = extracted.get(axis, {})
+        assert {k: v["calls"] for k, v in recorded.items()} == {
+            k: v["calls"] for k, v in want.items()}, (axis, recorded, want)
+        for kind, v in want.items():
+            assert abs(recorded[kind]["bus_bytes"] - v["bus_bytes"]) < 0.5, (axis, kind,
+                                                                            recorded, want)
+    sent = sum(e.bytes for e in workload.programs[mesh.pp_rank] if e.kind == "send")
+    assert trainer.stats()["comm_bytes_last_step"]["send"] == sent, (
+        trainer.stats()["comm_bytes_last_step"], sent)
+    print(f"rank {dist.get_communicator().rank}: extraction equals the step's collectives "
+          f"{ {a: {k: v['calls'] for k, v in d.items()} for a, d in extracted.items()} }")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,313 @@
+"""A training step's communication, read from raf_dist's own compiled step.
+
+``extract(model, MeshSpec(...))`` builds, in this one process and without MPI, the IR every
+rank of that mesh would run — the model split for tensor parallelism (tp rank 0's pieces),
+its embedding tables sharded (dp rank 0's), cut into pipeline stages, differentiated, through
+the same distribution passes the executors apply (AllReduceGradients / ShardZeRO with their
+buckets and overlap, LowerTensorParallel, LowerEmbeddingExchange) — and walks it in program
+order: every ``raf_dist.ccl.*`` call becomes a collective event (kind, whole-tensor bytes,
+axis, started here / waited there), the work between two of them one compute event (the
+FLOPs of its matmuls and convolutions, the bytes its other operators write). Under
+pipelining each pp rank's program is its schedule (training/pipeline_schedule.py
+``rank_actions``: the same action lists the PipelineExecutor runs) with each F / B action
+replaced by its stage's forward / backward events, each SEND / RECV by a message of the
+boundary's bytes, and UPDATE by the update step's events. The parameters may be shapes only
+(``Model.without_values``, or placeholders: nothing here reads a value), so a 175B-parameter
+model is extracted on a laptop.
+
+Not in the events: the host-side bookkeeping messages of a step (the rows allgather of
+uneven batches, the pipeline's loss broadcast and tied-weight sums: a few bytes each), and
+the parameter broadcast at construction.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..compiler.inplace_buckets import packed_call
+from ..compiler.step_passes import function_passes, nonfinite_guard, step_passes
+from ..runtime.metrics import call_flops
+from ..training import pipeline_schedule as schedules
+from .workload import COLLECTIVES, Event, Workload
+
+#: the process-group ids the extraction's passes are given, one per mesh axis (never run:
+#: they only tag each collective with its axis)
+AXIS_GROUPS = {"dp": 1001, "tp": 1002, "pp": 1003}
+_AXIS_OF = {g: a for a, g in AXIS_GROUPS.items()}
+_AXIS_OF[0] = "world"
+_PREFIX = "raf_dist.ccl."
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """The parallel layout a workload is extracted for (``dist.get_config()``'s fields)."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    bucket_mb: float = 25.0
+    overlap: bool = True
+    embedding_parallel: str = "none"
+    stages_per_rank: int = 1
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "microbatches", "stages_per_rank"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"MeshSpec.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"MeshSpec.zero must be 0..3, got {self.zero!r}")
+        if self.zero and self.dp == 1:
+            raise ValueError("ZeRO shards over the dp ranks: zero > 0 needs dp > 1")
+        if self.pp > 1 and self.zero == 3:
+            raise ValueError("zero=3 with pipeline parallelism is not supported by the "
+                             "PipelineExecutor (each stage's update is ZeRO-1/2 at most)")
+        if self.pp == 1 and self.microbatches > 1 and self.zero == 3:
+            raise ValueError("microbatches with zero=3 are refused by the Trainer (the "
+                             "parameters would be gathered again for every microbatch)")
+        if self.embedding_parallel not in ("none", "table", "row"):
+            raise ValueError(f"embedding_parallel must be 'none', 'table' or 'row', got "
+                             f"{self.embedding_parallel!r}")
+        if self.embedding_parallel != "none" and (self.tp > 1 or self.pp > 1 or self.zero):
+            raise ValueError("sharded embedding tables compose with plain data parallelism "
+                             "only (as the Trainer)")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def _nbytes(ty) -> int:
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return 0
+    try:
+        dims = [int(d) for d in ty.shape]
+    except TypeError:  # a symbolic dimension
+        return 0
+    return int(np.prod(dims, dtype=np.int64)) * tvm.DataType(str(ty.dtype)).bits // 8
+
+
+def _bindings(func: relax.Function):
+    body = func.body
+    return [b for block in body.blocks for b in block.bindings]
+
+
+def function_events(func: relax.Function, what: str = "") -> list[Event]:
+    """``func``'s compute and collective events in program order (module docstring).
+    Collectives on a group outside AXIS_GROUPS (or 0, the world) are an error: the
+    extraction tags every axis."""
+    events: list[Event] = []
+    pending: dict[Any, int] = {}
+    work = [0, 0]  # flops, bytes written since the last collective
+    handles = iter(range(1 << 30))
+
+    def flush():
+        if work[0] or work[1]:
+            events.append(Event("compute", flops=work[0], mem_bytes=work[1], what=what))
+            work[0] = work[1] = 0
+
+    for b in _bindings(func):
+        symbol, args = packed_call(b.value)
+        if symbol is None or not symbol.startswith(_PREFIX):
+            if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op):
+                flops = call_flops(b.value)
+                work[0] += flops
+                if not flops:
+                    work[1] += _nbytes(b.var.ty)
+            continue
+        op = symbol[len(_PREFIX):]
+        if op == "wait":
+            flush()
+            events.append(Event("wait", handle=pending.pop(args[0]), what=what))
+            continue
+        kind = op[:-len("_start")] if op.endswith("_start") else op
+        if kind not in COLLECTIVES:
+            continue  # local copies (local_shard) and the like
+        if kind == "allreduce":
+            group, nbytes = args[2], _nbytes(args[0].ty)
+        elif kind == "reduce_scatter":
+            group, nbytes = args[-2], sum(_nbytes(t.ty) for t in args[:-3])
+        elif kind == "allgather":
+            group, nbytes = args[1], sum(_nbytes(t.ty) for t in args[2:])
+        else:
+            group, nbytes = args[-2], _nbytes(args[0].ty)
+        group = int(group.value)
+        if group not in _AXIS_OF:
+            raise ValueError(f"{symbol} on group {group}, which is no mesh axis of the "
+                             "extraction")
+        flush()
+        handle = next(handles) if op.endswith("_start") else -1
+        if handle >= 0:
+            pending[b.var] = handle
+        events.append(Event(kind, bytes=nbytes, axis=_AXIS_OF[group], handle=handle,
+                            what=what))
+    flush()
+    if pending:
+        raise ValueError(f"{what or 'the function'} starts {len(pending)} collective(s) it "
+                         "never waits for")
+    return events
+
+
+def _renumber(events: list[Event], start: int) -> tuple[list[Event], int]:
+    """Copies of ``events`` whose handles count from ``start`` (a program repeats a
+    function's events; each repeat's handles must be its own)."""
+    out, top = [], start
+    for e in events:
+        e = dataclasses.replace(e)
+        if e.handle >= 0:
+            e.handle += start
+            top = max(top, e.handle + 1)
+        out.append(e)
+    return out, top
+
+
+def _pieces(model, mesh: MeshSpec, loss: str, tensor_parallel_plan=None, embedding_plan=None):
+    """tp rank 0's / dp rank 0's piece of ``model`` (shapes only)."""
+    lean = model.without_values()
+    if mesh.tp > 1:
+        from ..training import tensor_parallel as tp_lib
+
+        plan = tp_lib.make_plan(lean, mesh.tp, tensor_parallel_plan, loss)
+        lean = tp_lib.shard_model(lean, plan, 0, lean.init_params, values=False)
+    if mesh.embedding_parallel != "none":
+        from ..training import embedding_parallel as ep_lib
+
+        plan = ep_lib.make_plan(lean, mesh.embedding_parallel, mesh.dp, embedding_plan)
+        names = tuple(plan.names)
+        lean = ep_lib.shard_model(lean, plan, 0, lean.init_params, values=False)
+        return lean, names
+    return lean, None
+
+
+def extract(model, mesh: MeshSpec, optimizer=None, loss: str = "cross_entropy",
+            name: str = "", tensor_parallel_plan=None, embedding_plan=None) -> Workload:
+    """The :class:`Workload` of one training iteration of ``model`` (captured with the
+    global batch's rows divided by ``mesh.dp``, as each dp rank would) on ``mesh``."""
+    from ..optim import AdamW
+
+    optimizer = optimizer if optimizer is not None else AdamW(lr=1e-3)
+    piece, tables = _pieces(model, mesh, loss, tensor_parallel_plan, embedding_plan)
+    if mesh.pp == 1:
+        programs = [_spmd_program(piece, mesh, optimizer, loss, tables)]
+    else:
+        programs = _pipeline_programs(piece, mesh, optimizer, loss)
+    return Workload(name or model.source, mesh.dp, mesh.tp, mesh.pp, mesh.zero,
+                    mesh.microbatches, mesh.schedule, programs,
+                    source=f"extracted from raf_dist's step IR ({model.source})")
+
+
+def _dp_passes(mesh: MeshSpec, local: bool, tables) -> list:
+    """The executors' distribution passes with axis-tagged groups, before library dispatch
+    (DispatchToBLAS hides the matmuls the cost model counts)."""
+    reduce = mesh.dp > 1 and not local
+    passes = step_passes(mesh.zero if reduce else 0, mesh.dp if reduce else 1,
+                         max(1, int(mesh.bucket_mb * 2**20)), overlap=mesh.overlap,
+                         group=AXIS_GROUPS["dp"],
+                         tp_group=AXIS_GROUPS["tp"] if mesh.tp > 1 else None,
+                         embedding_group=AXIS_GROUPS["dp"] if tables else None)
+    return passes[:len(passes) - len(function_passes())]
+
+
+def _run_passes(mod: tvm.IRModule, passes) -> tvm.IRModule:
+    with tvm.transform.PassContext(opt_level=3):
+        for p in passes:
+            mod = p(mod)
+    return mod
+
+
+def _spmd_program(piece, mesh: MeshSpec, optimizer, loss: str, tables) -> list[Event]:
+    """One rank's step (SPMD executor): with microbatches, M - 1 local accumulation steps and
+    the final one with the gradient collectives."""
+    from ..training import build_train_step
+
+    M = mesh.microbatches
+    rows = piece.batch_size
+    if M > 1:
+        if rows is None or rows % M:
+            raise ValueError(f"{M} microbatches do not divide the model's {rows} rows per "
+                             "dp rank")
+        piece = piece.at_batch(rows // M)
+    options = dict(nonfinite_guard=nonfinite_guard(mesh.zero if mesh.dp > 1 else 0, mesh.dp),
+                   loss_weight=mesh.dp > 1 or M > 1, tensor_parallel=mesh.tp > 1,
+                   local_grads=(tables, mesh.dp, True) if tables else None)
+    program: list[Event] = []
+    top = 0
+    kinds = [None] if M == 1 else ["partial"] * (M - 1) + ["final"]
+    built: dict[Any, list[Event]] = {}
+    for kind in kinds:
+        if kind not in built:
+            mod, _ = build_train_step(piece, loss, optimizer, accumulate=kind, **options)
+            mod = _run_passes(mod, _dp_passes(mesh, kind == "partial", tables))
+            built[kind] = function_events(mod["train_step"], f"step {kind or ''}".strip())
+        events, top = _renumber(built[kind], top)
+        program += events
+    return program
+
+
+def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list[Event]]:
+    """Each pp rank's schedule with its stages' events (module docstring)."""
+    from ..layout import stage_rank
+    from ..passes.pipeline import split_forward
+    from ..passes.tp_ops import LowerTensorParallel
+    from ..runtime.transport import tag
+    from ..training.pipeline import build_stage_functions, build_update_step, stage_plan
+
+    S = schedules.num_stages(mesh.schedule, mesh.pp, mesh.stages_per_rank)
+    plan = stage_plan(piece, S, mesh.microbatches)
+    funcs = split_forward(plan)
+    frozen = list(piece.frozen_params)
+    boundary = [_nbytes(f.function.ret_ty.fields[0] if f.buffers_written else f.function.ret_ty)
+                for f in funcs]
+    passes = [LowerTensorParallel(AXIS_GROUPS["tp"])] if mesh.tp > 1 else []
+    stage_events = []
+    for s, f in enumerate(funcs):
+        fns = build_stage_functions(
+            s, s == S - 1, f.function, f.mask_indices, f.param_names, frozen, loss,
+            vocab_parallel=getattr(piece, "output_split_classes", 0) > 1,
+            buffer_names=f.buffer_names, buffers_written=f.buffers_written)
+        mod = _run_passes(fns.mod, passes)
+        stage_events.append({"F": function_events(mod["forward"], f"F{s}"),
+                             "B": function_events(mod["backward"], f"B{s}")})
+    specs = dict(zip(piece.param_names, piece.param_specs()))
+    actions = schedules.rank_actions(mesh.schedule, mesh.pp, mesh.microbatches,
+                                     mesh.stages_per_rank)
+    programs = []
+    for r in range(mesh.pp):
+        mine = [s for s in range(S) if stage_rank(s, mesh.pp) == r]
+        names = [n for n in piece.param_names
+                 if n not in frozen and any(n in plan.params[s] for s in mine)]
+        update_ir = build_update_step(names, [specs[n] for n in names], optimizer)
+        update_ir = _run_passes(update_ir, _dp_passes(mesh, False, None))
+        update = function_events(update_ir["train_step"], "update")
+        program: list[Event] = []
+        top = 0
+        for a in actions[r]:
+            if a.kind in ("F", "B"):
+                events, top = _renumber(stage_events[a.stage][a.kind], top)
+                program += events
+            elif a.kind == "UPDATE":
+                events, top = _renumber(update, top)
+                program += events
+            else:
+                forward = a.kind.endswith("_F")
+                cut = {"SEND_F": a.stage, "RECV_F": a.stage - 1, "SEND_B": a.stage - 1,
+                       "RECV_B": a.stage}[a.kind]
+                program.append(Event(
+                    "send" if a.kind.startswith("SEND") else "recv", bytes=boundary[cut],
+                    axis="pp", peer=a.peer, tag=tag("F" if forward else "B", cut, a.microbatch, S),
+                    what=str(a)))
+        programs.append(program)
+    return programs
+
+
+def recorded_collectives(before: dict, after: dict) -> dict[str, int]:
+    """{kind: calls} between two ``dist.comm_counters()`` readings (tests compare a real
+    step's calls with an extracted workload's)."""
+    return {k: after[k]["calls"] - before.get(k, {"calls": 0})["calls"] for k in after
+            if after[k]["calls"] != before.get(k, {"calls": 0})["calls"]}
+

@@ -1,0 +1,154 @@
+"""Replay a workload's communication through raf_dist's native runtime under MPI, compute
+slept for the cost model's durations (the seeds' proxies ``usleep`` theirs).
+
+Every rank runs its pp rank's program (workload.py): collectives go through
+``raf_dist.distributed.collectives`` on this mesh's groups (``dist.get_mesh()``: the same
+native groups, timeouts, counters and flight recorder a training step uses), started ones
+waited where the step waits them; pipeline messages go as the PipelineExecutor sends them
+(mpi4py ``Isend`` / ``Irecv`` on the pp communicator, every receive of the iteration posted
+first, the transport's tags). Buffers are float32 scratch, reused: a message larger than
+``max_buffer_mb`` travels in chunks of that size (blocking, one after the other), so 32 ranks
+of GPT-2's stages fit this 24 GiB machine. The payload is garbage; the sizes, order, groups
+and overlap points are the step's.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from .simulate import Cluster, compute_seconds
+from .workload import Workload
+
+
+class _Buffers:
+    """Reused float32 scratch per role (send / receive), grown on demand up to the cap."""
+
+    def __init__(self, cap_bytes: int):
+        self.cap = max(4, int(cap_bytes)) // 4
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def get(self, role: str, elements: int) -> np.ndarray:
+        elements = max(1, min(int(elements), self.cap))
+        have = self.arrays.get(role)
+        if have is None or have.size < elements:
+            have = self.arrays[role] = np.zeros(elements, np.float32)
+        return have[:elements]
+
+
+def _collective(kind: str, nbytes: int, group: int, size: int, buffers: _Buffers,
+                async_op: bool, handle_key: str):
+    """Run (or start) one collective of ``nbytes`` on ``group``; chunked past the cap."""
+    from ..distributed import collectives as C
+
+    elements = -(-max(nbytes, 4) // 4)
+    elements = -(-elements // size) * size  # whole blocks per rank
+    chunk = max(size, buffers.cap // size * size)
+    pending = []
+    done = 0
+    while done < elements:
+        n = min(chunk, elements - done)
+        asynchronous = async_op and n == elements  # chunked messages go blocking
+        send = buffers.get(handle_key + "s", n)
+        if kind == "allreduce":
+            h = C.allreduce(send, "sum", send, async_op=asynchronous, group=group)
+        elif kind == "reduce_scatter":
+            out = buffers.get(handle_key + "r", n // size)
+            h = C.reduce_scatter(send, "sum", out, async_op=asynchronous, group=group)
+        elif kind == "allgather":
+            out = buffers.get(handle_key + "r", n)
+            h = C.allgather(send[:n // size], n, out, async_op=asynchronous, group=group)
+        else:
+            out = buffers.get(handle_key + "r", n)
+            h = C.alltoall(send, out, async_op=asynchronous, group=group)
+        if asynchronous:
+            pending.append(h)
+        done += n
+    return pending[0] if pending else None
+
+
+def replay(workload: Workload, cluster: Cluster, iters: int = 20, warmup: int = 3,
+           max_buffer_mb: float = 64.0) -> dict[str, Any] | None:
+    """Run ``iters`` timed iterations after ``warmup``; rank 0 returns the report (module
+    docstring), the others None. Call on every rank of a world of ``workload.world``."""
+    from mpi4py import MPI
+
+    from .. import distributed as dist
+
+    comm = MPI.COMM_WORLD
+    if comm.size != workload.world:
+        raise ValueError(f"the {workload.name} workload is for {workload.world} ranks "
+                         f"(dp {workload.dp} x tp {workload.tp} x pp {workload.pp}); this job "
+                         f"has {comm.size}: run it with mpirun -np {workload.world}")
+    dist.get_config().reset().update({
+        "tensor_parallel_size": workload.tp, "pipeline_parallel_size": workload.pp,
+        "enable_data_parallel": workload.dp > 1})
+    mesh = dist.get_mesh()
+    groups = {"dp": (mesh.dp_group, workload.dp), "tp": (mesh.tp_group, workload.tp),
+              "pp": (mesh.pp_group, workload.pp),
+              "world": (dist.get_communicator().group, workload.world)}
+    program = workload.programs[mesh.pp_rank]
+    buffers = _Buffers(int(max_buffer_mb * 2**20))
+    times: list[float] = []
+    by_kind: dict[str, dict[str, float]] = {}
+    compute = waited = 0.0
+    for it in range(warmup + iters):
+        timed = it >= warmup
+        comm.Barrier()
+        started = time.perf_counter()
+        receives = {}
+        for i, e in enumerate(program):  # every receive posted first, as the transport does
+            if e.kind == "recv":
+                buf = np.empty(max(1, -(-e.bytes // 4)), np.float32)
+                receives[i] = (mesh.pp_comm.Irecv(buf, source=e.peer, tag=e.tag), buf)
+        sends, handles = [], {}
+        for i, e in enumerate(program):
+            t0 = time.perf_counter()
+            if e.kind == "compute":
+                dt = compute_seconds(e, cluster)
+                if dt > 0:
+                    time.sleep(dt)
+                if timed:
+                    compute += time.perf_counter() - t0
+                continue
+            if e.kind == "send":
+                buf = buffers.get(f"p2p{len(sends) % 2}", -(-e.bytes // 4))
+                if buf.nbytes < e.bytes:
+                    buf = np.empty(-(-e.bytes // 4), np.float32)
+                sends.append(mesh.pp_comm.Isend(buf, dest=e.peer, tag=e.tag))
+            elif e.kind == "recv":
+                receives.pop(i)[0].Wait()
+            elif e.kind == "wait":
+                h = handles.pop(e.handle)
+                if h is not None:
+                    h.wait()
+            else:
+                group, size = groups[e.axis]
+                h = _collective(e.kind, e.bytes, group, size, buffers, e.handle >= 0,
+                                f"h{e.handle}" if e.handle >= 0 else "b")
+                if e.handle >= 0:
+                    handles[e.handle] = h
+            if timed:
+                dt = time.perf_counter() - t0
+                waited += dt
+                row = by_kind.setdefault(e.kind, {"count": 0, "bytes": 0, "seconds": 0.0})
+                if e.kind != "wait":
+                    row["count"] += 1
+                    row["bytes"] += e.bytes
+                row["seconds"] += dt
+        MPI.Request.Waitall(sends)
+        if timed:
+            times.append(time.perf_counter() - started)
+    mine = np.array(times, np.float64)
+    slowest = np.empty_like(mine)
+    comm.Allreduce(mine, slowest, op=MPI.MAX)  # each iteration: its slowest rank
+    per_rank = comm.gather({"pp_rank": mesh.pp_rank, "compute_s": compute / max(1, iters),
+                            "waited_s": waited / max(1, iters), "by_kind": by_kind}, root=0)
+    if comm.rank != 0:
+        return None
+    median = statistics.median(slowest) if len(slowest) else 0.0
+    return {"iteration_s": median, "min_s": float(min(slowest, default=0)),
+            "max_s": float(max(slowest, default=0)), "iters": iters, "warmup": warmup,
+            "per_rank": per_rank, "counters": dist.comm_counters()}

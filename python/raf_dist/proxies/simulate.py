@@ -1,0 +1,210 @@
+"""A workload on a cluster we do not have: compute from a cost model, communication from an
+alpha-beta model per link class, the pipeline's messages and the overlap of started
+collectives followed event by event.
+
+Cluster description (``Cluster``; presets below, or a JSON file with the same keys):
+``gpus_per_node``; ``matmul_tflops`` (the rate dense matmuls reach, not the datasheet peak)
+and ``memory_GBps`` (what the other operators' bytes move at); ``intra`` / ``inter``:
+``{"alpha_us", "bandwidth_GBps"}`` of a ring step inside a node (NVLink / shared memory) and
+across nodes (InfiniBand / Ethernet), bandwidth per device. A group whose ranks all sit on
+one node uses ``intra``, any other ``inter`` (the mesh places tp innermost, then dp, then
+pp: DESIGN.md's rank = (pp_i * dp + dp_i) * tp + tp_i, nodes filled in rank order).
+
+Collective times are the ring algorithms' (as NCCL's and MPICH's large-message paths):
+allreduce 2(n-1) alpha + 2(n-1)/n S/B, reduce-scatter / allgather / all-to-all
+(n-1) alpha + (n-1)/n S/B, a pipeline message alpha + S/B. Each rank has one compute stream
+and one communication stream: a started collective runs on the communication stream while
+compute goes on, a wait joins them, a blocking collective joins them first. The ranks of one
+dp / tp group run the same program, so one rank per pipeline stage is simulated: GPT-3 on
+1024 ranks is 96 programs, answered in seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from .workload import COLLECTIVES, Event, Workload
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    alpha_us: float
+    bandwidth_GBps: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpus_per_node: int
+    matmul_tflops: float
+    memory_GBps: float
+    intra: Link
+    inter: Link
+    device_memory_gb: float = 80.0
+    note: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cluster:
+        data = dict(data)
+        data["intra"] = Link(**data["intra"])
+        data["inter"] = Link(**data["inter"])
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+#: presets. dgx-a100 / dgx-h100: NVIDIA's DGX figures (8 GPUs on NVSwitch; one 200 / 400 Gb/s
+#: HCA per GPU) with achieved rather than peak rates: bf16 matmul ~80% of 312 / 989 TFLOP/s,
+#: ring bus bandwidth ~80% of the link's (nccl-tests' busbw on such nodes). cpu-here: this
+#: project's 2-core AMD EPYC development machine as ``python -m raf_dist.proxies calibrate``
+#: measured it under ``mpirun -np 2`` on 2026-11-27 (per rank, both ranks busy: numpy float32
+#: GEMM 67 GFLOP/s, copy 13.8 GB/s, raf_dist allreduce alpha 10 us, bus bandwidth 1.9 GB/s);
+#: a saved calibration replaces it.
+CLUSTERS = {
+    "dgx-a100": Cluster("dgx-a100", 8, 250.0, 1600.0, Link(8.0, 230.0), Link(12.0, 20.0), 80.0,
+                        "8x A100-80GB per node, NVSwitch, 8x HDR 200 Gb/s"),
+    "dgx-h100": Cluster("dgx-h100", 8, 790.0, 3000.0, Link(6.0, 360.0), Link(10.0, 40.0), 80.0,
+                        "8x H100-SXM per node, NVSwitch, 8x NDR 400 Gb/s"),
+    "cpu-here": Cluster("cpu-here", 2, 0.067, 13.8, Link(10.3, 1.9), Link(10.3, 1.9), 23.5,
+                        "this 2-core machine, one rank per core (calibrate, 2026-11-27)"),
+}
+_CALIBRATED = os.path.join(os.path.expanduser("~"), ".cache", "raf_dist", "cpu-here.json")
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A preset name (``cpu-here`` reads its calibration when one was saved) or a JSON
+    file."""
+    if spec == "cpu-here" and os.path.exists(_CALIBRATED):
+        with open(_CALIBRATED) as f:
+            return Cluster.from_dict(json.load(f))
+    if spec in CLUSTERS:
+        return CLUSTERS[spec]
+    if os.path.exists(spec):
+        with open(spec) as f:
+            data = json.load(f)
+        try:
+            return Cluster.from_dict(data)
+        except (TypeError, KeyError) as e:
+            raise ValueError(f"{spec}: a cluster description needs the keys name, "
+                             "gpus_per_node, matmul_tflops, memory_GBps, intra, inter "
+                             f"({{alpha_us, bandwidth_GBps}}): {e}") from e
+    raise ValueError(f"unknown cluster {spec!r}: a preset ({', '.join(CLUSTERS)}) or a JSON "
+                     "file")
+
+
+def compute_seconds(event: Event, cluster: Cluster) -> float:
+    return (event.flops / (cluster.matmul_tflops * 1e12)
+            + event.mem_bytes / (cluster.memory_GBps * 1e9))
+
+
+def group_size(workload: Workload, axis: str) -> int:
+    return {"dp": workload.dp, "tp": workload.tp, "pp": workload.pp,
+            "world": workload.world}[axis]
+
+
+def link(workload: Workload, axis: str, cluster: Cluster) -> Link:
+    """The link class of ``axis``'s groups: intra-node when a whole group fits in a node."""
+    span = {"tp": workload.tp, "dp": workload.tp * workload.dp,
+            "pp": workload.world, "world": workload.world}[axis]
+    return cluster.intra if span <= cluster.gpus_per_node else cluster.inter
+
+
+def comm_seconds(event: Event, workload: Workload, cluster: Cluster) -> float:
+    """The alpha-beta time of a collective or message (module docstring)."""
+    n = group_size(workload, event.axis or "pp")
+    lk = link(workload, event.axis or "pp", cluster)
+    alpha, beta = lk.alpha_us * 1e-6, lk.bandwidth_GBps * 1e9
+    if event.kind in ("send", "recv"):
+        return alpha + event.bytes / beta
+    if n == 1:
+        return 0.0
+    ring = (n - 1) / n * event.bytes / beta
+    if event.kind == "allreduce":
+        return 2 * (n - 1) * alpha + 2 * ring
+    return (n - 1) * alpha + ring
+
+
+@dataclasses.dataclass
+class Simulation:
+    """Per pp rank: iteration time, compute, collective busy time (``comm_s``), the part of it
+    compute did not hide (``exposed_s``), the time spent waiting for the neighbouring stages'
+    messages (``pipeline_wait_s``: bubble and transfer); per kind count, bytes and time."""
+    iteration_s: float
+    per_rank: list[dict[str, float]]
+    by_kind: dict[str, dict[str, float]]
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of the slowest pp rank (waiting for messages or collectives)."""
+        busy = max(r["compute_s"] for r in self.per_rank)
+        return 1.0 - busy / self.iteration_s if self.iteration_s else 0.0
+
+
+def simulate(workload: Workload, cluster: Cluster) -> Simulation:
+    """One iteration of ``workload`` on ``cluster`` (module docstring)."""
+    P = workload.pp
+    clock = [0.0] * P  # compute stream
+    comm_free = [0.0] * P  # communication stream
+    position = [0] * P
+    handles: list[dict[int, float]] = [{} for _ in range(P)]
+    arrivals: dict[tuple[int, int, int], float] = {}  # (src, dst, tag) -> arrival time
+    # exposed_s: waited on collectives; pipeline_wait_s: waited on the previous / next stage
+    stats = [{"compute_s": 0.0, "comm_s": 0.0, "exposed_s": 0.0, "pipeline_wait_s": 0.0}
+             for _ in range(P)]
+    by_kind: dict[str, dict[str, float]] = {}
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(P):
+            program = workload.programs[r]
+            while position[r] < len(program):
+                e = program[position[r]]
+                if e.kind == "recv" and (e.peer, r, e.tag) not in arrivals:
+                    break  # its sender has not got there yet
+                position[r] += 1
+                progressed = True
+                if e.kind == "compute":
+                    dt = compute_seconds(e, cluster)
+                    clock[r] += dt
+                    stats[r]["compute_s"] += dt
+                    continue
+                if e.kind == "wait":
+                    done = handles[r].pop(e.handle)
+                    stats[r]["exposed_s"] += max(0.0, done - clock[r])
+                    clock[r] = max(clock[r], done)
+                    continue
+                dt = comm_seconds(e, workload, cluster)
+                if r == 0 or e.kind in ("send", "recv"):
+                    row = by_kind.setdefault(e.kind, {"count": 0, "bytes": 0, "seconds": 0.0})
+                    row["count"] += 1
+                    row["bytes"] += e.bytes
+                    row["seconds"] += dt
+                if e.kind not in ("send", "recv"):
+                    stats[r]["comm_s"] += dt
+                if e.kind == "send":  # non-blocking: the message leaves as the data is ready
+                    arrivals[(r, e.peer, e.tag)] = clock[r] + dt
+                elif e.kind == "recv":
+                    done = arrivals.pop((e.peer, r, e.tag))
+                    stats[r]["pipeline_wait_s"] += max(0.0, done - clock[r])
+                    clock[r] = max(clock[r], done)
+                elif e.handle >= 0:
+                    start = max(clock[r], comm_free[r])
+                    comm_free[r] = handles[r][e.handle] = start + dt
+                else:
+                    start = max(clock[r], comm_free[r])
+                    stats[r]["exposed_s"] += start + dt - clock[r]
+                    clock[r] = comm_free[r] = start + dt
+    stuck = [r for r in range(P) if position[r] < len(workload.programs[r])]
+    if stuck:
+        raise ValueError(f"the workload's pipeline messages do not match: pp ranks {stuck} "
+                         "wait for messages no rank sends")
+    for r in range(P):
+        stats[r]["iteration_s"] = clock[r]
+    return Simulation(max(clock), stats, by_kind)
+
+
+def kinds_of(workload: Workload) -> list[str]:
+    return [k for k in COLLECTIVES + ("send", "recv") if k in workload.totals()]

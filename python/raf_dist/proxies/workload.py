@@ -1,0 +1,116 @@
+"""What a proxy replays: each pipeline rank's program of compute and communication events.
+
+A :class:`Workload` holds one :class:`Event` list per pp rank (the ranks that differ only in
+their dp or tp index run the same program on other data: SPMD), the mesh it was extracted
+for, and where it came from. It is plain data (``to_json`` / ``from_json``): a launcher
+extracts it once from a compiled step (proxies/extract.py) and every replay rank reads it,
+so replay processes compile nothing.
+
+Event kinds:
+- ``compute``: ``flops`` (matmul / convolution multiply-adds x 2) and ``mem_bytes`` (bytes
+  the other operators write), timed by a cost model (proxies/cost.py).
+- ``allreduce`` / ``reduce_scatter`` / ``allgather`` / ``alltoall`` over ``axis`` (``"dp"``,
+  ``"tp"``, ``"pp"`` or ``"world"``): ``bytes`` is the whole tensor (reduce-scatter's input,
+  allgather's output, alltoall's send buffer). ``handle`` >= 0: started here, completed by
+  the ``wait`` event with the same handle (the step's overlap points); -1: blocking.
+- ``send`` / ``recv``: a pipeline message of ``bytes`` to / from pp rank ``peer``, ``tag``
+  as the pipeline transport tags it (runtime/transport.py).
+- ``wait``: completes the collective started with ``handle``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "alltoall")
+KINDS = ("compute", *COLLECTIVES, "send", "recv", "wait")
+AXES = ("dp", "tp", "pp", "world")
+
+
+@dataclasses.dataclass
+class Event:
+    kind: str
+    bytes: int = 0
+    axis: str = ""
+    handle: int = -1
+    flops: int = 0
+    mem_bytes: int = 0
+    peer: int = -1
+    tag: int = -1
+    what: str = ""  # where it came from, for people reading a listing
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown event kind {self.kind!r}; expected one of {KINDS}")
+        if self.kind in COLLECTIVES and self.axis not in AXES:
+            raise ValueError(f"a {self.kind} needs an axis in {AXES}, got {self.axis!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        defaults = Event("compute")
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k == "kind" or v != getattr(defaults, k)}
+
+
+@dataclasses.dataclass
+class Workload:
+    """Per pp rank, the events of one training iteration (``programs[pp_rank]``)."""
+    name: str
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    microbatches: int
+    schedule: str
+    programs: list[list[Event]]
+    dtype_bytes: int = 4
+    source: str = ""  # how it was obtained ("extracted from ...", "described ...")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def collectives(self, pp_rank: int = 0) -> list[Event]:
+        """The communication events of one pp rank's program, in order."""
+        return [e for e in self.programs[pp_rank] if e.kind in COLLECTIVES + ("send", "recv")]
+
+    def totals(self, pp_rank: int | None = None) -> dict[str, dict[str, int]]:
+        """{kind: {"count", "bytes"}} of the communication (every pp rank's, or one's)."""
+        out: dict[str, dict[str, int]] = {}
+        ranks = range(self.pp) if pp_rank is None else [pp_rank]
+        for r in ranks:
+            for e in self.collectives(r):
+                row = out.setdefault(e.kind, {"count": 0, "bytes": 0})
+                row["count"] += 1
+                row["bytes"] += e.bytes
+        return out
+
+    def bus_bytes(self, pp_rank: int) -> dict[str, dict[str, dict[str, float]]]:
+        """{axis: {kind: {"calls", "bus_bytes"}}} of one pp rank's collectives, with bus bytes
+        as the native runtime counts them (``dist.comm_counters``: nccl-tests' definition),
+        so a real step's per-group counters can be compared with the extraction."""
+        sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "world": self.world}
+        factor = {"allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+                  "allgather": lambda n: (n - 1) / n, "alltoall": lambda n: (n - 1) / n}
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for e in self.programs[pp_rank]:
+            if e.kind not in COLLECTIVES:
+                continue
+            row = out.setdefault(e.axis, {}).setdefault(e.kind, {"calls": 0, "bus_bytes": 0.0})
+            row["calls"] += 1
+            row["bus_bytes"] += factor[e.kind](sizes[e.axis]) * e.bytes
+        return out
+
+    def flops(self, pp_rank: int) -> int:
+        return sum(e.flops for e in self.programs[pp_rank])
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["programs"] = [[e.to_dict() for e in p] for p in self.programs]
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> Workload:
+        data = json.loads(text)
+        data["programs"] = [[Event(**e) for e in p] for p in data["programs"]]
+        return cls(**data)

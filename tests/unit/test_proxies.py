@@ -1,0 +1,192 @@
+"""raf_dist.proxies without MPI: the extraction of a step's collectives (proxies/extract.py)
+against what the step must send, the presets' message sizes against the C++ proxies', and the
+simulator's alpha-beta arithmetic. The extraction equal to a real 8-rank step's recorded
+collectives is tests/distributed/test_pipeline.py's dp2 x pp2 x tp2 case; the replay under
+mpirun is tests/distributed/test_proxies.py."""
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import raf_dist
+from raf_dist.proxies import (CLUSTERS, Cluster, Event, Link, MeshSpec, Workload, extract,
+                              load_cluster, simulate)
+from raf_dist.proxies import models as proxy_models
+from raf_dist.proxies.__main__ import build_workload, main
+from raf_dist.proxies.presets import cosmoflow_workload
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+from models import make  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def transformer():
+    module, x, _ = make("transformer", 8)
+    return raf_dist.frontend.from_pytorch(module, (x,))
+
+
+def _param_bytes(model):
+    return sum(int(np.prod(s)) * 4 for s, _ in model.param_specs())
+
+
+def test_dp_extraction_reduces_every_gradient_once_and_waits_for_it(transformer):
+    w = extract(transformer, MeshSpec(dp=2))
+    events = w.programs[0]
+    grads = [e for e in events if e.kind == "allreduce" and e.bytes > 4]
+    # every gradient in one bucket, each bucket padded to a multiple of 16 elements
+    padding = sum(e.bytes for e in grads) - _param_bytes(transformer)
+    assert 0 <= padding < 16 * 4 * len(grads)
+    assert all(e.axis == "dp" and e.handle >= 0 for e in grads)  # overlapped: started
+    for e in grads:  # ... and waited later, once
+        starts = events.index(e)
+        assert [x.kind for x in events[starts:] if x.handle == e.handle] == ["allreduce", "wait"]
+    assert events[-1].kind == "allreduce" and events[-1].bytes == 4  # the loss
+    blocking = extract(transformer, MeshSpec(dp=2, overlap=False)).programs[0]
+    assert all(e.handle == -1 for e in blocking) and not any(e.kind == "wait" for e in blocking)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_extraction_shards_every_gradient_and_gathers_every_parameter(transformer, zero):
+    totals = extract(transformer, MeshSpec(dp=2, zero=zero)).totals()
+    # ZeRO's buffers are the flat shards padded to a multiple of the ranks (even here)
+    assert totals["reduce_scatter"]["bytes"] == _param_bytes(transformer)
+    if zero < 3:  # the updated shards gathered once
+        assert totals["allgather"]["bytes"] == _param_bytes(transformer)
+    else:  # gathered for the forward, and those the backward reads again for it
+        assert _param_bytes(transformer) < totals["allgather"]["bytes"] < 2 * _param_bytes(
+            transformer)
+
+
+def test_compute_is_the_models_flops_split_by_tp_and_pipeline(transformer):
+    from raf_dist.runtime.metrics import function_flops
+    from raf_dist.training import build_train_step
+
+    mod, _ = build_train_step(transformer, "cross_entropy", raf_dist.optim.AdamW(lr=1e-3))
+    flops = function_flops(mod["train_step"])
+    assert extract(transformer, MeshSpec()).flops(0) == flops
+    gpt = proxy_models.gpt(2, 64, 4, 16, 96, 4)
+    whole = extract(gpt, MeshSpec()).flops(0)
+    assert extract(gpt, MeshSpec(tp=2)).flops(0) == pytest.approx(whole / 2, rel=0.02)
+    staged = extract(gpt, MeshSpec(pp=2, microbatches=2))
+    assert staged.flops(0) + staged.flops(1) == pytest.approx(whole, rel=0.02)
+
+
+def test_pipeline_programs_pair_every_message(transformer):
+    w = extract(transformer, MeshSpec(pp=2, microbatches=4))
+    boundary = 8 // 4 * 4 * 32 * 4  # rows per microbatch x 4 x hidden x float32 (the
+    # transformer's block output: tests/models.py)
+    sends = [(e.tag, e.bytes) for e in w.programs[0] if e.kind == "send"]
+    recvs = [(e.tag, e.bytes) for e in w.programs[1] if e.kind == "recv"]
+    assert len(sends) == 4 and sorted(sends) == sorted(recvs)
+    assert {b for _, b in sends} == {boundary}
+    back = sorted((e.tag, e.bytes) for e in w.programs[1] if e.kind == "send")
+    assert back == sorted((e.tag, e.bytes) for e in w.programs[0] if e.kind == "recv")
+    result = simulate(w, CLUSTERS["dgx-a100"])  # every receive meets its send
+    assert result.iteration_s > 0 and 0 < result.bubble < 1
+
+
+def test_gpt2_preset_sends_the_cpp_proxys_messages():
+    args = _args("gpt2", layers=8, stages=4, microbatches=2)
+    w, spcl = build_workload(args, 8)
+    floats = {e.bytes // 4 for e in w.programs[1] if e.kind in ("send", "recv")}
+    assert floats == {632 * 1280} == {spcl[0][1]}
+    layer = spcl[1][1]  # 19,677,440: one bucket per layer, as the C++ proxy reduces
+    middle = [e.bytes // 4 for e in w.programs[1] if e.kind == "allreduce" and e.bytes > 4]
+    assert set(middle) == {layer} and len(middle) >= 2  # a middle stage: layers only
+
+
+def test_gpt3_preset_tp_and_pipeline_messages():
+    args = _args("gpt3", layers=2, stages=2, microbatches=2)
+    w, spcl = build_workload(args, 16)  # dp 2 x tp 4 x pp 2
+    assert (w.dp, w.tp, w.pp) == (2, 4, 2)
+    activation = 2048 * 12288
+    last = [e for e in w.programs[1] if e.kind == "allreduce" and e.axis == "tp"]
+    # one layer per stage: 2 allreduces forward (g after attention and MLP), 2 backward (f
+    # before them), per microbatch: the C++ proxy's count; the last stage adds the
+    # vocabulary-parallel head's input gradient (f before the head) per microbatch
+    assert sum(e.bytes // 4 == activation for e in last) == 4 * 2 + 2
+    p2p = {e.bytes // 4 for e in w.programs[0] if e.kind in ("send", "recv")}
+    assert p2p == {activation}
+    dp = [e.bytes // 4 for e in w.programs[1] if e.axis == "dp" and e.bytes > 4]
+    assert sum(dp) >= 12 * 12288 ** 2 // 4  # a layer's 12 h^2 over tp 4, plus the head
+
+
+def test_dlrm_preset_exchanges_rows_by_alltoall():
+    w, spcl = build_workload(_args("dlrm"), 4)
+    alltoall = [e for e in w.programs[0] if e.kind == "alltoall"]
+    assert all(e.axis == "dp" for e in alltoall)
+    # per table: this rank's 512 ids (int32) to the owner, the owner's rows back (rank 0 owns
+    # one table: 4 ranks x 512 x 128 floats), in backward every rank's 512 x 128 row
+    # gradients to the owner: what this rank sends is the C++ proxy's 262,144 floats forward
+    # and again backward, plus the ids
+    assert sum(e.bytes for e in alltoall) == 2 * 262_144 * 4 + 4 * 512 * 4
+    grads = [e.bytes // 4 for e in w.programs[0] if e.kind == "allreduce" and e.bytes > 4]
+    # the MLPs' gradients in one bucket (padded to 16 elements); the tables' are not reduced
+    assert grads == [-(-(728_065 + 49_536) // 16) * 16]
+
+
+def test_simulated_collectives_follow_the_alpha_beta_model():
+    cluster = Cluster("t", 4, 1.0, 1.0, Link(10.0, 1.0), Link(100.0, 0.1))
+    S = 10**9
+
+    def one(events, dp=4):
+        return simulate(Workload("t", dp, 1, 1, 0, 1, "1f1b", [events]), cluster)
+
+    assert one([Event("compute", flops=10**12)]).iteration_s == pytest.approx(1.0)
+    blocking = one([Event("allreduce", bytes=S, axis="dp")]).iteration_s
+    assert blocking == pytest.approx(2 * 3 * 10e-6 + 2 * 3 / 4 * 1.0)
+    inter = one([Event("allreduce", bytes=S, axis="dp")], dp=8).iteration_s  # 8 > 4 per node
+    assert inter == pytest.approx(2 * 7 * 100e-6 + 2 * 7 / 8 * 10.0)
+    # started before 3 s of compute, waited after it: hidden
+    hidden = one([Event("allreduce", bytes=S, axis="dp", handle=0),
+                  Event("compute", flops=3 * 10**12), Event("wait", handle=0)])
+    assert hidden.iteration_s == pytest.approx(3.0)
+    assert hidden.per_rank[0]["exposed_s"] == 0
+    orphan = Workload("t", 1, 1, 2, 0, 1, "1f1b",
+                      [[Event("recv", bytes=4, axis="pp", peer=1, tag=0)], []])
+    with pytest.raises(ValueError, match="wait for messages no rank sends"):
+        simulate(orphan, cluster)
+
+
+def test_cosmoflow_description_and_clusters(tmp_path):
+    w = cosmoflow_workload(2, 4)
+    starts = {e.handle for e in w.programs[0] if e.kind == "allreduce"}
+    assert len(starts) == 6 and starts == {e.handle for e in w.programs[0] if e.kind == "wait"}
+    assert simulate(w, CLUSTERS["dgx-h100"]).iteration_s > 0
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(CLUSTERS["dgx-a100"].to_dict()))
+    assert load_cluster(str(path)) == CLUSTERS["dgx-a100"]
+    path.write_text(json.dumps({"name": "x"}))
+    with pytest.raises(ValueError, match="needs the keys"):
+        load_cluster(str(path))
+    with pytest.raises(ValueError, match="unknown cluster"):
+        load_cluster("dgx-z100")
+
+
+def test_mesh_spec_refuses_what_the_trainer_refuses():
+    with pytest.raises(ValueError, match="needs dp > 1"):
+        MeshSpec(zero=2)
+    with pytest.raises(ValueError, match="zero=3 with pipeline"):
+        MeshSpec(dp=2, pp=2, zero=3)
+    with pytest.raises(ValueError, match="plain data parallelism"):
+        MeshSpec(dp=2, tp=2, embedding_parallel="table")
+
+
+def test_simulate_cli_prints_the_side_by_side_and_the_prediction(capsys):
+    assert main(["gpt2", "--simulate", "--world", "8", "--layers", "8", "--stages", "4",
+                 "--microbatches", "2", "--cluster", "dgx-a100"]) == 0
+    out = capsys.readouterr().out
+    assert "spcl:" in out and "808,960 floats  send over pp" in out
+    assert "simulated on dgx-a100" in out
+    with pytest.raises(SystemExit, match="do not split"):
+        main(["gpt2", "--simulate", "--world", "6"])
+
+
+def _args(workload, **kw):
+    base = dict(workload=workload, layers=None, stages=None, microbatches=None, tp=None,
+                dp=None, zero=0, schedule="1f1b", micro_batch=None, bucket_mb=None,
+                embedding_parallel=None)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
