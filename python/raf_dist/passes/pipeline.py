@@ -44,6 +44,12 @@ from .gradient_markers import SubstituteVars
 PARAM_COST = 16.0
 #: forward + backward FLOPs per forward FLOP
 TRAIN_FLOPS = 3.0
+#: cost of one element of a stage boundary, on both stages it joins: the activation is copied
+#: out, sent, received, and its gradient comes back the same way (as a parameter element's
+#: update work). Without it the balance, which looks at the most expensive stage only, could
+#: cut after a GPT's output head and leave the last stage nothing but the logits to receive
+#: (632 x 50257 floats per microbatch instead of 632 x 1280: found by raf_dist.proxies)
+BOUNDARY_COST = PARAM_COST
 
 
 @relax.expr_functor.mutator
@@ -242,7 +248,8 @@ class StagePlan:
     def describe(self):
         """One line per stage: bindings, parameters and cost (tools/explain_plan)."""
         lines = [f"{self.num_stages} pipeline stages ({self.how}); cost = "
-                 f"{TRAIN_FLOPS:g} x forward FLOPs + {PARAM_COST:g} x parameter elements"]
+                 f"{TRAIN_FLOPS:g} x forward FLOPs + {PARAM_COST:g} x parameter elements "
+                 f"(the partitioner adds {BOUNDARY_COST:g} x boundary elements)"]
         total = sum(self.costs) or 1.0
         for s in range(self.num_stages):
             lo, hi = self.bounds(s)
@@ -337,9 +344,12 @@ def _stage_plan(graph, cuts, how):
 
 def _balance(graph, points, num_stages):
     """Cuts minimizing the most expensive stage (dynamic program over the cut points; among
-    equal maxima the smaller total of squares, so the other stages are balanced too)."""
+    equal maxima the smaller total of squares, so the other stages are balanced too). A
+    stage's cost is its bindings' plus BOUNDARY_COST per element of the activations it
+    receives and sends."""
     total = float(sum(graph.cost))
     positions = [0.0] + [p.cost_before for p in points] + [total]
+    edges = [0.0] + [BOUNDARY_COST * _numel(p.var.ty) for p in points] + [0.0]
     n = len(positions)
     best = {(0, 0): (0.0, 0.0, None)}  # (stages so far, index) -> (max, squares, previous)
     for s in range(1, num_stages + 1):
@@ -349,7 +359,7 @@ def _balance(graph, points, num_stages):
             for i in range(n):
                 if (s - 1, i) not in best or i >= j:
                     continue
-                cost = positions[j] - positions[i]
+                cost = positions[j] - positions[i] + edges[i] + edges[j]
                 peak, squares, _ = best[(s - 1, i)]
                 options.append((max(peak, cost), squares + cost * cost, i))
             if options:
