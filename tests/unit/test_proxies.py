@@ -187,6 +187,6 @@ def test_simulate_cli_prints_the_side_by_side_and_the_prediction(capsys):
 def _args(workload, **kw):
     base = dict(workload=workload, layers=None, stages=None, microbatches=None, tp=None,
                 dp=None, zero=0, schedule="1f1b", micro_batch=None, bucket_mb=None,
-                embedding_parallel=None)
+                embedding_parallel=None, recompute="none", vocab=None, precision="fp32")
     base.update(kw)
     return types.SimpleNamespace(**base)

@@ -36,6 +36,12 @@ def _parser():
                         "2048 / ranks)")
     p.add_argument("--bucket-mb", type=float, help="gradient bucket (gpt2: one layer)")
     p.add_argument("--embedding-parallel", choices=("table", "row"), help="dlrm (table)")
+    p.add_argument("--recompute", default="none", choices=("none", "full", "selective"),
+                   help="activation recomputation (pipelines: full or none)")
+    p.add_argument("--vocab", type=int, help="gpt2 / gpt3 vocabulary (50257)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "16-bit"),
+                   help="16-bit: messages and memory traffic as a bf16 / fp16 run moves "
+                        "them (Workload.in_16_bit)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cluster", default="cpu-here",
@@ -76,7 +82,10 @@ def build_workload(args, world: int) -> tuple[Workload, list]:
     if args.dp * tp * stages != world:
         raise SystemExit(f"--dp {args.dp} x tp {tp} x pp {stages} is not the world ({world})")
     model, mesh, loss = preset.build(args)
-    return extract(model, mesh, loss=loss, name=args.workload), preset.spcl(args)
+    workload = extract(model, mesh, loss=loss, name=args.workload)
+    if getattr(args, "precision", "fp32") == "16-bit":
+        workload = workload.in_16_bit()
+    return workload, preset.spcl(args)
 
 
 def _mb(nbytes: float) -> str:
@@ -125,7 +134,9 @@ def report_text(workload: Workload, spcl, measured, simulated, cluster, extract_
                      " ms")
     if simulated is not None:
         lines.append(f"simulated on {cluster.name}: iteration {simulated.iteration_s * 1e3:.2f} "
-                     f"ms, idle share of the slowest stage {simulated.bubble:.1%}")
+                     f"ms, idle share of the slowest stage {simulated.bubble:.1%}, "
+                     f"{workload.device_flops() / simulated.iteration_s / 1e12:.1f} TFLOP/s "
+                     "per device (matmul FLOPs, recomputation included)")
         lines.append("kind             count      MB          ms (pp rank 0's collectives, "
                      "every rank's messages)")
         for k, v in sorted(simulated.by_kind.items()):

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from ..compiler.inplace_buckets import packed_call
@@ -55,6 +56,7 @@ class MeshSpec:
     overlap: bool = True
     embedding_parallel: str = "none"
     stages_per_rank: int = 1
+    recompute: str = "none"  # activation_checkpointing: "none", "full", "selective"
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "microbatches", "stages_per_rank"):
@@ -73,6 +75,12 @@ class MeshSpec:
         if self.embedding_parallel not in ("none", "table", "row"):
             raise ValueError(f"embedding_parallel must be 'none', 'table' or 'row', got "
                              f"{self.embedding_parallel!r}")
+        if self.recompute not in ("none", "full", "selective"):
+            raise ValueError(f"recompute must be 'none', 'full' or 'selective', got "
+                             f"{self.recompute!r}")
+        if self.pp > 1 and self.recompute == "selective":
+            raise ValueError("pipeline stages recompute their whole forward or nothing "
+                             "(activation_checkpointing True / False)")
         if self.embedding_parallel != "none" and (self.tp > 1 or self.pp > 1 or self.zero):
             raise ValueError("sharded embedding tables compose with plain data parallelism "
                              "only (as the Trainer)")
@@ -234,7 +242,8 @@ def _spmd_program(piece, mesh: MeshSpec, optimizer, loss: str, tables) -> list[E
         piece = piece.at_batch(rows // M)
     options = dict(nonfinite_guard=nonfinite_guard(mesh.zero if mesh.dp > 1 else 0, mesh.dp),
                    loss_weight=mesh.dp > 1 or M > 1, tensor_parallel=mesh.tp > 1,
-                   local_grads=(tables, mesh.dp, True) if tables else None)
+                   local_grads=(tables, mesh.dp, True) if tables else None,
+                   recompute=None if mesh.recompute == "none" else mesh.recompute)
     program: list[Event] = []
     top = 0
     kinds = [None] if M == 1 else ["partial"] * (M - 1) + ["final"]
@@ -265,14 +274,29 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
                 for f in funcs]
     passes = [LowerTensorParallel(AXIS_GROUPS["tp"])] if mesh.tp > 1 else []
     stage_events = []
+    seen: dict[tuple, dict[str, list[Event]]] = {}
     for s, f in enumerate(funcs):
+        # a stage equal to one already built up to parameter names (a transformer's middle
+        # stages) has the same events: build and differentiate each distinct stage once
+        key = (tvm_ffi.structural_hash(f.function.without_attr("global_symbol"),
+                                       map_free_vars=True), s == S - 1,
+               tuple(f.buffers_written))
+        if key in seen:
+            stage_events.append({k: [dataclasses.replace(e, what=f"{k}{s}") for e in v]
+                                 for k, v in seen[key].items()})
+            continue
         fns = build_stage_functions(
             s, s == S - 1, f.function, f.mask_indices, f.param_names, frozen, loss,
             vocab_parallel=getattr(piece, "output_split_classes", 0) > 1,
             buffer_names=f.buffer_names, buffers_written=f.buffers_written)
         mod = _run_passes(fns.mod, passes)
-        stage_events.append({"F": function_events(mod["forward"], f"F{s}"),
-                             "B": function_events(mod["backward"], f"B{s}")})
+        # with activation checkpointing a stage saves nothing in F and runs its forward
+        # again inside B (PipelineExecutor: forward_only, then recompute)
+        full = mesh.recompute == "full"
+        seen[key] = {
+            "F": function_events(mod["forward_only" if full else "forward"], f"F{s}"),
+            "B": function_events(mod["recompute" if full else "backward"], f"B{s}")}
+        stage_events.append(seen[key])
     specs = dict(zip(piece.param_names, piece.param_specs()))
     actions = schedules.rank_actions(mesh.schedule, mesh.pp, mesh.microbatches,
                                      mesh.stages_per_rank)

@@ -42,6 +42,58 @@ class _Block(nn.Module):
         return x + self.out(op.gelu(self.fc(self.ln2(x))))
 
 
+class _LlamaBlock(nn.Module):
+    """A Llama block: RMSNorm, grouped-query attention (``kv_heads`` key / value heads, each
+    shared by heads / kv_heads query heads), a SwiGLU MLP of ``intermediate`` (rotary
+    embeddings left out: elementwise work the proxies' cost model barely sees)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int):
+        self.heads, self.kv_heads = heads, kv_heads
+        dh = hidden // heads
+        self.norm1 = nn.RMSNorm(hidden, axes=-1, bias=False)
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.k = nn.Linear(hidden, kv_heads * dh, bias=False)
+        self.v = nn.Linear(hidden, kv_heads * dh, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = nn.RMSNorm(hidden, axes=-1, bias=False)
+        self.gate = nn.Linear(hidden, intermediate, bias=False)
+        self.up = nn.Linear(hidden, intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        b, s, d = (int(v) for v in x.shape)
+        h, g = self.heads, self.kv_heads
+        dh = d // h
+        y = self.norm1(x)
+
+        def heads(t, n):
+            t = op.permute_dims(op.reshape(t, (b, s, n, dh)), [0, 2, 1, 3])
+            return op.repeat(t, h // n, axis=1) if n != h else t
+
+        q, k, v = heads(self.q(y), h), heads(self.k(y), g), heads(self.v(y), g)
+        scores = op.matmul(q, op.permute_dims(k, [0, 1, 3, 2])) * (1.0 / math.sqrt(dh))
+        o = op.matmul(op.softmax(scores, axis=-1), v)
+        x = x + self.o(op.reshape(op.permute_dims(o, [0, 2, 1, 3]), (b, s, d)))
+        y = self.norm2(x)
+        return x + self.down(op.silu(self.gate(y)) * self.up(y))
+
+
+class Llama(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
+                 vocab: int):
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList([_LlamaBlock(hidden, heads, kv_heads, intermediate)
+                                     for _ in range(layers)])
+        self.norm = nn.RMSNorm(hidden, axes=-1, bias=False)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 class GPT(nn.Module):
     def __init__(self, layers: int, hidden: int, heads: int, seq: int, vocab: int):
         self.wte = nn.Embedding(vocab, hidden)
@@ -107,3 +159,20 @@ def dlrm(batch: int, dense: int, bottom: list[int], tables: list[int], dim: int,
     """A DLRM at ``batch`` samples (dense features, one id per table), shapes only."""
     return _capture(DLRM(dense, bottom, tables, dim, top),
                     [((batch, dense), "float32"), ((batch, len(tables)), "int64")])
+
+
+def llama(layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, seq: int,
+          vocab: int, batch: int):
+    """A Llama at ``batch`` sequences of ``seq`` tokens, shapes only."""
+    return _capture(Llama(layers, hidden, heads, kv_heads, intermediate, vocab),
+                    [((batch, seq), "int64")])
+
+
+#: the planner's and proxies' named models: (builder, its keyword arguments but seq / batch)
+MODELS = {
+    "gpt3-175b": (gpt, dict(layers=96, hidden=12288, heads=96, vocab=51200)),
+    "gpt2-xl": (gpt, dict(layers=48, hidden=1600, heads=25, vocab=50257)),
+    "gpt2": (gpt, dict(layers=12, hidden=768, heads=12, vocab=50257)),
+    "llama3-8b": (llama, dict(layers=32, hidden=4096, heads=32, kv_heads=8,
+                              intermediate=14336, vocab=128256)),
+}

@@ -46,11 +46,11 @@ def _gpt2(a):
 
     layers, stages = a.layers or 48, a.stages or 4
     micro = a.microbatches or 8
-    hidden, seq, vocab = 1280, 632, 50257
+    hidden, seq, vocab = 1280, 632, a.vocab or 50257
     model = models.gpt(layers, hidden, 20, seq, vocab, micro * a.micro_batch)
     per_layer = 12 * hidden * hidden + 13 * hidden
     mesh = MeshSpec(dp=a.dp, tp=a.tp or 1, pp=stages, microbatches=micro,
-                    schedule=a.schedule, zero=a.zero,
+                    schedule=a.schedule, zero=a.zero, recompute=a.recompute,
                     bucket_mb=a.bucket_mb or per_layer * FLOAT / 2**20)
     return model, mesh, "cross_entropy"
 
@@ -70,10 +70,11 @@ def _gpt3(a):
     layers = a.layers or 96
     stages = a.stages or layers
     micro = a.microbatches or 2 * stages
-    hidden, seq, vocab = 12288, 2048, 50257
+    hidden, seq, vocab = 12288, 2048, a.vocab or 50257
     model = models.gpt(layers, hidden, 96, seq, vocab, micro * a.micro_batch)
     mesh = MeshSpec(dp=a.dp, tp=a.tp or 4, pp=stages, microbatches=micro,
-                    schedule=a.schedule, zero=a.zero, bucket_mb=a.bucket_mb or 25.0)
+                    schedule=a.schedule, zero=a.zero, recompute=a.recompute,
+                    bucket_mb=a.bucket_mb or 25.0)
     return model, mesh, "cross_entropy"
 
 

@@ -101,6 +101,27 @@ class Workload:
             row["bus_bytes"] += factor[e.kind](sizes[e.axis]) * e.bytes
         return out
 
+    def in_16_bit(self) -> Workload:
+        """This workload as a bf16 / fp16 run would move it (the extraction builds float32
+        steps; pipelining has no mixed precision yet): activations, their gradients, the
+        gradient reductions and the other operators' bytes halved; FLOPs unchanged; the
+        4-byte loss and flag reductions kept. Used by the simulator for published 16-bit
+        runs (Megatron's); a replay of it is what a 16-bit step would send."""
+        def half(e: Event) -> Event:
+            e = dataclasses.replace(e)
+            if e.bytes > 8:
+                e.bytes //= 2
+            e.mem_bytes //= 2
+            return e
+
+        return dataclasses.replace(self, programs=[[half(e) for e in p] for p in self.programs],
+                                   dtype_bytes=2, source=self.source + "; bytes as 16-bit")
+
+    def device_flops(self) -> float:
+        """Matmul and convolution FLOPs one device runs per iteration, averaged over the pp
+        ranks (recomputation included, as Megatron-LM counts them)."""
+        return sum(self.flops(r) for r in range(self.pp)) / self.pp
+
     def flops(self, pp_rank: int) -> int:
         return sum(e.flops for e in self.programs[pp_rank])
 

@@ -1,0 +1,305 @@
+"""Choose a mesh for a cluster: ``python -m raf_dist.tools.plan --model NAME|script.py:fn
+--devices N --device-memory-gb G --global-batch B [--seq S] [--cluster NAME|file.json]
+[--json]``.
+
+For every dp x tp x pp that divides N (tp within a node and dividing the model's heads), ZeRO
+level, microbatch count and recomputation policy the Trainer accepts:
+
+- memory per device: the model states this rank holds (raf_dist.layout's StateLayout: the
+  same padded shards the Trainer holds, for the parameters of its tp piece and pipeline
+  stages, AdamW's two states) plus the activations a step keeps: per microbatch, the bytes
+  of the stage's forward values (all of them without recomputation; matmul outputs and the
+  stage input with "selective"; the stage input with "full"), times the microbatches in
+  flight on that stage (1F1B: min(P - s, M)), plus one microbatch's recomputed forward;
+- step time: first a quick estimate (FLOPs at the cluster's rate, the pipeline bubble
+  (P - 1) / M, the gradient reduction's ring time) that orders the configurations that fit,
+  then, in that order and while ``--budget-s`` lasts, raf_dist.proxies' extraction of the
+  configuration's real step (the collectives the passes insert, the schedule's messages)
+  simulated on the cluster (compute + communication not hidden by overlap + bubble). The
+  ``how`` column says which a row has.
+
+Models: ``gpt3-175b``, ``gpt2-xl``, ``gpt2``, ``llama3-8b`` (raf_dist.proxies.models, shapes
+only) or ``script.py:fn`` whose ``fn()`` returns (torch module, example inputs for the global
+batch), loss cross-entropy. ``--precision 16-bit`` models a bf16 / fp16 run's bytes
+(Workload.in_16_bit; optimizer state float32).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+STATES_PER_PARAM = 2  # AdamW
+
+
+@dataclasses.dataclass
+class Choice:
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    microbatches: int
+    recompute: str
+    memory_per_device_gb: float = 0.0
+    fits: bool = False
+    step_time_s: float = math.inf
+    comm_bytes_per_step: int = 0
+    how: str = ""
+
+    def row(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _load(model_spec: str, seq: int | None) -> tuple[Callable[[int], Any], int | None]:
+    """rows -> the model captured with that batch (shapes only for presets); its heads."""
+    from ..proxies.models import MODELS
+
+    if model_spec in MODELS:
+        builder: Any = MODELS[model_spec][0]
+        kw: dict[str, Any] = dict(MODELS[model_spec][1], seq=seq or 2048)
+        return (lambda rows: builder(**kw, batch=rows)), kw.get("heads")
+    if ":" not in model_spec:
+        raise SystemExit(f"unknown model {model_spec!r}: a preset ({', '.join(MODELS)}) or "
+                         "script.py:fn")
+    from .explain_plan import capture
+
+    base = capture(model_spec).without_values()
+    return base.at_batch, None
+
+
+def _forward_bytes(func: Any) -> tuple[int, int]:
+    """(bytes of every tensor the forward computes from the data, bytes of its matmul
+    outputs)."""
+    from tvm import relax
+
+    from ..proxies.extract import _nbytes
+
+    every = matmul = 0
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if isinstance(b.value, relax.Call):
+                n = _nbytes(b.var.ty)
+                every += n
+                if getattr(b.value.op, "name", "") == "relax.matmul":
+                    matmul += n
+    return every, matmul
+
+
+def stage_info(piece: Any, pp: int) -> list[tuple[Any, ...]]:
+    """Per stage of ``piece`` cut in ``pp``: (parameter names, forward bytes, matmul output
+    bytes, input bytes, blocks); the pipeline's own stage plan (one stage when pp = 1)."""
+    from ..passes.pipeline import split_forward
+    from ..proxies.extract import _nbytes
+    from ..training.pipeline import stage_plan
+
+    plan = stage_plan(piece, pp, 1)
+    funcs = split_forward(plan)
+    points = [p.position for p in plan.graph.cut_points()]
+    out = []
+    for s, f in enumerate(funcs):
+        lo, hi = plan.bounds(s)
+        blocks = 1 + sum(lo < p < hi for p in points)  # recomputation goes block by block
+        inp = 0 if s == 0 else _nbytes(f.function.params[0].ty)
+        every, matmul = _forward_bytes(f.function)
+        out.append((list(plan.params[s]), every, matmul, inp, blocks))
+    return out
+
+
+def memory_bytes(piece: Any, mesh: Any, precision: str,
+                 stages: list[tuple[Any, ...]] | None = None) -> float:
+    """Per device, the most any pp rank holds (module docstring); ``stages``: stage_info."""
+    from ..layout import stage_rank
+    from .estimate_memory import model_state_bytes
+
+    specs = dict(zip(piece.param_names, piece.param_specs()))
+    stages = stages if stages is not None else stage_info(piece, mesh.pp)
+    owners = [stage_rank(s, mesh.pp) for s in range(len(stages))]
+    act_scale = 0.5 if precision == "16-bit" else 1.0
+    worst = 0.0
+    for r in range(mesh.pp):
+        names = [n for (ns, *_), o in zip(stages, owners) if o == r for n in ns]
+        numels = [int(np.prod(specs[n][0])) for n in names]
+        states = model_state_bytes(numels, mesh.dp, mesh.zero, STATES_PER_PARAM)
+        held = states["param_bytes"] + states["grad_bytes"] + states["optimizer_state_bytes"]
+        act = 0.0
+        for (_, every, matmul, inp, blocks), o in zip(stages, owners):
+            if o != r:
+                continue
+            saved = {"none": every, "selective": matmul + inp, "full": inp}[mesh.recompute]
+            in_flight = min(mesh.pp - r, mesh.microbatches) if mesh.pp > 1 else 1
+            # saved values of the microbatches in flight, and one block's recomputed forward
+            act += in_flight * saved + (every - saved) / blocks
+        worst = max(worst, held + act * act_scale)
+    return worst
+
+
+def candidates(devices: int, gpus_per_node: int, heads: int | None, global_batch: int,
+               layers_hint: int) -> list[Any]:
+    """Every MeshSpec the Trainer accepts on ``devices`` (module docstring)."""
+    from ..proxies.extract import MeshSpec
+
+    out = []
+    for tp in _divisors(devices):
+        if tp > gpus_per_node or (heads and heads % tp):
+            continue
+        for pp in _divisors(devices // tp):
+            if pp > max(1, layers_hint):
+                continue
+            dp = devices // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_dp = global_batch // dp
+            micro = ([m for m in (pp, 2 * pp, 4 * pp, 8 * pp) if per_dp % m == 0] if pp > 1
+                     else [m for m in (1, 2, 4) if per_dp % m == 0])
+            for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                for m in micro:
+                    for rec in (("none", "full") if pp > 1 else ("none", "selective", "full")):
+                        try:
+                            out.append(MeshSpec(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m,
+                                                recompute=rec))
+                        except ValueError:
+                            continue  # a combination the Trainer refuses
+    return out
+
+
+def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: int,
+         seq: int | None = None, cluster_spec: str = "dgx-a100", precision: str = "fp32",
+         budget_s: float = 120.0, log: Callable[[str], None] | None = None) -> list[Choice]:
+    """The ranked configurations (module docstring)."""
+    from ..proxies import extract, load_cluster, simulate
+    from ..runtime.metrics import function_flops
+    from ..training import tensor_parallel as tp_lib
+
+    cluster = load_cluster(cluster_spec)
+    at_rows, heads = _load(model_spec, seq)
+    whole = at_rows(global_batch)
+    train_flops = 3 * function_flops(whole.forward)
+    train_bytes = 3 * _forward_bytes(whole.forward)[0]  # what the other operators move
+    n_params = sum(int(np.prod(s)) for s, _ in whole.param_specs())
+    layers = sum(1 for n in whole.param_names if n.endswith(".weight")) or 1
+    choices, pieces, infos = [], {}, {}
+    for mesh in candidates(devices, cluster.gpus_per_node, heads, global_batch, layers):
+        rows = global_batch // (mesh.dp * mesh.microbatches)
+        c = Choice(mesh.dp, mesh.tp, mesh.pp, mesh.zero, mesh.microbatches, mesh.recompute)
+        key = (rows, mesh.tp)
+        try:
+            if key not in pieces:
+                piece = at_rows(rows).without_values()
+                if mesh.tp > 1:
+                    tplan = tp_lib.make_plan(piece, mesh.tp)
+                    piece = tp_lib.shard_model(piece, tplan, 0, piece.init_params, values=False)
+                pieces[key] = piece
+            if (key, mesh.pp) not in infos:
+                infos[(key, mesh.pp)] = stage_info(pieces[key], mesh.pp)
+            c.memory_per_device_gb = memory_bytes(pieces[key], mesh, precision,
+                                                  infos[(key, mesh.pp)]) / 2**30
+        except ValueError as e:  # no tp plan / no pipeline cut for it
+            c.how = f"refused: {str(e)[:60]}"
+            continue
+        c.fits = c.memory_per_device_gb <= device_memory_gb
+        extra = {"none": 0.0, "selective": 0.3, "full": 1.0}[mesh.recompute]
+        compute = (train_flops / (cluster.matmul_tflops * 1e12)
+                   + train_bytes / (cluster.memory_GBps * 1e9)) * (1 + extra / 3) / devices
+        bubble = (mesh.pp - 1) / mesh.microbatches if mesh.pp > 1 else 0.0
+        grads = 4 * n_params / (mesh.tp * mesh.pp)
+        link = cluster.intra if mesh.tp * mesh.dp <= cluster.gpus_per_node else cluster.inter
+        reduce = (2 * (mesh.dp - 1) / mesh.dp * grads / (link.bandwidth_GBps * 1e9)
+                  * (1.5 if mesh.zero == 3 else 1.0))
+        c.step_time_s = compute * (1 + bubble) + reduce
+        c.comm_bytes_per_step = int(2 * grads * (mesh.dp - 1) / mesh.dp)
+        c.how = "estimated"
+        choices.append((c, mesh))
+    # simulated in estimate order, but each mesh shape's best first: the estimate leaves out
+    # the tp collectives and the overlap, so every (dp, tp, pp) gets a simulated row early
+    fitting = sorted([x for x in choices if x[0].fits], key=lambda x: x[0].step_time_s)
+    shapes: dict[tuple[int, int, int], int] = {}
+    for c, _ in fitting:
+        shapes.setdefault((c.dp, c.tp, c.pp), len(shapes))
+    rank_in_shape: dict[tuple[int, int, int], int] = {}
+    order = []
+    for c, mesh in fitting:
+        k = (c.dp, c.tp, c.pp)
+        rank_in_shape[k] = rank_in_shape.get(k, -1) + 1
+        order.append((rank_in_shape[k], shapes[k], c, mesh))
+    fitting = [(c, mesh) for _, _, c, mesh in sorted(order, key=lambda x: x[:2])]
+    started = time.perf_counter()
+    for c, mesh in fitting:
+        if time.perf_counter() - started > budget_s:
+            break
+        rows = global_batch // mesh.dp
+        try:
+            workload = extract(at_rows(rows), mesh, name=model_spec)
+        except (ValueError, NotImplementedError) as e:
+            c.how = f"not extracted: {str(e)[:50]}"
+            continue
+        if precision == "16-bit":
+            workload = workload.in_16_bit()
+        result = simulate(workload, cluster)
+        c.step_time_s = result.iteration_s
+        c.comm_bytes_per_step = max(sum(e.bytes for e in workload.collectives(r))
+                                    for r in range(workload.pp))
+        c.how = "simulated"
+        if log:
+            log(f"simulated dp{mesh.dp} tp{mesh.tp} pp{mesh.pp} zero{mesh.zero} "
+                f"M{mesh.microbatches} {mesh.recompute}: {c.step_time_s:.4g} s")
+    ranked = [c for c, _ in choices]
+    ranked.sort(key=lambda c: (not c.fits, c.how != "simulated", c.step_time_s))
+    return ranked
+
+
+def table(choices: Sequence[Choice], top: int) -> str:
+    head = ["#", "dp", "tp", "pp", "zero", "M", "recompute", "step s", "mem GB/dev", "fits",
+            "comm GB/step", "how"]
+    lines = [head]
+    for i, c in enumerate(choices[:top]):
+        lines.append([str(i + 1), str(c.dp), str(c.tp), str(c.pp), str(c.zero),
+                      str(c.microbatches), c.recompute, f"{c.step_time_s:.4g}",
+                      f"{c.memory_per_device_gb:.2f}", "yes" if c.fits else "NO",
+                      f"{c.comm_bytes_per_step / 2**30:.2f}", c.how])
+    widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m raf_dist.tools.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--device-memory-gb", type=float, required=True)
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--seq", type=int, help="sequence length of the presets (2048)")
+    p.add_argument("--cluster", default="dgx-a100")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "16-bit"))
+    p.add_argument("--budget-s", type=float, default=120.0,
+                   help="seconds of extraction + simulation; the rest keep their estimate")
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.devices < 1 or a.global_batch < 1 or a.device_memory_gb <= 0:
+        raise SystemExit("--devices, --global-batch and --device-memory-gb must be positive")
+    ranked = plan(a.model, a.devices, a.device_memory_gb, a.global_batch, a.seq, a.cluster,
+                  a.precision, a.budget_s, log=None if a.json else
+                  (lambda s: print(s, file=sys.stderr)))
+    if a.json:
+        print(json.dumps([c.row() for c in ranked]))
+    else:
+        if not any(c.fits for c in ranked):
+            print(f"no configuration fits {a.device_memory_gb:g} GB per device; the smallest "
+                  "needs " + (f"{min(c.memory_per_device_gb for c in ranked):.2f} GB"
+                              if ranked else "(none could be built)"))
+        print(table(ranked, a.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

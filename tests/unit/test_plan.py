@@ -1,0 +1,71 @@
+"""python -m raf_dist.tools.plan: the ranked meshes for a model and a cluster (one process).
+Its validation against measured steps is bench/plan_validation.py (bench/RESULTS.md)."""
+import json
+
+import pytest
+
+from raf_dist.tools.plan import main, memory_bytes, plan
+
+KEYS = {"dp", "tp", "pp", "zero", "microbatches", "recompute", "step_time_s",
+        "memory_per_device_gb", "comm_bytes_per_step"}
+
+
+@pytest.fixture(scope="module")
+def ranked():
+    return plan("gpt2", 4, 8.0, 8, seq=64, cluster_spec="dgx-a100", budget_s=8)
+
+
+def test_plan_ranks_simulated_configurations_that_fit_first(ranked):
+    assert ranked[0].fits and ranked[0].how == "simulated"
+    simulated = [c for c in ranked if c.how == "simulated"]
+    assert len(simulated) >= 3
+    times = [c.step_time_s for c in simulated]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    shapes = {(c.dp, c.tp, c.pp) for c in ranked}
+    assert {(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1)} <= shapes  # every mesh considered
+    for c in ranked:
+        assert c.dp * c.tp * c.pp == 4 and 8 % (c.dp * c.microbatches) == 0
+
+
+def test_memory_follows_the_layout_zero_and_recomputation(ranked):
+    by = {(c.dp, c.tp, c.pp, c.zero, c.microbatches, c.recompute): c.memory_per_device_gb
+          for c in ranked}
+    # ZeRO shards the optimizer state (1), the gradients (2), the parameters (3)
+    levels = [by[(4, 1, 1, z, 1, "none")] for z in range(4)]
+    assert levels == sorted(levels, reverse=True) and levels[0] > levels[3]
+    assert by[(4, 1, 1, 0, 1, "full")] < by[(4, 1, 1, 0, 1, "selective")] < by[
+        (4, 1, 1, 0, 1, "none")]
+    # 12 layers over 4 stages hold a quarter of the parameters each (about)
+    assert by[(1, 1, 4, 0, 4, "full")] < by[(4, 1, 1, 0, 1, "full")]
+
+
+def test_configurations_that_do_not_fit_are_marked():
+    tight = plan("gpt2", 2, 0.5, 4, seq=64, cluster_spec="dgx-a100", budget_s=2)
+    assert any(not c.fits for c in tight)
+    assert all(c.memory_per_device_gb > 0.5 for c in tight if not c.fits)
+    assert all(c.how != "simulated" for c in tight if not c.fits)
+
+
+def test_json_rows_carry_the_design_keys(capsys):
+    assert main(["--model", "gpt2", "--devices", "2", "--device-memory-gb", "8",
+                 "--global-batch", "4", "--seq", "32", "--budget-s", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and KEYS <= set(rows[0])
+    with pytest.raises(SystemExit, match="unknown model"):
+        main(["--model", "gpt9", "--devices", "2", "--device-memory-gb", "8",
+              "--global-batch", "4"])
+
+
+def test_a_script_model(tmp_path, capsys):
+    script = tmp_path / "mine.py"
+    script.write_text(
+        "import torch\n"
+        "def fn():\n"
+        "    torch.manual_seed(0)\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),\n"
+        "                            torch.nn.Linear(64, 10))\n"
+        "    return m, (torch.randn(8, 16),)\n")
+    assert main(["--model", f"{script}:fn", "--devices", "2", "--device-memory-gb", "1",
+                 "--global-batch", "8", "--cluster", "cpu-here", "--budget-s", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "simulated" in out and " 2   1   1" in out
