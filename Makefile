@@ -48,7 +48,7 @@ test: install typecheck
 test-faults: install  # the whole fault-injection matrix (~10 min on 2 cores)
 	$(PY) -m pytest -q -m faults tests/distributed/test_faults.py
 
-test-slow: install  # resharding across pp / tp layouts, embedding tables at N=3, 4 and the like (~7 min)
+test-slow: install  # resharding across pp / tp layouts, embedding tables at N=3, 4, the proxies at 32 ranks and the like
 	$(PY) -m pytest -q -m slow tests/distributed
 
 test-fast: install

@@ -52,6 +52,8 @@ def _parser():
     p.add_argument("--world", type=int, help="ranks to simulate (with --simulate)")
     p.add_argument("--list", action="store_true", help="also print pp rank 0's events")
     p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.add_argument("--calibration-out", help="calibrate: where to write the cluster JSON "
+                                             "(default: cpu-here's saved calibration)")
     return p
 
 
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
     if args.workload == "calibrate":
         from .calibrate import calibrate
 
-        return calibrate()
+        return calibrate(args.calibration_out) if args.calibration_out else calibrate()
     cluster = load_cluster(args.cluster)
     if args.simulate:
         if not args.world:
@@ -190,6 +192,11 @@ def main(argv=None) -> int:
         except SystemExit as e:
             text = f"ERROR {e}"
         extracted = time.perf_counter() - began
+    # the others wait for rank 0's extraction asleep (a blocking broadcast spins in MPICH,
+    # taking the cores the extraction needs when ranks outnumber them)
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.01)
     text = comm.bcast(text, root=0)
     if text.startswith("ERROR "):
         if comm.rank == 0:

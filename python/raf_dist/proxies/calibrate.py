@@ -1,5 +1,7 @@
-"""``mpirun -np 2 python -m raf_dist.proxies calibrate``: measure this machine for the
-``cpu-here`` cluster (proxies/simulate.py) and save it (~/.cache/raf_dist/cpu-here.json):
+"""``mpirun -np 2 python -m raf_dist.proxies calibrate [--calibration-out FILE]``: measure
+this machine for the ``cpu-here`` cluster (proxies/simulate.py) and save it
+(~/.cache/raf_dist/cpu-here.json, which ``--cluster cpu-here`` then reads, or FILE, a cluster
+JSON for ``--cluster FILE``). With N ranks on fewer cores it measures N ranks sharing them:
 float32 GEMM rate (numpy's BLAS, 1024^3, best of 5), copy bandwidth (64 MiB, best of 5),
 and raf_dist's allreduce between the ranks: alpha from 4 KiB calls, bus bandwidth from
 64 MiB ones (medians of 20 and 5, between barriers)."""
@@ -24,16 +26,13 @@ def _best(fn, repeats):
     return min(times)
 
 
-def calibrate() -> int:
+def calibrate(out_path: str = _CALIBRATED) -> int:
     from mpi4py import MPI
 
     from ..distributed import collectives
 
     comm = MPI.COMM_WORLD
     n = comm.size
-    if n < 2:
-        raise SystemExit("calibrate measures the link between ranks: run it with "
-                         "mpirun -np 2 python -m raf_dist.proxies calibrate")
     a = np.random.default_rng(0).standard_normal((1024, 1024), np.float32)
     gemm = 2 * 1024 ** 3 / _best(lambda: a @ a, 5)
     src = np.ones(16 * 2**20, np.float32)
@@ -50,19 +49,22 @@ def calibrate() -> int:
             times.append(comm.allreduce(time.perf_counter() - began, op=MPI.MAX))
         return statistics.median(times)
 
-    small = allreduce_median(1024, 20)
-    big_elements = 16 * 2**20
-    big = allreduce_median(big_elements, 5)
-    alpha = small / (2 * (n - 1))
-    bus = 2 * (n - 1) / n * big_elements * 4 / max(big - 2 * (n - 1) * alpha, 1e-9)
-    link = Link(round(alpha * 1e6, 2), round(bus / 1e9, 3))
+    if n > 1:
+        small = allreduce_median(1024, 20)
+        big_elements = 16 * 2**20
+        big = allreduce_median(big_elements, 5)
+        alpha = small / (2 * (n - 1))
+        bus = 2 * (n - 1) / n * big_elements * 4 / max(big - 2 * (n - 1) * alpha, 1e-9)
+        link = Link(round(alpha * 1e6, 2), round(bus / 1e9, 3))
+    else:  # one process: its compute rates only (no link to measure)
+        link = Link(0.0, 1e6)
     cluster = Cluster("cpu-here", n, round(gemm / 1e12, 4), round(copy / 1e9, 2), link, link,
                       round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
                       f"measured {time.strftime('%Y-%m-%d')} with {n} ranks on this host")
     if comm.rank == 0:
-        os.makedirs(os.path.dirname(_CALIBRATED), exist_ok=True)
-        with open(_CALIBRATED, "w") as f:
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path, "w") as f:
             json.dump(cluster.to_dict(), f, indent=1)
         print(json.dumps(cluster.to_dict()))
-        print(f"saved to {_CALIBRATED}")
+        print(f"saved to {out_path}")
     return 0

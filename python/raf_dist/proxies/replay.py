@@ -7,8 +7,10 @@ native groups, timeouts, counters and flight recorder a training step uses), sta
 waited where the step waits them; pipeline messages go as the PipelineExecutor sends them
 (mpi4py ``Isend`` / ``Irecv`` on the pp communicator, every receive of the iteration posted
 first, the transport's tags). Buffers are float32 scratch, reused: a message larger than
-``max_buffer_mb`` travels in chunks of that size (blocking, one after the other), so 32 ranks
-of GPT-2's stages fit this 24 GiB machine. The payload is garbage; the sizes, order, groups
+``max_buffer_mb`` travels in chunks of that size (blocking, one after the other), and a
+started collective's buffers are let go at its wait, so 32 ranks of GPT-2's stages fit this
+24 GiB machine. An uneven all-to-all (the embedding exchanges) is replayed in equal blocks of
+the same total. The payload is garbage; the sizes, order, groups
 and overlap points are the step's.
 """
 from __future__ import annotations
@@ -29,6 +31,11 @@ class _Buffers:
     def __init__(self, cap_bytes: int):
         self.cap = max(4, int(cap_bytes)) // 4
         self.arrays: dict[str, np.ndarray] = {}
+
+    def release(self, role: str) -> None:
+        """Let a started collective's buffers go (at its wait)."""
+        self.arrays.pop(role + "s", None)
+        self.arrays.pop(role + "r", None)
 
     def get(self, role: str, elements: int) -> np.ndarray:
         elements = max(1, min(int(elements), self.cap))
@@ -51,17 +58,19 @@ def _collective(kind: str, nbytes: int, group: int, size: int, buffers: _Buffers
     while done < elements:
         n = min(chunk, elements - done)
         asynchronous = async_op and n == elements  # chunked messages go blocking
-        send = buffers.get(handle_key + "s", n)
+        # a started collective keeps its buffers until its wait; blocking ones share theirs
+        key = handle_key if asynchronous else "blocking"
+        send = buffers.get(key + "s", n)
         if kind == "allreduce":
             h = C.allreduce(send, "sum", send, async_op=asynchronous, group=group)
         elif kind == "reduce_scatter":
-            out = buffers.get(handle_key + "r", n // size)
+            out = buffers.get(key + "r", n // size)
             h = C.reduce_scatter(send, "sum", out, async_op=asynchronous, group=group)
         elif kind == "allgather":
-            out = buffers.get(handle_key + "r", n)
+            out = buffers.get(key + "r", n)
             h = C.allgather(send[:n // size], n, out, async_op=asynchronous, group=group)
         else:
-            out = buffers.get(handle_key + "r", n)
+            out = buffers.get(key + "r", n)
             h = C.alltoall(send, out, async_op=asynchronous, group=group)
         if asynchronous:
             pending.append(h)
@@ -124,10 +133,11 @@ def replay(workload: Workload, cluster: Cluster, iters: int = 20, warmup: int = 
                 h = handles.pop(e.handle)
                 if h is not None:
                     h.wait()
+                buffers.release(f"h{e.handle}")
             else:
                 group, size = groups[e.axis]
                 h = _collective(e.kind, e.bytes, group, size, buffers, e.handle >= 0,
-                                f"h{e.handle}" if e.handle >= 0 else "b")
+                                f"h{e.handle}")
                 if e.handle >= 0:
                     handles[e.handle] = h
             if timed:

@@ -59,7 +59,7 @@ class Cluster:
 #: presets. dgx-a100 / dgx-h100: NVIDIA's DGX figures (8 GPUs on NVSwitch; one 200 / 400 Gb/s
 #: HCA per GPU) with achieved rather than peak rates: bf16 matmul ~80% of 312 / 989 TFLOP/s,
 #: ring bus bandwidth ~80% of the link's (nccl-tests' busbw on such nodes). cpu-here: this
-#: project's 2-core AMD EPYC development machine as ``python -m raf_dist.proxies calibrate``
+#: project's 2-core development machine as ``python -m raf_dist.proxies calibrate``
 #: measured it under ``mpirun -np 2`` on 2026-11-27 (per rank, both ranks busy: numpy float32
 #: GEMM 67 GFLOP/s, copy 13.8 GB/s, raf_dist allreduce alpha 10 us, bus bandwidth 1.9 GB/s);
 #: a saved calibration replaces it.

@@ -1,0 +1,197 @@
+"""The planner's predictions against measured steps on this machine (issue #33's proof).
+
+    .venv/bin/python bench/plan_validation.py [--ranks 2,4,8] [--steps 6] [--png out.png]
+
+Model: bench/step_time.py's GPT (4 layers, d 128, 4 heads, seq 64, vocab 512), global batch
+16, AdamW. For every mesh of 2, 4 and 8 ranks (dp, tp, pp and their products; ZeRO 0-3 on
+the pure dp meshes; 2 x pp microbatches under pipelining) one ``mpiexec -n N`` job trains it
+(the median of ``--steps`` steps after 2 warm-up steps, rank 0's clock: every step ends in
+the loss allreduce) and the driver predicts it: raf_dist.proxies' extraction of that mesh's
+step simulated on this machine's cluster description.
+
+The cluster of an N-rank run is this machine measured with N ranks sharing its cores
+(``mpiexec -n N python -m raf_dist.proxies calibrate``: each rank's GEMM and copy rates while
+the others run theirs, raf_dist's allreduce alpha and bandwidth between them), and the
+model's compute scaled once so that the simulated one-process step (``-n 1`` calibration)
+equals the measured one-process step (the issue's "this machine's measured kernel times
+scaled"). Nothing is fitted per mesh. ``--predict-only FILE`` predicts again the meshes a
+previous run measured (its ``--rows-out``).
+Prints the table, the share of meshes predicted within 20%, whether the planner's first
+choice (the fastest predicted) is among the two fastest measured, and draws the scatter.
+"""
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+GLOBAL_BATCH = 16
+
+
+def meshes(n):
+    """(dp, tp, pp, zero, microbatches) of every mesh of ``n`` ranks (module docstring)."""
+    out = []
+    for tp in (1, 2, 4):
+        for pp in (1, 2, 4):
+            if n % (tp * pp):
+                continue
+            dp = n // (tp * pp)
+            if GLOBAL_BATCH % dp:
+                continue
+            m = 2 * pp if pp > 1 else 1
+            if (GLOBAL_BATCH // dp) % m:
+                continue
+            zeros = (0, 1, 2, 3) if dp > 1 and tp == pp == 1 else (0,)
+            out += [(dp, tp, pp, z, m) for z in zeros]
+    return out
+
+
+def side(tp, pp, zero, microbatches, steps):
+    """One mesh on this job's ranks: prints rank 0's median step."""
+    import raf_dist
+    from raf_dist import distributed as dist
+    from step_time import make
+
+    comm = dist.get_communicator()
+    dp = comm.size // (tp * pp)
+    dist.get_config().update({"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                              "enable_data_parallel": dp > 1, "zero_opt_level": zero,
+                              "num_microbatches": microbatches})
+    mesh = dist.get_mesh()
+    module, x, y = make("gpt")
+    rows = slice(mesh.dp_rank * GLOBAL_BATCH // dp, (mesh.dp_rank + 1) * GLOBAL_BATCH // dp)
+    trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x[rows],)),
+                               optimizer=raf_dist.optim.AdamW(lr=1e-3))
+    xs, ys = x[rows].numpy(), y[rows].numpy()
+    ms = harness.median_ms(lambda: trainer.step(xs, ys), steps, warmup=2)
+    if comm.rank == 0:
+        harness.report({"ms": ms})
+
+
+def calibrated(n, tmp):
+    """This machine measured with ``n`` ranks sharing its cores (module docstring)."""
+    from raf_dist.proxies import load_cluster
+
+    path = Path(tmp) / f"cpu-{n}.json"
+    import subprocess
+    subprocess.run([harness.mpiexec(), "-n", str(n), sys.executable, "-m", "raf_dist.proxies",
+                    "calibrate", "--calibration-out", str(path)], check=True, timeout=600,
+                   cwd=harness.ROOT, stdout=subprocess.DEVNULL)
+    return load_cluster(str(path))
+
+
+def predict(mesh, cluster, scale):
+    """The simulated step (s) of ``mesh`` on ``cluster``, compute rates times ``scale``."""
+    import raf_dist
+    from raf_dist.proxies import MeshSpec, extract, simulate
+    from step_time import make
+
+    dp, tp, pp, zero, m = mesh
+    module, x, _ = make("gpt")
+    model = raf_dist.frontend.from_pytorch(module, (x[:GLOBAL_BATCH // dp],))
+    workload = extract(model, MeshSpec(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m))
+    scaled = dataclasses.replace(cluster, matmul_tflops=cluster.matmul_tflops * scale,
+                                 memory_GBps=cluster.memory_GBps * scale)
+    return simulate(workload, scaled).iteration_s
+
+
+def _name(r):
+    return f"dp{r['dp']} tp{r['tp']} pp{r['pp']} zero{r['zero']} M{r['microbatches']}"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--side", action="store_true")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--ranks", default="2,4,8")
+    p.add_argument("--png", default=str(harness.BENCH / "plan_validation.png"))
+    p.add_argument("--rows-out", default="/tmp/plan_validation_rows.json")
+    p.add_argument("--predict-only", help="a previous run's --rows-out: predict again")
+    a = p.parse_args()
+    if a.side:
+        side(a.tp, a.pp, a.zero, a.microbatches, a.steps)
+        return
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="raf_dist_pv_")
+    ranks = [int(v) for v in a.ranks.split(",")]
+    if a.predict_only:
+        saved = json.loads(Path(a.predict_only).read_text())
+        one, rows = saved["one_process_s"], [r for r in saved["rows"] if r["ranks"] in ranks]
+    else:
+        one = harness.run_side([sys.executable, __file__, "--side", "--steps", str(a.steps)],
+                               timeout=900)["ms"] / 1e3
+        rows = []
+    clusters = {n: calibrated(n, tmp) for n in [1] + ranks}
+    print(f"# {harness.machine()}", flush=True)
+    for n, c in clusters.items():
+        print(f"# calibrated with {n} rank(s): {json.dumps(c.to_dict())}", flush=True)
+    scale = predict((1, 1, 1, 0, 1), clusters[1], 1.0) / one
+    print(f"# one process: measured {one * 1e3:.1f} ms, cost model "
+          f"{predict((1, 1, 1, 0, 1), clusters[1], 1.0) * 1e3:.1f} ms -> this model's compute "
+          f"rates x {scale:.3f}", flush=True)
+    if not a.predict_only:
+        for n in ranks:
+            for mesh in meshes(n):
+                dp, tp, pp, zero, m = mesh
+                measured = harness.run_side(
+                    [harness.mpiexec(), "-n", str(n), sys.executable, __file__, "--side",
+                     "--tp", str(tp), "--pp", str(pp), "--zero", str(zero), "--microbatches",
+                     str(m), "--steps", str(a.steps)], timeout=900)["ms"] / 1e3
+                rows.append({"ranks": n, "dp": dp, "tp": tp, "pp": pp, "zero": zero,
+                             "microbatches": m, "measured_ms": measured * 1e3})
+                print(f"# N={n} dp{dp} tp{tp} pp{pp} zero{zero} M{m}: measured "
+                      f"{measured * 1e3:.1f} ms", flush=True)
+        Path(a.rows_out).write_text(json.dumps({"one_process_s": one, "rows": rows}))
+    for r in rows:
+        mesh = (r["dp"], r["tp"], r["pp"], r["zero"], r["microbatches"])
+        r["predicted_ms"] = predict(mesh, clusters[r["ranks"]], scale) * 1e3
+    print("ranks  dp  tp  pp  zero   M  measured ms  predicted ms  error")
+    for r in rows:
+        err = r["predicted_ms"] / r["measured_ms"] - 1
+        print(f"{r['ranks']:>5} {r['dp']:>3} {r['tp']:>3} {r['pp']:>3} {r['zero']:>5} "
+              f"{r['microbatches']:>3} {r['measured_ms']:>12.1f} {r['predicted_ms']:>13.1f} "
+              f"{err:>+6.0%}")
+    within = [abs(r["predicted_ms"] / r["measured_ms"] - 1) <= 0.2 for r in rows]
+    print(f"within 20%: {sum(within)} of {len(rows)}")
+    for n in sorted({r["ranks"] for r in rows}):
+        mine = [r for r in rows if r["ranks"] == n]
+        first = min(mine, key=lambda r: r["predicted_ms"])
+        fastest = sorted(mine, key=lambda r: r["measured_ms"])[:2]
+        names = ", ".join(_name(r) for r in fastest)
+        median = statistics.median(r["measured_ms"] for r in mine)
+        print(f"N={n}: planner's first choice {_name(first)} ({first['measured_ms']:.1f} ms "
+              f"measured) {'IS' if first in fastest else 'is NOT'} among the two fastest "
+              f"measured ({names}; median of the {len(mine)} meshes {median:.1f} ms)")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for n, marker in ((2, "o"), (4, "s"), (8, "^")):
+        mine = [r for r in rows if r["ranks"] == n]
+        ax.scatter([r["measured_ms"] for r in mine], [r["predicted_ms"] for r in mine],
+                   marker=marker, label=f"{n} ranks")
+    top = max(max(r["measured_ms"], r["predicted_ms"]) for r in rows) * 1.1
+    ax.plot([0, top], [0, top], "k-", lw=0.8)
+    ax.plot([0, top], [0, 1.2 * top], "k:", lw=0.6)
+    ax.plot([0, top], [0, 0.8 * top], "k:", lw=0.6)
+    ax.set_xlabel("measured step (ms)")
+    ax.set_ylabel("predicted step (ms)")
+    ax.set_title("raf_dist.tools.plan vs measured, GPT 4x128, this machine")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(a.png, dpi=110)
+    print(f"scatter: {a.png}")
+
+
+if __name__ == "__main__":
+    main()
