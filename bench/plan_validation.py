@@ -16,8 +16,9 @@ model's compute scaled once so that the simulated one-process step (``-n 1`` cal
 equals the measured one-process step (the issue's "this machine's measured kernel times
 scaled"). Nothing is fitted per mesh. ``--predict-only FILE`` predicts again the meshes a
 previous run measured (its ``--rows-out``).
-Prints the table, the share of meshes predicted within 20%, whether the planner's first
-choice (the fastest predicted) is among the two fastest measured, and draws the scatter.
+Prints the table, the share of meshes predicted within 20%, whether the fastest predicted of
+the measured meshes (the planner's ranking, which orders by this same simulation, restricted
+to them) is among the two fastest measured, and draws the scatter.
 """
 import argparse
 import dataclasses
@@ -169,7 +170,7 @@ def main():
         fastest = sorted(mine, key=lambda r: r["measured_ms"])[:2]
         names = ", ".join(_name(r) for r in fastest)
         median = statistics.median(r["measured_ms"] for r in mine)
-        print(f"N={n}: planner's first choice {_name(first)} ({first['measured_ms']:.1f} ms "
+        print(f"N={n}: fastest predicted {_name(first)} ({first['measured_ms']:.1f} ms "
               f"measured) {'IS' if first in fastest else 'is NOT'} among the two fastest "
               f"measured ({names}; median of the {len(mine)} meshes {median:.1f} ms)")
     import matplotlib
@@ -186,7 +187,7 @@ def main():
     ax.plot([0, top], [0, 0.8 * top], "k:", lw=0.6)
     ax.set_xlabel("measured step (ms)")
     ax.set_ylabel("predicted step (ms)")
-    ax.set_title("raf_dist.tools.plan vs measured, GPT 4x128, this machine")
+    ax.set_title("predicted (raf_dist.proxies) vs measured, GPT 4x128, here")
     ax.legend()
     fig.tight_layout()
     fig.savefig(a.png, dpi=110)

@@ -170,6 +170,9 @@ def test_mesh_spec_refuses_what_the_trainer_refuses():
         MeshSpec(zero=2)
     with pytest.raises(ValueError, match="zero=3 with pipeline"):
         MeshSpec(dp=2, pp=2, zero=3)
+    with pytest.raises(ValueError, match="zero=2 with pipeline"):
+        MeshSpec(dp=2, pp=2, zero=2)
+    MeshSpec(dp=2, pp=2, zero=1)  # the pipeline's update shards the optimizer state
     with pytest.raises(ValueError, match="plain data parallelism"):
         MeshSpec(dp=2, tp=2, embedding_parallel="table")
 

@@ -74,6 +74,10 @@ def _free_vars(expr):
     return [v for v in relax.analysis.free_vars(expr)]
 
 
+def _is_float(ty):
+    return isinstance(ty, relax.TensorType) and "float" in str(ty.dtype)
+
+
 def _numel(ty):
     if isinstance(ty, relax.TensorType) and ty.shape is not None:
         return int(np.prod([int(d) for d in ty.shape], dtype=np.int64))
@@ -262,8 +266,11 @@ class StagePlan:
         return "\n".join(lines)
 
 
-def partition(graph, num_stages, split_points=None):
-    """The StagePlan for ``num_stages`` stages (module docstring)."""
+def partition(graph, num_stages, split_points=None, ranks=None):
+    """The StagePlan for ``num_stages`` stages (module docstring). ``ranks``: the pp ranks
+    the stages are dealt to (stage s on rank s % ranks): the balance that counts boundary
+    traffic is kept only if every rank gets a parameter (each rank's update needs one), else
+    the stages are balanced on their compute alone."""
     points = graph.cut_points()
     by_position = {p.position: p for p in points}
     markers = graph.markers()
@@ -305,7 +312,21 @@ def partition(graph, num_stages, split_points=None):
                 f"the model has {len(points)} single-tensor cut points; {num_stages} stages "
                 f"need {num_stages - 1}. Use fewer stages (pipeline_parallel_size)")
         cuts, how = _balance(graph, points, num_stages), "partitioner"
+        if ranks and not _every_rank_trains(graph, cuts, num_stages, int(ranks)):
+            cuts = _balance(graph, points, num_stages, boundary_cost=0.0)
     return _stage_plan(graph, cuts, how)
+
+
+def _every_rank_trains(graph, cuts, num_stages, ranks):
+    """Whether each pp rank's stages (stage s on rank s % ranks) reach a parameter."""
+    bounds = [0] + list(cuts) + [len(graph.data)]
+    names = set(graph.param_names)
+    holds = [False] * ranks
+    for s in range(num_stages):
+        if any(graph.params_of_binding[graph.data[k]] & names
+               for k in range(bounds[s], bounds[s + 1])):
+            holds[s % ranks] = True
+    return all(holds)
 
 
 def plan_like(plan, graph):
@@ -342,28 +363,45 @@ def _stage_plan(graph, cuts, how):
     return StagePlan(graph, list(cuts), costs, params, how)
 
 
-def _balance(graph, points, num_stages):
+def _balance(graph, points, num_stages, boundary_cost=None):
     """Cuts minimizing the most expensive stage (dynamic program over the cut points; among
     equal maxima the smaller total of squares, so the other stages are balanced too). A
     stage's cost is its bindings' plus BOUNDARY_COST per element of the activations it
     receives and sends."""
     total = float(sum(graph.cost))
     positions = [0.0] + [p.cost_before for p in points] + [total]
-    edges = [0.0] + [BOUNDARY_COST * _numel(p.var.ty) for p in points] + [0.0]
+    weight = BOUNDARY_COST if boundary_cost is None else boundary_cost
+    edges = [0.0] + [weight * _numel(p.var.ty) for p in points] + [0.0]
     n = len(positions)
+    # a stage must have something to differentiate (training/pipeline.py refuses one that
+    # does not): a parameter, or an activation input that carries a gradient (a float one;
+    # not the ids before an embedding lookup, nor the data inputs of the first stage)
+    bounds = [0] + [p.position for p in points] + [len(graph.data)]
+    names = set(graph.param_names)
+    reaching = [0]
+    for i in graph.data:
+        reaching.append(reaching[-1] + bool(graph.params_of_binding[i] & names))
+    float_in = [False] + [_is_float(p.var.ty) for p in points] + [False]
+
+    def valid(i, j):
+        return reaching[bounds[j]] > reaching[bounds[i]] or float_in[i]
     best = {(0, 0): (0.0, 0.0, None)}  # (stages so far, index) -> (max, squares, previous)
     for s in range(1, num_stages + 1):
         last = s == num_stages
         for j in ([n - 1] if last else range(1, n - 1)):
             options = []
             for i in range(n):
-                if (s - 1, i) not in best or i >= j:
+                if (s - 1, i) not in best or i >= j or not valid(i, j):
                     continue
                 cost = positions[j] - positions[i] + edges[i] + edges[j]
                 peak, squares, _ = best[(s - 1, i)]
                 options.append((max(peak, cost), squares + cost * cost, i))
             if options:
                 best[(s, j)] = min(options)
+    if (num_stages, n - 1) not in best:
+        raise ValueError(f"the model cannot be cut into {num_stages} stages that each hold a "
+                         "parameter or receive a float activation (each stage needs something "
+                         "to differentiate); use fewer stages (pipeline_parallel_size)")
     cuts, j, s = [], n - 1, num_stages
     while s > 0:
         _, _, i = best[(s, j)]

@@ -8,6 +8,7 @@ workload on N virtual ranks of a cluster (proxies/simulate.py), one process.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -29,8 +30,7 @@ def _parser():
     p.add_argument("--dp", type=int, help="data-parallel replicas (default: what the world "
                                           "leaves)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
-    p.add_argument("--schedule", default="1f1b",
-                   choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
     p.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per microbatch (default 1; dlrm: samples per rank, "
                         "2048 / ranks)")
@@ -59,6 +59,7 @@ def _parser():
 
 def build_workload(args, world: int) -> tuple[Workload, list]:
     """(workload, the C++ proxy's message list) for ``args`` on ``world`` ranks."""
+    args = copy.copy(args)  # the defaults filled in below are this call's
     args.micro_batch_set = args.micro_batch is not None
     args.micro_batch = args.micro_batch or 1
     if args.workload == "cosmoflow":
@@ -144,14 +145,16 @@ def report_text(workload: Workload, spcl, measured, simulated, cluster, extract_
         for k, v in sorted(simulated.by_kind.items()):
             lines.append(f"{k:<16} {v['count']:>5} {_mb(v['bytes']):>11} "
                          f"{v['seconds'] * 1e3:>11.3f}")
+        P = len(simulated.per_rank)
         for r, s in enumerate(simulated.per_rank):
+            if 3 <= r < P - 2:  # the first three and the last two stages
+                if r == 3:
+                    lines.append(f"  ... ({P - 5} more stages)")
+                continue
             hidden = 1 - s["exposed_s"] / s["comm_s"] if s["comm_s"] else 1.0
             lines.append(f"  pp{r}: compute {s['compute_s'] * 1e3:.2f} ms, collectives "
                          f"{s['comm_s'] * 1e3:.2f} ms of which {hidden:.0%} overlapped with "
                          f"compute, waiting for other stages {s['pipeline_wait_s'] * 1e3:.2f} ms")
-            if r >= 3 and r < len(simulated.per_rank) - 2:
-                lines.append(f"  ... ({len(simulated.per_rank) - 5} more stages)")
-                break
     return "\n".join(lines)
 
 
@@ -189,7 +192,7 @@ def main(argv=None) -> int:
         try:
             workload, spcl = build_workload(args, comm.size)
             text = workload.to_json()
-        except SystemExit as e:
+        except (SystemExit, ValueError, NotImplementedError) as e:  # every rank stops
             text = f"ERROR {e}"
         extracted = time.perf_counter() - began
     # the others wait for rank 0's extraction asleep (a blocking broadcast spins in MPICH,

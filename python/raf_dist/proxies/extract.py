@@ -66,9 +66,10 @@ class MeshSpec:
             raise ValueError(f"MeshSpec.zero must be 0..3, got {self.zero!r}")
         if self.zero and self.dp == 1:
             raise ValueError("ZeRO shards over the dp ranks: zero > 0 needs dp > 1")
-        if self.pp > 1 and self.zero == 3:
-            raise ValueError("zero=3 with pipeline parallelism is not supported by the "
-                             "PipelineExecutor (each stage's update is ZeRO-1/2 at most)")
+        if self.pp > 1 and self.zero > 1:
+            raise ValueError(f"zero={self.zero} with pipeline parallelism is refused by the "
+                             "PipelineExecutor (ZeRO-2/3 would reduce-scatter per microbatch): "
+                             "zero <= 1 with pp > 1")
         if self.pp == 1 and self.microbatches > 1 and self.zero == 3:
             raise ValueError("microbatches with zero=3 are refused by the Trainer (the "
                              "parameters would be gathered again for every microbatch)")
@@ -267,7 +268,7 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
     from ..training.pipeline import build_stage_functions, build_update_step, stage_plan
 
     S = schedules.num_stages(mesh.schedule, mesh.pp, mesh.stages_per_rank)
-    plan = stage_plan(piece, S, mesh.microbatches)
+    plan = stage_plan(piece, S, mesh.microbatches, ranks=mesh.pp)
     funcs = split_forward(plan)
     frozen = list(piece.frozen_params)
     boundary = [_nbytes(f.function.ret_ty.fields[0] if f.buffers_written else f.function.ret_ty)
@@ -278,9 +279,11 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
     for s, f in enumerate(funcs):
         # a stage equal to one already built up to parameter names (a transformer's middle
         # stages) has the same events: build and differentiate each distinct stage once
+        # (the first stage has no input gradient, the last the loss; frozen parameters get
+        # no gradient)
         key = (tvm_ffi.structural_hash(f.function.without_attr("global_symbol"),
-                                       map_free_vars=True), s == S - 1,
-               tuple(f.buffers_written))
+                                       map_free_vars=True), s == 0, s == S - 1,
+               tuple(f.buffers_written), tuple(n in frozen for n in f.param_names))
         if key in seen:
             stage_events.append({k: [dataclasses.replace(e, what=f"{k}{s}") for e in v]
                                  for k, v in seen[key].items()})

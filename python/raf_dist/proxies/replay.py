@@ -7,10 +7,13 @@ native groups, timeouts, counters and flight recorder a training step uses), sta
 waited where the step waits them; pipeline messages go as the PipelineExecutor sends them
 (mpi4py ``Isend`` / ``Irecv`` on the pp communicator, every receive of the iteration posted
 first, the transport's tags). Buffers are float32 scratch, reused: a message larger than
-``max_buffer_mb`` travels in chunks of that size (blocking, one after the other), and a
-started collective's buffers are let go at its wait, so 32 ranks of GPT-2's stages fit this
-24 GiB machine. An uneven all-to-all (the embedding exchanges) is replayed in equal blocks of
-the same total. The payload is garbage; the sizes, order, groups
+``max_buffer_mb`` travels in chunks of that size (blocking, one after the other: such a
+started collective loses its overlap), and a started collective's buffers are let go at its
+wait, so 32 ranks of GPT-2's stages fit this 24 GiB machine. Pipeline messages are not
+chunked: each receive has its own buffer, allocated once. Waits poll and sleep (MPICH's
+blocking waits spin, taking the cores of the ranks they wait for when ranks outnumber
+cores) under RAF_DIST_COLLECTIVE_TIMEOUT_S. An uneven all-to-all (the embedding exchanges)
+is replayed in equal blocks of the same total. The payload is garbage; the sizes, order, groups
 and overlap points are the step's.
 """
 from __future__ import annotations
@@ -25,23 +28,40 @@ from .simulate import Cluster, compute_seconds
 from .workload import Workload
 
 
+#: compute shorter than this is carried over and slept with the next (one sleep overshoots
+#: by ~50-100 us on Linux; what is left is slept at the end of the iteration), so the total
+#: stays the cost model's while a short piece may move past a collective
+_MIN_SLEEP_S = 5e-4
+
+
 class _Buffers:
-    """Reused float32 scratch per role (send / receive), grown on demand up to the cap."""
+    """float32 scratch by role (send / receive of a collective), capped; a started
+    collective's arrays go back to a free list at its wait and serve the next ones, so an
+    iteration allocates only what is in flight at once, and only on the first iteration."""
 
     def __init__(self, cap_bytes: int):
         self.cap = max(4, int(cap_bytes)) // 4
         self.arrays: dict[str, np.ndarray] = {}
+        self.free: list[np.ndarray] = []
 
     def release(self, role: str) -> None:
         """Let a started collective's buffers go (at its wait)."""
-        self.arrays.pop(role + "s", None)
-        self.arrays.pop(role + "r", None)
+        for suffix in ("s", "r"):
+            array = self.arrays.pop(role + suffix, None)
+            if array is not None:
+                self.free.append(array)
 
     def get(self, role: str, elements: int) -> np.ndarray:
         elements = max(1, min(int(elements), self.cap))
         have = self.arrays.get(role)
         if have is None or have.size < elements:
-            have = self.arrays[role] = np.zeros(elements, np.float32)
+            fits = [i for i, a in enumerate(self.free) if a.size >= elements]
+            if fits:
+                best = min(fits, key=lambda i: self.free[i].size)
+                have = self.free.pop(best)
+            else:
+                have = np.zeros(elements, np.float32)
+            self.arrays[role] = have
         return have[:elements]
 
 
@@ -100,25 +120,34 @@ def replay(workload: Workload, cluster: Cluster, iters: int = 20, warmup: int = 
               "world": (dist.get_communicator().group, workload.world)}
     program = workload.programs[mesh.pp_rank]
     buffers = _Buffers(int(max_buffer_mb * 2**20))
+    # each receive's buffer, allocated once: a pipeline rank holds its iteration's incoming
+    # messages as the transport does (they are posted before the first action)
+    inbox = {i: np.empty(max(1, -(-e.bytes // 4)), np.float32)
+             for i, e in enumerate(program) if e.kind == "recv"}
+
+    def wait(request, what):  # polling: a waiting rank keeps off the cores of the others
+        from ..distributed.collectives import wait_request
+
+        wait_request(request, what, "a peer of the replay did not get there")
+
     times: list[float] = []
     by_kind: dict[str, dict[str, float]] = {}
     compute = waited = 0.0
     for it in range(warmup + iters):
         timed = it >= warmup
-        comm.Barrier()
+        wait(comm.Ibarrier(), "the barrier before an iteration")
         started = time.perf_counter()
-        receives = {}
-        for i, e in enumerate(program):  # every receive posted first, as the transport does
-            if e.kind == "recv":
-                buf = np.empty(max(1, -(-e.bytes // 4)), np.float32)
-                receives[i] = (mesh.pp_comm.Irecv(buf, source=e.peer, tag=e.tag), buf)
+        receives = {i: mesh.pp_comm.Irecv(inbox[i], source=program[i].peer, tag=program[i].tag)
+                    for i in inbox}  # every receive posted first, as the transport does
         sends, handles = [], {}
+        debt = 0.0  # compute not slept yet (module docstring)
         for i, e in enumerate(program):
             t0 = time.perf_counter()
             if e.kind == "compute":
-                dt = compute_seconds(e, cluster)
-                if dt > 0:
-                    time.sleep(dt)
+                debt += compute_seconds(e, cluster)
+                if debt >= _MIN_SLEEP_S:
+                    time.sleep(debt)
+                    debt = 0.0
                 if timed:
                     compute += time.perf_counter() - t0
                 continue
@@ -128,7 +157,7 @@ def replay(workload: Workload, cluster: Cluster, iters: int = 20, warmup: int = 
                     buf = np.empty(-(-e.bytes // 4), np.float32)
                 sends.append(mesh.pp_comm.Isend(buf, dest=e.peer, tag=e.tag))
             elif e.kind == "recv":
-                receives.pop(i)[0].Wait()
+                wait(receives.pop(i), f"{e.what}: a pipeline message from pp rank {e.peer}")
             elif e.kind == "wait":
                 h = handles.pop(e.handle)
                 if h is not None:
@@ -148,7 +177,10 @@ def replay(workload: Workload, cluster: Cluster, iters: int = 20, warmup: int = 
                     row["count"] += 1
                     row["bytes"] += e.bytes
                 row["seconds"] += dt
-        MPI.Request.Waitall(sends)
+        if debt > 0:
+            time.sleep(debt)
+        for request in sends:
+            wait(request, "a pipeline message sent")
         if timed:
             times.append(time.perf_counter() - started)
     mine = np.array(times, np.float64)

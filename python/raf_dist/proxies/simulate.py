@@ -112,10 +112,20 @@ def link(workload: Workload, axis: str, cluster: Cluster) -> Link:
     return cluster.intra if span <= cluster.gpus_per_node else cluster.inter
 
 
-def comm_seconds(event: Event, workload: Workload, cluster: Cluster) -> float:
-    """The alpha-beta time of a collective or message (module docstring)."""
+def message_link(workload: Workload, src: int, dst: int, cluster: Cluster) -> Link:
+    """A pipeline message between pp ranks ``src`` and ``dst`` (their dp 0 / tp 0 ranks, tp x
+    dp apart): intra-node when both sit on one node."""
+    stride = workload.tp * workload.dp
+    same = (src * stride) // cluster.gpus_per_node == (dst * stride) // cluster.gpus_per_node
+    return cluster.intra if same else cluster.inter
+
+
+def comm_seconds(event: Event, workload: Workload, cluster: Cluster, rank: int = 0) -> float:
+    """The alpha-beta time of a collective, or of a message from / to pp rank ``rank``
+    (module docstring)."""
     n = group_size(workload, event.axis or "pp")
-    lk = link(workload, event.axis or "pp", cluster)
+    lk = (message_link(workload, rank, event.peer, cluster) if event.kind in ("send", "recv")
+          else link(workload, event.axis or "pp", cluster))
     alpha, beta = lk.alpha_us * 1e-6, lk.bandwidth_GBps * 1e9
     if event.kind in ("send", "recv"):
         return alpha + event.bytes / beta
@@ -176,7 +186,7 @@ def simulate(workload: Workload, cluster: Cluster) -> Simulation:
                     stats[r]["exposed_s"] += max(0.0, done - clock[r])
                     clock[r] = max(clock[r], done)
                     continue
-                dt = comm_seconds(e, workload, cluster)
+                dt = comm_seconds(e, workload, cluster, r)
                 if r == 0 or e.kind in ("send", "recv"):
                     row = by_kind.setdefault(e.kind, {"count": 0, "bytes": 0, "seconds": 0.0})
                     row["count"] += 1
@@ -200,7 +210,8 @@ def simulate(workload: Workload, cluster: Cluster) -> Simulation:
     stuck = [r for r in range(P) if position[r] < len(workload.programs[r])]
     if stuck:
         raise ValueError(f"the workload's pipeline messages do not match: pp ranks {stuck} "
-                         "wait for messages no rank sends")
+                         "wait for messages no rank sends (or sends only after its own "
+                         "receive: a cycle)")
     for r in range(P):
         stats[r]["iteration_s"] = clock[r]
     return Simulation(max(clock), stats, by_kind)

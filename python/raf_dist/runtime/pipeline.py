@@ -155,7 +155,7 @@ class PipelineExecutor(LoopScalars):
         self.sync_batch_norm_world = plan.sync_batch_norm_world
         rows = self._plan_rows = self.batch_size // self.microbatches
         stage_plan = self.plan = partition(self._forward_graph(rows), self.num_stages,
-                                           self.split_points)
+                                           self.split_points, ranks=self.pp)
         self.my_stages = [s for s in range(self.num_stages)
                           if stage_rank(s, self.pp) == self.pp_rank]
         mine = set().union(*(stage_plan.params[s] for s in self.my_stages))

@@ -92,7 +92,7 @@ def explain_pipeline(model: Model, pp: int, microbatches: int = 1, schedule: str
     num_stages = ps.num_stages(schedule, pp, stages_per_rank)  # validates the combination
     from ..training.pipeline import stage_plan
 
-    plan = stage_plan(model, num_stages, microbatches, split_points)
+    plan = stage_plan(model, num_stages, microbatches, split_points, ranks=pp)
     actions, timeline = simulate_pipeline(pp, microbatches, schedule, stages_per_rank)
 
     lines = [plan.describe(), ""]

@@ -7,10 +7,10 @@ level, microbatch count and recomputation policy the Trainer accepts:
 
 - memory per device: the model states this rank holds (raf_dist.layout's StateLayout: the
   same padded shards the Trainer holds, for the parameters of its tp piece and pipeline
-  stages, AdamW's two states) plus the activations a step keeps: per microbatch, the bytes
-  of the stage's forward values (all of them without recomputation; matmul outputs and the
-  stage input with "selective"; the stage input with "full"), times the microbatches in
-  flight on that stage (1F1B: min(P - s, M)), plus one microbatch's recomputed forward;
+  stages, AdamW's two states) plus the activations a step keeps: the values of the stage's
+  forward kept per microbatch (all of them without recomputation; with it, what
+  passes/remat.py or the pipeline's checkpointing keeps) times the microbatches in flight on
+  that stage (1F1B: min(P - s, M)), plus what one backward recomputes (``activation_bytes``);
 - step time: first a quick estimate (FLOPs at the cluster's rate, the pipeline bubble
   (P - 1) / M, the gradient reduction's ring time) that orders the configurations that fit,
   then, in that order and while ``--budget-s`` lasts, raf_dist.proxies' extraction of the
@@ -104,15 +104,33 @@ def stage_info(piece: Any, pp: int) -> list[tuple[Any, ...]]:
 
     plan = stage_plan(piece, pp, 1)
     funcs = split_forward(plan)
-    points = [p.position for p in plan.graph.cut_points()]
+    points = plan.graph.cut_points()
     out = []
     for s, f in enumerate(funcs):
         lo, hi = plan.bounds(s)
-        blocks = 1 + sum(lo < p < hi for p in points)  # recomputation goes block by block
+        inside = [p for p in points if lo < p.position < hi]
+        blocks = 1 + len(inside)  # the step's recomputation goes block by block
+        cuts = sum(_nbytes(p.var.ty) for p in inside)  # the block inputs it keeps
         inp = 0 if s == 0 else _nbytes(f.function.params[0].ty)
         every, matmul = _forward_bytes(f.function)
-        out.append((list(plan.params[s]), every, matmul, inp, blocks))
+        out.append((list(plan.params[s]), every, matmul, inp, blocks, cuts))
     return out
+
+
+def activation_bytes(every: int, matmul: int, inp: int, blocks: int, cuts: int,
+                     recompute: str, pipelined: bool, in_flight: int) -> float:
+    """A stage's activations at their peak: the values kept for each microbatch in flight
+    plus what one backward recomputes. Without pipelining the step recomputes block by block
+    (passes/remat.py: "full" keeps every block's input and the last block's values,
+    "selective" the matmul outputs and the block inputs); a pipeline stage checkpoints as a
+    whole (it keeps its input and runs its forward again inside B)."""
+    if recompute == "none":
+        return in_flight * every
+    if pipelined:  # activation_checkpointing=True: the stage input only, the whole forward again
+        return in_flight * inp + every
+    if recompute == "full":
+        return in_flight * (cuts + every / blocks) + every / blocks
+    return in_flight * (matmul + cuts) + (every - matmul) / blocks
 
 
 def memory_bytes(piece: Any, mesh: Any, precision: str,
@@ -132,13 +150,12 @@ def memory_bytes(piece: Any, mesh: Any, precision: str,
         states = model_state_bytes(numels, mesh.dp, mesh.zero, STATES_PER_PARAM)
         held = states["param_bytes"] + states["grad_bytes"] + states["optimizer_state_bytes"]
         act = 0.0
-        for (_, every, matmul, inp, blocks), o in zip(stages, owners):
+        for (_, every, matmul, inp, blocks, cuts), o in zip(stages, owners):
             if o != r:
                 continue
-            saved = {"none": every, "selective": matmul + inp, "full": inp}[mesh.recompute]
             in_flight = min(mesh.pp - r, mesh.microbatches) if mesh.pp > 1 else 1
-            # saved values of the microbatches in flight, and one block's recomputed forward
-            act += in_flight * saved + (every - saved) / blocks
+            act += activation_bytes(every, matmul, inp, blocks, cuts, mesh.recompute,
+                                    mesh.pp > 1, in_flight)
         worst = max(worst, held + act * act_scale)
     return worst
 
@@ -159,8 +176,8 @@ def candidates(devices: int, gpus_per_node: int, heads: int | None, global_batch
             if global_batch % dp:
                 continue
             per_dp = global_batch // dp
-            micro = ([m for m in (pp, 2 * pp, 4 * pp, 8 * pp) if per_dp % m == 0] if pp > 1
-                     else [m for m in (1, 2, 4) if per_dp % m == 0])
+            micro = ([m for m in sorted({pp, 2 * pp, 4 * pp, 8 * pp, per_dp}) if per_dp % m == 0]
+                     if pp > 1 else [m for m in (1, 2, 4) if per_dp % m == 0])
             for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                 for m in micro:
                     for rec in (("none", "full") if pp > 1 else ("none", "selective", "full")):
@@ -174,8 +191,10 @@ def candidates(devices: int, gpus_per_node: int, heads: int | None, global_batch
 
 def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: int,
          seq: int | None = None, cluster_spec: str = "dgx-a100", precision: str = "fp32",
-         budget_s: float = 120.0, log: Callable[[str], None] | None = None) -> list[Choice]:
-    """The ranked configurations (module docstring)."""
+         budget_s: float = 120.0, log: Callable[[str], None] | None = None,
+         max_simulations: int | None = None) -> list[Choice]:
+    """The ranked configurations (module docstring); at most ``max_simulations`` simulated
+    (None: as many as ``budget_s`` allows)."""
     from ..proxies import extract, load_cluster, simulate
     from ..runtime.metrics import function_flops
     from ..training import tensor_parallel as tp_lib
@@ -186,7 +205,10 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
     train_flops = 3 * function_flops(whole.forward)
     train_bytes = 3 * _forward_bytes(whole.forward)[0]  # what the other operators move
     n_params = sum(int(np.prod(s)) for s, _ in whole.param_specs())
-    layers = sum(1 for n in whole.param_names if n.endswith(".weight")) or 1
+    # a pipeline stage per single-tensor cut at most (the partitioner's candidates)
+    from ..training.pipeline import stage_plan
+
+    layers = len(stage_plan(whole, 1, 1).graph.cut_points()) + 1
     choices, pieces, infos = [], {}, {}
     for mesh in candidates(devices, cluster.gpus_per_node, heads, global_batch, layers):
         rows = global_batch // (mesh.dp * mesh.microbatches)
@@ -203,8 +225,9 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
                 infos[(key, mesh.pp)] = stage_info(pieces[key], mesh.pp)
             c.memory_per_device_gb = memory_bytes(pieces[key], mesh, precision,
                                                   infos[(key, mesh.pp)]) / 2**30
-        except ValueError as e:  # no tp plan / no pipeline cut for it
+        except (ValueError, NotImplementedError) as e:  # no tp plan / pipeline cut for it
             c.how = f"refused: {str(e)[:60]}"
+            choices.append((c, mesh))
             continue
         c.fits = c.memory_per_device_gb <= device_memory_gb
         extra = {"none": 0.0, "selective": 0.3, "full": 1.0}[mesh.recompute]
@@ -233,8 +256,9 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
         order.append((rank_in_shape[k], shapes[k], c, mesh))
     fitting = [(c, mesh) for _, _, c, mesh in sorted(order, key=lambda x: x[:2])]
     started = time.perf_counter()
-    for c, mesh in fitting:
-        if time.perf_counter() - started > budget_s:
+    for done, (c, mesh) in enumerate(fitting):
+        if time.perf_counter() - started > budget_s or (max_simulations is not None
+                                                        and done >= max_simulations):
             break
         rows = global_batch // mesh.dp
         try:
@@ -246,14 +270,18 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
             workload = workload.in_16_bit()
         result = simulate(workload, cluster)
         c.step_time_s = result.iteration_s
-        c.comm_bytes_per_step = max(sum(e.bytes for e in workload.collectives(r))
-                                    for r in range(workload.pp))
+        c.comm_bytes_per_step = int(max(  # bus bytes, as the estimate's and the counters'
+            sum(v["bus_bytes"] for kinds in workload.bus_bytes(r).values()
+                for v in kinds.values())
+            + sum(e.bytes for e in workload.programs[r] if e.kind == "send")
+            for r in range(workload.pp)))
         c.how = "simulated"
         if log:
             log(f"simulated dp{mesh.dp} tp{mesh.tp} pp{mesh.pp} zero{mesh.zero} "
                 f"M{mesh.microbatches} {mesh.recompute}: {c.step_time_s:.4g} s")
     ranked = [c for c, _ in choices]
-    ranked.sort(key=lambda c: (not c.fits, c.how != "simulated", c.step_time_s))
+    ranked.sort(key=lambda c: (not c.fits, c.how != "simulated", c.how.startswith("refused"),
+                               c.step_time_s))
     return ranked
 
 

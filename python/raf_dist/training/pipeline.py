@@ -239,7 +239,7 @@ def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32",
     return tvm.IRModule({tvm.ir.GlobalVar("train_step"): func})
 
 
-def stage_plan(model, num_stages, microbatches, split_points=None):
+def stage_plan(model, num_stages, microbatches, split_points=None, ranks=None):
     """The StagePlan (passes/pipeline.py) of ``model`` in ``num_stages`` stages at the
     microbatch's rows, as PipelineExecutor._forward_graph reads it (tools/pipeline.py's
     explanation and proxies/extract.py use it; one process, no MPI)."""
@@ -260,4 +260,4 @@ def stage_plan(model, num_stages, microbatches, split_points=None):
         at = decompose_forward(at)
     graph = ForwardGraph(at.forward, len(at.input_specs), len(at.dropout_specs), at.param_names,
                          list(getattr(at, "buffer_names", ())))
-    return partition(graph, num_stages, list(split_points) if split_points else None)
+    return partition(graph, num_stages, list(split_points) if split_points else None, ranks)
