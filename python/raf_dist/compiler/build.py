@@ -155,14 +155,18 @@ def _plan(mod, target, instruments=()):
             + [WriteGradientsIntoBuckets(), UpdateInPlace()] + finalize[:1])(mod)
 
 
-def plan_memory(mod, passes=(), target="llvm"):
-    """Bytes of the step's planned temporaries (what ``CompiledStep.planned_peak_bytes``
-    reports) without building: the passes, then the pipeline up to memory planning."""
-    target = make_target(target)
+def apply_passes(mod, passes):
+    """``mod`` through ``passes`` in order, under the PassContext every build uses."""
     with tvm.transform.PassContext(opt_level=3):
         for p in passes:
             mod = p(mod)
-    return planned_bytes(_plan(mod, target))
+    return mod
+
+
+def plan_memory(mod, passes=(), target="llvm"):
+    """Bytes of the step's planned temporaries (what ``CompiledStep.planned_peak_bytes``
+    reports) without building: the passes, then the pipeline up to memory planning."""
+    return planned_bytes(_plan(apply_passes(mod, passes), make_target(target)))
 
 
 def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):

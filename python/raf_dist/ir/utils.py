@@ -31,6 +31,11 @@ def tensor_numel(ty):
     return n
 
 
+def tensor_nbytes(ty):
+    """Bytes of a statically shaped TensorType."""
+    return tensor_numel(ty) * tvm.DataType(str(ty.dtype)).bits // 8
+
+
 #: a reduction this long is split so that it runs on every core (compiler/schedule.py treats
 #: a reduction of >= 16384 elements with no data-parallel outer loop as a serial fallback)
 _SERIAL_LIMIT = 16384

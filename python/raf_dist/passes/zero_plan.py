@@ -11,6 +11,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from ..ir.utils import tensor_nbytes
 from ..layout import StateLayout, shard_size, state_layout
 from .bucketing import assign_buckets, marker_buckets, update_groups
 from .gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
@@ -20,10 +21,6 @@ ELEMENTWISE_OPS = frozenset(f"relax.{name}" for name in (
     "add", "subtract", "multiply", "divide", "sqrt", "rsqrt", "negative", "power", "maximum",
     "minimum", "abs", "sign", "exp", "log", "square", "where", "greater", "less",
     "greater_equal", "less_equal", "clip", "astype", "floor_divide"))
-
-
-def _nbytes(ty: relax.TensorType) -> int:
-    return tensor_numel(ty) * tvm.DataType(ty.dtype).bits // 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +295,7 @@ def plan_gathers(step: Step, name: str, begin: int, end: int, world_size: int,
                 order.append(param_pos[v])
     types = [step.params[k].ty for k in order]
     buckets = tuple(Bucket.of(b, [order[i] for i in idx], [types[i] for i in idx], world_size)
-                    for b, idx in enumerate(assign_buckets([_nbytes(t) for t in types],
+                    for b, idx in enumerate(assign_buckets([tensor_nbytes(t) for t in types],
                                                            bucket_bytes)))
     return GatherRegion(name, buckets, {step.params[k]: k for k in order},
                         {k: b for b in buckets for k in b.keys})

@@ -29,8 +29,10 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from ..compiler.build import apply_passes
 from ..compiler.inplace_buckets import packed_call
 from ..compiler.step_passes import function_passes, nonfinite_guard, step_passes
+from ..ir.utils import tensor_nbytes
 from ..runtime.metrics import call_flops
 from ..training import pipeline_schedule as schedules
 from .workload import COLLECTIVES, Event, Workload
@@ -91,14 +93,14 @@ class MeshSpec:
         return self.dp * self.tp * self.pp
 
 
-def _nbytes(ty) -> int:
+def type_nbytes(ty) -> int:
+    """Bytes of a tensor type; 0 for anything else or a symbolic shape (nothing to time)."""
     if not isinstance(ty, relax.TensorType) or ty.shape is None:
         return 0
     try:
-        dims = [int(d) for d in ty.shape]
+        return tensor_nbytes(ty)
     except TypeError:  # a symbolic dimension
         return 0
-    return int(np.prod(dims, dtype=np.int64)) * tvm.DataType(str(ty.dtype)).bits // 8
 
 
 def _bindings(func: relax.Function):
@@ -127,7 +129,7 @@ def function_events(func: relax.Function, what: str = "") -> list[Event]:
                 flops = call_flops(b.value)
                 work[0] += flops
                 if not flops:
-                    work[1] += _nbytes(b.var.ty)
+                    work[1] += type_nbytes(b.var.ty)
             continue
         op = symbol[len(_PREFIX):]
         if op == "wait":
@@ -138,13 +140,13 @@ def function_events(func: relax.Function, what: str = "") -> list[Event]:
         if kind not in COLLECTIVES:
             continue  # local copies (local_shard) and the like
         if kind == "allreduce":
-            group, nbytes = args[2], _nbytes(args[0].ty)
+            group, nbytes = args[2], type_nbytes(args[0].ty)
         elif kind == "reduce_scatter":
-            group, nbytes = args[-2], sum(_nbytes(t.ty) for t in args[:-3])
+            group, nbytes = args[-2], sum(type_nbytes(t.ty) for t in args[:-3])
         elif kind == "allgather":
-            group, nbytes = args[1], sum(_nbytes(t.ty) for t in args[2:])
+            group, nbytes = args[1], sum(type_nbytes(t.ty) for t in args[2:])
         else:
-            group, nbytes = args[-2], _nbytes(args[0].ty)
+            group, nbytes = args[-2], type_nbytes(args[0].ty)
         group = int(group.value)
         if group not in _AXIS_OF:
             raise ValueError(f"{symbol} on group {group}, which is no mesh axis of the "
@@ -222,13 +224,6 @@ def _dp_passes(mesh: MeshSpec, local: bool, tables) -> list:
     return passes[:len(passes) - len(function_passes())]
 
 
-def _run_passes(mod: tvm.IRModule, passes) -> tvm.IRModule:
-    with tvm.transform.PassContext(opt_level=3):
-        for p in passes:
-            mod = p(mod)
-    return mod
-
-
 def _spmd_program(piece, mesh: MeshSpec, optimizer, loss: str, tables) -> list[Event]:
     """One rank's step (SPMD executor): with microbatches, M - 1 local accumulation steps and
     the final one with the gradient collectives."""
@@ -252,7 +247,7 @@ def _spmd_program(piece, mesh: MeshSpec, optimizer, loss: str, tables) -> list[E
     for kind in kinds:
         if kind not in built:
             mod, _ = build_train_step(piece, loss, optimizer, accumulate=kind, **options)
-            mod = _run_passes(mod, _dp_passes(mesh, kind == "partial", tables))
+            mod = apply_passes(mod, _dp_passes(mesh, kind == "partial", tables))
             built[kind] = function_events(mod["train_step"], f"step {kind or ''}".strip())
         events, top = _renumber(built[kind], top)
         program += events
@@ -271,8 +266,8 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
     plan = stage_plan(piece, S, mesh.microbatches, ranks=mesh.pp)
     funcs = split_forward(plan)
     frozen = list(piece.frozen_params)
-    boundary = [_nbytes(f.function.ret_ty.fields[0] if f.buffers_written else f.function.ret_ty)
-                for f in funcs]
+    boundary = [type_nbytes(f.function.ret_ty.fields[0] if f.buffers_written
+                            else f.function.ret_ty) for f in funcs]
     passes = [LowerTensorParallel(AXIS_GROUPS["tp"])] if mesh.tp > 1 else []
     stage_events = []
     seen: dict[tuple, dict[str, list[Event]]] = {}
@@ -292,7 +287,7 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
             s, s == S - 1, f.function, f.mask_indices, f.param_names, frozen, loss,
             vocab_parallel=getattr(piece, "output_split_classes", 0) > 1,
             buffer_names=f.buffer_names, buffers_written=f.buffers_written)
-        mod = _run_passes(fns.mod, passes)
+        mod = apply_passes(fns.mod, passes)
         # with activation checkpointing a stage saves nothing in F and runs its forward
         # again inside B (PipelineExecutor: forward_only, then recompute)
         full = mesh.recompute == "full"
@@ -309,7 +304,7 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
         names = [n for n in piece.param_names
                  if n not in frozen and any(n in plan.params[s] for s in mine)]
         update_ir = build_update_step(names, [specs[n] for n in names], optimizer)
-        update_ir = _run_passes(update_ir, _dp_passes(mesh, False, None))
+        update_ir = apply_passes(update_ir, _dp_passes(mesh, False, None))
         update = function_events(update_ir["train_step"], "update")
         program: list[Event] = []
         top = 0

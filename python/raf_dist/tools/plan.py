@@ -82,13 +82,13 @@ def _forward_bytes(func: Any) -> tuple[int, int]:
     outputs)."""
     from tvm import relax
 
-    from ..proxies.extract import _nbytes
+    from ..proxies.extract import type_nbytes
 
     every = matmul = 0
     for block in func.body.blocks:
         for b in block.bindings:
             if isinstance(b.value, relax.Call):
-                n = _nbytes(b.var.ty)
+                n = type_nbytes(b.var.ty)
                 every += n
                 if getattr(b.value.op, "name", "") == "relax.matmul":
                     matmul += n
@@ -99,7 +99,7 @@ def stage_info(piece: Any, pp: int) -> list[tuple[Any, ...]]:
     """Per stage of ``piece`` cut in ``pp``: (parameter names, forward bytes, matmul output
     bytes, input bytes, blocks); the pipeline's own stage plan (one stage when pp = 1)."""
     from ..passes.pipeline import split_forward
-    from ..proxies.extract import _nbytes
+    from ..proxies.extract import type_nbytes
     from ..training.pipeline import stage_plan
 
     plan = stage_plan(piece, pp, 1)
@@ -110,8 +110,8 @@ def stage_info(piece: Any, pp: int) -> list[tuple[Any, ...]]:
         lo, hi = plan.bounds(s)
         inside = [p for p in points if lo < p.position < hi]
         blocks = 1 + len(inside)  # the step's recomputation goes block by block
-        cuts = sum(_nbytes(p.var.ty) for p in inside)  # the block inputs it keeps
-        inp = 0 if s == 0 else _nbytes(f.function.params[0].ty)
+        cuts = sum(type_nbytes(p.var.ty) for p in inside)  # the block inputs it keeps
+        inp = 0 if s == 0 else type_nbytes(f.function.params[0].ty)
         every, matmul = _forward_bytes(f.function)
         out.append((list(plan.params[s]), every, matmul, inp, blocks, cuts))
     return out
