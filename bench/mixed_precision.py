@@ -21,6 +21,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+if "--side" in sys.argv and sys.argv[sys.argv.index("--side") + 1:][:1] == ["raf"]:
+    # a raf_dist side imports raf_dist before torch, as README asks: it sets its own process's
+    # OpenMP wait policy before torch's libgomp loads (raf_dist.env); the PyTorch sides never
+    # import raf_dist and keep PyTorch's defaults
+    import raf_dist  # noqa: F401
+
 import torch
 import torch.nn.functional as F
 

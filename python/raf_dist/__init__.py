@@ -5,10 +5,14 @@
     trainer = raf_dist.Trainer(model, loss="cross_entropy", optimizer=raf_dist.optim.Adam(lr=1e-3))
 
 ``raf_dist.distributed`` is light; the compiler parts (which import TVM) load on first use.
+Imported before torch, raf_dist sets OMP_WAIT_POLICY=PASSIVE unless the user set a policy
+(raf_dist.env: a 16-bit step's GEMMs run on torch's OpenMP team between TVM's kernels).
 """
 import importlib
 
 from ._version import __version__  # noqa: E402,F401
+
+from . import env  # noqa: F401,E402  (first: OMP_WAIT_POLICY before anything imports torch)
 
 from . import distributed  # noqa: F401,E402
 from . import process_memory  # noqa: E402

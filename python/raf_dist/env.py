@@ -32,6 +32,7 @@ The README lists every RAF_DIST_* variable, including the few read elsewhere (la
 variables set by ``raf_dist.run``, build settings).
 """
 import os
+import sys
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
@@ -137,3 +138,18 @@ def seconds(name: str, default: float) -> "float | None":
         raise ValueError(f"{name}={os.environ[name]!r} is not a timeout: give a number of seconds "
                          f"(default {default:g}), or 0 / none to wait forever")
     return seconds
+
+
+def _passive_openmp() -> bool:
+    """Ask OpenMP's idle threads to sleep (OMP_WAIT_POLICY=PASSIVE) when torch, whose
+    libgomp reads the variable once as it loads, is not imported yet and the user set no
+    policy; True when torch's OpenMP team sleeps (or will)."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+
+
+#: PyTorch's OpenMP team runs a 16-bit step's GEMMs on the host (runtime/blas.py), between
+#: TVM's kernels on the same cores; spinning there it slowed the bf16 GPT step of
+#: bench/mixed_precision.py from 37 to 49 ms. Decided when raf_dist is imported (below).
+TORCH_OPENMP_PASSIVE = _passive_openmp()

@@ -112,7 +112,9 @@ class Trainer:
         if comm.size > 1 and not plan.local:  # before any other collective
             agree(comm, plan, model, loss, optimizer, device, embedding_plan)
         mesh = build_mesh(plan, config, comm.size)
-        set_num_threads(max(1, available_cores() // max(1, comm.local_size)))
+        # a 16-bit step on the host multiplies in PyTorch's oneDNN, on its own pool
+        second_pool = precision in ("bf16", "fp16") and device_lib.parse(device)[0] != "cuda"
+        set_num_threads(max(1, available_cores() // max(1, comm.local_size)), second_pool)
         executor = PipelineExecutor if plan.pp > 1 else SPMDExecutor
         # pipelining refuses sharded tables (DistConfig.check_supported)
         extra = {} if plan.pp > 1 else {"embedding_plan": embedding_plan}
@@ -181,8 +183,9 @@ class Trainer:
         ``optimizer_state_bytes``), the step's ``planned_peak_bytes``, the process's
         ``compiled_code_bytes`` and ``library_bytes`` (TVM and torch.export as loading them
         grew the RSS: raf_dist.process_memory), their sum ``total_bytes`` (the predicted RSS
-        growth since ``import raf_dist``) and the bus bytes it sent in the last step by
-        collective kind (``comm_bytes_last_step``)."""
+        growth since ``import raf_dist``), the bus bytes it sent in the last step by
+        collective kind (``comm_bytes_last_step``) and what it holds between steps by dtype
+        (``held_bytes_by_dtype``: under mixed precision, float32 masters and states)."""
         return self.executor.stats()
 
     def memory_report(self, file: Any = None) -> str:

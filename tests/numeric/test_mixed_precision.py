@@ -38,6 +38,10 @@ def test_bf16_as_close_to_fp32_as_torch_autocast(name):
     assert all(v.dtype == np.float32 for v in params.values())  # master weights
     assert all(s.dtype == np.float32 for d in trainer.optimizer_state_dict().values()
                for s in d.values())
+    stats = trainer.stats()  # what the rank holds between steps, by dtype: float32 only
+    assert stats["held_bytes_by_dtype"]["float32"] >= (stats["param_bytes"]
+                                                       + stats["optimizer_state_bytes"])
+    assert set(stats["held_bytes_by_dtype"]) <= {"float32", "int64"}, stats
     fp32_losses, fp32_params = torch_reference(name, "adamw", 8, STEPS)
     amp_losses, amp_params = torch_reference(name, "adamw", 8, STEPS, autocast=torch.bfloat16)
     ours = distance(losses, params, fp32_losses, fp32_params)

@@ -206,3 +206,63 @@ def test_constant_powers_become_products_with_their_gradient():
     np.testing.assert_allclose(y, x64 ** 3, rtol=3e-7)
     np.testing.assert_allclose(z, x64 ** 2, rtol=2e-7)
     np.testing.assert_allclose(w, x64 ** 2.5, rtol=2e-7)
+
+
+@I.ir_module
+class GeluGradientBf16:
+    """gelu and the gradient TVM's Gradient emits for it, in bfloat16 (AutoCast's follow rule
+    keeps an activation in the dtype of its input)."""
+    @R.function
+    def main(x: R.Tensor((64, 256), "bfloat16"), dy: R.Tensor((64, 256), "bfloat16")):
+        with R.dataflow():
+            y = R.nn.gelu(x)
+            cdf = R.multiply(R.const(0.5, "bfloat16"), R.add(R.const(1.0, "bfloat16"), R.erf(
+                R.multiply(x, R.const(0.70703125, "bfloat16")))))
+            pdf = R.multiply(R.const(0.3984375, "bfloat16"), R.exp(
+                R.multiply(R.const(-0.5, "bfloat16"), R.multiply(x, x))))
+            dx = R.multiply(dy, R.add(cdf, R.multiply(x, pdf)))
+            t = R.tanh(x)
+            R.output(y, dx, t)
+        return (y, dx, t)
+
+
+def test_16_bit_transcendentals_are_computed_in_float32():
+    """A bfloat16 gelu / erf / exp / tanh is cast to float32, rewritten as the float32 one
+    is, and cast back: TVM would otherwise call libm's float32 erff / expf / tanhf one element
+    at a time (30% of a bf16 GPT step, bench/mixed_precision.py). The casts fuse with their
+    neighbours, so the step's tensors stay 16-bit."""
+    out = FastExp()(FastGelu()(GeluGradientBf16))
+    ops = _ops(out["main"])
+    assert not {"relax.nn.gelu", "relax.erf", "relax.exp", "relax.tanh"} & set(ops)
+    assert ops.count("relax.astype") == 2 * 4  # in and out of gelu, erf, exp and tanh
+    prims = {gv.name_hint for gv, f in out.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert {name.rstrip("0123456789") for name in prims} == {"fast_erf", "fast_exp",
+                                                               "fast_tanh"}
+
+
+def test_16_bit_gelu_gradient_compiles_and_matches_float64():
+    """Through the Trainer's whole CPU pipeline (fusion, ScheduleCPU, BF16ComputeLegalize,
+    vectorisation), where exp_float32's Lets once met bfloat16 arithmetic and failed to
+    build; values within two bfloat16 ulps of the float64 functions of the same inputs."""
+    import ml_dtypes
+
+    from raf_dist.compiler.build import compile_step
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((64, 256)) * 3).astype(ml_dtypes.bfloat16)
+    dy = rng.standard_normal((64, 256)).astype(ml_dtypes.bfloat16)
+    step = compile_step(FastExp()(FastGelu()(GeluGradientBf16)), target=device.host_target())
+    vm = relax.VirtualMachine(step.executable, tvm.cpu())
+    y, dx, t = (o.numpy().astype(np.float64) for o in vm["main"](tvm.runtime.tensor(x),
+                                                                 tvm.runtime.tensor(dy)))
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    erf = np.vectorize(math.erf)
+    cdf = 0.5 * (1 + erf(x64 / math.sqrt(2)))
+    pdf = np.exp(-0.5 * x64 * x64) / math.sqrt(2 * math.pi)
+    bf16_ulp = 2.0 ** -7  # 8 significant bits: one ulp is 2^-7 of a value in [1, 2)
+    np.testing.assert_allclose(y, x64 * cdf, rtol=2 * bf16_ulp, atol=1e-6)
+    np.testing.assert_allclose(t, np.tanh(x64), rtol=2 * bf16_ulp, atol=1e-6)
+    # the gradient's bfloat16 constants (0.70703125 for 1/sqrt(2), 0.3984375 for
+    # 1/sqrt(2 pi)) are themselves within half an ulp: a few ulps of |dy| * O(1)
+    np.testing.assert_allclose(dx, dy64 * (cdf + x64 * pdf), rtol=4 * bf16_ulp,
+                               atol=4 * bf16_ulp * np.abs(dy64).max() * 0.02)

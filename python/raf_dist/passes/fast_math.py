@@ -1,7 +1,8 @@
 """Fast math: the transcendental functions of a training step as arithmetic LLVM vectorises,
 where the libm calls TVM legalizes them to run one element at a time (after the matmuls,
-gelu, its gradient and softmax were the GPT step's largest kernels). Float32 only; both keep
-float32 accuracy (tests/passes/test_fast_math.py).
+gelu, its gradient and softmax were the GPT step's largest kernels). Both keep float32
+accuracy (tests/passes/test_fast_math.py). On bfloat16 / float16 tensors (mixed precision)
+the same functions are computed in float32 between a cast in and a cast out (``_WIDENED``).
 
 FastGelu. Input: a module before LegalizeOps. Output: every ``R.nn.gelu(x)`` becomes
 ``x * (0.5 + 0.5 * erf(x / sqrt(2)))`` and every ``R.erf`` (the gelu gradient's too) TVM's
@@ -34,26 +35,44 @@ _SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
 _LOG_SOFTMAX = tvm.ir.Op.get("relax.nn.log_softmax")
 
 
+#: 16-bit floats: their transcendental functions are computed in float32 (a cast in, the
+#: float32 rewrite, a cast out; FuseOps puts the three in one kernel, so the tensors read and
+#: written stay 16-bit). TVM legalizes a bfloat16 erf / exp / tanh to the float32 libm call
+#: one element at a time (BF16ComputeLegalize): measured on a bf16 GPT step (avx512_bf16 +
+#: AMX Xeon, bench/mixed_precision.py --model gpt), libm's erff and expf were 30% of the step.
+_WIDENED = ("bfloat16", "float16")
+
+
+def _dtype(expr):
+    return expr.ty.dtype
+
+
 @mutator
 class _Rewrite(PyExprMutator):
     def visit_call_(self, call):
         call = super().visit_call_(call)
-        if call.op == _GELU and call.args[0].ty.dtype == "float32":
+        if call.op in (_GELU, _ERF, _TANH) and _dtype(call.args[0]) in _WIDENED:
+            return _widened(self.builder_, call, self._float32)
+        return self._float32(call)
+
+    def _float32(self, call):
+        """The float32 rewrite of ``call`` (itself when none applies)."""
+        if call.op == _GELU and _dtype(call.args[0]) == "float32":
             x = call.args[0]
             half = relax.const(0.5, "float32")
             scaled = self.builder_.emit(relax.op.multiply(x, relax.const(1 / math.sqrt(2), "float32")))
             erf = self.builder_.call_te(topi.fast_erf, scaled)
             cdf = self.builder_.emit(relax.op.add(half, relax.op.multiply(erf, half)))
             return relax.op.multiply(x, cdf)
-        if call.op == _ERF and call.args[0].ty.dtype == "float32":
+        if call.op == _ERF and _dtype(call.args[0]) == "float32":
             return self.builder_.call_te(topi.fast_erf, call.args[0])
-        if call.op == _TANH and call.args[0].ty.dtype == "float32":
+        if call.op == _TANH and _dtype(call.args[0]) == "float32":
             # gelu(approximate="tanh") (GPT-2) and its gradient: libm tanh one element at a
             # time was GPT-2's slowest kernel (5 ms a call, bench/models.py)
             return self.builder_.call_te(topi.fast_tanh, call.args[0])
         if call.op == _POWER:
             exponent = _small_integer(self._constant_value(call.args[1]))
-            if exponent is not None and call.args[0].ty.dtype in ("float32", "float64"):
+            if exponent is not None and _dtype(call.args[0]) in ("float32", "float64") + _WIDENED:
                 # x ** 2 (RMSNorm, Llama), x ** 3 (gelu_new, GPT-2): TVM legalizes power to
                 # libm's pow, one element at a time (GPT-2's gelu kernel: 2.3 ms a call on
                 # 262k elements); products are exact the same way pow is (correctly rounded
@@ -64,7 +83,6 @@ class _Rewrite(PyExprMutator):
                     result = self.builder_.emit(relax.op.multiply(result, x))
                 return result
         return call
-
 
     def _constant_value(self, expr):
         """A scalar constant's value, also through a variable bound to the difference of two
@@ -83,6 +101,16 @@ class _Rewrite(PyExprMutator):
 def _small_integer(value):
     """``value`` as an int when it is 2, 3 or 4, else None."""
     return int(value) if value in (2.0, 3.0, 4.0) else None
+
+
+def _widened(builder, call, rewrite):
+    """``call`` on a 16-bit tensor computed in float32: its argument cast up, ``rewrite``
+    applied to the float32 call, the result cast back to the argument's dtype."""
+    low = _dtype(call.args[0])
+    wide = builder.emit(relax.op.astype(call.args[0], "float32"))
+    result = rewrite(relax.Call(call.op, [wide] + list(call.args[1:]), call.attrs))
+    return relax.op.astype(builder.emit(result) if isinstance(result, relax.Call) else result,
+                           low)
 
 
 @tvm.transform.module_pass(opt_level=0, name="FastGelu")
@@ -194,7 +222,21 @@ def _log_softmax(x, axis):
 class _RewriteExp(PyExprMutator):
     def visit_call_(self, call):
         call = super().visit_call_(call)
-        if call.op not in (_EXP, _SOFTMAX, _LOG_SOFTMAX) or call.args[0].ty.dtype != "float32":
+        if call.op not in (_EXP, _SOFTMAX, _LOG_SOFTMAX):
+            return call
+        if call.op == _EXP and _dtype(call.args[0]) in _WIDENED:
+            # TVM's fast_exp: its 4e-6 relative error (see above) is far below a 16-bit
+            # float's rounding, and it has no Let: exp_float32's Lets, inlined into a kernel
+            # that computes in bfloat16, keep bfloat16 arithmetic in their values, which
+            # BF16ComputeLegalize leaves there (LLVM codegen then fails)
+            return _widened(self.builder_, call,
+                            lambda c: self.builder_.call_te(topi.fast_exp, c.args[0]))
+        if _dtype(call.args[0]) in _WIDENED:  # softmax's are float32 under auto_cast
+            return _widened(self.builder_, call, self._float32)
+        return self._float32(call)
+
+    def _float32(self, call):
+        if _dtype(call.args[0]) != "float32":
             return call
         if call.op == _EXP:
             return self.builder_.call_te(_exp, call.args[0])

@@ -137,6 +137,11 @@ def low_gemm_mode(dtype):
                     np.matmul(xf, wf).astype(ml_dtypes.bfloat16)
                 times[mode] = min(times.get(mode, 1e9), time.perf_counter() - began)
             _modes[dtype] = min(times, key=times.get)
+            if _modes[dtype] == "native" and not env.TORCH_OPENMP_PASSIVE:
+                logger.warning("raf_dist.blas: %s GEMMs run on PyTorch's OpenMP threads, "
+                               "which spin between GEMMs next to TVM's kernels (measured: "
+                               "the bf16 GPT step 37 -> 49 ms); set OMP_WAIT_POLICY=PASSIVE "
+                               "in the environment, or import raf_dist before torch", dtype)
             logger.info("raf_dist.blas: %s GEMM %s (native %.2f ms, widened to float32 "
                         "%.2f ms)", dtype, _modes[dtype], times["native"] * 1e3,
                         times["widen"] * 1e3)

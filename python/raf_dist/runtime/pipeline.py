@@ -66,7 +66,7 @@ from . import metrics as metrics_lib
 from .loop import LoopScalars
 from .plan import RunPlan
 from .schedule_run import ScheduleRun
-from .tensors import check_array, nbytes
+from .tensors import bytes_by_dtype, check_array, nbytes
 from .transport import PipelineTransport
 
 _LOG = logging.getLogger("raf_dist")
@@ -617,6 +617,7 @@ class PipelineExecutor(LoopScalars):
             "param_bytes": sum(nbytes(p) for p in params),
             "grad_bytes": sum(nbytes(self._tensors[n]) for n in self.param_names),
             "optimizer_state_bytes": sum(nbytes(s) for s in self._states),
+            "held_bytes_by_dtype": bytes_by_dtype(params + list(self._states)),
             "planned_peak_bytes": max([st.planned_peak_bytes for ss in self._stage_sets.values()
                                        for st in ss.stages.values()]
                                       + [self.compiled_update.planned_peak_bytes]),

@@ -42,7 +42,7 @@ from . import state as held
 from .loop import LoopScalars
 from .loss_scale import LossScaler
 from .plan import RunPlan
-from .tensors import check_array, nbytes, to_device
+from .tensors import bytes_by_dtype, check_array, nbytes, to_device
 
 _LOG = logging.getLogger("raf_dist")
 
@@ -871,6 +871,9 @@ class SPMDExecutor(LoopScalars):
             # levels 0-1 keep every full gradient until backward ends; 2-3 keep shards
             "grad_bytes": self.layout.grad_bytes(),
             "optimizer_state_bytes": sum(nbytes(s) for s in self._states),
+            # parameters, frozen parameters, buffers and optimizer state held between steps
+            "held_bytes_by_dtype": bytes_by_dtype(self._params + self._frozen + self._buffers
+                                                  + list(self._states)),
             "planned_peak_bytes": self.compiled.planned_peak_bytes,
             "comm_bytes_last_step": dict(self._comm_last_step),
             # the same bus bytes by mesh axis (with tensor parallelism): {"tp": ..., "dp": ...}

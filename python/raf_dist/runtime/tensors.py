@@ -1,5 +1,5 @@
 """Host arrays in and out of runtime tensors, checked before any work or collective."""
-from typing import Any, Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 import numpy as np
 import tvm
@@ -27,3 +27,13 @@ def to_device(array: Any, spec: Spec, what: str, device: Any) -> Any:
 def nbytes(tensor: Any) -> int:
     """Bytes of a runtime tensor."""
     return int(np.prod(tensor.shape)) * tvm.DataType(tensor.dtype).bits // 8
+
+
+def bytes_by_dtype(tensors: Any) -> Dict[str, int]:
+    """{dtype: bytes} of runtime tensors (``stats()``: what a mixed-precision rank holds in
+    float32 masters and states, and in 16-bit)."""
+    totals: Dict[str, int] = {}
+    for tensor in tensors:
+        dtype = str(tensor.dtype)
+        totals[dtype] = totals.get(dtype, 0) + nbytes(tensor)
+    return totals

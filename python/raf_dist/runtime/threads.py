@@ -29,7 +29,7 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def set_num_threads(num_threads: int) -> None:
+def set_num_threads(num_threads: int, second_pool: bool = False) -> None:
     """Size TVM's pool and numpy's BLAS to ``num_threads``, one pool for both where the BLAS
     allows it (``openblas.set_threads``).
 
@@ -43,12 +43,17 @@ def set_num_threads(num_threads: int) -> None:
     Idle TVM workers spin for a while before they sleep (TVM's default), as an OpenMP pool
     does, when the BLAS runs its jobs on that pool; else they sleep at once
     (TVM_THREAD_POOL_SPIN_COUNT=0): spinning next to the BLAS's own spinning threads took the
-    GPT step from 52 to 120 ms. A value the user set wins in both cases. Threads are not bound
+    GPT step from 52 to 120 ms. They also sleep at once when ``second_pool``: another runtime's
+    pool will compute on the same cores (a 16-bit step's GEMMs in PyTorch's oneDNN, on its
+    OpenMP team, runtime/blas.py): the bf16 GPT step of bench/mixed_precision.py took 173 ms
+    with both pools spinning, 49 ms with TVM's asleep (and 37 with OpenMP's too, which
+    ``raf_dist`` asks for when it is imported before torch). TVM reads the count when its
+    pool first runs, so this holds for the process. A value the user set wins in every case. Threads are not bound
     to cores (TVM_BIND_THREADS=0 unless the user set it; see the module docstring), and the
     calling thread's affinity is restored in any case, so the process keeps every core it had.
     """
     num_threads = max(1, int(num_threads))
-    if not openblas.can_share_pool():
+    if second_pool or not openblas.can_share_pool():
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
     # TVM reads this each time it (re)configures its pool, also lazily at the first parallel
     # kernel, so it must stay in the environment rather than be set around one call
