@@ -6,7 +6,9 @@ and both against their float32 selves, each side alone (DESIGN.md section 6).
 
 Models (AdamW): ``gpt`` is bench/step_time.py's GPT (4 layers, d=128, seq 64, vocab 512,
 batch 16); ``gemm_gpt`` the issue's GEMM-dominated GPT (6 layers, d=512, 8 heads, seq 128,
-vocab 4096, batch 8; 23M parameters). Four sides, each in a process of its own with its own
+vocab 4096, batch 8; 23M parameters); ``gpt2_124m`` / ``llama_124m`` the issue's table:
+transformers GPT-2 (default config) and a Llama (12 layers, d=768, GQA 12/4, vocab 32000),
+batch 4 x 128 tokens, dropout off. ``all`` is the first two. Four sides, each in a process of its own with its own
 defaults, alternating for ``--rounds`` rounds: raf_dist fp32, raf_dist bf16, PyTorch fp32,
 PyTorch autocast bf16 (forward and loss under autocast, as PyTorch's AMP recipe). Printed:
 each side's median step time; the ratios raf bf16 / torch autocast and raf bf16 / raf fp32
@@ -34,15 +36,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from step_time import GPT  # noqa: E402
 
-SHAPES = {  # name: (GPT kwargs, batch)
+SHAPES = {  # name: (GPT kwargs, batch); the 124M models: (None, batch), built by make()
     "gpt": (dict(vocab=512, d=128, heads=4, layers=4, seq=64), 16),
     "gemm_gpt": (dict(vocab=4096, d=512, heads=8, layers=6, seq=128), 8),
+    "gpt2_124m": (None, 4),
+    "llama_124m": (None, 4),
 }
+SEQ_124M = 128
+
+
+def _transformers_model(name):
+    """The issue's 124M models (transformers, dropout off as bench/models.py): GPT-2's
+    default config; a Llama of 12 layers, d=768, 12 heads / 4 KV heads, vocab 32000."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from hf import LogitsOnly, import_transformers
+
+    transformers = import_transformers()
+    if name == "gpt2_124m":
+        config = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return LogitsOnly(transformers.GPT2LMHeadModel(config)), config.vocab_size
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=768,
+                                      intermediate_size=2048, num_hidden_layers=12,
+                                      num_attention_heads=12, num_key_value_heads=4,
+                                      max_position_embeddings=SEQ_124M)
+    return LogitsOnly(transformers.LlamaForCausalLM(config)), config.vocab_size
 
 
 def make(name):
     torch.manual_seed(0)
     kwargs, batch = SHAPES[name]
+    if kwargs is None:
+        module, vocab = _transformers_model(name)
+        x = torch.randint(0, vocab, (batch, SEQ_124M))
+        y = torch.randint(0, vocab, (batch, SEQ_124M))
+        return module, x, y
     module = GPT(**kwargs)
     x = torch.randint(0, kwargs["vocab"], (batch, kwargs["seq"]))
     y = torch.randint(0, kwargs["vocab"], (batch, kwargs["seq"]))
@@ -93,7 +120,7 @@ def main():
     if args.side == "torch":
         return harness.report(torch_side(args.model, args.precision, args.steps))
 
-    names = list(SHAPES) if args.model == "all" else [args.model]
+    names = ["gpt", "gemm_gpt"] if args.model == "all" else [args.model]
     cpu_set = harness.cores(args.cores)
     print(f"# torch {torch.__version__}; {harness.machine()}; each side alone, {args.rounds} "
           f"alternating rounds of {args.steps} steps; AdamW")

@@ -288,6 +288,47 @@ def test_level3_regathers_only_what_backward_reads():
     assert concat_args == {"p_layers_1_weight", "p_layers_2_weight"}
 
 
+def _gathered_bytes(func, region="forward"):
+    """Bytes the allgathers of ``func``'s ``region`` write (their full outputs), by dtype."""
+    allocs = {b.var: b.var.ty for block in func.body.blocks for b in block.bindings}
+    positions, bindings = _calls(func, "raf_dist.ccl.allgather")
+    totals = {}
+    for i in positions:
+        if not bindings[i].var.name.startswith(f"{region}_gather"):
+            continue
+        for out in bindings[i].value.args[2:]:  # (packed shards, group, full outputs...)
+            ty = allocs[out]
+            totals[str(ty.dtype)] = totals.get(str(ty.dtype), 0) + int(np.prod(
+                [int(d) for d in ty.shape])) * np.dtype(str(ty.dtype).replace(
+                    "bfloat16", "float16")).itemsize
+    return totals
+
+
+def test_level3_gathers_16_bit_copies_under_mixed_precision():
+    """Mixed precision: a parameter the forward reads only as AutoCast's bf16 copy is
+    gathered as that copy (its shard cast first): the forward's gathers move half the bytes
+    of the float32 step's (the MLP's forward reads every parameter as its bf16 copy; one read
+    in float32 too would stay float32). Backward then reads the forward's bf16 copies, not
+    the parameters: nothing to gather again."""
+    module, x, _ = make("mlp", 4)
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    full, half = ({dtype: b for dtype, b in _gathered_bytes(ShardZeRO(3, 2, 10**9)(
+        build_train_step(model, "cross_entropy", raf_optimizer("adamw"),
+                         compute_dtype=compute)[0])["train_step"]).items()}
+        for compute in (None, "bfloat16"))
+    assert set(full) == {"float32"}, full
+    assert "bfloat16" in half, half
+    forward_full = sum(full.values())
+    assert sum(half.values()) < forward_full
+    # every byte the float32 step gathered is gathered in half the bytes or kept float32
+    assert 2 * half.get("bfloat16", 0) + half.get("float32", 0) == forward_full, (full, half)
+    func = ShardZeRO(3, 2, 10**9)(build_train_step(
+        model, "cross_entropy", raf_optimizer("adamw"), compute_dtype="bfloat16")[0])
+    names = {b.var.name for block in func["train_step"].body.blocks for b in block.bindings}
+    assert any(n.startswith("forward_gather0_low") for n in names), names
+    assert not _gathered_bytes(func["train_step"], "backward")
+
+
 def test_level3_forward_gathers_prefetch_one_bucket_ahead():
     mod, _ = _step()
     func = ShardZeRO(3, 2, 1000, overlap=True)(mod)["train_step"]

@@ -37,6 +37,8 @@ What each level emits (gradients averaged in the reduce_scatter; loss averaged a
      of its own (``allgather(shards, group, full_1, ..., full_k)``), the next bucket's gather
      started one ahead; the gathered tensors die after their last forward use; backward
      gathers the parameters it reads again, in backward order; the update outputs shards.
+     Under mixed precision a parameter read only as its 16-bit copy is gathered as that copy
+     (each shard cast first, buckets of one dtype): half the allgather bytes.
 The optimizer region must be elementwise (SGD, Adam, AdamW are): it is re-emitted on shards.
 
 ``guard=True`` (Trainer(nonfinite="skip") under ZeRO): no bucket is updated before every
@@ -55,7 +57,7 @@ from . import clipping
 
 from .bucketing import Segments, assemble, collective
 from .gradient_markers import UPDATED_ARGUMENTS, SubstituteVars
-from .zero_plan import Bucket, GatherRegion, ZeroPlan, plan_zero
+from .zero_plan import Bucket, GatherRegion, ZeroPlan, low_cast, plan_zero
 
 Handle = Optional[relax.Var]  # a started collective's handle; None: it ran blocking
 
@@ -402,6 +404,9 @@ class _Emitter:
         if self.plan.level != 3:
             return value
         region = self.plan.gathers_at(pos)
+        cast = low_cast(value, region.param_index)
+        if cast is not None and region.bucket_of[cast[0]].dtype == cast[1]:
+            return self._gathered(region, cast[0])  # gathered as its 16-bit copy
         used = [v for v in relax.analysis.free_vars(value) if v in region.param_index]
         if not used:
             return value
@@ -411,8 +416,11 @@ class _Emitter:
     def _start_gather(self, region: GatherRegion, b: int) -> None:
         bucket = region.buckets[b]
         name = f"{region.name}_gather{b}"
-        packed = self.concat_shards(f"{name}_shards",
-                                    [self.plan.new_params[k] for k in bucket.keys])
+        shards = [self.plan.new_params[k] for k in bucket.keys]
+        if bucket.dtype != str(shards[0].ty.dtype):  # a 16-bit gather: each shard cast first
+            shards = [self.bind(f"{name}_low{k}", relax.op.astype(shard, bucket.dtype))
+                      for k, shard in zip(bucket.keys, shards)]
+        packed = self.concat_shards(f"{name}_shards", shards)
         # every parameter gathered straight into a full buffer of its own shape, which the
         # forward (backward) then reads: no [N*S] gathered bucket to unpack by copies
         outs = [self.bind(f"{name}_full{k}", relax.op.builtin.alloc_tensor(

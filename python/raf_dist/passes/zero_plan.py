@@ -284,19 +284,48 @@ class GatherRegion:
     bucket_of: Dict[int, Bucket]  # parameter index -> its bucket
 
 
+_ASTYPE = tvm.ir.Op.get("relax.astype")
+_LOW = ("bfloat16", "float16")
+
+
+def low_cast(value: relax.Expr, params: Dict[relax.Var, int]) -> Optional[Tuple[int, str]]:
+    """(parameter index, dtype) when ``value`` is AutoCast's low-precision copy of a
+    parameter, ``astype(p, bfloat16 | float16)``; else None."""
+    if (isinstance(value, relax.Call) and value.op == _ASTYPE and value.args[0] in params
+            and str(value.attrs.dtype) in _LOW):
+        return params[value.args[0]], str(value.attrs.dtype)
+    return None
+
+
 def plan_gathers(step: Step, name: str, begin: int, end: int, world_size: int,
                  bucket_bytes: int) -> GatherRegion:
-    """Buckets of the parameters read in bindings [begin, end), in first-use order."""
+    """Buckets of the parameters read in bindings [begin, end), in first-use order. A
+    parameter the region reads only as its 16-bit copy (mixed precision: AutoCast's
+    ``astype``) is gathered in that dtype, its shard cast before the gather: half the bytes
+    of a float32 gather. Buckets hold one dtype each; the two kinds are bucketed apart and
+    the buckets ordered by their first use."""
     param_pos = {p: k for k, p in enumerate(step.params)}
     order: List[int] = []
+    casts: Dict[int, Set[Optional[str]]] = {}  # parameter -> the dtypes it is read as (None: as itself)
     for binding in step.bindings[begin:end]:
+        cast = low_cast(binding.value, param_pos)
         for v in relax.analysis.free_vars(binding.value):
-            if v in param_pos and param_pos[v] not in order:
-                order.append(param_pos[v])
-    types = [step.params[k].ty for k in order]
-    buckets = tuple(Bucket.of(b, [order[i] for i in idx], [types[i] for i in idx], world_size)
-                    for b, idx in enumerate(assign_buckets([tensor_nbytes(t) for t in types],
-                                                           bucket_bytes)))
+            if v in param_pos:
+                k = param_pos[v]
+                if k not in order:
+                    order.append(k)
+                casts.setdefault(k, set()).add(cast[1] if cast else None)
+    gather_dtype = {k: next(iter(casts[k])) if len(casts[k]) == 1 and None not in casts[k]
+                    else str(step.params[k].ty.dtype) for k in order}
+    types = {k: relax.TensorType(step.params[k].ty.shape, gather_dtype[k]) for k in order}
+    groups: List[List[int]] = []
+    for dtype in dict.fromkeys(gather_dtype[k] for k in order):  # first-use order of dtypes
+        keys = [k for k in order if gather_dtype[k] == dtype]
+        groups += [[keys[i] for i in idx] for idx in assign_buckets(
+            [tensor_nbytes(types[k]) for k in keys], bucket_bytes)]
+    groups.sort(key=lambda g: order.index(g[0]))
+    buckets = tuple(Bucket.of(b, g, [types[k] for k in g], world_size)
+                    for b, g in enumerate(groups))
     return GatherRegion(name, buckets, {step.params[k]: k for k in order},
                         {k: b for b in buckets for k in b.keys})
 
