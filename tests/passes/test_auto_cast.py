@@ -58,6 +58,40 @@ def test_forward_cast_by_rule():
                                    expected.with_attr("global_symbol", "forward"))
 
 
+@R.function
+def stage(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 8), "float32"),
+          b: R.Tensor((8,), "float32")):
+    with R.dataflow():
+        h = R.matmul(x, w, out_dtype="float32")
+        gv = R.add(h, b)
+        R.output(gv)
+    return gv
+
+
+@R.function
+def stage_expected(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 8), "float32"),
+                   b: R.Tensor((8,), "float32")):
+    with R.dataflow():
+        x16 = R.astype(x, "bfloat16")
+        w16 = R.astype(w, "bfloat16")
+        h = R.matmul(x16, w16)
+        b16 = R.astype(b, "bfloat16")
+        out16 = R.add(h, b16)
+        out = R.astype(out16, "float32")
+        output_low = R.astype(out, "bfloat16")  # the stage's result, sent in bfloat16
+        gv = output_low
+        R.output(gv)
+    return gv
+
+
+def test_pipeline_stage_output_in_the_low_dtype():
+    """A pipeline stage before the last (runtime/pipeline.py): its activation leaves in
+    bfloat16, half the bytes of each message (its gradient travels back in the same dtype;
+    the next stage's float32 input is the message widened)."""
+    tvm.ir.assert_structural_equal(auto_cast(stage, "bfloat16", low_output=True),
+                                   stage_expected.with_attr("global_symbol", "stage"))
+
+
 def test_float16_same_rules():
     out = auto_cast(forward, "float16").script()
     assert out.count('R.astype(w, dtype="float16")') == 1 and "bfloat16" not in out

@@ -212,3 +212,29 @@ def test_a_pytorch_marker_cuts_there_and_trains_like_the_unmarked_model(dist_con
     staged = _pipeline_executor(model, raf_dist.optim.SGD(lr=0.1))
     for _ in range(2):
         assert plain.step(x.numpy(), y.numpy()) == staged.step(x.numpy(), y.numpy())
+
+
+def test_update_step_reduces_gradients_in_bfloat16():
+    """Trainer(grad_reduce_dtype="bfloat16") under pipelining: the update casts each float32
+    accumulator to bf16 before its gradient marker and back after it, so the dp allreduce
+    (AllReduceGradients, as for the SPMD step) moves half the bytes, and the optimizer still
+    reads a float32 gradient."""
+    from raf_dist.passes import AllReduceGradients
+    from raf_dist.passes.gradient_markers import find_markers
+    from raf_dist.training.pipeline import build_update_step
+
+    names, specs = ["w", "b"], [((64, 32), "float32"), ((32,), "float32")]
+    optimizer = raf_dist.optim.AdamW(lr=1e-3)
+    full, half = (build_update_step(names, specs, optimizer, reduce_dtype=d)
+                  for d in (None, "bfloat16"))
+    assert "bfloat16" not in full.script()
+    script = half.script()
+    assert script.count('R.astype(w__grad_acc, dtype="bfloat16")') == 1, script
+    assert script.count('R.astype(b__grad_acc, dtype="bfloat16")') == 1, script
+
+    def bucket_bytes(mod):  # what the markers hand to the dp reduction
+        return sum(m.nbytes for m in find_markers(mod["train_step"].body.blocks[0]))
+
+    assert bucket_bytes(half) * 2 == bucket_bytes(full)
+    reduced = AllReduceGradients(2, 10**6)(half)["train_step"].script()
+    assert 'dtype="bfloat16"' in reduced and "raf_dist.ccl.allreduce" in reduced

@@ -209,8 +209,14 @@ def _operands(args: List[relax.Expr]) -> List[relax.Expr]:
     return out
 
 
-def auto_cast(func: relax.Function, dtype: str) -> relax.Function:
-    """``func`` with its compute in ``dtype`` ("bfloat16" or "float16") by the rules above."""
+def auto_cast(func: relax.Function, dtype: str, low_output: bool = False) -> relax.Function:
+    """``func`` with its compute in ``dtype`` ("bfloat16" or "float16") by the rules above.
+
+    ``low_output`` (a pipeline stage before the last, runtime/pipeline.py): the result (the
+    first field when the function returns a tuple) is returned in ``dtype``, so the
+    activation sent to the next stage, and the gradient it sends back, are half the bytes.
+    The stage's input stays float32: TVM's Gradient differentiates only float32 / float64 /
+    float16 inputs, not bfloat16 (runtime/schedule_run.py converts the received message)."""
     if dtype not in LOW_DTYPES:
         raise ValueError(f"auto_cast: dtype must be one of {LOW_DTYPES}, got {dtype!r}")
     body = func.body
@@ -218,19 +224,41 @@ def auto_cast(func: relax.Function, dtype: str) -> relax.Function:
         raise NotImplementedError("auto_cast: the function's body is not a sequence of blocks")
     bb = relax.BlockBuilder()
     caster = _Caster(bb, dtype)
+    params = list(func.params)
+    result = body.body.fields[0] if isinstance(body.body, relax.Tuple) else body.body
+    if low_output and not isinstance(result, relax.Var):
+        raise NotImplementedError(f"auto_cast: low_output needs the function to return a "
+                                  f"variable (or a tuple of them), got {body.body}")
     attrs = dict(func.attrs) if func.attrs is not None else {}
-    with bb.function("f", list(func.params), attrs=attrs or None, pure=func.is_pure):
+    with bb.function("f", params, attrs=attrs or None, pure=func.is_pure):
         for block in body.blocks:
             dataflow = isinstance(block, relax.DataflowBlock)
             with (bb.dataflow() if dataflow else _nothing()):
                 for binding in block.bindings:
-                    _emit_binding(caster, binding, dataflow)
+                    low = dtype if low_output and binding.var.same_as(result) else None
+                    _emit_binding(caster, binding, dataflow, low)
         bb.emit_func_output(caster.remap(body.body))
     out = bb.get()["f"]  # the input's attributes (its global_symbol included), not "f"'s
     return relax.Function(out.params, out.body, out.ret_ty, out.is_pure, func.attrs)
 
 
-def _emit_binding(caster: _Caster, binding: relax.Binding, dataflow: bool) -> None:
+def _lowered(caster: "_Caster", value: relax.Var, dtype: str) -> relax.Expr:
+    """``value`` (a float32 tensor, or a tuple whose first field is one) with that tensor
+    cast to ``dtype``: a pipeline stage's result, sent in the low dtype."""
+    if isinstance(value.ty, relax.TupleType):
+        fields = [caster.emit(relax.TupleGetItem(value, i), "item")
+                  for i in range(len(value.ty.fields))]
+        return caster.emit(relax.Tuple([_lowered(caster, fields[0], dtype), *fields[1:]]),
+                           "tuple")
+    if _float_dtype(value) != "float32":
+        raise ValueError(f"auto_cast: low_output needs a float32 result, got {value.ty}")
+    return caster.emit(relax.op.astype(value, dtype), "output_low")
+
+
+def _emit_binding(caster: _Caster, binding: relax.Binding, dataflow: bool,
+                  low_output: Optional[str] = None) -> None:
+    """One binding again, by the rules; ``low_output``: it is the function's result, to
+    leave in that dtype (``auto_cast``'s low_output)."""
     bb = caster.bb
     if not isinstance(binding, relax.VarBinding):
         raise NotImplementedError(f"auto_cast: {type(binding).__name__} bindings are not "
@@ -240,10 +268,15 @@ def _emit_binding(caster: _Caster, binding: relax.Binding, dataflow: bool) -> No
         value = caster.call(value)
     name = binding.var.name
     if not dataflow or isinstance(binding.var, relax.DataflowVar):
-        caster.values[binding.var] = caster.emit(value, name)
+        var = caster.emit(value, name)
+        if low_output is not None:  # a result bound outside a dataflow block
+            var = _lowered(caster, caster.restore(var, binding.var.ty), low_output)
+        caster.values[binding.var] = var
         return
     # a dataflow block's output leaves the block: its original dtype back
     new = caster.restore(caster.emit(value, f"{name}_cast"), binding.var.ty)
+    if low_output is not None:
+        new = _lowered(caster, new, low_output)
     caster.values[binding.var] = bb.emit_output(new, name_hint=name)
 
 

@@ -50,6 +50,7 @@ from ..distributed.communicator import raised_on_every_rank
 from ..layout import stage_rank, state_layout
 from ..passes import gradient_buckets
 from ..passes.pipeline import ForwardGraph, partition, plan_like, split_forward
+from ..passes.auto_cast import auto_cast
 from ..passes.batch_norm import decompose_forward, has_training_batch_norm
 from ..passes.clipping import Clip
 from ..passes.lower_allreduce import LowerAllReduce
@@ -58,12 +59,14 @@ from ..training import batch_size as batching
 from ..training import pipeline_schedule as schedules
 from ..training.loss import check_targets, num_classes
 from ..training.pipeline import build_stage_functions, build_update_step
-from ..training.step import TrainStepSignature, hyper_arguments
+from ..training.step import GRAD_UNSCALE, TrainStepSignature, hyper_arguments
 from . import agreement, batches
 from . import predict as predict_lib
 from . import state as held
 from . import metrics as metrics_lib
+from . import mixed_precision
 from .loop import LoopScalars
+from .loss_scale import LossScaler
 from .plan import RunPlan
 from .schedule_run import ScheduleRun
 from .tensors import bytes_by_dtype, check_array, nbytes
@@ -107,12 +110,10 @@ class PipelineExecutor(LoopScalars):
         self.run_plan, self.config, self.comm, self.mesh = plan, plan.config, comm, mesh
         self.local = False
         self.precision, self.grad_reduce_dtype = precision, grad_reduce_dtype
-        if precision != "fp32" or grad_reduce_dtype != "float32":
-            raise NotImplementedError(
-                f"precision={precision!r} / grad_reduce_dtype={grad_reduce_dtype!r} with "
-                "pipeline_parallel_size > 1 is not built yet (the stages would be cast "
-                "separately); use precision='fp32' with pipelining, or data / tensor "
-                "parallelism for mixed precision")
+        # bf16 / fp16: each stage's forward cast by AutoCast, its activation in and out in
+        # the low dtype; fp16 scales the last stage's seeds (every gradient with them)
+        self.compute_dtype = mixed_precision.compute_dtype(precision, device)
+        self._scaler = LossScaler() if precision == "fp16" else None
         self.pp, self.tp, self.zero_level = plan.pp, plan.tp, plan.zero_level
         self.schedule = plan.schedule
         self.stages_per_rank = plan.stages_per_rank
@@ -170,7 +171,8 @@ class PipelineExecutor(LoopScalars):
             input_specs=list(model.input_specs), target_spec=self._captured_target_spec(),
             param_names=self.param_names, param_specs=self.param_specs,
             state_names=list(optimizer.state_names),
-            hyper_names=hyper_arguments(optimizer, self.param_names),
+            hyper_names=hyper_arguments(optimizer, self.param_names)
+            + ([GRAD_UNSCALE] if self._scaler is not None else []),
             frozen_names=self.frozen_names, frozen_specs=[specs[n] for n in self.frozen_names],
             buffer_names=list(getattr(model, "buffer_names", ())),
             buffer_specs=model.buffer_specs() if getattr(model, "buffer_names", ()) else [])
@@ -203,7 +205,8 @@ class PipelineExecutor(LoopScalars):
                            else self.full_model.without_values())
         self.model = lean
         self._forwards = predict_lib.Forwards(  # predict's compiled forwards by rows
-            self.full_model.at_batch, forward_passes(), self._target, self._device, cache_dir)
+            self.full_model.at_batch, forward_passes(), self._target, self._device, cache_dir,
+            self.compute_dtype)  # in the training precision, as the SPMD executor's
 
     # ---- building --------------------------------------------------------------------------
     def _build_update(self, optimizer, cache_dir):
@@ -214,8 +217,10 @@ class PipelineExecutor(LoopScalars):
                              "fewer stages")
         clip = self._clip()
         sharded = self.data_parallel and self.zero_level > 0  # ShardZeRO clips the shards
-        self.update_ir = build_update_step(self.param_names, self.param_specs, optimizer,
-                                           clip=None if sharded else clip)
+        self.update_ir = build_update_step(
+            self.param_names, self.param_specs, optimizer, clip=None if sharded else clip,
+            reduce_dtype=None if self.grad_reduce_dtype == "float32" else self.grad_reduce_dtype,
+            loss_scale=self._scaler is not None)
         self.grad_buckets = (gradient_buckets(self.update_ir, self.bucket_bytes)
                              if self.data_parallel else [])
         self.layout = state_layout(self.param_names, self.param_specs, optimizer.state_names,
@@ -321,19 +326,38 @@ class PipelineExecutor(LoopScalars):
         if rows == self._plan_rows:  # which pp rank writes each buffer (buffers_dict)
             self._buffer_holders = {b: stage_rank(i, self.pp) for i, f in enumerate(funcs)
                                     for b in f.buffers_written}
-        stage_set = _StageSet(rows, self._build_stages(funcs, rows), [
-            (tuple(int(d) for d in ty.shape), str(ty.dtype)) for ty in (
-                f.function.ret_ty.fields[0] if f.buffers_written else f.function.ret_ty
-                for f in funcs)])
+        low = self._low_boundaries(funcs)
+        stage_set = _StageSet(rows, self._build_stages(funcs, rows, low), [
+            (tuple(int(d) for d in ty.shape), self.compute_dtype if b in low else str(ty.dtype))
+            for b, ty in enumerate(f.function.ret_ty.fields[0] if f.buffers_written
+                                   else f.function.ret_ty for f in funcs)])
         self._stage_sets[rows] = stage_set
         if self._profiling is not None:  # a size first seen while profiling is recorded too
             for stage in stage_set.stages.values():
                 self._profiling.attach(stage.machine)
         return stage_set
 
-    def _build_stages(self, funcs, rows):
+    def _low_boundaries(self, funcs):
+        """Under mixed precision, the stage boundaries b (stage b's output, stage b + 1's one
+        input) whose activation travels in the compute dtype: every float32 one."""
+        if self.compute_dtype is None:
+            return set()
+        low = set()
+        for b in range(len(funcs) - 1):
+            out = funcs[b].function.ret_ty
+            out = out.fields[0] if funcs[b].buffers_written else out
+            nxt = funcs[b + 1]
+            n_in = (len(nxt.function.params) - len(nxt.mask_indices) - len(nxt.param_names)
+                    - len(nxt.buffer_names))
+            if (str(out.dtype) == "float32" and n_in == 1
+                    and str(nxt.function.params[0].ty.dtype) == "float32"):
+                low.add(b)
+        return low
+
+    def _build_stages(self, funcs, rows, low=frozenset()):
         """{stage index: _Stage} of this rank's stages (``funcs``: split_forward's functions
-        at ``rows`` rows per microbatch), compiled."""
+        at ``rows`` rows per microbatch), compiled; ``low``: the boundaries whose activation
+        travels in the compute dtype (``_low_boundaries``)."""
         stages = {}
         passes = []  # no gradient collective here: the update reduces over dp
         if self.tp > 1:
@@ -343,8 +367,11 @@ class PipelineExecutor(LoopScalars):
         passes += function_passes()
         for s in self.my_stages:
             last = s == self.num_stages - 1
+            forward = funcs[s].function
+            if self.compute_dtype is not None:
+                forward = auto_cast(forward, self.compute_dtype, low_output=s in low)
             fns = build_stage_functions(
-                s, last, funcs[s].function, funcs[s].mask_indices, funcs[s].param_names,
+                s, last, forward, funcs[s].mask_indices, funcs[s].param_names,
                 self._frozen_names, self.loss,
                 target_spec=batching.batched_target_spec(self._captured_target_spec(), rows,
                                                          self.batch_size) if last else None,
@@ -442,13 +469,19 @@ class PipelineExecutor(LoopScalars):
                          else [rows])
         batches.check_rows_per_rank(rows_per_rank, self.dp_rank)
         # each microbatch's share of the global batch: the loss is a mean over all rows
-        weights = [batching.loss_weight(r, rows_per_rank) for r in pieces]
+        # (fp16: times the loss scale, a power of two, so every gradient is scaled exactly)
+        scale = self._scaler.scale if self._scaler is not None else 1.0
+        weights = [batching.loss_weight(r, rows_per_rank) * scale for r in pieces]
         before = collectives.comm_counters()
         loss_sum, accs = self._run_schedule(inputs, y, pieces, sets, weights)
         finite = self._all_finite(loss_sum, accs)
+        if self._scaler is not None:
+            self._scaler.update(found_inf=not finite)  # as GradScaler, on every rank alike
+            if not finite and scale > 1.0:
+                return self._overflow_step(scale)
         if not finite:
             return self._nonfinite_step(loss_sum)
-        loss = self._update(accs, loss_sum)
+        loss = self._update(accs, loss_sum, 1.0 / scale) / scale
         self._keep_rank0_buffers()
         after = collectives.comm_counters()
         self._comm_last_step = {k: after[k]["bus_bytes"] - before.get(k, {}).get("bus_bytes", 0)
@@ -459,7 +492,8 @@ class PipelineExecutor(LoopScalars):
         self.step_count += 1
         flops = sum(self._stage_flops(sets[p]) for p in pieces)
         self._metrics.record(self.step_count, loss, self._last_lr, time.perf_counter() - began,
-                             flops, sum(rows_per_rank), grad_norm=self._last_grad_norm)
+                             flops, sum(rows_per_rank), grad_norm=self._last_grad_norm,
+                             loss_scale=self.loss_scale)
         return loss
 
     @staticmethod
@@ -520,15 +554,29 @@ class PipelineExecutor(LoopScalars):
             "not applied, parameters and optimizer state are unchanged. Check this step's "
             "inputs and the learning rate, or pass Trainer(nonfinite='skip')"))
 
-    def _update(self, accs, loss_sum):
+    def _overflow_step(self, scale):
+        """precision="fp16": a gradient overflowed float16 at this loss scale on some rank
+        (a routine event while the scale settles, as in runtime/spmd.py); the update is
+        skipped on every rank, the scale already halved; the step returns NaN."""
+        self.skipped_steps += 1
+        self.step_count += 1
+        _LOG.info("step %d: gradients overflowed float16 at loss scale %g; the update was "
+                  "skipped on every rank and the scale is now %g", self.step_count, scale,
+                  self._scaler.scale)
+        return float("nan")
+
+    def _update(self, accs, loss_sum, unscale=1.0):
         """Tied gradients summed over their pp ranks, then the compiled update; returns the
-        global mean loss (broadcast from the last stage)."""
+        global mean loss (broadcast from the last stage). ``unscale``: 1 / the loss scale
+        (fp16), which the update multiplies every gradient by."""
         if self._tied:
             summed = self.transport.sum_tied({n: accs[n].numpy() for n in self._tied
                                               if n in accs}, self._tied, self._specs)
             for name, host in summed.items():
                 accs[name] = tvm.runtime.tensor(host, self._device)
         hypers, self._last_lr = self._next_hypers()
+        if self._scaler is not None:
+            hypers[GRAD_UNSCALE] = unscale
         hyper_args = [tvm.runtime.tensor(np.array(hypers[h], dtype=self._hyper_dtype),
                                          self._device) for h in self.signature.hyper_names]
         params = [self._tensors[n] for n in self.param_names]

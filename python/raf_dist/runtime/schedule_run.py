@@ -11,10 +11,17 @@ the accumulated gradients.
   microbatch's mean loss, weighted by its share of the global batch;
 - ``B(s, m)`` runs the backward with the gradient from stage s + 1 (on the last stage: the
   microbatch's loss weight) and adds the parameter gradients into the accumulators.
+
+Under mixed precision a message may be in a 16-bit dtype (the boundary's spec; a stage
+before the last returns its activation in it, runtime/pipeline.py) while the next stage's
+input is float32 (TVM's Gradient differentiates no bfloat16 input): the activation is
+widened where it is consumed, and the input gradient a backward returns (float32) is
+narrowed to the message dtype before it is sent or handed over.
 """
 import time
 from typing import Any, Dict, List, Sequence, Tuple
 
+import ml_dtypes
 import numpy as np
 import tvm
 
@@ -67,8 +74,11 @@ class ScheduleRun:
             elif a.kind in ("SEND_F", "SEND_B"):
                 value = self.outputs.pop((a.kind[-1], a.stage, a.microbatch))
                 boundary = a.stage if a.kind == "SEND_F" else a.stage - 1
-                self.transport.send(np.ascontiguousarray(value.numpy()), a.peer, a.kind[-1],
-                                    boundary, a.microbatch)
+                _, dtype = self.sets[self.pieces[a.microbatch]].boundary_specs[boundary]
+                host = value.numpy()  # (a message travels through the host)
+                self.transport.send(_wire(np.ascontiguousarray(
+                    host.astype(_numpy_dtype(dtype), copy=False))), a.peer, a.kind[-1],
+                    boundary, a.microbatch)
             elif a.kind == "F":
                 self._forward(a.stage, a.microbatch, inputs, y, target_per_row)
             elif a.kind == "B":
@@ -87,8 +97,8 @@ class ScheduleRun:
             specs = self.sets[self.pieces[a.microbatch]].boundary_specs
             boundary = a.stage - 1 if a.kind == "RECV_F" else a.stage
             shape, dtype = specs[boundary]
-            buffer = np.empty(shape, dtype=dtype)
-            request = self.transport.post_recv(buffer, a.peer, a.kind[-1], boundary,
+            buffer = np.empty(shape, dtype=_numpy_dtype(dtype))
+            request = self.transport.post_recv(_wire(buffer), a.peer, a.kind[-1], boundary,
                                                a.microbatch)
             recvs[(a.kind, a.stage, a.microbatch)] = (request, buffer)
         return recvs
@@ -102,7 +112,7 @@ class ScheduleRun:
         stage = self.sets[self.pieces[m]].stages[s]
         fns = stage.functions
         data = ([self._rows_of(v, m) for v in inputs] if s == 0
-                else [self.handoff.pop(("F", s, m))])
+                else [self._as(self.handoff.pop(("F", s, m)), fns.input_specs[0][1])])
         if fns.last:
             data.append(self._rows_of(y, m, target_per_row))
         params = [self.tensors[n] for n in fns.param_names]
@@ -134,7 +144,8 @@ class ScheduleRun:
         keep = self.saved.pop((s, m))
         self.live[s] -= 1
         self.live_bytes[s] -= sum(nbytes(t) for t in keep)
-        grad_in = self.seeds[m] if fns.last else self.handoff.pop(("B", s, m))
+        grad_in = (self.seeds[m] if fns.last
+                   else self._as(self.handoff.pop(("B", s, m)), fns.seed_spec[1]))
         params = [self.tensors[n] for n in fns.param_names]
         if self.recompute:  # recompute reads the buffers too
             params += [self.buffers[n] for n in fns.buffer_names]
@@ -145,6 +156,13 @@ class ScheduleRun:
             self.accs[n] = out[1 + i]
         if s > 0:
             self._deliver("B", s - 1, m, out[0], s)
+
+    def _as(self, tensor: Any, dtype: str) -> Any:
+        """``tensor`` in ``dtype``: a 16-bit message widened for a float32 stage input, a
+        float32 input gradient narrowed to the dy a 16-bit stage output takes."""
+        if str(tensor.dtype) == dtype:
+            return tensor
+        return tvm.runtime.tensor(tensor.numpy().astype(_numpy_dtype(dtype)), self.device)
 
     def _deliver(self, kind: str, to_stage: int, m: int, tensor: Any, from_stage: int) -> None:
         """A stage's output for ``to_stage``: handed over when this rank holds it, else kept
@@ -159,3 +177,14 @@ class ScheduleRun:
         if self.recorder is not None:
             self.recorder.add(f"{kind} stage {s} mb {m}", "pipeline", int(began * 1e9),
                               int(ended * 1e9), stage=s, microbatch=m)
+
+
+def _wire(array: np.ndarray) -> np.ndarray:
+    """What MPI sends or receives for ``array``: its bits (uint16) when bfloat16, which
+    mpi4py's buffer protocol does not take; the same memory either way."""
+    return array.view(np.uint16) if array.dtype == ml_dtypes.bfloat16 else array
+
+
+def _numpy_dtype(dtype: str) -> Any:
+    """numpy's dtype for a tensor dtype name (bfloat16 is ml_dtypes', as TVM's ``numpy()``)."""
+    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)

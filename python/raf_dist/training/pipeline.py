@@ -38,7 +38,8 @@ from ..ir.ops import mark_gradient
 from ..passes.pipeline import emit_function
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from .loss import build_loss
-from .step import _emit_update, _follow, _groups, _ident, _loss_and_grads, missing_gradients
+from .step import (GRAD_UNSCALE, _emit_update, _follow, _groups, _ident, _loss_and_grads,
+                   missing_gradients)
 
 
 @dataclasses.dataclass
@@ -73,7 +74,11 @@ def _objective(last, loss, pred_ty, target_spec, vocab_parallel):
     bb = relax.BlockBuilder()
     with bb.function("loss", [pred, dy]):
         with bb.dataflow():
-            out = bb.emit_output(bb.emit(relax.op.sum(relax.op.multiply(pred, dy))))
+            product = bb.emit(relax.op.multiply(pred, dy))
+            if str(pred_ty.dtype) != "float32":  # a 16-bit boundary (mixed precision): TVM's
+                # Gradient takes only a float32 / float64 target (bfloat16 is not "float" to it)
+                product = bb.emit(relax.op.astype(product, "float32"))
+            out = bb.emit_output(bb.emit(relax.op.sum(product)))
         bb.emit_func_output(out)
     return bb.get()["loss"], None
 
@@ -204,19 +209,25 @@ def _spec(ty):
     return tuple(int(d) for d in ty.shape), str(ty.dtype)
 
 
-def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32", clip=None):
+def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32", clip=None,
+                      reduce_dtype=None, loss_scale=False):
     """``train_step(*params, *states, *hypers, *grad_accs, loss_sum) -> (loss_sum, *params,
     *states)``: the optimizer over the accumulated gradients, each through a gradient marker
     (so AllReduceGradients / ShardZeRO reduce them over the dp group), with the layout and
     in-place attributes of build_train_step. ``clip`` (a passes.clipping.Clip, or None under
     ZeRO, whose pass clips): the reduced gradients clipped by the global norm, the loss output
-    [loss_sum, norm]."""
+    [loss_sum, norm]. ``reduce_dtype`` (Trainer(grad_reduce_dtype="bfloat16")): each
+    accumulated (float32) gradient is cast to it before its marker and back after, so the dp
+    reduction moves half the bytes, as build_train_step does. ``loss_scale`` (fp16's dynamic
+    loss scaling): one more hyper, ``grad_unscale`` (1 / scale), multiplies every
+    accumulated gradient before its marker, as build_train_step's does."""
     params = [relax.Var(_ident(n), relax.TensorType(s, d))
               for n, (s, d) in zip(param_names, param_specs)]
     states = [relax.Var(f"{_ident(n)}__{st}", p.ty) for n, p in zip(param_names, params)
               for st in optimizer.state_names]
     dtype = param_specs[0][1] if param_specs else loss_dtype
     updaters, hyper_names, groups = _groups(optimizer, param_names)
+    hyper_names = list(hyper_names) + ([GRAD_UNSCALE] if loss_scale else [])
     hypers = {h: relax.Var(h, relax.TensorType((), dtype)) for h in hyper_names}
     accs = [relax.Var(f"{_ident(n)}__grad_acc", p.ty) for n, p in zip(param_names, params)]
     loss_sum = relax.Var("loss_sum", relax.TensorType((), loss_dtype))
@@ -224,7 +235,15 @@ def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32",
     bb = relax.BlockBuilder()
     with bb.function("train_step", arguments):
         with bb.dataflow():
-            grads = [bb.emit(mark_gradient(a, i)) for i, a in enumerate(accs)]
+            if loss_scale:  # the seeds were scaled: so is every gradient
+                accs = [bb.emit(relax.op.multiply(a, hypers[GRAD_UNSCALE])) for a in accs]
+            low = [reduce_dtype is not None and str(a.ty.dtype) != reduce_dtype for a in accs]
+            grads = [bb.emit(mark_gradient(bb.emit(relax.op.astype(a, reduce_dtype))
+                                           if cast else a, i))
+                     for i, (a, cast) in enumerate(zip(accs, low))]
+            # back to float32 after every marker (a bucket is reduced before its first reader)
+            grads = [bb.emit(relax.op.astype(g, str(p.ty.dtype))) if cast else g
+                     for g, p, cast in zip(grads, params, low)]
             # the loss passes through an identity so the DP pass can average a computed value
             loss_value = bb.emit(relax.op.add(loss_sum, relax.const(0.0, loss_dtype)))
             out = _emit_update(bb, updaters, grads, loss_value, params, states, hypers, [],

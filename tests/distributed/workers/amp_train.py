@@ -2,7 +2,9 @@
 batch.
 
 Usage: amp_train.py MODEL LAYOUT[,LAYOUT...] [STEPS]
-LAYOUT: dp | zero1 | zero2 | zero3 | tp (tensor_parallel_size = N), with "+bf16grads" for
+LAYOUT: dp | zero1 | zero2 | zero3 | tp (tensor_parallel_size = N) | pp (two pipeline stages x
+N/2 data parallel, 2 microbatches, 1F1B; the activations between stages in bf16), with
+"+bf16grads" for
 grad_reduce_dtype="bfloat16", and "@fp16" for precision="fp16" (dynamic loss scaling: the
 scale must also be the reference's) instead of "bf16". Rank 0 trains the references alone:
 the low precision and fp32. Each layout must give its reference's losses and parameters within TOL_FACTOR x the bf16 reference's
@@ -29,24 +31,43 @@ TOL_FACTOR = 1.5
 
 
 def train(name, layout, steps, n, rank):
-    config = {"enable_data_parallel": True, "zero_opt_level": 0, "tensor_parallel_size": 1}
+    config = {"enable_data_parallel": True, "zero_opt_level": 0, "tensor_parallel_size": 1,
+              "pipeline_parallel_size": 1, "num_microbatches": 1}
     layout, _, precision = layout.partition("@")
     kind, _, grads = layout.partition("+")
     if kind.startswith("zero"):
         config["zero_opt_level"] = int(kind[4:])
     if kind == "tp":
         config.update(enable_data_parallel=False, tensor_parallel_size=n)
+    if kind == "pp":  # two stages; data parallel over the rest of the ranks
+        config.update(enable_data_parallel=n > 2, pipeline_parallel_size=2, num_microbatches=2)
     dist.get_config().update(config)
     module, x, y = make(name, GLOBAL_BATCH, seed=0)
-    local = GLOBAL_BATCH // n if kind != "tp" else GLOBAL_BATCH
-    xs, ys = x[rank * local:(rank + 1) * local] if kind != "tp" else x, y[
-        rank * local:(rank + 1) * local] if kind != "tp" else y
+    if kind == "tp":  # every rank reads the global batch
+        parts, part = 1, 0
+    elif kind == "pp":
+        parts, part = n // 2, dist.get_mesh().dp_rank
+    else:
+        parts, part = n, rank
+    local = GLOBAL_BATCH // parts
+    xs, ys = x[part * local:(part + 1) * local], y[part * local:(part + 1) * local]
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (xs,)),
                                optimizer=raf_optimizer("adamw"), precision=precision or "bf16",
                                grad_reduce_dtype="bfloat16" if grads else "float32")
     dtype = "float16" if precision == "fp16" else "bfloat16"
-    assert f'dtype="{dtype}") = R.matmul(' in trainer.executor.ir.script(), layout
+    if kind == "pp":  # this rank's stage: bf16 matmuls; the activation between stages
+        rows = local // 2  # a microbatch
+        stages = trainer.executor._stage_set(rows).stages
+        for stage in stages.values():
+            assert f'dtype="{dtype}") = R.matmul(' in stage.functions.mod.script(), layout
+        boundary = trainer.executor._stage_set(rows).boundary_specs[0]
+        assert boundary[1] == dtype, boundary  # half the bytes of each message
+    else:
+        assert f'dtype="{dtype}") = R.matmul(' in trainer.executor.ir.script(), layout
     losses = [trainer.step(xs.numpy(), ys.numpy()) for _ in range(steps)]
+    if kind == "pp":  # stage 0 sends each microbatch's activation, stage 1 its gradient back
+        sent = trainer.stats()["comm_bytes_last_step"]["send"]
+        assert sent == 2 * int(np.prod(boundary[0])) * 2, (sent, boundary)  # 2 bytes each
     return (losses, trainer.state_dict(), trainer.stats()["comm_bytes_last_step"],
             trainer.loss_scale)
 
