@@ -8,9 +8,10 @@ Models (AdamW): ``gpt`` is bench/step_time.py's GPT (4 layers, d=128, seq 64, vo
 batch 16); ``gemm_gpt`` the issue's GEMM-dominated GPT (6 layers, d=512, 8 heads, seq 128,
 vocab 4096, batch 8; 23M parameters); ``gpt2_124m`` / ``llama_124m`` the issue's table:
 transformers GPT-2 (default config) and a Llama (12 layers, d=768, GQA 12/4, vocab 32000),
-batch 4 x 128 tokens, dropout off. ``all`` is the first two. Four sides, each in a process of its own with its own
-defaults, alternating for ``--rounds`` rounds: raf_dist fp32, raf_dist bf16, PyTorch fp32,
-PyTorch autocast bf16 (forward and loss under autocast, as PyTorch's AMP recipe). Printed:
+batch 4 x 128 tokens, dropout off. ``all`` is the first two. Four sides, each in a
+process of its own with its own defaults, alternating for ``--rounds`` rounds: raf_dist
+fp32, raf_dist bf16, PyTorch fp32, PyTorch autocast bf16 (forward and loss under autocast,
+as PyTorch's AMP recipe). Printed:
 each side's median step time; the ratios raf bf16 / torch autocast and raf bf16 / raf fp32
 (median of the per-round ratios [spread]); raf_dist's planned step temporaries in bf16 over
 fp32; the bf16 GEMM path raf_dist measured on this machine (``RAF_DIST_LOW_GEMM``).

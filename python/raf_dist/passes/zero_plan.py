@@ -306,7 +306,8 @@ def plan_gathers(step: Step, name: str, begin: int, end: int, world_size: int,
     the buckets ordered by their first use."""
     param_pos = {p: k for k, p in enumerate(step.params)}
     order: List[int] = []
-    casts: Dict[int, Set[Optional[str]]] = {}  # parameter -> the dtypes it is read as (None: as itself)
+    # parameter -> the dtypes it is read as (None: as itself)
+    casts: Dict[int, Set[Optional[str]]] = {}
     for binding in step.bindings[begin:end]:
         cast = low_cast(binding.value, param_pos)
         for v in relax.analysis.free_vars(binding.value):

@@ -48,7 +48,8 @@ def set_num_threads(num_threads: int, second_pool: bool = False) -> None:
     OpenMP team, runtime/blas.py): the bf16 GPT step of bench/mixed_precision.py took 173 ms
     with both pools spinning, 49 ms with TVM's asleep (and 37 with OpenMP's too, which
     ``raf_dist`` asks for when it is imported before torch). TVM reads the count when its
-    pool first runs, so this holds for the process. A value the user set wins in every case. Threads are not bound
+    pool first runs, so this holds for the process. A value the user set wins in every
+    case. Threads are not bound
     to cores (TVM_BIND_THREADS=0 unless the user set it; see the module docstring), and the
     calling thread's affinity is restored in any case, so the process keeps every core it had.
     """
