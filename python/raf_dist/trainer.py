@@ -113,7 +113,8 @@ class Trainer:
             agree(comm, plan, model, loss, optimizer, device, embedding_plan)
         mesh = build_mesh(plan, config, comm.size)
         # a 16-bit step on the host multiplies in PyTorch's oneDNN, on its own pool
-        second_pool = precision in ("bf16", "fp16") and device_lib.parse(device)[0] != "cuda"
+        second_pool = (PRECISIONS[precision] is not None
+                       and device_lib.parse(device)[0] != "cuda")
         set_num_threads(max(1, available_cores() // max(1, comm.local_size)), second_pool)
         executor = PipelineExecutor if plan.pp > 1 else SPMDExecutor
         # pipelining refuses sharded tables (DistConfig.check_supported)

@@ -224,13 +224,12 @@ def auto_cast(func: relax.Function, dtype: str, low_output: bool = False) -> rel
         raise NotImplementedError("auto_cast: the function's body is not a sequence of blocks")
     bb = relax.BlockBuilder()
     caster = _Caster(bb, dtype)
-    params = list(func.params)
     result = body.body.fields[0] if isinstance(body.body, relax.Tuple) else body.body
     if low_output and not isinstance(result, relax.Var):
         raise NotImplementedError(f"auto_cast: low_output needs the function to return a "
                                   f"variable (or a tuple of them), got {body.body}")
     attrs = dict(func.attrs) if func.attrs is not None else {}
-    with bb.function("f", params, attrs=attrs or None, pure=func.is_pure):
+    with bb.function("f", list(func.params), attrs=attrs or None, pure=func.is_pure):
         for block in body.blocks:
             dataflow = isinstance(block, relax.DataflowBlock)
             with (bb.dataflow() if dataflow else _nothing()):

@@ -24,6 +24,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..ir.attrs import MATERIALIZE
 from ..ir.utils import mutate_functions
+from .auto_cast import LOW_DTYPES
 
 _GELU = tvm.ir.Op.get("relax.nn.gelu")
 _ERF = tvm.ir.Op.get("relax.erf")
@@ -35,12 +36,13 @@ _SOFTMAX = tvm.ir.Op.get("relax.nn.softmax")
 _LOG_SOFTMAX = tvm.ir.Op.get("relax.nn.log_softmax")
 
 
-#: 16-bit floats: their transcendental functions are computed in float32 (a cast in, the
-#: float32 rewrite, a cast out; FuseOps puts the three in one kernel, so the tensors read and
-#: written stay 16-bit). TVM legalizes a bfloat16 erf / exp / tanh to the float32 libm call
-#: one element at a time (BF16ComputeLegalize): measured on a bf16 GPT step (avx512_bf16 +
-#: AMX Xeon, bench/mixed_precision.py --model gpt), libm's erff and expf were 30% of the step.
-_WIDENED = ("bfloat16", "float16")
+#: 16-bit floats (AutoCast's): their transcendental functions are computed in float32 (a
+#: cast in, the float32 rewrite, a cast out; FuseOps puts the three in one kernel, so the
+#: tensors read and written stay 16-bit). TVM legalizes a bfloat16 erf / exp / tanh to the
+#: float32 libm call one element at a time (BF16ComputeLegalize): measured on a bf16 GPT step
+#: (avx512_bf16 + AMX Xeon, bench/mixed_precision.py --model gpt), libm's erff and expf were
+#: 30% of the step.
+_WIDENED = LOW_DTYPES
 
 
 def _dtype(expr):

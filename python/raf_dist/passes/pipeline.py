@@ -320,13 +320,22 @@ def partition(graph, num_stages, split_points=None, ranks=None):
 def _every_rank_trains(graph, cuts, num_stages, ranks):
     """Whether each pp rank's stages (stage s on rank s % ranks) reach a parameter."""
     bounds = [0] + list(cuts) + [len(graph.data)]
-    names = set(graph.param_names)
+    reaching = _reaching_params(graph)
     holds = [False] * ranks
     for s in range(num_stages):
-        if any(graph.params_of_binding[graph.data[k]] & names
-               for k in range(bounds[s], bounds[s + 1])):
+        if reaching[bounds[s + 1]] > reaching[bounds[s]]:
             holds[s % ranks] = True
     return all(holds)
+
+
+def _reaching_params(graph):
+    """Prefix counts over the forward's bindings: element k is how many of the first k read
+    a parameter, so bindings [a, b) reach one iff element b exceeds element a."""
+    names = set(graph.param_names)
+    reaching = [0]
+    for i in graph.data:
+        reaching.append(reaching[-1] + bool(graph.params_of_binding[i] & names))
+    return reaching
 
 
 def plan_like(plan, graph):
@@ -377,10 +386,7 @@ def _balance(graph, points, num_stages, boundary_cost=None):
     # does not): a parameter, or an activation input that carries a gradient (a float one;
     # not the ids before an embedding lookup, nor the data inputs of the first stage)
     bounds = [0] + [p.position for p in points] + [len(graph.data)]
-    names = set(graph.param_names)
-    reaching = [0]
-    for i in graph.data:
-        reaching.append(reaching[-1] + bool(graph.params_of_binding[i] & names))
+    reaching = _reaching_params(graph)
     float_in = [False] + [_is_float(p.var.ty) for p in points] + [False]
 
     def valid(i, j):

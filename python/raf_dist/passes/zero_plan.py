@@ -13,6 +13,7 @@ from tvm import relax
 
 from ..ir.utils import tensor_nbytes
 from ..layout import StateLayout, shard_size, state_layout
+from .auto_cast import LOW_DTYPES
 from .bucketing import assign_buckets, marker_buckets, update_groups
 from .gradient_markers import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                                UPDATED_ARGUMENTS, Marker, find_markers, tensor_numel)
@@ -285,14 +286,13 @@ class GatherRegion:
 
 
 _ASTYPE = tvm.ir.Op.get("relax.astype")
-_LOW = ("bfloat16", "float16")
 
 
 def low_cast(value: relax.Expr, params: Dict[relax.Var, int]) -> Optional[Tuple[int, str]]:
     """(parameter index, dtype) when ``value`` is AutoCast's low-precision copy of a
     parameter, ``astype(p, bfloat16 | float16)``; else None."""
     if (isinstance(value, relax.Call) and value.op == _ASTYPE and value.args[0] in params
-            and str(value.attrs.dtype) in _LOW):
+            and str(value.attrs.dtype) in LOW_DTYPES):
         return params[value.args[0]], str(value.attrs.dtype)
     return None
 

@@ -4,10 +4,13 @@ schedule leave them out, as torch.optim and LambdaLR never see them), its learni
 the optimizer's hypers for it, the gradient norm and loss scale it reports, what a checkpoint
 keeps of them, and ``metrics()``."""
 import functools
+import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..optim import Optimizer, group_hyper_name
 from ..optim.schedules import multiplier
+
+_LOG = logging.getLogger("raf_dist")
 
 
 def update_hypers(groups: Sequence[Optimizer], lr_schedule: Optional[Callable[[int], float]],
@@ -43,6 +46,22 @@ class LoopScalars:
     def _groups(self) -> List[Optimizer]:
         """The optimizer's parameter groups, made once (not on every step)."""
         return self.optimizer.groups()
+
+    def _overflowed(self, finite: bool) -> bool:
+        """precision="fp16": the scale updated as GradScaler does (runtime/loss_scale.py)
+        from whether the step's gradients (and loss) were finite on every rank; True when
+        they overflowed float16 above a scale of 1 — a routine event while the scale
+        settles, counted as a skipped step (logged). At a scale of 1 or below (DeepSpeed's
+        min_loss_scale) an overflow is a divergence, for ``nonfinite`` to decide: False."""
+        scale = self._scaler.scale
+        self._scaler.update(found_inf=not finite)
+        if finite or scale <= 1.0:
+            return False
+        self.skipped_steps += 1
+        _LOG.info("step %d: gradients overflowed float16 at loss scale %g; the update was "
+                  "skipped on every rank and the scale is now %g", self.step_count + 1, scale,
+                  self._scaler.scale)
+        return True
 
     def _next_hypers(self) -> Tuple[Dict[str, float], float]:
         """update_hypers for this step's update (the steps taken minus those skipped)."""

@@ -475,10 +475,9 @@ class PipelineExecutor(LoopScalars):
         before = collectives.comm_counters()
         loss_sum, accs = self._run_schedule(inputs, y, pieces, sets, weights)
         finite = self._all_finite(loss_sum, accs)
-        if self._scaler is not None:
-            self._scaler.update(found_inf=not finite)  # as GradScaler, on every rank alike
-            if not finite and scale > 1.0:
-                return self._overflow_step(scale)
+        if self._scaler is not None and self._overflowed(finite):  # every rank alike
+            self.step_count += 1
+            return float("nan")  # skipped, as the SPMD step returns it
         if not finite:
             return self._nonfinite_step(loss_sum)
         loss = self._update(accs, loss_sum, 1.0 / scale) / scale
@@ -553,17 +552,6 @@ class PipelineExecutor(LoopScalars):
             f"step {step}: the loss or a gradient is not finite (loss {loss}); the update was "
             "not applied, parameters and optimizer state are unchanged. Check this step's "
             "inputs and the learning rate, or pass Trainer(nonfinite='skip')"))
-
-    def _overflow_step(self, scale):
-        """precision="fp16": a gradient overflowed float16 at this loss scale on some rank
-        (a routine event while the scale settles, as in runtime/spmd.py); the update is
-        skipped on every rank, the scale already halved; the step returns NaN."""
-        self.skipped_steps += 1
-        self.step_count += 1
-        _LOG.info("step %d: gradients overflowed float16 at loss scale %g; the update was "
-                  "skipped on every rank and the scale is now %g", self.step_count, scale,
-                  self._scaler.scale)
-        return float("nan")
 
     def _update(self, accs, loss_sum, unscale=1.0):
         """Tied gradients summed over their pp ranks, then the compiled update; returns the

@@ -76,9 +76,9 @@ class ScheduleRun:
                 boundary = a.stage if a.kind == "SEND_F" else a.stage - 1
                 _, dtype = self.sets[self.pieces[a.microbatch]].boundary_specs[boundary]
                 host = value.numpy()  # (a message travels through the host)
-                self.transport.send(_wire(np.ascontiguousarray(
-                    host.astype(_numpy_dtype(dtype), copy=False))), a.peer, a.kind[-1],
-                    boundary, a.microbatch)
+                self.transport.send(np.ascontiguousarray(host.astype(_numpy_dtype(dtype),
+                                                                     copy=False)),
+                                    a.peer, a.kind[-1], boundary, a.microbatch)
             elif a.kind == "F":
                 self._forward(a.stage, a.microbatch, inputs, y, target_per_row)
             elif a.kind == "B":
@@ -98,7 +98,7 @@ class ScheduleRun:
             boundary = a.stage - 1 if a.kind == "RECV_F" else a.stage
             shape, dtype = specs[boundary]
             buffer = np.empty(shape, dtype=_numpy_dtype(dtype))
-            request = self.transport.post_recv(_wire(buffer), a.peer, a.kind[-1], boundary,
+            request = self.transport.post_recv(buffer, a.peer, a.kind[-1], boundary,
                                                a.microbatch)
             recvs[(a.kind, a.stage, a.microbatch)] = (request, buffer)
         return recvs
@@ -177,12 +177,6 @@ class ScheduleRun:
         if self.recorder is not None:
             self.recorder.add(f"{kind} stage {s} mb {m}", "pipeline", int(began * 1e9),
                               int(ended * 1e9), stage=s, microbatch=m)
-
-
-def _wire(array: np.ndarray) -> np.ndarray:
-    """What MPI sends or receives for ``array``: its bits (uint16) when bfloat16, which
-    mpi4py's buffer protocol does not take; the same memory either way."""
-    return array.view(np.uint16) if array.dtype == ml_dtypes.bfloat16 else array
 
 
 def _numpy_dtype(dtype: str) -> Any:

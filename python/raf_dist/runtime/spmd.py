@@ -516,19 +516,14 @@ class SPMDExecutor(LoopScalars):
         (runtime/loss_scale.py). A NaN loss is a step the guard skipped: its gradients (or the
         loss) overflowed at this scale, a routine event while the scale settles. Only at a
         scale of 1 or below (DeepSpeed's min_loss_scale) do the gradients overflow float16
-        unscaled: that is a divergence, and ``nonfinite`` decides."""
+        unscaled: that is a divergence, and ``nonfinite`` decides (``_overflowed``)."""
         scale = self._scaler.scale
         finite = math.isfinite(scaled_loss)
-        self._scaler.update(found_inf=not finite)
+        if self._overflowed(finite):
+            return scaled_loss
         if finite:
             return scaled_loss / scale
-        if scale <= 1.0:
-            self._nonfinite_step(scaled_loss)  # raises, or counts the skip and warns
-            return scaled_loss
-        self.skipped_steps += 1
-        _LOG.info("step %d: gradients overflowed float16 at loss scale %g; the update was "
-                  "skipped on every rank and the scale is now %g", self.step_count + 1, scale,
-                  self._scaler.scale)
+        self._nonfinite_step(scaled_loss)  # raises, or counts the skip and warns
         return scaled_loss
 
     def _guard_under_zero(self):

@@ -19,6 +19,7 @@ import collections
 import time
 from typing import Any, Deque, Dict, List, Sequence, Tuple
 
+import ml_dtypes
 import numpy as np
 
 from ..distributed import collectives
@@ -53,13 +54,13 @@ class PipelineTransport:
                   microbatch: int) -> Any:
         """Post the receive of a boundary message into ``buffer``; returns its request."""
         self._record("recv posted", kind, boundary, microbatch, source, buffer.nbytes)
-        return self.mesh.pp_comm.Irecv(buffer, source=source,
+        return self.mesh.pp_comm.Irecv(_wire(buffer), source=source,
                                        tag=tag(kind, boundary, microbatch, self.num_stages))
 
     def send(self, value: np.ndarray, dest: int, kind: str, boundary: int,
              microbatch: int) -> None:
         """Start sending ``value`` (kept alive until ``finish_sends``)."""
-        request = self.mesh.pp_comm.Isend(value, dest=dest,
+        request = self.mesh.pp_comm.Isend(_wire(value), dest=dest,
                                           tag=tag(kind, boundary, microbatch, self.num_stages))
         what = self._record("send", kind, boundary, microbatch, dest, value.nbytes)
         self._sends.append((request, value, what))
@@ -158,3 +159,10 @@ class PipelineTransport:
 # the header of merge_over_pp: dtype index, then up to 7 dimensions (-1: none)
 _HEADER = 8
 _DTYPES = ["float32", "float64", "float16", "int32", "int64"]
+
+
+def _wire(array: np.ndarray) -> np.ndarray:
+    """What MPI sends or receives for ``array``: its bits (uint16) when bfloat16 (a pipeline
+    message under mixed precision), which mpi4py's buffer protocol does not take; the same
+    memory either way."""
+    return array.view(np.uint16) if array.dtype == ml_dtypes.bfloat16 else array

@@ -34,12 +34,11 @@ from tvm import relax
 
 from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                         UPDATE_GROUPS, UPDATED_ARGUMENTS)
-from ..ir.ops import mark_gradient
 from ..passes.pipeline import emit_function
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from .loss import build_loss
 from .step import (GRAD_UNSCALE, _emit_update, _follow, _groups, _ident, _loss_and_grads,
-                   missing_gradients)
+                   in_param_dtypes, mark_in, missing_gradients)
 
 
 @dataclasses.dataclass
@@ -237,13 +236,8 @@ def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32",
         with bb.dataflow():
             if loss_scale:  # the seeds were scaled: so is every gradient
                 accs = [bb.emit(relax.op.multiply(a, hypers[GRAD_UNSCALE])) for a in accs]
-            low = [reduce_dtype is not None and str(a.ty.dtype) != reduce_dtype for a in accs]
-            grads = [bb.emit(mark_gradient(bb.emit(relax.op.astype(a, reduce_dtype))
-                                           if cast else a, i))
-                     for i, (a, cast) in enumerate(zip(accs, low))]
-            # back to float32 after every marker (a bucket is reduced before its first reader)
-            grads = [bb.emit(relax.op.astype(g, str(p.ty.dtype))) if cast else g
-                     for g, p, cast in zip(grads, params, low)]
+            grads = in_param_dtypes(bb, [mark_in(bb, a, i, reduce_dtype)
+                                         for i, a in enumerate(accs)], params)
             # the loss passes through an identity so the DP pass can average a computed value
             loss_value = bb.emit(relax.op.add(loss_sum, relax.const(0.0, loss_dtype)))
             out = _emit_update(bb, updaters, grads, loss_value, params, states, hypers, [],

@@ -210,9 +210,7 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
         if i in local:  # summed over the dp ranks by the exchange: their mean, unreduced
             return bb.emit(relax.op.multiply(grad, relax.const(1.0 / dp_world,
                                                                str(grad.ty.dtype))))
-        if reduce_dtype is None or str(grad.ty.dtype) == reduce_dtype:
-            return bb.emit(mark_gradient(grad, i))
-        return bb.emit(mark_gradient(bb.emit(relax.op.astype(grad, reduce_dtype)), i))
+        return mark_in(bb, grad, i, reduce_dtype)
 
     def mark(grad, i):
         if accumulate is None:
@@ -222,12 +220,7 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
 
     with bb.function("train_step", params):
         with bb.dataflow():
-            grads = _emit_backward(bb, adjoint, grads, mark)
-            # gradients reduced in reduce_dtype: back to their parameter's dtype after every
-            # marker (the distribution passes reduce each bucket before its first reader)
-            grads = [g if str(g.ty.dtype) == str(p.ty.dtype)
-                     else bb.emit(relax.op.astype(g, str(p.ty.dtype)))
-                     for g, p in zip(grads, param_vars)]
+            grads = in_param_dtypes(bb, _emit_backward(bb, adjoint, grads, mark), param_vars)
             if accumulate == "partial":  # added into the accumulators; no update
                 loss_sum = bb.emit(relax.op.add(loss_acc, loss_value))
                 out = bb.emit_output(relax.Tuple([loss_sum, *grads, *new_buffers]))
@@ -333,6 +326,21 @@ def _groups(optimizer, names):
     updaters = [(members[g], {h: group_hyper_name(g, h) for h in members[g].hyper_names})
                 for g in index]
     return updaters, hyper_names, index
+
+
+def mark_in(bb, grad, i, reduce_dtype):
+    """Gradient ``i``'s marker, the gradient cast to ``reduce_dtype`` first when it is
+    reduced in another dtype (Trainer(grad_reduce_dtype="bfloat16"): half the bytes)."""
+    if reduce_dtype is not None and str(grad.ty.dtype) != reduce_dtype:
+        grad = bb.emit(relax.op.astype(grad, reduce_dtype))
+    return bb.emit(mark_gradient(grad, i))
+
+
+def in_param_dtypes(bb, grads, params):
+    """The marked ``grads`` back in their parameters' dtypes, cast after every marker (the
+    distribution passes reduce each bucket before its first reader)."""
+    return [g if str(g.ty.dtype) == str(p.ty.dtype)
+            else bb.emit(relax.op.astype(g, str(p.ty.dtype))) for g, p in zip(grads, params)]
 
 
 def hyper_arguments(optimizer, names):
