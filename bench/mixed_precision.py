@@ -1,8 +1,8 @@
-"""Mixed precision: raf_dist bf16 vs PyTorch's ``torch.autocast("cpu", dtype=torch.bfloat16)``,
+"""Mixed precision: raf_dist bf16 vs PyTorch's ``torch.autocast(device, dtype=torch.bfloat16)``,
 and both against their float32 selves, each side alone (DESIGN.md section 6).
 
     python bench/mixed_precision.py [--model gpt|gemm_gpt|all] [--steps 8] [--rounds 3]
-                                    [--cores K]
+                                    [--cores K] [--device cpu|cuda]
 
 Models (AdamW): ``gpt`` is bench/step_time.py's GPT (4 layers, d=128, seq 64, vocab 512,
 batch 16); ``gemm_gpt`` the issue's GEMM-dominated GPT (6 layers, d=512, 8 heads, seq 128,
@@ -77,31 +77,35 @@ def make(name):
     return module, x, y
 
 
-def raf_side(name, precision, steps, cache_dir):
+def raf_side(name, precision, steps, cache_dir, device="cpu"):
     import raf_dist
     from raf_dist.runtime import blas
 
     module, x, y = make(name)
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                optimizer=raf_dist.optim.AdamW(lr=1e-3), cache_dir=cache_dir,
-                               precision=precision)
+                               precision=precision, device=device)
     xn, yn = x.numpy(), y.numpy()
     ms = harness.median_ms(lambda: trainer.step(xn, yn), steps)
+    low_gemm = blas.low_gemm_mode("bfloat16") if precision == "bf16" and device == "cpu" else ""
     return {"ms": ms, "planned_peak_bytes": trainer.stats()["planned_peak_bytes"],
-            "low_gemm": blas.low_gemm_mode("bfloat16") if precision == "bf16" else ""}
+            "low_gemm": low_gemm}
 
 
-def torch_side(name, precision, steps):
+def torch_side(name, precision, steps, device="cpu"):
     module, x, y = make(name)
+    module, x, y = module.to(device), x.to(device), y.to(device)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
             out = module(x)
             loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
         loss.backward()
         opt.step()
+        sync()
 
     return {"ms": harness.median_ms(step, steps), "threads": torch.get_num_threads()}
 
@@ -112,25 +116,29 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cores", type=int, default=None)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: both frameworks on GPU 0 (needs a CUDA build of PyTorch)")
     parser.add_argument("--side", choices=["raf", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--precision", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side == "raf":
-        return harness.report(raf_side(args.model, args.precision, args.steps, args.cache_dir))
+        return harness.report(raf_side(args.model, args.precision, args.steps, args.cache_dir,
+                                       args.device))
     if args.side == "torch":
-        return harness.report(torch_side(args.model, args.precision, args.steps))
+        return harness.report(torch_side(args.model, args.precision, args.steps, args.device))
 
     names = ["gpt", "gemm_gpt"] if args.model == "all" else [args.model]
     cpu_set = harness.cores(args.cores)
-    print(f"# torch {torch.__version__}; {harness.machine()}; each side alone, {args.rounds} "
+    print(f"# torch {torch.__version__} on {args.device}; {harness.machine()}; each side alone, {args.rounds} "
           f"alternating rounds of {args.steps} steps; AdamW")
     print(f"{'model':9s} {'raf fp32':>9s} {'raf bf16':>9s} {'torch fp32':>10s} "
           f"{'torch amp':>9s} {'bf16/amp [spread]':>18s} {'bf16/fp32 [spread]':>19s} "
           f"{'temps bf16/fp32':>15s} {'bf16 GEMM':>9s}")
     with tempfile.TemporaryDirectory() as cache_dir:
         for name in names:
-            common = [sys.executable, __file__, "--model", name, "--steps", str(args.steps)]
+            common = [sys.executable, __file__, "--model", name, "--steps", str(args.steps),
+                      "--device", args.device]
             sides = {f"{side}_{p}": common + ["--side", side, "--precision", p]
                      + (["--cache-dir", cache_dir] if side == "raf" else [])
                      for side in ("raf", "torch") for p in ("fp32", "bf16")}

@@ -85,6 +85,9 @@ def test_every_kernel_gets_a_gpu_schedule(monkeypatch):
     # embedding gradient (take_backward, which every dlight rule declines) — none falls back
     # to a single GPU thread
     assert one_thread == []
+    # and every kernel starts once per step (no host loop around a launch: the loss's mean
+    # was once a launch per token, see test_schedule_gpu.py)
+    assert all(schedule_gpu.launches_once(f) for f in kernels.values())
     assert len(_thread_loops(kernels["take_backward"])) == 4  # two kernels: block x thread
     relax.analysis.well_formed(scheduled)
 

@@ -1,6 +1,10 @@
-"""IR tier for the GPU schedule of take_backward (the embedding gradient), which no dlight
-rule takes: two kernels over GPU threads, and — run on the CPU with the same grid as serial
-loops — the same result as numpy's unbuffered scatter-add, repeated indices included."""
+"""IR tier for the GPU schedules dlight lacks: take_backward (the embedding gradient), which no
+dlight rule takes: two kernels over GPU threads, and — run on the CPU with the same grid as
+serial loops — the same result as numpy's unbuffered scatter-add, repeated indices included;
+and the mean of nll_loss (reductions to one value), which dlight's GeneralReduction turned
+into a kernel launch per token."""
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -9,7 +13,8 @@ from tvm import relax, tirx
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from raf_dist.compiler.schedule_gpu import schedule_scatter_add
+from raf_dist.compiler.schedule_gpu import (ScalarReductions, launches_once,
+                                            schedule_gpu_prim_func, schedule_scatter_add)
 
 V, D, N = 37, 11, 50  # V*D = 407 elements: two blocks of 256 threads, the second one partial
 
@@ -91,3 +96,61 @@ def test_the_grid_computes_the_scatter_add(axis):
         np.add.at(expected.T, idx, g.T)
     out = vm["main"](tvm.runtime.tensor(g), tvm.runtime.tensor(x), tvm.runtime.tensor(idx))
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_80"}, host="llvm")
+
+
+def _nll_loss_mean(rows=1024, classes=512):
+    bb = relax.BlockBuilder()
+    logp = relax.Var("logp", relax.TensorType((rows, classes), "float32"))
+    target = relax.Var("target", relax.TensorType((rows,), "int64"))
+    with bb.function("main", [logp, target]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.nll_loss(logp, target, reduction="mean"))
+        bb.emit_func_output(out)
+    with CUDA:
+        mod = relax.transform.LegalizeOps()(bb.get())
+    return [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)][0]
+
+
+def test_dlight_launched_the_loss_mean_once_per_token():
+    """Why ScalarReductions exists: dlight's GeneralReduction takes TVM's legalised nll_loss
+    (two sums to one value, then their quotient) and binds each sum's one-element grid inside
+    the serial loop over the tokens — a loop left on the host, one kernel launch per token."""
+    from tvm.s_tir import dlight as dl
+    with CUDA:
+        dlight = dl.gpu.GeneralReduction().apply(_nll_loss_mean(), CUDA, False)
+    assert dlight is not None and not launches_once(dlight.mod["main"])
+
+
+def test_the_loss_mean_is_three_kernels_launched_once():
+    with CUDA:
+        scheduled = schedule_gpu_prim_func(_nll_loss_mean(), CUDA)
+    assert launches_once(scheduled)
+    bound = [(extent, tag) for kind, extent, tag in _loops(scheduled)
+             if kind == tirx.ForKind.THREAD_BINDING]
+    # each sum: one block of 256 threads, each thread summing 1024 / 256 = 4 tokens (a serial
+    # loop inside the kernel) before the cross-thread combine; the quotient: one block
+    assert bound.count((256, "threadIdx.x")) == 2 and bound.count((1, "blockIdx.x")) == 3
+    assert (tirx.ForKind.SERIAL, 4, None) in _loops(scheduled)
+    with CUDA:  # the generated CUDA C: three kernels, the sums combined with warp shuffles
+        source = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}),
+                             target=CUDA).mod.imports[0].inspect_source()
+    kernels = set(re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", source))
+    assert len(kernels) == 3 and "__shfl_down_sync" in source
+
+
+def test_scalar_reductions_declines_reductions_with_many_outputs():
+    """A row-wise reduction (a softmax's max and sum per row) is Reduction's / GeneralReduction's
+    work: ScalarReductions takes only a kernel where some sum has a single output element."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((64, 32), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.sum(x, axis=1))
+        bb.emit_func_output(out)
+    with CUDA:
+        mod = relax.transform.LegalizeOps()(bb.get())
+        func = [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)][0]
+        assert ScalarReductions().apply(func, CUDA, False) is None

@@ -12,7 +12,63 @@ from .schedule import SCHEDULED, scatter_add_loops, with_scatter_add_loops
 def _gpu_rules():
     from tvm.s_tir import dlight as dl
     return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
-            dl.gpu.Fallback()]
+            ScalarReductions(), dl.gpu.Fallback()]
+
+
+class ScalarReductions:
+    """A kernel of reductions to a single value (the mean of a loss, a gradient norm), with
+    spatial blocks between them. dlight has no rule for it: GeneralReduction takes it and
+    binds each block's one-element grid inside the serial reduction loop, so the step
+    launched one kernel per element (TVM's legalised nll_loss: 2048 launches, 7.3 ms of a
+    15 ms GPT step on an H200, bench/RESULTS.md), and Fallback runs each reduction on one
+    thread. Here every block is its own kernel: a reduction whose output has one element
+    runs on one block of threads, each thread summing a strided slice, then a cross-thread
+    (warp shuffle) combine, as dlight's Reduction does per row; a spatial block gets
+    Fallback's grid; a block with no loops, one thread. Applies only where some reduction
+    has a single output element."""
+
+    threads = 256
+
+    def apply(self, func, target, _tunable):
+        from tvm.s_tir import dlight as dl
+        from tvm.s_tir.dlight.analysis import normalize_prim_func
+        from tvm.s_tir.dlight.base import try_inline
+
+        sch = tvm.s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = try_inline(sch, infos)
+        plans = []
+        for info in infos:
+            loops, kinds = sch.get_loops(info.block_rv), info.dom_kind()
+            if "O" in kinds or any(sch.get(loop).thread_binding is not None for loop in loops):
+                return None
+            spatial = [loop for loop, kind in zip(loops, kinds) if kind == "S"]
+            reduce = [loop for loop, kind in zip(loops, kinds) if kind == "R"]
+            one_output = all(int(sch.get(loop).extent) == 1 for loop in spatial)
+            plans.append((info.block_rv, spatial, reduce, one_output))
+        if not any(reduce and one_output for _, _, reduce, one_output in plans):
+            return None
+        max_threads = dl.base.max_threads_per_block(target)
+        for block, spatial, reduce, one_output in plans:
+            if reduce and one_output:
+                sch.reorder(*spatial, *reduce)
+                outer, inner = sch.split(sch.fuse(*reduce), factors=[None, self.threads])
+                sch.reorder(inner, outer)  # thread t sums elements t, t + 256, ...
+                sch.bind(inner, "threadIdx.x")
+                grid = sch.fuse(*spatial) if spatial else sch.add_unit_loop(inner)
+                sch.bind(grid, "blockIdx.x")
+                continue
+            if not spatial:
+                spatial = [sch.add_unit_loop(block)]
+            sch.reorder(*spatial, *reduce)
+            bx, tx = sch.split(sch.fuse(*spatial), factors=[None, max_threads])
+            sch.bind(bx, "blockIdx.x")
+            sch.bind(tx, "threadIdx.x")
+            if reduce:
+                sch.decompose_reduction(block, reduce[0])
+        return sch
 
 
 def run_on_one_gpu_thread(func):
@@ -78,10 +134,47 @@ def _lowers(func):
     return True
 
 
+def launches_once(func):
+    """True if every GPU kernel of the scheduled ``func`` starts once per call: no loop of
+    more than one iteration encloses a thread-bound loop from outside every thread binding
+    (such a loop is left on the host, and each of its iterations launches the kernel)."""
+    ok = True
+
+    def visit(stmt, host_loop):
+        nonlocal ok
+        if isinstance(stmt, tvm.tirx.For):
+            if stmt.thread_binding is not None:
+                ok = ok and not host_loop
+                return  # inside a kernel: its serial loops run on the GPU
+            host_loop = host_loop or not (isinstance(stmt.extent, tvm.tirx.IntImm)
+                                          and int(stmt.extent) == 1)
+            visit(stmt.body, host_loop)
+        elif isinstance(stmt, tvm.tirx.AttrStmt) and stmt.attr_key == "thread_extent":
+            ok = ok and not host_loop
+        elif isinstance(stmt, tvm.tirx.SeqStmt):
+            for child in stmt.seq:
+                visit(child, host_loop)
+        elif isinstance(stmt, tvm.s_tir.SBlockRealize):
+            visit(stmt.block, host_loop)
+        elif isinstance(stmt, tvm.s_tir.SBlock):
+            if stmt.init is not None:
+                visit(stmt.init, host_loop)
+            visit(stmt.body, host_loop)
+        elif isinstance(stmt, tvm.tirx.IfThenElse):
+            visit(stmt.then_case, host_loop)
+            if stmt.else_case is not None:
+                visit(stmt.else_case, host_loop)
+        elif isinstance(getattr(stmt, "body", None), tvm.tirx.Stmt):
+            visit(stmt.body, host_loop)
+
+    visit(func.body, False)
+    return ok
+
+
 def schedule_gpu_prim_func(func, target, rules=None):
     """``func`` scheduled by schedule_scatter_add if it is take_backward, else by the first of
     dlight's GPU rules that applies to it and whose result lowers (every loop bound to GPU
-    threads), else run_on_one_gpu_thread. A rule
+    threads, each kernel launched once: see launches_once), else run_on_one_gpu_thread. A rule
     that raises on a kernel it claims is skipped — in TVM 0.27 dlight's Reduction asserts on
     some training-step reductions (``detect_dominant_read``) and others yield cross-thread
     reductions TVM cannot lower ("No matched reducer") — and the next rule tried."""
@@ -97,7 +190,7 @@ def schedule_gpu_prim_func(func, target, rules=None):
             continue
         sch = space[0] if isinstance(space, (list, tuple)) else space
         scheduled = sch.mod["main"].with_attr(SCHEDULED, True)
-        if _lowers(scheduled):
+        if _lowers(scheduled) and launches_once(scheduled):
             return scheduled
     return run_on_one_gpu_thread(func)
 
