@@ -22,6 +22,8 @@ the allowed values instead of being read as "off".
   RAF_DIST_LOW_GEMM=widen      bf16 / fp16 matmuls on the host: "native" (oneDNN's 16-bit
                                GEMM) or "widen" (float32 GEMM of widened operands); unset:
                                the faster, measured once per process (runtime/blas.py)
+  RAF_DIST_CUDA_GEMM=cupy      GPU matmuls through cupy.matmul instead of one direct
+                               cuBLAS call each (default "cublas"; runtime/cublas.py)
 
 The five failure-handling settings (timeouts, collective checks, watchdog) are also fields of
 ``dist.get_config()`` (collective_timeout_s, ...); the environment variable, when set,
@@ -108,6 +110,15 @@ def low_gemm() -> "str | None":
         raise ValueError(f"RAF_DIST_LOW_GEMM={value!r}: set it to 'native' or 'widen', or "
                          "unset it to measure")
     return value or None
+
+
+def cuda_gemm() -> str:
+    """RAF_DIST_CUDA_GEMM: "cublas" (default: one cublasGemmStridedBatchedEx per GPU matmul,
+    runtime/cublas.py) or "cupy" (cupy.matmul)."""
+    value = os.environ.get("RAF_DIST_CUDA_GEMM", "").strip().lower() or "cublas"
+    if value not in ("cublas", "cupy"):
+        raise ValueError(f"RAF_DIST_CUDA_GEMM={value!r}: set it to 'cublas' or 'cupy'")
+    return value
 
 
 def profile_steps() -> int:

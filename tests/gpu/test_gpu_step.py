@@ -1,6 +1,6 @@
 """GPU tier (skipped without an NVIDIA GPU, CuPy and a native runtime built with NCCL — run
 scripts/gpu_check.sh on a GPU machine): the same training steps on cuda(0) as on the CPU,
-with matmul/convolution on cuBLAS through CuPy, and a single-rank NCCL run (ZeRO-2 in a
+with matmul on cuBLAS by one direct call and convolution through CuPy, and a single-rank NCCL run (ZeRO-2 in a
 world of one: reduce_scatter, allgather, local_shard and buckets on GPU memory; alltoall),
 and bf16 mixed precision on the GPU."""
 import pytest
@@ -103,3 +103,35 @@ def test_bf16_on_gpu_as_close_to_fp32_as_torch_autocast(name):
     ours, theirs = distance(losses, params), distance(amp_losses, amp_params)
     print(f"{name} on GPU: raf_dist bf16 {ours:.2e}, torch autocast {theirs:.2e} from float32")
     assert 0 < ours <= 3.0 * theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("a_shape, b_shape, trans_a, trans_b", [
+    ((64, 48), (48, 32), False, False), ((48, 64), (32, 48), True, True),
+    ((2, 4, 16, 8), (2, 4, 16, 8), False, True),  # the attention's scores
+    ((2, 16, 48), (48, 32), False, False),  # activations x weight: the batch folded
+    ((2, 48, 16), (48, 32), True, False),  # a weight gradient's transposed activations
+])
+def test_direct_cublas_matmul_equals_numpy(a_shape, b_shape, trans_a, trans_b, dtype):
+    """raf_dist.blas.matmul on GPU tensors takes the direct cuBLAS call (runtime/cublas.py,
+    its argument mapping checked without a GPU in tests/unit/test_cublas_plan.py) and gives
+    numpy's float64 product within float32's (or bf16's, rounded once) error."""
+    import ml_dtypes
+    import numpy as np
+    from raf_dist.runtime import blas, cublas
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(a_shape), rng.standard_normal(b_shape)
+    host = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    a, b = a.astype(host), b.astype(host)
+    expected = np.matmul(np.swapaxes(a, -1, -2) if trans_a else a,
+                         np.swapaxes(b, -1, -2) if trans_b else b, dtype=np.float64)
+    dev = tvm.cuda(0)
+    ta, tb = tvm.runtime.tensor(a, dev), tvm.runtime.tensor(b, dev)
+    out = tvm.runtime.tensor(np.zeros(expected.shape, host), dev)
+    assert cublas.plan(tuple(a.shape), tuple(b.shape), expected.shape, trans_a, trans_b)
+    blas.matmul(ta, tb, trans_a, trans_b, out)
+    dev.sync()
+    tol = 1e-5 if dtype == "float32" else 2 ** -8  # bf16: the product rounded once
+    got = out.numpy().astype(np.float64)
+    assert np.abs(got - expected).max() <= tol * np.abs(expected).max() * 4

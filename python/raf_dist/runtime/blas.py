@@ -1,5 +1,6 @@
 """``raf_dist.blas.*``: matmul and convolution on zero-copy DLPack views of the step's
-tensors — numpy's BLAS for host tensors, CuPy (cuBLAS) for CUDA tensors.
+tensors — numpy's BLAS for host tensors, CuPy (cuBLAS) for CUDA tensors; a GPU matmul goes
+first to one direct cuBLAS call on the tensors' pointers (runtime/cublas.py).
 
 numpy and CuPy hand a transposed view of a contiguous matrix to gemm as a transpose flag, so
 folded transposes cost nothing; batched operands (rank > 2, broadcasting like np.matmul) run
@@ -17,7 +18,7 @@ import numpy as np
 import tvm_ffi
 
 from .. import env
-from . import openblas
+from . import cublas, openblas
 
 logger = logging.getLogger("raf_dist")
 
@@ -177,8 +178,11 @@ def _matmul_low_cuda(a, b, trans_a, trans_b, out):
 
 
 def matmul(a, b, trans_a, trans_b, out):
+    on_gpu = out.device.dlpack_device_type() == _CUDA
+    if on_gpu and cublas.matmul(a, b, trans_a, trans_b, out):
+        return
     if str(out.dtype) in LOW_DTYPES:
-        if out.device.dlpack_device_type() != _CUDA:
+        if not on_gpu:
             _matmul_low(a, b, trans_a, trans_b, out)
             return
         if len(out.shape) > 2:
