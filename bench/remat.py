@@ -17,7 +17,9 @@ temporaries (``stats()["planned_peak_bytes"]``) and their ratio, and the process
 instead finds, for each policy, the largest batch (even) whose planned temporaries fit the
 budget (TVM's memory planner on the step, nothing run), then trains each policy at its batch
 alone and prints the batch against no recomputation's and the samples/s against its
-(issue #31's target: >= 2x the batch at >= 90% of the samples/s).
+(issue #31's target: >= 2x the batch at >= 90% of the samples/s); the side ``budget`` trains
+twice none's batch with ``activation_memory_budget_mb`` set, the compiler choosing its
+recomputation (the least that fits: runtime/spmd.py).
 
     python bench/remat.py --side none|selective|full --model gpt [--batch B]
 """
@@ -89,18 +91,22 @@ def largest_batch(name, policy, budget_bytes, start):
     return low
 
 
-def raf_side(name, policy, steps, cache_dir, batch=None):
+def raf_side(name, policy, steps, cache_dir, batch=None, budget_mb=None):
     import raf_dist
     from raf_dist import distributed as dist
 
-    dist.get_config().activation_checkpointing = POLICIES[policy]
+    if policy == "budget":  # the compiler's choice of points within the budget
+        dist.get_config().activation_memory_budget_mb = budget_mb
+    else:
+        dist.get_config().activation_checkpointing = POLICIES[policy]
     module, x, y = make_at(name, batch)
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                optimizer=raf_dist.optim.AdamW(lr=1e-3), cache_dir=cache_dir)
     xn, yn = x.numpy(), y.numpy()
     ms = harness.median_ms(lambda: trainer.step(xn, yn), steps)
     return {"ms": ms, "planned_peak_bytes": trainer.stats()["planned_peak_bytes"],
-            "peak_rss_bytes": _peak_rss_bytes(), "rows": len(xn)}
+            "peak_rss_bytes": _peak_rss_bytes(), "rows": len(xn),
+            "recompute": str(trainer.executor.recompute)}
 
 
 def main():
@@ -112,13 +118,13 @@ def main():
     parser.add_argument("--budget-mb", type=float, default=None,
                         help="instead: the largest batch each policy fits in this many MB of "
                              "planned temporaries, and its samples/s")
-    parser.add_argument("--side", choices=list(POLICIES), help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=[*POLICIES, "budget"], help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
         return harness.report(raf_side(args.model, args.side, args.steps, args.cache_dir,
-                                       args.batch))
+                                       args.batch, args.budget_mb))
     if args.budget_mb is not None:
         return batch_at_budget(args)
 
@@ -160,10 +166,18 @@ def batch_at_budget(args):
             batches = {p: largest_batch(name, p, budget, SHAPES[name][1]) for p in POLICIES}
             common = [sys.executable, __file__, "--model", name, "--steps", str(args.steps),
                       "--cache-dir", cache_dir]
-            res = harness.alternate({p: common + ["--side", p, "--batch", str(batches[p])]
-                                     for p in POLICIES if batches[p]}, args.rounds, cpu_set)
+            sides = {p: common + ["--side", p, "--batch", str(batches[p])]
+                     for p in POLICIES if batches[p]}
+            if batches["none"]:  # the target's batch, twice none's, at the compiler's choice
+                batches["budget"] = 2 * batches["none"]
+                sides["budget"] = common + ["--side", "budget", "--batch",
+                                            str(batches["budget"]), "--budget-mb",
+                                            str(args.budget_mb)]
+            res = harness.alternate(sides, args.rounds, cpu_set)
             rate = {p: [r["rows"] / r["ms"] * 1e3 for r in v] for p, v in res.items()}
-            for p in POLICIES:
+            for p in [*POLICIES, "budget"]:
+                if p == "budget" and p not in batches:
+                    continue
                 if not batches[p]:
                     print(f"{name:9s} {p:10s} {'-':>6s}  (no batch fits)")
                     continue
@@ -171,7 +185,8 @@ def batch_at_budget(args):
                          else "-")
                 print(f"{name:9s} {p:10s} {batches[p]:6d} "
                       f"{batches[p] / max(batches['none'], 1):7.2f} "
-                      f"{statistics.median(rate[p]):10.1f} {ratio:>26s}")
+                      f"{statistics.median(rate[p]):10.1f} {ratio:>26s}"
+                      + (f"  chose {res[p][0]['recompute']}" if p == "budget" else ""))
 
 
 if __name__ == "__main__":

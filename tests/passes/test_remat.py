@@ -6,7 +6,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from raf_dist.passes.remat import rematerialize
+from raf_dist.passes.remat import Cheapest, FullBlocks, ladder, ranked, rematerialize
 
 
 def _adjoint():
@@ -66,7 +66,16 @@ def test_without_recomputation_the_backward_reads_the_activations():
     # the joins (the matmuls' and the square's gradients read them) recomputed
     ("selective", {"mm1", "mm2"}, {"act1": "relax.tanh", "act2": "relax.tanh",
                                    "join1": "relax.add", "join2": "relax.add"}),
-])
+    # a budget's points: all of selective's values one at a time is selective; the first
+    # block as full, the second as selective (its matmul output kept, its tanh recomputed;
+    # join2 kept: it is a block boundary); every block is full
+    (Cheapest(4), {"mm1", "mm2"}, {"act1": "relax.tanh", "act2": "relax.tanh",
+                                   "join1": "relax.add", "join2": "relax.add"}),
+    (FullBlocks(1), {"join1", "join2", "mm2"}, {"mm1": "relax.matmul", "act1": "relax.tanh",
+                                                "act2": "relax.tanh"}),
+    (FullBlocks(2), {"join1", "join2", "sq"}, {"mm1": "relax.matmul", "mm2": "relax.matmul",
+                                               "act1": "relax.tanh", "act2": "relax.tanh"}),
+], ids=["full", "selective", "cheapest-all", "full-blocks-1", "full-blocks-all"])
 def test_the_backward_reads_only_what_the_policy_keeps(policy, kept, recomputed):
     adjoint, n_forward, names = _adjoint()
     after = rematerialize(adjoint, n_forward, 1, policy, names["loss"])
@@ -97,3 +106,40 @@ def test_unknown_policy_is_refused():
     adjoint, n_forward, names = _adjoint()
     with pytest.raises(ValueError, match="'full', 'selective'"):
         rematerialize(adjoint, n_forward, 1, "everything", names["loss"])
+
+
+def test_a_budgets_points_run_from_none_through_selective_to_full():
+    """ladder: selective's four values (the tanh outputs and the joins: the backward reads
+    them, they are not matmul outputs) one at a time, then the two blocks. Cheapest(k)
+    recomputes the k lowest-scored of them and the backward keeps reading the others."""
+    adjoint, n_forward, names = _adjoint()
+    assert ladder(adjoint, n_forward, 1, names["loss"]) == (4, 2)
+    order = [v.name for v in ranked(adjoint, n_forward, 1)]
+    assert sorted(order) == ["act1", "act2", "join1", "join2"]
+    for count in range(5):
+        after = rematerialize(adjoint, n_forward, 1, Cheapest(count), names["loss"])
+        reads, copies = _backward_reads(after, n_forward)
+        assert set(copies) == set(order[:count]), count
+        assert set(order[count:]) <= reads and not set(order[:count]) & reads, count
+
+
+def test_the_score_recomputes_large_cheap_values_read_once_first():
+    """RAF's score (recompute cost / byte + 0.1) x (backward uses + 1): of two elementwise
+    values the same size, the one the backward reads less often goes first."""
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    w = relax.Var("w", relax.TensorType((8, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            mm = bb.emit(relax.op.matmul(x, w), "mm")
+            # y: read by tanh's gradient and twice by y * y's; z: twice by z * z's
+            y = bb.emit(relax.op.tanh(mm), "y")
+            z = bb.emit(relax.op.multiply(y, y), "z")
+            loss = bb.emit_output(relax.op.sum(relax.op.multiply(z, z)), "loss")
+        bb.emit_func_output(loss)
+    mod = bb.get()
+    n_forward = len(mod["main"].body.blocks[0].bindings)
+    adjoint = relax.transform.Gradient("main", require_grads=[mod["main"].params[1]])(mod)
+    order = [v.name for v in ranked(adjoint["main_adjoint"], n_forward, 1)]
+    assert "mm" not in order  # matmul outputs are "selective"'s, never a ranked value
+    assert order == ["z", "y"]

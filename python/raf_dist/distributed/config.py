@@ -44,9 +44,11 @@ class DistConfig:
             stage keep only its input per microbatch and run its forward again in backward.
         activation_memory_budget_mb: None (default) or the MB the step's planned temporaries
             (activations and workspace; not parameters, gradients held between steps or
-            optimizer state) may take: the compiler picks the least recomputation (none,
-            "selective", "full") whose planned peak fits, or the Trainer says at construction
-            the smallest peak it can reach. Replaces activation_checkpointing's choice.
+            optimizer state) may take: the compiler picks the least recomputation whose
+            planned peak fits, from none through "selective"'s values one at a time (lowest
+            recompute cost per byte first) to "selective", then "full"'s blocks one at a time
+            to "full", or the Trainer says at construction the smallest peak it can reach.
+            Replaces activation_checkpointing's choice.
         embedding_parallel: "none" (default: embedding tables replicated like any
             parameter), "table" (each table whole on one rank of the dp group, placed by
             bytes or by Trainer(embedding_plan=...)) or "row" (each table's rows split over

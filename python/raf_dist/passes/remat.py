@@ -17,6 +17,15 @@ before their first backward use; the originals then die in the forward and the m
 - ``"selective"`` (Megatron's selective recomputation): the outputs of matmuls and
   convolutions; the cheap work between them (elementwise, normalisation, softmax, casts,
   reshapes) is recomputed.
+- A memory budget's finer points (``ladder``), from none to "full": ``Cheapest(count)``
+  recomputes, of the values "selective" recomputes, the ``count`` with the lowest score
+  ``(recompute cost / byte + 0.1) x (backward uses + 1)`` (``ranked``; RAF's
+  rematerialization chooses per tensor by this score), and keeps the rest as "none" does
+  (``Cheapest(0)`` is none, all of them is "selective"); ``FullBlocks(count)`` recomputes the
+  first ``count`` blocks as "full" does and the rest as "selective" (Megatron's
+  ``--recompute-method block``; all of them is "full"). Per tensor below "selective", per
+  block above it: dropping a matmul output outside a block boundary would let a recomputed
+  chain run back to the step's inputs.
 
 Under either, the outputs of collectives (tensor parallelism's allreduces, synchronized batch
 norm's) and of raf_dist's markers are kept: recomputing one would repeat its communication
@@ -28,6 +37,7 @@ identical with and without recomputation (tests/numeric/test_remat.py).
 
 The pass runs on the adjoint, before the step's markers, distribution and lowering, so the
 collectives and memory planning of every layout see the recomputed step."""
+import dataclasses
 import logging
 import math
 
@@ -45,6 +55,22 @@ KEEP_OUTPUTS = ("relax.matmul", "relax.nn.conv1d", "relax.nn.conv2d", "relax.nn.
 _LOG = logging.getLogger("raf_dist")
 #: ops never recomputed (module docstring): communication and raf_dist's markers
 NEVER_RECOMPUTED_PREFIXES = ("raf_dist.", "relax.ccl.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cheapest:
+    """Recompute the ``count`` lowest-scored values of "selective"'s (``ranked``), keep the
+    rest: the per-tensor points between none and "selective" (module docstring)."""
+
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FullBlocks:
+    """Recompute the first ``count`` blocks as "full" does and the rest as "selective": the
+    per-block points between "selective" and "full" (module docstring)."""
+
+    count: int
 
 
 def _op_name(value):
@@ -119,13 +145,75 @@ def _full_boundaries(fwd, loss):
     return cuts[stride - 1::stride]
 
 
+def _numel(ty):
+    shape = getattr(ty, "shape", None)
+    if not isinstance(ty, relax.TensorType) or shape is None:
+        return None
+    try:
+        return math.prod(int(d) for d in shape)
+    except TypeError:  # a symbolic dimension
+        return None
+
+
+def _recompute_flops(value, out_numel):
+    """A model of what recomputing ``value`` costs, in multiply-adds: a matmul or a
+    convolution, its output times its contraction; anything else, its output's elements (the
+    elementwise, normalisation and softmax work, bound by the bytes it moves)."""
+    name = _op_name(value)
+    if name == "relax.matmul":
+        return out_numel * int(value.args[0].ty.shape[-1])
+    if name in KEEP_OUTPUTS:  # convolutions: output x (input channels x kernel window)
+        weight = [int(d) for d in value.args[1].ty.shape]
+        return out_numel * math.prod(weight[1:])
+    return out_numel
+
+
+def ranked(adjoint, n_forward, n_data):
+    """The forward values the backward reads that "selective" recomputes (not a matmul's or
+    convolution's output, a collective's or a marker's; not a parameter; a tensor of known
+    shape), lowest score first, score =
+    ``(recompute cost per byte + 0.1) x (backward uses + 1)`` (RAF's rematerialization:
+    ``(compute cost + 0.1) x (uses + 1) / size``, its cost measured per op; here modelled by
+    ``_recompute_flops``)."""
+    bindings = list(adjoint.body.blocks[0].bindings)
+    fwd = _Forward(bindings[:n_forward], adjoint.params[:n_data])
+    uses = {}
+    for binding in bindings[n_forward:]:
+        for v in _free_vars(binding.value):
+            if v in fwd.index:
+                uses[v] = uses.get(v, 0) + 1
+    scored = []
+    for var, count in uses.items():
+        value = bindings[fwd.index[var]].value
+        numel = _numel(var.ty)
+        if (numel is None or not isinstance(var, relax.DataflowVar)
+                or _op_name(value) in KEEP_OUTPUTS
+                or (_op_name(value) or "").startswith(NEVER_RECOMPUTED_PREFIXES)):
+            continue
+        size = numel * tvm.runtime.DataType(var.ty.dtype).bits // 8
+        score = (_recompute_flops(value, numel) / size + 0.1) * (count + 1)
+        scored.append((score, fwd.index[var], var))
+    return [var for _, _, var in sorted(scored, key=lambda t: t[:2])]
+
+
+def ladder(adjoint, n_forward, n_data, loss):
+    """(values, blocks): how many ``Cheapest`` and ``FullBlocks`` points lie between none,
+    "selective" and "full" for this adjoint."""
+    fwd = _Forward(list(adjoint.body.blocks[0].bindings)[:n_forward], adjoint.params[:n_data])
+    return len(ranked(adjoint, n_forward, n_data)), len(_full_boundaries(fwd, loss))
+
+
+def _selective_kept(bindings):
+    return {b.var for b in bindings if _op_name(b.value) in KEEP_OUTPUTS}
+
+
 def rematerialize(adjoint, n_forward, n_data, policy, loss):
     """``adjoint`` (TVM's Gradient output, one dataflow block: ``n_forward`` forward and loss
     bindings, then the backward) with the backward reading recomputed copies of the forward
     values ``policy`` does not keep. ``n_data``: the adjoint's leading data arguments (inputs;
     the dropout masks and parameters after them are not data); ``loss``: the forward's loss
     value (the blocks of "full" lie on the way to it)."""
-    if policy not in POLICIES:
+    if policy not in POLICIES and not isinstance(policy, (Cheapest, FullBlocks)):
         raise ValueError(f"recomputation policy must be one of {POLICIES}, got {policy!r}")
     if len(adjoint.body.blocks) != 1:
         raise ValueError("recomputation expects the adjoint as one dataflow block")
@@ -133,13 +221,21 @@ def rematerialize(adjoint, n_forward, n_data, policy, loss):
     bindings = list(block.bindings)
     fwd = _Forward(bindings[:n_forward], adjoint.params[:n_data])
     forward_vars = set(fwd.index)
-    if policy == "full":
+    if isinstance(policy, Cheapest):
+        candidates = ranked(adjoint, n_forward, n_data)
+        kept = _selective_kept(bindings[:n_forward]) | set(candidates[policy.count:])
+    elif policy == "full" or isinstance(policy, FullBlocks):
         boundaries = _full_boundaries(fwd, loss)
-        last = boundaries[-1][0] if boundaries else 0
+        blocks = len(boundaries) if policy == "full" else policy.count
         kept = {v for _, v in boundaries}
-        kept |= {b.var for b in bindings[last:n_forward]}  # the head and the loss
+        if blocks >= len(boundaries):
+            last = boundaries[-1][0] if boundaries else 0
+            kept |= {b.var for b in bindings[last:n_forward]}  # the head and the loss
+        else:  # after the count-th block: "selective"
+            kept |= _selective_kept(bindings[boundaries[blocks - 1][0] if blocks else 0:
+                                             n_forward])
     else:
-        kept = {b.var for b in bindings[:n_forward] if _op_name(b.value) in KEEP_OUTPUTS}
+        kept = _selective_kept(bindings[:n_forward])
     kept |= {b.var for b in bindings[:n_forward]
              if (_op_name(b.value) or "").startswith(NEVER_RECOMPUTED_PREFIXES)}
 
@@ -168,9 +264,11 @@ def rematerialize(adjoint, n_forward, n_data, policy, loss):
                                        SubstituteVars(mapping).visit_expr(binding.value))
         new_bindings.append(binding)
     if not copies:
-        _LOG.warning("activation_checkpointing=%r recomputed nothing: %s", policy,
-                     "the forward has no single-tensor cut to end a block at" if policy == "full"
-                     else "the backward reads only values the policy keeps")
+        if policy in POLICIES:
+            _LOG.warning("activation_checkpointing=%r recomputed nothing: %s", policy,
+                         "the forward has no single-tensor cut to end a block at"
+                         if policy == "full" else "the backward reads only values the policy "
+                         "keeps")
     body = relax.SeqExpr([relax.DataflowBlock(new_bindings)], adjoint.body.body)
     func = relax.Function(adjoint.params, body, adjoint.ret_ty, adjoint.is_pure, adjoint.attrs)
     return relax.BlockBuilder().normalize(func)  # the new sequence's types

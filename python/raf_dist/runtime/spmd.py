@@ -25,7 +25,7 @@ from ..compiler.step_passes import forward_passes, nonfinite_guard, step_passes
 from ..distributed import collectives
 from ..distributed.communicator import raised_on_every_rank
 from ..layout import state_layout
-from ..passes import gradient_buckets
+from ..passes import gradient_buckets, remat
 from ..passes.batch_norm import decompose_forward, has_training_batch_norm
 from ..passes.clipping import Clip
 from ..training import build_train_step
@@ -45,6 +45,13 @@ from .plan import RunPlan
 from .tensors import bytes_by_dtype, check_array, nbytes, to_device
 
 _LOG = logging.getLogger("raf_dist")
+
+
+def _describe(policy):
+    """A budget's recomputation point in words (passes/remat.py)."""
+    if isinstance(policy, remat.Cheapest):
+        return "none" if policy.count == 0 else f"{policy.count} of selective's values"
+    return f"{policy.count} blocks as full, the rest selective"
 
 
 class SPMDExecutor(LoopScalars):
@@ -197,27 +204,58 @@ class SPMDExecutor(LoopScalars):
                              else "float32")
 
     def _recompute_within_budget(self, step_model):
-        """(policy, (step IR, signature)): the least recomputation (none, "selective", "full")
-        whose planned step temporaries fit activation_memory_budget_mb, planned with this
-        rank's passes, and its step; a ValueError naming the smallest reachable peak when
-        none does (before any collective: every rank of an SPMD job plans the same step)."""
+        """(policy, (step IR, signature)): the least recomputation whose planned step
+        temporaries fit activation_memory_budget_mb, planned with this rank's passes, and its
+        step; a ValueError naming the smallest reachable peak when none does (before any
+        collective: every rank of an SPMD job plans the same step).
+
+        The points (passes/remat.py ``ladder``): from none to "selective", its values one at
+        a time, cheapest first (``Cheapest``); from "selective" to "full", its blocks one at a
+        time (``FullBlocks``). Within a range fewer recomputed values plan to more memory, so
+        the first point that fits is found by bisection (~log2 of the points' count of plans);
+        only points actually planned and fitting are chosen, so a step that is not monotone in
+        them costs optimality, never the budget."""
         budget = self.run_plan.activation_memory_budget_mb
-        peaks = {}
-        for policy in (None, "selective", "full"):
-            built = build_train_step(step_model, self.loss, self.optimizer,
-                                     **self._step_options(policy))
-            peaks[policy] = plan_memory(built[0], self._passes(), self._target)
-            if peaks[policy] <= budget * 2**20:
-                _LOG.info("activation_memory_budget_mb=%g: recomputation %s (planned "
-                          "temporaries %.1f MB)", budget, policy or "none",
-                          peaks[policy] / 2**20)
-                return policy, built
+        peaks, builds = {}, {}
+
+        def plan(policy):
+            if policy not in peaks:
+                builds[policy] = build_train_step(step_model, self.loss, self.optimizer,
+                                                  **self._step_options(policy))
+                peaks[policy] = plan_memory(builds[policy][0], self._passes(), self._target)
+            return peaks[policy] <= budget * 2**20
+
+        def chosen(policy):
+            _LOG.info("activation_memory_budget_mb=%g: recomputation %s (planned temporaries "
+                      "%.1f MB; %d points planned)", budget, _describe(policy),
+                      peaks[policy] / 2**20, len(peaks))
+            return (None if policy == remat.Cheapest(0) else policy), builds[policy]
+
+        if plan(remat.Cheapest(0)):  # no recomputation
+            return chosen(remat.Cheapest(0))
+        values, blocks = builds[remat.Cheapest(0)][1].recompute_ladder
+        # each range bisected only once its top end ("selective", then "full") fits: the two
+        # policies' peaks are not ordered (a small model's kept head can outweigh the saving)
+        for points in ([remat.Cheapest(i) for i in range(values + 1)],
+                       [remat.Cheapest(values)] + [remat.FullBlocks(k)
+                                                  for k in range(1, blocks + 1)]):
+            if not plan(points[-1]):
+                continue
+            low, high = 0, len(points) - 1  # points[low] does not fit, points[high] does
+            while high - low > 1:
+                middle = (low + high) // 2
+                if plan(points[middle]):
+                    high = middle
+                else:
+                    low = middle
+            return chosen(points[high])
         best = min(peaks, key=lambda p: peaks[p])
         raise ValueError(
             f"activation_memory_budget_mb={budget:g}: the step's planned temporaries cannot "
             f"fit; the smallest reachable is {peaks[best] / 2**20:.1f} MB (recomputation "
-            f"{best or 'none'}; none {peaks[None] / 2**20:.1f} MB). Raise the budget, lower "
-            "the batch per rank, or split the model further (tensor_parallel_size, ZeRO-3)")
+            f"{_describe(best)}; none {peaks[remat.Cheapest(0)] / 2**20:.1f} MB). Raise the "
+            "budget, lower the batch per rank, or split the model further "
+            "(tensor_parallel_size, ZeRO-3)")
 
     def _step_options(self, recompute):
         """build_train_step's arguments from the plan (every batch size's step alike), with

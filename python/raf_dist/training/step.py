@@ -35,6 +35,7 @@ from ..passes import clipping
 from ..passes.auto_cast import auto_cast
 from ..passes.batch_norm import DecomposeBatchNorm, has_training_batch_norm
 from ..passes.pipeline import strip_stage_markers
+from ..passes.remat import ladder as remat_ladder
 from ..passes.remat import rematerialize
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from . import nonfinite
@@ -60,6 +61,9 @@ class TrainStepSignature:
     frozen_specs: list = dataclasses.field(default_factory=list)  # [(shape, dtype)]
     # dtype of the 0-d loss_weight argument after the target; None: the step takes none
     loss_weight_dtype: str = None
+    # with recomputation: passes/remat.ladder's (values, blocks), the points a memory budget
+    # chooses among
+    recompute_ladder: tuple = (0, 0)
 
     @property
     def num_inputs(self):
@@ -125,8 +129,10 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     optimizer reads are clipped by their global L2 norm and the loss output becomes
     [loss, norm]. Under ZeRO the distribution pass clips instead (give None here).
 
-    ``recompute`` (None, ``"full"`` or ``"selective"``): the backward reads recomputed copies
-    of the forward values the policy does not keep (passes/remat.py).
+    ``recompute`` (None, ``"full"``, ``"selective"`` or one of a budget's points,
+    ``remat.Cheapest`` / ``remat.FullBlocks``): the backward reads recomputed copies of the
+    forward values the policy does not keep (passes/remat.py); the signature's
+    ``recompute_ladder`` counts the budget's points.
 
     ``local_grads`` ((names, world, sparse) or None): the trained parameters whose gradient
     this rank computes whole for the dp group (embedding tables sharded over it: the
@@ -156,7 +162,9 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     adjoint, n_forward = _adjoint(forward, loss_func, n_in, trains)
     # recomputation rewrites only the backward's binding values: these stay the adjoint's
     loss_value, grads, new_buffers = _loss_and_grads(adjoint)
+    recompute_ladder = (0, 0)
     if recompute is not None:
+        recompute_ladder = remat_ladder(adjoint, n_forward, len(model.input_specs), loss_value)
         adjoint = rematerialize(adjoint, n_forward, len(model.input_specs), recompute,
                                 loss_value)
     adjoint_params = adjoint.params[n_in:n_in + n_all]  # the adjoint's own Var objects
@@ -240,8 +248,9 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
         attrs[UPDATE_GROUPS] = groups
     step_mod["train_step"] = step_mod["train_step"].with_attrs(attrs)
     step_mod = relax.transform.DeadCodeElimination(["train_step"])(step_mod)
-    return step_mod, _signature(model, target_spec, trainable, specs, optimizer, frozen,
-                                loss_weight, out_info, hyper_names)
+    signature = _signature(model, target_spec, trainable, specs, optimizer, frozen,
+                           loss_weight, out_info, hyper_names)
+    return step_mod, dataclasses.replace(signature, recompute_ladder=recompute_ladder)
 
 
 def _training_forward(model, compute_dtype=None):
