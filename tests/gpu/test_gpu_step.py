@@ -1,8 +1,8 @@
 """GPU tier (skipped without an NVIDIA GPU, CuPy and a native runtime built with NCCL — run
 scripts/gpu_check.sh on a GPU machine): the same training steps on cuda(0) as on the CPU,
-with matmul on cuBLAS by one direct call and convolution through CuPy, and a single-rank NCCL run (ZeRO-2 in a
-world of one: reduce_scatter, allgather, local_shard and buckets on GPU memory; alltoall),
-and bf16 mixed precision on the GPU."""
+with matmul on cuBLAS by one direct call and convolution through CuPy, and a single-rank
+NCCL run (ZeRO-2 in a world of one: reduce_scatter, allgather, local_shard and buckets on GPU
+memory; alltoall), and bf16 mixed precision on the GPU."""
 import pytest
 import tvm
 

@@ -427,6 +427,24 @@ class StageForward(typing.NamedTuple):
     buffer_names: tuple = ()  # the buffers it reads, model order
     buffers_written: tuple = ()  # the buffers whose new values it returns after its output
 
+    @property
+    def num_inputs(self):
+        """Its leading parameters: the activation from the stage before (or the data)."""
+        return stage_input_count(self.function, len(self.mask_indices), len(self.param_names),
+                                 len(self.buffer_names))
+
+    @property
+    def output_type(self):
+        """The activation's type (the first of the outputs when it writes buffers)."""
+        ret = self.function.ret_ty
+        return ret.fields[0] if self.buffers_written else ret
+
+
+def stage_input_count(function, masks, params, buffers):
+    """A stage function's leading inputs: its parameters are ``(*inputs, *masks, *params,
+    *buffers)``."""
+    return len(function.params) - masks - params - buffers
+
 
 def split_forward(plan):
     """One Relax function per stage (module docstring): ``(input or data inputs, *masks used,

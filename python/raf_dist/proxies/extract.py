@@ -266,8 +266,7 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
     plan = stage_plan(piece, S, mesh.microbatches, ranks=mesh.pp)
     funcs = split_forward(plan)
     frozen = list(piece.frozen_params)
-    boundary = [type_nbytes(f.function.ret_ty.fields[0] if f.buffers_written
-                            else f.function.ret_ty) for f in funcs]
+    boundary = [type_nbytes(f.output_type) for f in funcs]
     passes = [LowerTensorParallel(AXIS_GROUPS["tp"])] if mesh.tp > 1 else []
     stage_events = []
     seen: dict[tuple, dict[str, list[Event]]] = {}

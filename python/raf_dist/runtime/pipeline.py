@@ -329,8 +329,7 @@ class PipelineExecutor(LoopScalars):
         low = self._low_boundaries(funcs)
         stage_set = _StageSet(rows, self._build_stages(funcs, rows, low), [
             (tuple(int(d) for d in ty.shape), self.compute_dtype if b in low else str(ty.dtype))
-            for b, ty in enumerate(f.function.ret_ty.fields[0] if f.buffers_written
-                                   else f.function.ret_ty for f in funcs)])
+            for b, ty in enumerate(f.output_type for f in funcs)])
         self._stage_sets[rows] = stage_set
         if self._profiling is not None:  # a size first seen while profiling is recorded too
             for stage in stage_set.stages.values():
@@ -344,12 +343,8 @@ class PipelineExecutor(LoopScalars):
             return set()
         low = set()
         for b in range(len(funcs) - 1):
-            out = funcs[b].function.ret_ty
-            out = out.fields[0] if funcs[b].buffers_written else out
             nxt = funcs[b + 1]
-            n_in = (len(nxt.function.params) - len(nxt.mask_indices) - len(nxt.param_names)
-                    - len(nxt.buffer_names))
-            if (str(out.dtype) == "float32" and n_in == 1
+            if (str(funcs[b].output_type.dtype) == "float32" and nxt.num_inputs == 1
                     and str(nxt.function.params[0].ty.dtype) == "float32"):
                 low.add(b)
         return low

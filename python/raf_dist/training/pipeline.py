@@ -34,7 +34,7 @@ from tvm import relax
 
 from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                         UPDATE_GROUPS, UPDATED_ARGUMENTS)
-from ..passes.pipeline import emit_function
+from ..passes.pipeline import emit_function, stage_input_count
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from .loss import build_loss
 from .step import (GRAD_UNSCALE, _emit_update, _follow, _groups, _ident, _loss_and_grads,
@@ -92,7 +92,7 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
     the new buffer values last (once per microbatch, in order); ``recompute`` reads the
     buffers and leaves them alone."""
     n_buf = len(buffer_names)
-    n_in = len(forward.params) - len(mask_indices) - len(param_names) - n_buf
+    n_in = stage_input_count(forward, len(mask_indices), len(param_names), n_buf)
     missing = missing_gradients(forward)
     if missing:
         ops = ", ".join(f"{op} (computing {var})" for op, var in missing)
