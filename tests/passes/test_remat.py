@@ -123,23 +123,23 @@ def test_a_budgets_points_run_from_none_through_selective_to_full():
         assert set(order[count:]) <= reads and not set(order[:count]) & reads, count
 
 
-def test_the_score_recomputes_large_cheap_values_read_once_first():
-    """RAF's score (recompute cost / byte + 0.1) x (backward uses + 1): of two elementwise
-    values the same size, the one the backward reads less often goes first."""
+def test_the_score_recomputes_values_cheap_per_byte_and_read_once_first():
+    """RAF's score (recompute cost / byte + 0.1) x (backward uses + 1), the cost the elements
+    the op moves: an elementwise value read once goes before a row sum, whose small output
+    costs its whole input and which the backward reads twice."""
     x = relax.Var("x", relax.TensorType((4, 8), "float32"))
     w = relax.Var("w", relax.TensorType((8, 8), "float32"))
     bb = relax.BlockBuilder()
     with bb.function("main", [x, w]):
         with bb.dataflow():
             mm = bb.emit(relax.op.matmul(x, w), "mm")
-            # y: read by tanh's gradient and twice by y * y's; z: twice by z * z's
-            y = bb.emit(relax.op.tanh(mm), "y")
-            z = bb.emit(relax.op.multiply(y, y), "z")
-            loss = bb.emit_output(relax.op.sum(relax.op.multiply(z, z)), "loss")
+            y = bb.emit(relax.op.tanh(mm), "y")  # read once: by tanh's gradient
+            s = bb.emit(relax.op.sum(y, axis=[1]), "s")  # read twice: by s * s's gradient
+            loss = bb.emit_output(relax.op.sum(relax.op.multiply(s, s)), "loss")
         bb.emit_func_output(loss)
     mod = bb.get()
     n_forward = len(mod["main"].body.blocks[0].bindings)
     adjoint = relax.transform.Gradient("main", require_grads=[mod["main"].params[1]])(mod)
     order = [v.name for v in ranked(adjoint["main_adjoint"], n_forward, 1)]
     assert "mm" not in order  # matmul outputs are "selective"'s, never a ranked value
-    assert order == ["z", "y"]
+    assert order == ["y", "s"]

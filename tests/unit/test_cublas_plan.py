@@ -97,7 +97,7 @@ def test_matmul_passes_the_tensors_pointers_in_cupys_argument_order(monkeypatch)
         _gemm_strided_batched(p, first.astype(np.float64), second.astype(np.float64), c)
         ctypes.memmove(C, c.astype(np.float32).ctypes.data, c.size * 4)
 
-    monkeypatch.setattr(cublas, "_library", [(gemm, lambda: 77)])
+    monkeypatch.setattr(cublas, "_library", [(gemm, lambda: 77, RuntimeError)])
     rng = np.random.default_rng(1)
     a = rng.standard_normal((2, 6, 5, 3)).astype(np.float32)
     b = rng.standard_normal((2, 6, 4, 3)).astype(np.float32)
@@ -105,6 +105,22 @@ def test_matmul_passes_the_tensors_pointers_in_cupys_argument_order(monkeypatch)
     assert cublas.matmul(tvm.runtime.tensor(a), tvm.runtime.tensor(b), False, True, out)
     np.testing.assert_allclose(out.numpy(), a @ np.swapaxes(b, -1, -2), rtol=1e-5, atol=1e-5)
     assert calls == [(77, 0, 0, 0, cublas.COMPUTE_32F, cublas.GEMM_DEFAULT)]
+
+
+def test_a_product_beyond_cublas_int_arguments_is_declined():
+    assert cublas.plan((2**20, 2**12, 3), (3, 4), (2**20, 2**12, 4), False, False) is None
+
+
+def test_a_cublas_error_falls_back(monkeypatch):
+    class Declined(Exception):
+        pass
+
+    def gemm(*args):
+        raise Declined("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(cublas, "_library", [(gemm, lambda: 1, Declined)])
+    f = tvm.runtime.tensor(np.ones((2, 2), np.float32))
+    assert not cublas.matmul(f, f, False, False, f)
 
 
 def test_other_dtypes_and_a_missing_binding_fall_back(monkeypatch):

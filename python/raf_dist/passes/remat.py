@@ -20,7 +20,8 @@ before their first backward use; the originals then die in the forward and the m
 - A memory budget's finer points (``ladder``), from none to "full": ``Cheapest(count)``
   recomputes, of the values "selective" recomputes, the ``count`` with the lowest score
   ``(recompute cost / byte + 0.1) x (backward uses + 1)`` (``ranked``; RAF's
-  rematerialization chooses per tensor by this score), and keeps the rest as "none" does
+  rematerialization chooses per tensor by this score; the cost here is modelled as the
+  elements the op reads and writes), and keeps the rest as "none" does
   (``Cheapest(0)`` is none, all of them is "selective"); ``FullBlocks(count)`` recomputes the
   first ``count`` blocks as "full" does and the rest as "selective" (Megatron's
   ``--recompute-method block``; all of them is "full"). Per tensor below "selective", per
@@ -67,8 +68,9 @@ class Cheapest:
 
 @dataclasses.dataclass(frozen=True)
 class FullBlocks:
-    """Recompute the first ``count`` blocks as "full" does and the rest as "selective": the
-    per-block points between "selective" and "full" (module docstring)."""
+    """Recompute the first ``count`` blocks as "full" does and the rest as "selective" (every
+    block boundary kept as well): the per-block points between "selective" and "full"
+    (module docstring)."""
 
     count: int
 
@@ -155,17 +157,13 @@ def _numel(ty):
         return None
 
 
-def _recompute_flops(value, out_numel):
-    """A model of what recomputing ``value`` costs, in multiply-adds: a matmul or a
-    convolution, its output times its contraction; anything else, its output's elements (the
-    elementwise, normalisation and softmax work, bound by the bytes it moves)."""
-    name = _op_name(value)
-    if name == "relax.matmul":
-        return out_numel * int(value.args[0].ty.shape[-1])
-    if name in KEEP_OUTPUTS:  # convolutions: output x (input channels x kernel window)
-        weight = [int(d) for d in value.args[1].ty.shape]
-        return out_numel * math.prod(weight[1:])
-    return out_numel
+def _elements_moved(value, out_numel):
+    """A model of what recomputing ``value`` costs: the elements its op reads and writes (the
+    values ranked are elementwise, normalisation, reduction and softmax work, bound by the
+    bytes they move; a reduction's small output costs its whole input)."""
+    read = sum(_numel(a.ty) or 0 for a in getattr(value, "args", ())
+               if isinstance(a, relax.Expr) and isinstance(a.ty, relax.TensorType))
+    return read + out_numel
 
 
 def ranked(adjoint, n_forward, n_data):
@@ -174,7 +172,7 @@ def ranked(adjoint, n_forward, n_data):
     shape), lowest score first, score =
     ``(recompute cost per byte + 0.1) x (backward uses + 1)`` (RAF's rematerialization:
     ``(compute cost + 0.1) x (uses + 1) / size``, its cost measured per op; here modelled by
-    ``_recompute_flops``)."""
+    ``_elements_moved``)."""
     bindings = list(adjoint.body.blocks[0].bindings)
     fwd = _Forward(bindings[:n_forward], adjoint.params[:n_data])
     uses = {}
@@ -191,7 +189,9 @@ def ranked(adjoint, n_forward, n_data):
                 or (_op_name(value) or "").startswith(NEVER_RECOMPUTED_PREFIXES)):
             continue
         size = numel * tvm.runtime.DataType(var.ty.dtype).bits // 8
-        score = (_recompute_flops(value, numel) / size + 0.1) * (count + 1)
+        if size == 0:  # nothing to save
+            continue
+        score = (_elements_moved(value, numel) / size + 0.1) * (count + 1)
         scored.append((score, fwd.index[var], var))
     return [var for _, _, var in sorted(scored, key=lambda t: t[:2])]
 
@@ -222,8 +222,11 @@ def rematerialize(adjoint, n_forward, n_data, policy, loss):
     fwd = _Forward(bindings[:n_forward], adjoint.params[:n_data])
     forward_vars = set(fwd.index)
     if isinstance(policy, Cheapest):
-        candidates = ranked(adjoint, n_forward, n_data)
-        kept = _selective_kept(bindings[:n_forward]) | set(candidates[policy.count:])
+        # every value the backward reads, but the chosen ones (a value ranked leaves out, of
+        # unknown size, is kept); the rest only where a recomputed chain reads it
+        chosen = set(ranked(adjoint, n_forward, n_data)[:policy.count])
+        read = {v for b in bindings[n_forward:] for v in _free_vars(b.value) if v in fwd.index}
+        kept = _selective_kept(bindings[:n_forward]) | (read - chosen)
     elif policy == "full" or isinstance(policy, FullBlocks):
         boundaries = _full_boundaries(fwd, loss)
         blocks = len(boundaries) if policy == "full" else policy.count

@@ -31,6 +31,7 @@ DATA_TYPES = {"float32": 0, "float16": 2, "bfloat16": 14}  # cudaDataType_t
 COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: float32 accumulation, no TF32 (CuPy's and torch's default)
 GEMM_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT
 OP_N, OP_T = 0, 1
+_INT_MAX = 2**31 - 1
 _ONE = np.ones((), np.float32)  # alpha and beta, read from host memory (the default pointer
 _ZERO = np.zeros((), np.float32)  # mode) in the compute type's precision
 
@@ -97,13 +98,15 @@ def plan(a_shape: Tuple[int, ...], b_shape: Tuple[int, ...], out_shape: Tuple[in
         return None
     if batch > 1 and stride_b == 0 and stride_a and not trans_a:
         m, batch, stride_a = m * batch, 1, 0  # a's rows of every batch are one (B*M, K)
+    if max(m, n, k, batch) > _INT_MAX:  # the binding's (and cuBLAS's) int arguments
+        return None
     return GemmPlan(op_first=OP_T if trans_b else OP_N, op_second=OP_T if trans_a else OP_N,
                     m=n, n=m, k=k, ld_first=k if trans_b else n, ld_second=m if trans_a else k,
                     ldc=n, stride_first=stride_b, stride_second=stride_a, stride_c=m * n,
                     batch=batch)
 
 
-_library: list = []  # [(cupy's cublas binding, get_cublas_handle) or None], on first use
+_library: list = []  # [(cupy's cublas binding, get_cublas_handle, its error) or None]
 
 
 def _binding():
@@ -113,7 +116,8 @@ def _binding():
             try:
                 from cupy.cuda import device
                 from cupy_backends.cuda.libs import cublas
-                found = (cublas.gemmStridedBatchedEx, device.get_cublas_handle)
+                found = (cublas.gemmStridedBatchedEx, device.get_cublas_handle,
+                         cublas.CUBLASError)
             except (ImportError, AttributeError) as e:
                 logger.warning("raf_dist.blas: CuPy's cuBLAS binding is missing (%s); GPU "
                                "matmuls go through cupy.matmul", e)
@@ -134,11 +138,15 @@ def matmul(a, b, trans_a, trans_b, out) -> bool:
     binding = _binding() if p is not None else None
     if binding is None:
         return False
-    gemm, handle = binding
+    gemm, handle, error = binding
     t = DATA_TYPES[dtype]
-    gemm(handle(), p.op_first, p.op_second, p.m, p.n, p.k, _ONE.ctypes.data,
-         b.data_ptr(), t, p.ld_first, p.stride_first,
-         a.data_ptr(), t, p.ld_second, p.stride_second,
-         _ZERO.ctypes.data, out.data_ptr(), DATA_TYPES[str(out.dtype)], p.ldc, p.stride_c,
-         p.batch, COMPUTE_32F, GEMM_DEFAULT)
+    try:
+        gemm(handle(), p.op_first, p.op_second, p.m, p.n, p.k, _ONE.ctypes.data,
+             b.data_ptr(), t, p.ld_first, p.stride_first,
+             a.data_ptr(), t, p.ld_second, p.stride_second,
+             _ZERO.ctypes.data, out.data_ptr(), DATA_TYPES[str(out.dtype)], p.ldc, p.stride_c,
+             p.batch, COMPUTE_32F, GEMM_DEFAULT)
+    except error as e:  # a combination this cuBLAS does not support: cupy.matmul's way
+        logger.debug("raf_dist.blas: cublasGemmStridedBatchedEx declined %s: %s", p, e)
+        return False
     return True
