@@ -166,23 +166,21 @@ def _elements_moved(value, out_numel):
     return read + out_numel
 
 
-def ranked(adjoint, n_forward, n_data):
-    """The forward values the backward reads that "selective" recomputes (not a matmul's or
-    convolution's output, a collective's or a marker's; not a parameter; a tensor of known
-    shape), lowest score first, score =
-    ``(recompute cost per byte + 0.1) x (backward uses + 1)`` (RAF's rematerialization:
-    ``(compute cost + 0.1) x (uses + 1) / size``, its cost measured per op; here modelled by
-    ``_elements_moved``)."""
-    bindings = list(adjoint.body.blocks[0].bindings)
-    fwd = _Forward(bindings[:n_forward], adjoint.params[:n_data])
+def _backward_uses(fwd, backward):
+    """{forward value: how many backward bindings read it}."""
     uses = {}
-    for binding in bindings[n_forward:]:
+    for binding in backward:
         for v in _free_vars(binding.value):
             if v in fwd.index:
                 uses[v] = uses.get(v, 0) + 1
+    return uses
+
+
+def _ranked(fwd, uses):
+    """``ranked`` on a read forward and its backward uses."""
     scored = []
     for var, count in uses.items():
-        value = bindings[fwd.index[var]].value
+        value = fwd.bindings[fwd.index[var]].value
         numel = _numel(var.ty)
         if (numel is None or not isinstance(var, relax.DataflowVar)
                 or _op_name(value) in KEEP_OUTPUTS
@@ -196,11 +194,28 @@ def ranked(adjoint, n_forward, n_data):
     return [var for _, _, var in sorted(scored, key=lambda t: t[:2])]
 
 
+def _read(adjoint, n_forward, n_data):
+    """(the adjoint's forward read by _Forward, its backward bindings)."""
+    bindings = list(adjoint.body.blocks[0].bindings)
+    return _Forward(bindings[:n_forward], adjoint.params[:n_data]), bindings[n_forward:]
+
+
+def ranked(adjoint, n_forward, n_data):
+    """The forward values the backward reads that "selective" recomputes (not a matmul's or
+    convolution's output, a collective's or a marker's; not a parameter; a tensor of known
+    shape), lowest score first, score =
+    ``(recompute cost per byte + 0.1) x (backward uses + 1)`` (RAF's rematerialization:
+    ``(compute cost + 0.1) x (uses + 1) / size``, its cost measured per op; here modelled by
+    ``_elements_moved``)."""
+    fwd, backward = _read(adjoint, n_forward, n_data)
+    return _ranked(fwd, _backward_uses(fwd, backward))
+
+
 def ladder(adjoint, n_forward, n_data, loss):
     """(values, blocks): how many ``Cheapest`` and ``FullBlocks`` points lie between none,
     "selective" and "full" for this adjoint."""
-    fwd = _Forward(list(adjoint.body.blocks[0].bindings)[:n_forward], adjoint.params[:n_data])
-    return len(ranked(adjoint, n_forward, n_data)), len(_full_boundaries(fwd, loss))
+    fwd, backward = _read(adjoint, n_forward, n_data)
+    return len(_ranked(fwd, _backward_uses(fwd, backward))), len(_full_boundaries(fwd, loss))
 
 
 def _selective_kept(bindings):
@@ -217,16 +232,15 @@ def rematerialize(adjoint, n_forward, n_data, policy, loss):
         raise ValueError(f"recomputation policy must be one of {POLICIES}, got {policy!r}")
     if len(adjoint.body.blocks) != 1:
         raise ValueError("recomputation expects the adjoint as one dataflow block")
-    block = adjoint.body.blocks[0]
-    bindings = list(block.bindings)
-    fwd = _Forward(bindings[:n_forward], adjoint.params[:n_data])
+    bindings = list(adjoint.body.blocks[0].bindings)
+    fwd, backward = _read(adjoint, n_forward, n_data)
     forward_vars = set(fwd.index)
     if isinstance(policy, Cheapest):
         # every value the backward reads, but the chosen ones (a value ranked leaves out, of
         # unknown size, is kept); the rest only where a recomputed chain reads it
-        chosen = set(ranked(adjoint, n_forward, n_data)[:policy.count])
-        read = {v for b in bindings[n_forward:] for v in _free_vars(b.value) if v in fwd.index}
-        kept = _selective_kept(bindings[:n_forward]) | (read - chosen)
+        uses = _backward_uses(fwd, backward)
+        chosen = set(_ranked(fwd, uses)[:policy.count])
+        kept = _selective_kept(bindings[:n_forward]) | (set(uses) - chosen)
     elif policy == "full" or isinstance(policy, FullBlocks):
         boundaries = _full_boundaries(fwd, loss)
         blocks = len(boundaries) if policy == "full" else policy.count
