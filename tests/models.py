@@ -275,7 +275,43 @@ def torch_optimizer(name, params):
         return torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-2)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=0.05, lr_decay=0.01, weight_decay=1e-3,
+                                   initial_accumulator_value=0.1)
+    if name == "rowwise_adagrad":
+        return TorchRowWiseAdagrad(params, lr=0.05, lr_decay=0.01)
     raise ValueError(name)
+
+
+class TorchRowWiseAdagrad(torch.optim.Optimizer):
+    """torchrec.optim.RowWiseAdagrad's update (torchrec is not a dependency): per parameter
+    ``sum += mean(g * g over the row)``, ``p -= clr * g / (sqrt(sum) + eps)`` with
+    ``clr = lr / (1 + (step - 1) * lr_decay)``; its state of a (rows, ...) parameter is
+    (rows, 1, ...) (torchrec's: (rows, 1) of a table); a 1-D parameter is its own rows, as
+    raf_dist's (torchrec's takes 2-D tables only)."""
+
+    def __init__(self, params, lr=1e-2, lr_decay=0.0, eps=1e-10):
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, eps=eps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                g = p.grad
+                if not state:
+                    state["step"] = 0
+                    shape = p.shape if p.dim() < 2 else (p.shape[0],) + (1,) * (p.dim() - 1)
+                    state["sum"] = torch.zeros(shape, dtype=p.dtype)
+                state["step"] += 1
+                clr = group["lr"] / (1 + (state["step"] - 1) * group["lr_decay"])
+                squares = g * g
+                if p.dim() >= 2:
+                    squares = squares.mean(dim=tuple(range(1, p.dim())), keepdim=True)
+                state["sum"] += squares
+                p.addcdiv_(g, state["sum"].sqrt() + group["eps"], value=-clr)
 
 
 def raf_optimizer(name):
@@ -291,6 +327,11 @@ def raf_optimizer(name):
         return raf_dist.optim.Adam(lr=1e-2, weight_decay=1e-3)
     if name == "adamw":
         return raf_dist.optim.AdamW(lr=1e-2)
+    if name == "adagrad":
+        return raf_dist.optim.Adagrad(lr=0.05, lr_decay=0.01, weight_decay=1e-3,
+                                      initial_accumulator_value=0.1)
+    if name == "rowwise_adagrad":
+        return raf_dist.optim.RowWiseAdagrad(lr=0.05, lr_decay=0.01)
     if name == "hf_adamw":  # what tests/hf.py trains the Hugging Face models with
         from hf import raf_adamw
 

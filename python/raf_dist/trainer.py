@@ -105,6 +105,7 @@ class Trainer:
         config = get_config()
         config.check()
         config.check_supported()
+        check_row_states(optimizer, config, local)
         if config.pipeline_parallel_size > 1 and not local:
             check_pipeline_config(config, model)  # from the config and model alone
         comm = get_communicator()
@@ -282,6 +283,29 @@ def check_precision(precision: Any, grad_reduce_dtype: Any) -> None:
                          f"{grad_reduce_dtype!r}")
 
 
+def check_row_states(optimizer: Any, config: Any, local: bool) -> None:
+    """An optimizer that keeps a state one value per row (row-wise Adagrad) where the layout
+    would cut rows: ZeRO shards flat elements wherever a shard ends, and tensor parallelism
+    splits weights along their columns too (a row's mean would be over a piece of it).
+    Refused before anything starts."""
+    if not optimizer.row_states or local:
+        return
+    name = type(optimizer).__name__
+    if config.enable_data_parallel and config.zero_opt_level > 0:
+        raise NotImplementedError(
+            f"{name} keeps {list(optimizer.row_states)} one value per row, and "
+            f"zero_opt_level={config.zero_opt_level} shards each parameter's flat elements "
+            "wherever a shard ends (a row can straddle two ranks): use zero_opt_level=0 with "
+            f"{name} (embedding_parallel shards the tables and their rows' state), or an "
+            "optimizer whose state is shaped like its parameter (SGD, Adagrad, Adam, AdamW)")
+    if config.tensor_parallel_size > 1:
+        raise NotImplementedError(
+            f"{name} keeps {list(optimizer.row_states)} one value per row, and "
+            f"tensor_parallel_size={config.tensor_parallel_size} splits weights along their "
+            f"columns too (each rank would see part of a row): use {name} without tensor "
+            "parallelism, or an optimizer whose state is shaped like its parameter")
+
+
 def check_arguments(model: Any, loss: Any, optimizer: Any, device: Any, nonfinite: Any) -> None:
     """The constructor's arguments, checked before anything starts."""
     if loss not in LOSSES:
@@ -294,7 +318,8 @@ def check_arguments(model: Any, loss: Any, optimizer: Any, device: Any, nonfinit
                         "module with raf_dist.frontend.from_pytorch(module, example_inputs) "
                         "or a raf_dist.nn module with raf_dist.frontend.from_relax_nn")
     if not isinstance(optimizer, Optimizer):
-        raise TypeError("optimizer must be a raf_dist.optim optimizer (SGD, Adam, AdamW), "
+        raise TypeError("optimizer must be a raf_dist.optim optimizer (SGD, Adagrad, "
+                        "RowWiseAdagrad, Adam, AdamW), "
                         f"got {optimizer!r}")
     device_lib.parse(device)  # a bad device string fails before anything starts
     # parameter groups: every group valid and every pattern matching a trained parameter of

@@ -26,15 +26,18 @@ def test_sharded_tables_equal_one_process(mode, optimizer, ranks, extra):
 
 
 def test_checkpoint_reshards_table_to_row_to_one_process(tmp_path):
-    """Saved table-wise at N=2 (AdamW: two states per table), resumed
-    row-wise at N=3, then by one process: each continues exactly as one process that never
-    stopped, and state_dict() is the full tables throughout."""
+    """Saved table-wise at N=2 (row-wise Adagrad: one accumulator per row, each table's
+    looked-up rows and their accumulators updated in place), resumed row-wise at N=3, then by
+    one process (the dense update): each continues exactly as one process that never
+    stopped, and state_dict() / optimizer_state_dict() are the full tables and (rows, 1)
+    accumulators throughout. (AdamW's two parameter-shaped states shard the same way as the
+    parameters: table-adamw-4-plan, make test-slow.)"""
     ckpt = tmp_path / "ckpt"
-    assert_ranks_ok(check_mpi("ep_train.py", 2, "table", "adamw", 2, "--save", ckpt,
+    assert_ranks_ok(check_mpi("ep_train.py", 2, "table", "rowwise_adagrad", 2, "--save", ckpt,
                               timeout=300), 2, "EP OK")
-    assert_ranks_ok(check_mpi("ep_train.py", 3, "row", "adamw", 2, "--load", ckpt, "--save",
-                              ckpt, timeout=300), 3, "EP OK")
-    assert_ranks_ok(check_mpi("ep_train.py", 1, "none", "adamw", 1, "--load", ckpt,
+    assert_ranks_ok(check_mpi("ep_train.py", 3, "row", "rowwise_adagrad", 2, "--load", ckpt,
+                              "--save", ckpt, timeout=300), 3, "EP OK")
+    assert_ranks_ok(check_mpi("ep_train.py", 1, "none", "rowwise_adagrad", 1, "--load", ckpt,
                               timeout=300), 1, "EP OK")
 
 

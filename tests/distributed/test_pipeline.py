@@ -8,8 +8,9 @@ from mpi_launch import assert_ranks_ok, check_mpi
 
 
 @pytest.mark.parametrize("model,optimizer,pp,tp,zero,ranks,extra", [
-    # 8 linear layers in 2 stages, GPipe (every stage holds M = 4 microbatches)
-    ("mlp8", "sgd_momentum", 2, 1, 0, 2, ("--schedule", "gpipe", "--microbatches", 4)),
+    # 8 linear layers in 2 stages, GPipe (every stage holds M = 4 microbatches); row-wise
+    # Adagrad: each stage's update holds one accumulator per row of its weights
+    ("mlp8", "rowwise_adagrad", 2, 1, 0, 2, ("--schedule", "gpipe", "--microbatches", 4)),
     # 4 stages cut where the user says, 1F1B: stage s holds min(4 - s, 4)
     ("mlp8", "adamw", 4, 1, 0, 4, ("--schedule", "1f1b", "--microbatches", 4,
                                    "--split-points", "layers.2,layers.4,layers.6")),
@@ -24,7 +25,7 @@ from mpi_launch import assert_ranks_ok, check_mpi
     # nanoGPT's flattened logits: each microbatch takes its share of the (batch * seq) targets
     # and raf_dist.proxies' extraction of this mesh's step equals what its last step ran
     ("flat_lm", "sgd_momentum", 2, 2, 1, 8, ("--microbatches", 2, "--check-extraction", 1)),
-], ids=["mlp8-pp2-gpipe", "mlp8-pp4-1f1b-split-points", "transformer-pp4-interleaved",
+], ids=["mlp8-pp2-gpipe-rowwise-adagrad", "mlp8-pp4-1f1b-split-points", "transformer-pp4-interleaved",
         "gpt2-pp2-tied-checkpointing", "flat-lm-dp2xpp2xtp2-zero1"])
 def test_pipeline_equals_one_process(model, optimizer, pp, tp, zero, ranks, extra):
     out = check_mpi("pp_train.py", ranks, model, optimizer, pp, tp, zero, 3, *extra,

@@ -128,6 +128,23 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         sgd.load_checkpoint(tmp_path)
 
 
+def test_row_wise_state_resumes_and_is_not_taken_for_adagrads(tmp_path):
+    """Row-wise Adagrad's (rows, 1) accumulators save and resume bitwise; plain Adagrad keeps
+    a state of the same name shaped like the parameter, and its load is refused, naming it."""
+    rows, _, x, y = _trainer("cnn", optimizer="rowwise_adagrad")
+    rows.step(x, y)
+    rows.save_checkpoint(tmp_path)
+    expected = [rows.step(x, y) for _ in range(2)]
+    resumed, _, _, _ = _trainer("cnn", optimizer="rowwise_adagrad")
+    resumed.load_checkpoint(tmp_path)
+    assert [resumed.step(x, y) for _ in range(2)] == expected
+    for key, value in rows.optimizer_state_dict().items():
+        np.testing.assert_array_equal(resumed.optimizer_state_dict()[key]["sum"], value["sum"])
+    plain, _, _, _ = _trainer("cnn", optimizer="adagrad")
+    with pytest.raises(ckpt.CheckpointError, match="one value per row"):
+        plain.load_checkpoint(tmp_path)
+
+
 def test_no_checkpoint_names_the_path(tmp_path):
     trainer, _, _, _ = _trainer()
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint in"):

@@ -29,13 +29,33 @@ def run_raf(name, opt_name, batch, steps):
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam", "adamw"])
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
 def test_matches_pytorch(name, opt_name):
-    losses, params, _ = run_raf(name, opt_name, 8, STEPS)
+    _check_against_pytorch(name, opt_name)
+
+
+# Adagrad with every option set (lr_decay, weight decay, an initial accumulator) against
+# torch.optim.Adagrad; row-wise Adagrad against torchrec's update rule (tests/models.py) on the
+# transformer (an embedding table, 2-D weights, 1-D biases and norms)
+@pytest.mark.parametrize("name, opt_name", [("cnn", "adagrad"),
+                                            ("transformer", "rowwise_adagrad")])
+def test_adagrad_matches_pytorch(name, opt_name):
+    _, _, trainer = _check_against_pytorch(name, opt_name)
+    states = trainer.optimizer_state_dict()
+    for param, value in trainer.state_dict().items():
+        expected = value.shape
+        if opt_name == "rowwise_adagrad" and value.ndim >= 2:  # one accumulator per row
+            expected = (value.shape[0],) + (1,) * (value.ndim - 1)
+        assert states[param]["sum"].shape == expected, param
+
+
+def _check_against_pytorch(name, opt_name):
+    losses, params, trainer = run_raf(name, opt_name, 8, STEPS)
     ref_losses, ref_params = torch_reference(name, opt_name, 8, STEPS)
     assert rel_err(losses, ref_losses) <= TOL, (losses, ref_losses)
     assert sorted(params) == sorted(ref_params)
     for key in ref_params:
         assert params[key].shape == ref_params[key].shape
         assert rel_err(params[key], ref_params[key]) <= TOL, key
+    return losses, params, trainer
 
 
 @pytest.mark.parametrize("name", ["mha", "sdpa"])

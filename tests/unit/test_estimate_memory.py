@@ -45,6 +45,18 @@ def test_estimate_matches_stats_in_one_process(dist_config, level):
                                       + estimate["planned_peak_bytes"])
 
 
+def test_row_wise_state_is_counted_per_row():
+    """Row-wise Adagrad holds one accumulator per row of a 2-D weight (a bias: per element):
+    the estimate counts what the Trainer holds."""
+    module, x, y = make("mlp", 8)
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    trainer = raf_dist.Trainer(model, optimizer=raf_optimizer("rowwise_adagrad"))
+    trainer.step(x.numpy(), y.numpy())
+    estimate = raf_dist.estimate_memory(model, raf_optimizer("rowwise_adagrad"), 2, 0)
+    rows = sum(p.shape[0] if p.dim() >= 2 else p.numel() for p in module.parameters())
+    assert estimate["optimizer_state_bytes"] == trainer.stats()["optimizer_state_bytes"] == 4 * rows
+
+
 def test_estimate_for_more_ranks_needs_no_launcher():
     module, x, _ = make("wide_mlp", 4)
     model = raf_dist.frontend.from_pytorch(module, (x,))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from raf_dist import _native
-from raf_dist.layout import Mesh, local_shard, shard_size, slice_range, state_layout
+from raf_dist.layout import (Mesh, local_shard, row_state_shape, shard_size, slice_range,
+                             state_layout)
 
 SPECS = [((3, 4), "float32"), ((5,), "float32"), ((2, 2), "float32")]
 NAMES = ["a", "b", "c"]
@@ -83,6 +84,23 @@ def test_bytes_follow_design_section_3(level):
     assert layout.grad_bytes() == 4 * (shards if level >= 2 else psi)
     assert layout.state_bytes() == 2 * 4 * (shards if level else psi)
     assert layout.held_param_shape(0) == ((3,) if level == 3 else (3, 4))
+
+
+def test_row_states_hold_one_value_per_row():
+    """Row-wise Adagrad's accumulator: (rows, 1) of a 2-D parameter, the parameter's own shape
+    of a 1-D one; the other states keep their parameter's shape; fresh values as asked."""
+    layout = state_layout(NAMES, SPECS, ["sum", "m"], row_states=["sum"])
+    assert [layout.state_shape(i, "sum") for i in range(3)] == [(3, 1), (5,), (2, 1)]
+    assert [layout.state_shape(i, "m") for i in range(3)] == [(3, 4), (5,), (2, 2)]
+    fresh = layout.zero_states({"sum": 0.5})
+    assert [(a.shape, float(a.flat[0])) for a in fresh] == [
+        ((3, 1), 0.5), ((3, 4), 0.0), ((5,), 0.5), ((5,), 0.0), ((2, 1), 0.5), ((2, 2), 0.0)]
+    assert layout.state_bytes() == 4 * ((3 + 5 + 2) + (12 + 5 + 4))
+    assert all(np.array_equal(layout.unpack_states(fresh)[k], v)
+               for k, v in zip(layout.state_keys(), fresh))
+    assert row_state_shape((7, 2, 3, 3)) == (7, 1, 1, 1) and row_state_shape(()) == ()
+    with pytest.raises(ValueError, match="one value per row"):  # ZeRO's shards cut rows
+        state_layout(NAMES, SPECS, ["sum"], 1, 2, 0, [(0, 1, 2)], row_states=["sum"])
 
 
 def test_bad_layouts_are_refused():

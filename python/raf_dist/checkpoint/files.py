@@ -271,6 +271,12 @@ def check_compatible(meta, signature, optimizer):
             f"the checkpoint's optimizer ({meta['optimizer']['class']}) keeps state "
             f"{meta['optimizer']['state_names']}; {type(optimizer).__name__} here keeps "
             f"{list(signature.state_names)}")
+    if meta["optimizer"].get("row_states", []) != list(signature.row_states):
+        raise CheckpointError(
+            f"the checkpoint's optimizer ({meta['optimizer']['class']}) keeps "
+            f"{meta['optimizer'].get('row_states', []) or 'no'} state one value per row; "
+            f"{type(optimizer).__name__} here keeps {list(signature.row_states) or 'none'} "
+            "so: resume with the optimizer that saved it")
     saved_groups = [g["params"] for g in meta["optimizer"]["config"].get("param_groups", [])]
     groups = [list(g["params"]) for g in getattr(optimizer, "param_groups", [])]
     if saved_groups != groups:  # which parameters share hyper-parameters; values may change

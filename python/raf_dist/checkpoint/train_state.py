@@ -15,6 +15,7 @@ import numpy as np
 from .._version import __version__
 from ..distributed.communicator import raised_on_every_rank
 from ..layout.sharding import shard_size, slice_range
+from ..layout.state import state_shape
 from . import files  # finalize, write_rank_file, read_range: through the module (tests patch them)
 from .files import (FORMAT, CheckpointError, OpenFiles, _buffer_key, _file_digest,
                     _param_key, _state_key, buffer_description, check_compatible, files_for,
@@ -129,8 +130,11 @@ def _write(train_state: TrainState, root: Path, name: str, tmp: Path, path: Any,
     for param, value in zip(signature.param_names, params):
         tensors[_param_key(param)] = _my_slice(value, numels[param], world, rank,
                                                train_state.zero_level == 3)
+    specs = dict(zip(signature.param_names, signature.param_specs))
     for (param, state), value in states.items():
-        tensors[_state_key(param, state)] = _my_slice(value, numels[param], world, rank,
+        numel = int(np.prod(state_shape(specs[param][0], state, signature.row_states),
+                            dtype=np.int64))
+        tensors[_state_key(param, state)] = _my_slice(value, numel, world, rank,
                                                       train_state.zero_level > 0)
     buffers = buffers or {}
     described = buffer_description(signature, buffers,
@@ -171,7 +175,8 @@ def _write(train_state: TrainState, root: Path, name: str, tmp: Path, path: Any,
             "tied_params": dict(train_state.tied_params),
             "optimizer": {"class": type(train_state.optimizer).__name__,
                           "config": train_state.optimizer.config(),
-                          "state_names": list(signature.state_names)},
+                          "state_names": list(signature.state_names),
+                          "row_states": list(signature.row_states)},
             "loop": json.loads(json.dumps(train_state.loop)),
             "extra": json_extra, "files": records}
         try:
@@ -221,7 +226,8 @@ def _reads(train_state: TrainState, meta: Dict[str, Any]) -> List[Tuple[Any, ...
         add("param", p, _param_key(p), shape, dtype, train_state.zero_level == 3)
     for p, state in signature.state_keys():
         shape, dtype = specs[p]
-        add("state", (p, state), _state_key(p, state), shape, dtype, train_state.zero_level > 0)
+        add("state", (p, state), _state_key(p, state),
+            state_shape(shape, state, signature.row_states), dtype, train_state.zero_level > 0)
     for name, (shape, dtype) in zip(signature.buffer_names, signature.buffer_specs):
         add("buffer", name, _buffer_key(name), shape, dtype, False)
     saved_frozen = {f["name"] for f in meta.get("frozen", [])}

@@ -32,7 +32,7 @@ from tvm import relax
 from tvm.s_tir import Schedule
 
 from ..ir.attrs import UPDATED_ARGUMENTS
-from ..ir.ops import EMBEDDING_SGD_ROWS
+from ..ir.ops import EMBEDDING_ROW_UPDATES
 from ..ir.utils import is_packed_marker
 from .inplace_buckets import _Function, _static
 
@@ -87,10 +87,10 @@ def _is_argument(info, field, argument):
     while isinstance(field, relax.Var) and isinstance(info.value.get(field), relax.Var):
         field = info.value[field]
     value = info.value.get(field) if isinstance(field, relax.Var) else None
-    if is_packed_marker(value, EMBEDDING_SGD_ROWS):  # the sparse table update: in place
-        return _is_argument(info, value.args[1], argument)
+    if any(is_packed_marker(value, f) for f in EMBEDDING_ROW_UPDATES):  # a sparse table
+        return _is_argument(info, value.args[1], argument)  # update: its first argument
     if (isinstance(value, relax.Call) and isinstance(value.op, relax.ExternFunc)
-            and value.op.global_symbol == EMBEDDING_SGD_ROWS):  # the same, lowered
+            and value.op.global_symbol in EMBEDDING_ROW_UPDATES):  # the same, lowered
         return _is_argument(info, value.args[0], argument)
     return isinstance(field, relax.Var) and field.same_as(argument)
 

@@ -45,6 +45,12 @@ EP_EXCHANGE = "raf_dist.ep_exchange"
 #: the runtime function of a sharded table's sparse SGD update (runtime/embedding_update.py):
 #: (table, ids, rows' gradients, lr, keep) -> the table, updated in place
 EMBEDDING_SGD_ROWS = "raf_dist.embedding.sgd_rows"
+#: (Adagrad) (sum, ids, rows' gradients, keep, row_wise) -> sum: the looked-up rows'
+#: accumulators, in place; then (table, sum, ids, rows, clr, eps, keep) -> the table, in place
+EMBEDDING_ADAGRAD_SUM = "raf_dist.embedding.adagrad_sum"
+EMBEDDING_ADAGRAD_ROWS = "raf_dist.embedding.adagrad_rows"
+#: the sparse row updates, each writing its first argument in place
+EMBEDDING_ROW_UPDATES = (EMBEDDING_SGD_ROWS, EMBEDDING_ADAGRAD_SUM, EMBEDDING_ADAGRAD_ROWS)
 DROPOUT_MARKER = "raf_dist.dropout"
 MARK_GRADIENT = "raf_dist.mark_gradient"
 

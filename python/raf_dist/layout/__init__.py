@@ -5,7 +5,8 @@ parameters and optimizer state (``state``) that the ZeRO pass, the executors, ch
 ``Trainer.stats()`` and the memory estimator all read. No MPI, no TVM."""
 from .mesh import Mesh, axis_ranks, check_mesh, mesh_coordinates, stage_rank
 from .sharding import local_shard, shard_size, slice_range
-from .state import StateLayout, state_layout
+from .state import StateLayout, row_state_shape, state_layout, state_shape
 
 __all__ = ["Mesh", "StateLayout", "axis_ranks", "check_mesh", "local_shard",
-           "mesh_coordinates", "shard_size", "slice_range", "stage_rank", "state_layout"]
+           "mesh_coordinates", "row_state_shape", "shard_size", "slice_range", "stage_rank",
+           "state_layout", "state_shape"]

@@ -13,11 +13,17 @@ Under ZeRO (DESIGN.md section 3) over a data-parallel axis of N ranks:
   no step gathers or scatters state around it;
 - level 3: parameters held as their flat padded shards too.
 
+An optimizer state is shaped like its parameter, or, for the states an optimizer keeps one
+value per row of (``row_states``: row-wise Adagrad's ``sum``, as torchrec's
+``RowWiseAdagrad``), ``row_state_shape``: the leading axis kept, the others 1. ZeRO cuts the
+flat elements of a parameter wherever a shard ends, so a row could straddle two ranks: per-row
+state is held whole, and ZeRO with such an optimizer is refused (``state_layout``).
+
 The checkpoint format, ``Trainer.stats()`` and ``tools.estimate_memory`` read the same object,
 so the rule is written once.
 """
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -33,6 +39,20 @@ def dtype_bytes(dtype: str) -> int:
     if bits % 8 or not bits:
         raise ValueError(f"no whole byte count for dtype {dtype!r}")
     return bits // 8
+
+
+def row_state_shape(shape: Sequence[int]) -> Shape:
+    """The shape of a per-row optimizer state of a parameter of ``shape``: one value per row
+    of the leading axis, the other axes kept as 1 (a (rows, dim) table's is (rows, 1), as
+    torchrec's RowWiseAdagrad keeps it, so it broadcasts against the row); a parameter of
+    0 or 1 axes is its own rows (one value per element: plain Adagrad)."""
+    shape = tuple(int(d) for d in shape)
+    return shape if len(shape) < 2 else (shape[0],) + (1,) * (len(shape) - 1)
+
+
+def state_shape(shape: Sequence[int], state: str, row_states: Sequence[str] = ()) -> Shape:
+    """The shape of optimizer state ``state`` of a parameter of ``shape`` (module docstring)."""
+    return row_state_shape(shape) if state in row_states else tuple(int(d) for d in shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +83,7 @@ class StateLayout:
     dp_size: int
     dp_rank: int
     buckets: Tuple[Tuple[int, ...], ...]
+    row_states: Tuple[str, ...] = ()  # states kept one value per row (module docstring)
 
     # ---- what is held ---------------------------------------------------------------------
     @property
@@ -77,6 +98,10 @@ class StateLayout:
 
     def numel(self, index: int) -> int:
         return int(np.prod(self.param_shapes[index], dtype=np.int64))
+
+    def state_shape(self, index: int, state: str) -> Shape:
+        """The full shape of optimizer state ``state`` of parameter ``index``."""
+        return state_shape(self.param_shapes[index], state, self.row_states)
 
     def shard_numel(self, index: int) -> int:
         """Elements of this rank's flat padded shard of parameter ``index``."""
@@ -102,7 +127,8 @@ class StateLayout:
         """The step's optimizer-state arguments, in order."""
         dtypes = self.param_dtypes
         if not self.states_sharded:
-            return [StateBuffer(i, s, (i,), (0,), self.numel(i), dtypes[i])
+            return [StateBuffer(i, s, (i,), (0,),
+                                int(np.prod(self.state_shape(i, s), dtype=np.int64)), dtypes[i])
                     for i in range(len(self.param_names)) for s in self.state_names]
         out = []
         for b, bucket in enumerate(self.buckets):
@@ -138,10 +164,12 @@ class StateLayout:
                 out[(names[k], buffer.state)] = flat[offset:offset + self.shard_numel(k)]
         return out
 
-    def zero_states(self) -> List[np.ndarray]:
-        """The state arguments of a fresh optimizer (zeros)."""
-        return [np.zeros(b.numel if self.states_sharded else self.param_shapes[b.params[0]],
-                         b.dtype) for b in self.state_buffers()]
+    def zero_states(self, values: Optional[Dict[str, float]] = None) -> List[np.ndarray]:
+        """The state arguments of a fresh optimizer: zeros, or ``values[state]`` for the
+        states named there (Adagrad's initial_accumulator_value)."""
+        values = values or {}
+        return [np.full(b.numel if self.states_sharded else self.state_shape(b.params[0], b.state),
+                        values.get(b.state, 0.0), b.dtype) for b in self.state_buffers()]
 
     # ---- bytes ----------------------------------------------------------------------------
     def _itemsize(self, index: int) -> int:
@@ -170,9 +198,11 @@ class StateLayout:
 
 def state_layout(param_names: Sequence[str], param_specs: Sequence[Tuple[Sequence[int], str]],
                  state_names: Sequence[str], zero_level: int = 0, dp_size: int = 1,
-                 dp_rank: int = 0, buckets: Sequence[Sequence[int]] = ()) -> StateLayout:
+                 dp_rank: int = 0, buckets: Sequence[Sequence[int]] = (),
+                 row_states: Sequence[str] = ()) -> StateLayout:
     """The one constructor of a :class:`StateLayout`. ``param_specs``: (shape, dtype) per
-    parameter; ``buckets`` (required under ZeRO): every parameter index exactly once."""
+    parameter; ``buckets`` (required under ZeRO): every parameter index exactly once;
+    ``row_states``: the states kept one value per row (refused under ZeRO)."""
     zero_level, dp_size, dp_rank = int(zero_level), int(dp_size), int(dp_rank)
     if zero_level not in (0, 1, 2, 3):
         raise ValueError(f"zero_level must be 0, 1, 2 or 3, got {zero_level}")
@@ -180,6 +210,13 @@ def state_layout(param_names: Sequence[str], param_specs: Sequence[Tuple[Sequenc
         raise ValueError(f"dp_rank {dp_rank} is not a rank of a data-parallel axis of {dp_size}")
     names = tuple(param_names)
     held: Tuple[Tuple[int, ...], ...] = tuple(tuple(int(k) for k in b) for b in buckets)
+    row_states = tuple(s for s in state_names if s in set(row_states))
+    if zero_level and row_states:
+        raise ValueError(
+            f"zero_opt_level={zero_level} shards each parameter's flat elements wherever a "
+            f"shard ends, which can split a row, and the optimizer keeps {list(row_states)} "
+            "one value per row (row-wise Adagrad): use zero_opt_level=0 with it, or an "
+            "optimizer whose state is shaped like its parameter (SGD, Adam, AdamW)")
     if zero_level and sorted(k for b in held for k in b) != list(range(len(names))):
         raise ValueError(f"ZeRO's buckets must hold every parameter index once, got {held} "
                          f"for {len(names)} parameters")
@@ -189,4 +226,4 @@ def state_layout(param_names: Sequence[str], param_specs: Sequence[Tuple[Sequenc
         param_dtypes=tuple(str(d) for _, d in param_specs),
         state_names=tuple(state_names), zero_level=zero_level,
         dp_size=dp_size if zero_level else 1, dp_rank=dp_rank if zero_level else 0,
-        buckets=held)
+        buckets=held, row_states=row_states)

@@ -5,8 +5,10 @@ float64 (learning rate, bias corrections: so the IR has no step-dependent consta
 learning-rate schedules need no recompilation), and emits its update as Relax ops.
 """
 from . import schedules
+from .adagrad import Adagrad, RowWiseAdagrad
 from .adam import Adam, AdamW
 from .optimizer import Optimizer, group_hyper_name
 from .sgd import SGD
 
-__all__ = ["Adam", "AdamW", "Optimizer", "SGD", "group_hyper_name", "schedules"]
+__all__ = ["Adagrad", "Adam", "AdamW", "Optimizer", "RowWiseAdagrad", "SGD", "group_hyper_name",
+           "schedules"]

@@ -17,7 +17,12 @@ class Optimizer:
     ``hyper_values`` and ``emit_update``."""
 
     state_names: tuple[str, ...] = ()  # per-parameter state tensors, each shaped like the parameter
+    # ... but these, kept one value per row (raf_dist.layout.state_shape): row-wise Adagrad's
+    row_states: tuple[str, ...] = ()
     hyper_names: tuple[str, ...] = ()  # per-step float scalars computed on the host
+    #: whether a table may be updated on its looked-up rows only (``emit_row_update``): an
+    #: untouched row is left as it is by the dense update too
+    updates_rows: bool = False
 
     def __init__(self, lr: float, param_groups: Sequence[Mapping[str, Any]] | None = None) -> None:
         _check_positive("lr", lr, allow_zero=True)
@@ -90,6 +95,19 @@ class Optimizer:
         fuses into that state's kernel (applied to the outputs afterwards, the new state has two
         readers, the select and the parameter's update, and the select is a pass of its own)."""
         raise NotImplementedError
+
+    def initial_state_values(self) -> dict[str, float]:
+        """{state name: the value a fresh state is filled with}; the others start at 0."""
+        return {}
+
+    def emit_row_update(self, bb: relax.BlockBuilder, param: relax.Expr,
+                        states: Sequence[relax.Expr], ids: relax.Expr, rows: relax.Expr,
+                        hyper: Mapping[str, relax.Expr],
+                        keep: relax.Expr) -> tuple[relax.Expr, list[relax.Expr]]:
+        """The update of a sharded table on its looked-up rows (``updates_rows``): ``ids``,
+        their gradients ``rows`` (duplicates not yet summed), in place when the 0-d bool
+        ``keep`` is set. Returns (new_param, [new_state, ...])."""
+        raise NotImplementedError(f"{type(self).__name__} has no sparse row update")
 
     def config(self) -> dict[str, Any]:
         """Hyper-parameters, for checkpoints and cache keys."""

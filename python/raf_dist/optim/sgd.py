@@ -7,6 +7,7 @@ from typing import Any, Mapping, Sequence
 
 from tvm import relax
 
+from ..ir.ops import EMBEDDING_SGD_ROWS
 from .optimizer import Keep, Optimizer, _check_positive, const, kept
 
 
@@ -30,10 +31,18 @@ class SGD(Optimizer):
         return {"lr": self.lr if lr is None else lr}
 
     @property
-    def updates_rows(self) -> bool:
+    def updates_rows(self) -> bool:  # type: ignore[override]
         """Plain SGD (no momentum, no weight decay) changes only the rows a table's gradient
         touches, so a sharded embedding table may be updated sparsely (training/step.py)."""
         return not self.momentum and not self.weight_decay
+
+    def emit_row_update(self, bb: relax.BlockBuilder, param: relax.Expr,
+                        states: Sequence[relax.Expr], ids: relax.Expr, rows: relax.Expr,
+                        hyper: Mapping[str, relax.Expr],
+                        keep: relax.Expr) -> tuple[relax.Expr, list[relax.Expr]]:
+        """``table[ids] -= lr * rows`` in place (runtime/embedding_update.py)."""
+        return bb.emit(relax.call_pure_packed(EMBEDDING_SGD_ROWS, param, ids, rows, hyper["lr"],
+                                              keep, ty_args=param.ty)), []
 
     def emit_update(self, bb: relax.BlockBuilder, param: relax.Expr, grad: relax.Expr,
                     states: Sequence[relax.Expr], hyper: Mapping[str, relax.Expr],

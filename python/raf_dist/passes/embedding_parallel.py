@@ -93,7 +93,8 @@ class EmbeddingPlan:
     def local_shape(self, name: str, shape: Sequence[int], rank: int) -> Tuple[int, ...]:
         if name not in self.shapes:
             return tuple(int(d) for d in shape)
-        return (self.local_rows(name, rank), int(self.shapes[name][1]))
+        # a table's trailing shape is its dim; a per-row optimizer state's is (1,)
+        return (self.local_rows(name, rank),) + tuple(int(d) for d in shape[1:])
 
     def local_shard(self, name: str, array: np.ndarray, rank: int) -> np.ndarray:
         """Rank ``rank``'s tensor of the full table (or any full parameter: itself)."""

@@ -170,7 +170,7 @@ class PipelineExecutor(LoopScalars):
         self.signature = TrainStepSignature(
             input_specs=list(model.input_specs), target_spec=self._captured_target_spec(),
             param_names=self.param_names, param_specs=self.param_specs,
-            state_names=list(optimizer.state_names),
+            state_names=list(optimizer.state_names), row_states=list(optimizer.row_states),
             hyper_names=hyper_arguments(optimizer, self.param_names)
             + ([GRAD_UNSCALE] if self._scaler is not None else []),
             frozen_names=self.frozen_names, frozen_specs=[specs[n] for n in self.frozen_names],
@@ -225,7 +225,8 @@ class PipelineExecutor(LoopScalars):
                              if self.data_parallel else [])
         self.layout = state_layout(self.param_names, self.param_specs, optimizer.state_names,
                                    self.zero_level if self.data_parallel else 0, self.world,
-                                   self.dp_rank, self.grad_buckets)
+                                   self.dp_rank, self.grad_buckets,
+                                   row_states=optimizer.row_states)
         passes = step_passes(self.zero_level if self.data_parallel else 0,
                              self.world if self.data_parallel else 1, self.bucket_bytes,
                              overlap=self.run_plan.overlap_comm, group=self.dp_group,
@@ -261,7 +262,8 @@ class PipelineExecutor(LoopScalars):
             if name in self.param_names or name in self.frozen_names:
                 init[name] = value
         self._tensors = {n: tvm.runtime.tensor(v, self._device) for n, v in init.items()}
-        self._states = [tvm.runtime.tensor(a, self._device) for a in self.layout.zero_states()]
+        fresh = self.layout.zero_states(self.optimizer.initial_state_values())
+        self._states = [tvm.runtime.tensor(a, self._device) for a in fresh]
 
     def _init_buffers(self, model):
         """The buffers this rank's stages write (BatchNorm running statistics) at rank 0's

@@ -295,7 +295,8 @@ class SPMDExecutor(LoopScalars):
         self.layout = state_layout(self.signature.param_names, self.signature.param_specs,
                                    self.signature.state_names,
                                    self.zero_level if self.data_parallel else 0,
-                                   self.world, self.dp_rank, self.grad_buckets)
+                                   self.world, self.dp_rank, self.grad_buckets,
+                                   row_states=self.signature.row_states)
         self._step_passes = self._passes()  # again for each new batch size
         self.compiled = self._compile(self._cache_dir)
         self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
@@ -327,7 +328,8 @@ class SPMDExecutor(LoopScalars):
         self._params = [tvm.runtime.tensor(init[n], self._device)
                         for n in self.signature.param_names]
         self._frozen = self._init_frozen(model)  # requires_grad=False: passed, never updated
-        self._states = [tvm.runtime.tensor(a, self._device) for a in self.layout.zero_states()]
+        fresh = self.layout.zero_states(self.optimizer.initial_state_values())
+        self._states = [tvm.runtime.tensor(a, self._device) for a in fresh]
         self._buffers = self._init_buffers(model)
 
     def fingerprint(self):

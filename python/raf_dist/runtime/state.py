@@ -45,15 +45,15 @@ def full_table(plan: Any, name: str, local: np.ndarray, dp_group: int) -> np.nda
     every dp rank must call it), else ``local``."""
     if plan is None or name not in plan.shapes:
         return local
-    rows, dim = (int(d) for d in plan.shapes[name])
-    if plan.mode == "table":
+    rows, row = int(plan.shapes[name][0]), tuple(local.shape[1:])  # a row of it (a state's
+    if plan.mode == "table":                                       # may be (1,): per row)
         owner = plan.owners[name]
         whole = (np.ascontiguousarray(local) if local.shape[0] == rows
-                 else np.empty((rows, dim), dtype=local.dtype))
+                 else np.empty((rows,) + row, dtype=local.dtype))
         return collectives.broadcast(whole, root=owner, group=dp_group)
     local = np.ascontiguousarray(local)
     flat = collectives.allgather(local.reshape(-1), group=dp_group)
-    return flat.reshape(-1, dim)[:rows]
+    return flat.reshape((-1,) + row)[:rows]
 
 
 def full_signature(executor: Any) -> Any:

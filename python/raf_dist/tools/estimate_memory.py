@@ -73,6 +73,11 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
     elem = np.dtype(specs[0][1]).itemsize if specs else 4
     numels = [int(np.prod(shape, dtype=np.int64)) for shape, _ in specs]
     out = model_state_bytes(numels, world_size, zero_opt_level, len(signature.state_names), elem)
+    if signature.row_states:  # one value per row (row-wise Adagrad; refused under ZeRO)
+        out["optimizer_state_bytes"] = state_layout(
+            signature.param_names, specs, signature.state_names, zero_opt_level,
+            int(world_size), 0, [tuple(range(len(specs)))],
+            row_states=signature.row_states).state_bytes()
     passes = step_passes(zero_opt_level, int(world_size), max(1, int(bucket_size_mb * 2**20)),
                          overlap=overlap_comm)
     out["planned_peak_bytes"] = plan_memory(mod, passes)

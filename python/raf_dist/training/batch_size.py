@@ -125,7 +125,7 @@ def check_same_state(captured, variant, rows: int) -> None:
     """The step for ``rows`` rows must take the same parameters, optimizer state, frozen
     parameters and buffers as the captured step: they are shared between the two."""
     fields = ("param_names", "param_specs", "state_names", "hyper_names", "frozen_names",
-              "frozen_specs", "buffer_names", "buffer_specs", "loss_weight_dtype")
+              "frozen_specs", "buffer_names", "buffer_specs", "loss_weight_dtype", "row_states")
 
     def norm(value):
         return [tuple(x) if isinstance(x, (list, tuple)) else x for x in value] \

@@ -38,7 +38,7 @@ from ..passes.pipeline import emit_function, stage_input_count
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from .loss import build_loss
 from .step import (GRAD_UNSCALE, _emit_update, _follow, _groups, _ident, _loss_and_grads,
-                   in_param_dtypes, mark_in, missing_gradients)
+                   in_param_dtypes, mark_in, missing_gradients, state_type)
 
 
 @dataclasses.dataclass
@@ -222,8 +222,8 @@ def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32",
     accumulated gradient before its marker, as build_train_step's does."""
     params = [relax.Var(_ident(n), relax.TensorType(s, d))
               for n, (s, d) in zip(param_names, param_specs)]
-    states = [relax.Var(f"{_ident(n)}__{st}", p.ty) for n, p in zip(param_names, params)
-              for st in optimizer.state_names]
+    states = [relax.Var(f"{_ident(n)}__{st}", state_type(p.ty, st, optimizer.row_states))
+              for n, p in zip(param_names, params) for st in optimizer.state_names]
     dtype = param_specs[0][1] if param_specs else loss_dtype
     updaters, hyper_names, groups = _groups(optimizer, param_names)
     hyper_names = list(hyper_names) + ([GRAD_UNSCALE] if loss_scale else [])

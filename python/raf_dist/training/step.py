@@ -28,8 +28,8 @@ from tvm import relax
 
 from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                         UPDATE_GROUPS, UPDATED_ARGUMENTS)
-from ..ir.ops import EMBEDDING_SGD_ROWS as SGD_ROWS
 from ..ir.ops import mark_gradient
+from ..layout.state import state_shape
 from ..optim import group_hyper_name
 from ..passes import clipping
 from ..passes.auto_cast import auto_cast
@@ -64,6 +64,8 @@ class TrainStepSignature:
     # with recomputation: passes/remat.ladder's (values, blocks), the points a memory budget
     # chooses among
     recompute_ladder: tuple = (0, 0)
+    # the states kept one value per row (raf_dist.layout.state_shape): row-wise Adagrad's
+    row_states: list = dataclasses.field(default_factory=list)
 
     @property
     def num_inputs(self):
@@ -175,7 +177,7 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     inputs = list(adjoint.params[:n_in]) + [v for v, t in zip(adjoint_params, trains) if not t]
     # AppendLoss puts the loss function's own arguments (target[, loss_weight]) last
     targets = list(adjoint.params[-2:] if loss_weight else adjoint.params[-1:])
-    state_vars = [relax.Var(f"{_ident(p)}__{s}", v.ty)
+    state_vars = [relax.Var(f"{_ident(p)}__{s}", state_type(v.ty, s, optimizer.row_states))
                   for p, v in zip(trainable, param_vars) for s in optimizer.state_names]
     specs = dict(zip(model.param_names, model.param_specs()))
     hyper_dtype = specs[trainable[0]][1]
@@ -400,7 +402,8 @@ def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_
     tuple (loss or [loss, norm], *params, *states, *buffers). ``across_dp``: the verdict
     is agreed over the dp group (some gradients are this rank's alone). ``sparse_rows`` {parameter
     index: (ids, rows' gradients)}: those tables updated in place on the looked-up rows only
-    (plain SGD: runtime/embedding_update.py); the non-finite check reads their rows."""
+    (the optimizer's ``emit_row_update``: runtime/embedding_update.py); the non-finite check
+    reads their rows."""
     sparse_rows = sparse_rows or {}
     norm = None
     if clip is not None:
@@ -424,9 +427,11 @@ def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_
         optimizer, arguments = updaters[i]  # the parameter's group
         if i in sparse_rows:  # in place, the looked-up rows only (runtime/embedding_update.py)
             ids, rows = sparse_rows[i]
-            new_params.append(bb.emit(relax.call_pure_packed(
-                SGD_ROWS, param, ids, rows, hyper_vars[arguments["lr"]],
-                flag if flag is not None else relax.const(True, "bool"), ty_args=param.ty)))
+            new_param, updated = optimizer.emit_row_update(
+                bb, param, states, ids, rows, {h: hyper_vars[a] for h, a in arguments.items()},
+                flag if flag is not None else relax.const(True, "bool"))
+            new_params.append(new_param)
+            new_states.extend(updated)
             continue
         # the states are kept (or not) where they are computed: optimizer.emit_update
         new_param, updated = optimizer.emit_update(
@@ -449,6 +454,7 @@ def _signature(model, target_spec, trainable, specs, optimizer, frozen, loss_wei
         input_specs=list(model.input_specs), target_spec=tuple(target_spec),
         param_names=trainable, param_specs=[specs[n] for n in trainable],
         state_names=list(optimizer.state_names), hyper_names=list(hyper_names),
+        row_states=list(optimizer.row_states),
         dropout_specs=list(model.dropout_specs),
         frozen_names=[n for n in model.param_names if n in frozen],
         frozen_specs=[specs[n] for n in model.param_names if n in frozen],
@@ -496,6 +502,13 @@ def _split_frozen(model):
         raise ValueError(f"{model.source}: every parameter is frozen (requires_grad=False); "
                          "there is nothing to train. Unfreeze at least one parameter")
     return trainable, frozen
+
+
+def state_type(param_type, state, row_states):
+    """The Relax type of optimizer state ``state`` of a parameter of ``param_type``: the
+    parameter's, or one value per row (raf_dist.layout.state_shape)."""
+    shape = [int(d) for d in param_type.shape]
+    return relax.TensorType(state_shape(shape, state, row_states), param_type.dtype)
 
 
 def _ident(name):

@@ -122,10 +122,19 @@ def main():
     stats = trainer.stats()
     if n > 1:
         assert ep is not None and ep.mode == mode, ep
-        # plain SGD updates the looked-up rows in place (no dense table gradient is formed)
-        sparse = "raf_dist.embedding.sgd_rows" in trainer.executor.ir.script()
-        assert sparse == (opt_name == "sgd"), (opt_name, sparse)
+        # plain SGD and row-wise Adagrad update the looked-up rows in place (no dense table
+        # gradient is formed)
+        script = trainer.executor.ir.script()
+        sparse = {"sgd": "raf_dist.embedding.sgd_rows",
+                  "rowwise_adagrad": "raf_dist.embedding.adagrad_rows"}.get(opt_name)
+        assert ("raf_dist.embedding." in script) == (sparse is not None), opt_name
+        assert sparse is None or sparse in script, (opt_name, sparse)
         tables = {name: params[name].nbytes for name in ep.shapes}
+        if opt_name == "rowwise_adagrad":  # one accumulator per row held: of this rank's rows
+            expected = sum(4 * (ep.local_rows(k, comm.rank) if k in ep.shapes else
+                                v.shape[0] if v.ndim >= 2 else v.size)
+                           for k, v in params.items())
+            assert stats["optimizer_state_bytes"] == expected, (stats, expected)
         dense = sum(v.nbytes for k, v in params.items() if k not in tables)
         held = stats["param_bytes"] - dense
         assert held == ep.held_bytes(comm.rank), (held, ep.held_bytes(comm.rank))
