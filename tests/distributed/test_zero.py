@@ -13,19 +13,24 @@ from mpi_launch import assert_ranks_ok, check_mpi
 # (serial) repeated what cnn at N = 3 and cnn serial prove (dropped for pipelining's tests).
 # The transformer runs AdamW only: momentum SGD's one-state update is covered by the other
 # three cases, and the transformer's compile is the suite's most expensive.
+# Level 0 (plain data parallelism: allreduce per bucket, its bytes and calls) runs in the same
+# job as ZeRO for mlp at N = 4 and cnn at N = 2 serial: these were test_data_parallel.py's
+# cases, each a launch of its own with the same models, ranks and buckets.
 CASES = [
-    ("mlp", 4, 0.001, 1, "sgd_momentum,adamw"),
-    ("cnn", 2, 0.001, 0, "sgd_momentum,adamw"), ("cnn", 3, 0.001, 1, "sgd_momentum,adamw"),
-    ("transformer", 2, 0.004, 1, "adamw"),
+    ("mlp", 4, 0.001, 1, "sgd_momentum,adamw", "0,1,2,3"),
+    ("cnn", 2, 0.001, 0, "sgd_momentum,adamw", "0,1,2,3"),
+    ("cnn", 3, 0.001, 1, "sgd_momentum,adamw", "1,2,3"),
+    ("transformer", 2, 0.004, 1, "adamw", "1,2,3"),
 ]
 
 
-@pytest.mark.parametrize("model, nprocs, bucket_mb, overlap, optimizers", CASES,
+@pytest.mark.parametrize("model, nprocs, bucket_mb, overlap, optimizers, levels", CASES,
                          ids=[f"{m}-n{n}-{'overlap' if o else 'serial'}"
-                              for m, n, _, o, _ in CASES])
-def test_every_zero_level_matches_single_process(model, nprocs, bucket_mb, overlap, optimizers):
+                              for m, n, _, o, _, _ in CASES])
+def test_every_zero_level_matches_single_process(model, nprocs, bucket_mb, overlap, optimizers,
+                                                 levels):
     out = check_mpi("zero_train.py", nprocs, model, optimizers, bucket_mb, overlap,
-                    "1,2,3", timeout=480)
+                    levels, timeout=480)
     assert_ranks_ok(out, nprocs)
 
 
@@ -38,7 +43,7 @@ def test_world_of_one_runs_every_level():
 def test_memory_falls_level_by_level(nprocs):
     """Adam on a model whose parameters dominate its activations: params + optimizer state +
     planned temporaries fall at every level from 0 to 3 (asserted in the worker)."""
-    out = check_mpi("zero_train.py", nprocs, "wide_mlp", "adamw", 0.1, 1, "0,1,2,3", 2,
+    out = check_mpi("zero_train.py", nprocs, "wide_mlp", "adamw", 0.1, 1, "0,1,2,3", 2, 1,
                     timeout=360)
     assert_ranks_ok(out, nprocs)
     assert "peak bytes by level" in out, out
