@@ -169,6 +169,26 @@ def test_stages_with_microbatches_equal_one_step(dist_config, name, stages, micr
         assert rel_err(got[key], want[key]) <= 1e-5, key
 
 
+def test_selective_stages_save_less_and_train_the_same(dist_config):
+    """activation_checkpointing="selective" under pipelining: each stage's forward saves its
+    matmul outputs and what recomputation starts from, its backward recomputes the rest
+    (passes/remat.py's "selective" on the stage's adjoint); the step is the same."""
+    saved = {}
+    for policy in (False, "selective"):
+        dist_config.reset()
+        pairs, want, got, trainer = _run(dist_config, "transformer", 2, 2,
+                                         checkpointing=policy)
+        assert rel_err([b for _, b in pairs], [a for a, _ in pairs]) <= 1e-6, (policy, pairs)
+        for key in want:
+            assert rel_err(got[key], want[key]) <= 1e-5, (policy, key)
+        saved[policy] = trainer.stats()["pipeline"]["peak_saved_bytes"]
+        if policy:
+            backward = [st.functions.mod["backward"].script()
+                        for st in trainer._stage_sets[4].stages.values()]
+            assert any("_re: " in text for text in backward)
+    assert sum(saved["selective"].values()) < 0.8 * sum(saved[False].values()), saved
+
+
 @pytest.mark.parametrize("fields,error,match", [
     ({"zero_opt_level": 2, "enable_data_parallel": True}, ValueError, "zero_opt_level=2"),
     ({"pipeline_schedule": "zero_bubble"}, NotImplementedError, "zero_bubble"),

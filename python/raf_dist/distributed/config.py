@@ -164,11 +164,6 @@ class DistConfig:
                         f"is not built yet (the sharded tables' gradients and state sit "
                         f"outside the ZeRO buckets and the tp / pp pieces); use {field}="
                         f"{allowed} with sharded tables, or embedding_parallel='none'")
-        if self.activation_checkpointing == "selective" and self.pipeline_parallel_size > 1:
-            raise NotImplementedError(
-                "activation_checkpointing='selective' is not built for pipeline stages yet "
-                "(a stage recomputes its whole forward): use True / 'full' with "
-                "pipeline_parallel_size > 1")
 
     @property
     def recompute(self) -> str | None:

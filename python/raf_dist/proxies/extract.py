@@ -81,9 +81,6 @@ class MeshSpec:
         if self.recompute not in ("none", "full", "selective"):
             raise ValueError(f"recompute must be 'none', 'full' or 'selective', got "
                              f"{self.recompute!r}")
-        if self.pp > 1 and self.recompute == "selective":
-            raise ValueError("pipeline stages recompute their whole forward or nothing "
-                             "(activation_checkpointing True / False)")
         if self.embedding_parallel != "none" and (self.tp > 1 or self.pp > 1 or self.zero):
             raise ValueError("sharded embedding tables compose with plain data parallelism "
                              "only (as the Trainer)")
@@ -285,7 +282,8 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
         fns = build_stage_functions(
             s, s == S - 1, f.function, f.mask_indices, f.param_names, frozen, loss,
             vocab_parallel=getattr(piece, "output_split_classes", 0) > 1,
-            buffer_names=f.buffer_names, buffers_written=f.buffers_written)
+            buffer_names=f.buffer_names, buffers_written=f.buffers_written,
+            selective=mesh.recompute == "selective")
         mod = apply_passes(fns.mod, passes)
         # with activation checkpointing a stage saves nothing in F and runs its forward
         # again inside B (PipelineExecutor: forward_only, then recompute)

@@ -14,7 +14,9 @@ group. A step then runs this rank's action list (training/pipeline_schedule.py):
   message, and a rank's compute overlaps its neighbours' transfers;
 - ``F(s, m)`` runs stage s's forward on microbatch m (rows ``m*r .. (m+1)*r`` of this rank's
   data-parallel slice) and keeps the values its backward needs (only the stage input with
-  ``activation_checkpointing``); the last stage's forward gives the microbatch's mean loss;
+  ``activation_checkpointing`` True / "full"; with "selective" the matmul and convolution
+  outputs, the backward recomputing the cheap rest); the last stage's forward gives the
+  microbatch's mean loss;
 - ``B(s, m)`` runs the backward with the gradient received from stage s + 1 (on the last
   stage: the microbatch's share of the global batch, ``rows_m * dp / global rows``, so the
   loss is a mean over rows, not a mean of means) and adds the parameter gradients into the
@@ -373,7 +375,8 @@ class PipelineExecutor(LoopScalars):
                 target_spec=batching.batched_target_spec(self._captured_target_spec(), rows,
                                                          self.batch_size) if last else None,
                 vocab_parallel=getattr(self.model, "output_split_classes", 0) > 1,
-                buffer_names=funcs[s].buffer_names, buffers_written=funcs[s].buffers_written)
+                buffer_names=funcs[s].buffer_names, buffers_written=funcs[s].buffers_written,
+                selective=self.activation_checkpointing == "selective")
             compiled = compile_step(fns.mod, passes=passes, target=self._target,
                                     cache_dir=self._cache_dir)
             vm = relax.VirtualMachine(compiled.executable, self._device)
@@ -508,7 +511,8 @@ class PipelineExecutor(LoopScalars):
         profiling = self._profiling is not None and self._profiling.active
         run = ScheduleRun(self.actions[self.pp_rank], self.transport, sets, pieces, weights,
                           self._tensors, self._buffer_tensors, my_stages=self.my_stages,
-                          recompute=bool(self.activation_checkpointing), device=self._device,
+                          recompute=self.activation_checkpointing == "full",
+                          device=self._device,
                           dtype=self._hyper_dtype,
                           recorder=self._profiling.recorder if profiling else None)
         loss_sum, accs = run.run(inputs, y, self._target_per_row, self.param_names,

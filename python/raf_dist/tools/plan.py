@@ -123,11 +123,14 @@ def activation_bytes(every: int, matmul: int, inp: int, blocks: int, cuts: int,
     plus what one backward recomputes. Without pipelining the step recomputes block by block
     (passes/remat.py: "full" keeps every block's input and the last block's values,
     "selective" the matmul outputs and the block inputs); a pipeline stage checkpoints as a
-    whole (it keeps its input and runs its forward again inside B)."""
+    whole under "full" (it keeps its input and runs its forward again inside B) and keeps its
+    matmul outputs and input under "selective" (B recomputes the cheap rest)."""
     if recompute == "none":
         return in_flight * every
-    if pipelined:  # activation_checkpointing=True: the stage input only, the whole forward again
+    if pipelined and recompute == "full":  # the stage input only, the whole forward again
         return in_flight * inp + every
+    if pipelined:  # "selective"
+        return in_flight * (matmul + inp) + (every - matmul)
     if recompute == "full":
         return in_flight * (cuts + every / blocks) + every / blocks
     return in_flight * (matmul + cuts) + (every - matmul) / blocks
@@ -180,7 +183,7 @@ def candidates(devices: int, gpus_per_node: int, heads: int | None, global_batch
                      if pp > 1 else [m for m in (1, 2, 4) if per_dp % m == 0])
             for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                 for m in micro:
-                    for rec in (("none", "full") if pp > 1 else ("none", "selective", "full")):
+                    for rec in ("none", "selective", "full"):
                         try:
                             out.append(MeshSpec(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=m,
                                                 recompute=rec))

@@ -35,6 +35,7 @@ from tvm import relax
 from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                         UPDATE_GROUPS, UPDATED_ARGUMENTS)
 from ..passes.pipeline import emit_function, stage_input_count
+from ..passes.remat import rematerialize
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from .loss import build_loss
 from .step import (GRAD_UNSCALE, _emit_update, _follow, _groups, _ident, _loss_and_grads,
@@ -84,13 +85,16 @@ def _objective(last, loss, pred_ty, target_spec, vocab_parallel):
 
 def build_stage_functions(index, last, forward, mask_indices, param_names, frozen, loss,
                           target_spec=None, vocab_parallel=False, buffer_names=(),
-                          buffers_written=()):
+                          buffers_written=(), selective=False):
     """The StageFunctions of stage ``index`` (module docstring). ``forward`` is the stage's
     function from passes.pipeline.split_forward: ``(*inputs, *masks, *params, *buffers) ->
     output``, or ``(output, *new values of buffers_written)`` (batch norm already
     decomposed: passes/batch_norm.py). Such a stage's ``forward`` and ``forward_only`` return
     the new buffer values last (once per microbatch, in order); ``recompute`` reads the
-    buffers and leaves them alone."""
+    buffers and leaves them alone. ``selective`` (activation_checkpointing="selective"):
+    ``forward`` saves only what passes/remat.py's "selective" keeps (matmul and convolution
+    outputs, and what the recomputation starts from) and ``backward`` recomputes the cheap
+    rest before its first use (the same pass as the one-function step's)."""
     n_buf = len(buffer_names)
     n_in = stage_input_count(forward, len(mask_indices), len(param_names), n_buf)
     missing = missing_gradients(forward)
@@ -116,8 +120,11 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
     if not require:
         raise ValueError(f"pipeline stage {index} has nothing to differentiate (no trainable "
                          "parameter and no activation input)")
+    n_forward = sum(len(block.bindings) for block in main.body.blocks)
     mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
     adjoint = mod["main_loss_adjoint"]
+    if selective:  # the backward reads recomputed copies of what "selective" does not keep
+        adjoint = rematerialize(adjoint, n_forward, n_in, "selective", None)
     args = list(adjoint.params)
     inputs, masks = args[:n_in], args[n_in:n_in + len(mask_indices)]
     params = args[n_in + len(mask_indices):n_fwd - n_buf]

@@ -2,7 +2,8 @@
 the global batch.
 
 Usage: pp_train.py MODEL OPTIMIZER PP TP ZERO STEPS [--microbatches M] [--schedule S]
-       [--stages-per-rank V] [--checkpointing 1] [--split-points a,b] [--save DIR] [--load DIR]
+       [--stages-per-rank V] [--checkpointing 1|selective] [--split-points a,b] [--save DIR]
+       [--load DIR]
 World = pp x dp x tp. Every rank passes the slice of the global batch of its data-parallel
 index (all stages the same arrays). After STEPS steps the losses (on every rank), the full
 parameters (state_dict) and the optimizer state must equal a single-process run on the global
@@ -36,7 +37,8 @@ def main():
     config.update({"pipeline_parallel_size": pp, "tensor_parallel_size": tp,
                    "enable_data_parallel": dp > 1 or zero > 0, "zero_opt_level": zero,
                    "num_microbatches": microbatches, "pipeline_schedule": schedule,
-                   "activation_checkpointing": flags.get("--checkpointing") == "1"})
+                   "activation_checkpointing": {"1": True, "selective": "selective"}.get(
+                       flags.get("--checkpointing"), False)})
     if "--stages-per-rank" in flags:
         config.pipeline_stages_per_rank = int(flags["--stages-per-rank"])
     if "--split-points" in flags:
@@ -66,6 +68,14 @@ def main():
                          schedule, opt_name)
 
     assert_like_one_process(trainer, losses, name, opt_name, GLOBAL_BATCH, loaded, TOL)
+
+    if flags.get("--checkpointing") == "selective":  # what each stage's backward recomputes
+        for rows, stage_set in trainer.executor._stage_sets.items():
+            for s, stage in sorted(stage_set.stages.items()):
+                count = stage.functions.mod["backward"].script().count("_re: ")
+                print(f"selective: stage {s} recomputes {count} values ({rows} rows)")
+                total = total + count if s != min(stage_set.stages) else count
+            assert total > 0, "no stage of this rank recomputed anything"
 
     stats = trainer.stats()["pipeline"]
     for stage, peak in stats["peak_saved_microbatches"].items():
