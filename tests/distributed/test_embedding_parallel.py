@@ -10,19 +10,24 @@ from mpi_launch import assert_ranks_ok, check_mpi
 
 
 @pytest.mark.parametrize("mode,optimizer,ranks,extra", [
-    # plain SGD: each table's looked-up rows updated in place (the sparse update). With the
-    # checkpoint chain below (table-wise N=2, row-wise N=3) and ep_errors.py (a user plan at
-    # N=2) it is make test's share; N=4 and the rest: make test-slow (~2 min)
-    ("row", "sgd", 3, ()),
-    # four tables on four ranks, one placed by the user's plan (module name)
-    pytest.param("table", "adamw", 4, ("--plan", "tables.2=3"), marks=pytest.mark.slow),
+    # plain SGD: each table's looked-up rows updated in place (the sparse update), clipped by
+    # the global norm (the rows' squares summed over the ranks). With the checkpoint chain
+    # below (table-wise N=2, row-wise N=3) and ep_errors.py (a user plan at N=2) it is make
+    # test's share; N=4 and the rest: make test-slow (~2 min)
+    ("row", "sgd", 3, ("--clip", 0.1)),
+    # four tables on four ranks, one placed by the user's plan (module name); the dense
+    # tables' gradients clipped
+    pytest.param("table", "adamw", 4, ("--plan", "tables.2=3", "--clip", 0.1),
+                 marks=pytest.mark.slow),
     pytest.param("row", "sgd_momentum", 4, (), marks=pytest.mark.slow),
     pytest.param("table", "sgd", 3, (), marks=pytest.mark.slow),
-], ids=["row-sgd-3-sparse", "table-adamw-4-plan", "row-sgd_momentum-4", "table-sgd-3-sparse"])
+], ids=["row-sgd-3-sparse-clip", "table-adamw-4-plan-clip", "row-sgd_momentum-4",
+        "table-sgd-3-sparse"])
 def test_sharded_tables_equal_one_process(mode, optimizer, ranks, extra):
     out = check_mpi("ep_train.py", ranks, mode, optimizer, 3, *extra, timeout=420)
     assert_ranks_ok(out, ranks, "EP OK")
     assert f"{mode}-wise over {ranks}" in out and "one process vs PyTorch" in out, out
+    assert ("--clip" in extra) == ("clipped at" in out), out
 
 
 def test_checkpoint_reshards_table_to_row_to_one_process(tmp_path):

@@ -53,6 +53,16 @@ def test_adagrad_rows_equal_the_dense_update(row_wise):
     assert np.shares_memory(np.from_dlpack(new_table), np.from_dlpack(t_table))  # in place
 
 
+def test_rows_squares_are_the_dense_gradients():
+    """Clipping a sparsely updated table counts the squares of the gradient its rows make
+    (duplicates summed first), not of the rows."""
+    rows = np.random.default_rng(1).standard_normal((IDS.size, DIM)).astype("float32")
+    got = tvm_ffi.get_global_func("raf_dist.embedding.rows_squares")(*_tensors(IDS, rows))
+    assert got.numpy().dtype == np.float32 and got.numpy().shape == ()
+    np.testing.assert_allclose(got.numpy(), np.sum(_dense_gradient(rows) ** 2), rtol=1e-6)
+    assert not np.isclose(got.numpy(), np.sum(rows.astype(np.float64) ** 2))
+
+
 def test_a_skipped_step_changes_nothing():
     table, total = np.ones((ROWS, DIM), "float32"), np.ones((ROWS, 1), "float32")
     t_table, t_sum, t_ids, t_rows, t_clr, t_eps, t_keep, t_row = _tensors(

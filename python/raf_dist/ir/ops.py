@@ -49,6 +49,9 @@ EMBEDDING_SGD_ROWS = "raf_dist.embedding.sgd_rows"
 #: accumulators, in place; then (table, sum, ids, rows, clr, eps, keep) -> the table, in place
 EMBEDDING_ADAGRAD_SUM = "raf_dist.embedding.adagrad_sum"
 EMBEDDING_ADAGRAD_ROWS = "raf_dist.embedding.adagrad_rows"
+#: (ids, rows' gradients) -> 0-d float32: the sum of squares of the table gradient they
+#: make (duplicates summed first), for clipping a sparsely updated table
+EMBEDDING_ROWS_SQUARES = "raf_dist.embedding.rows_squares"
 #: the sparse row updates, each writing its first argument in place
 EMBEDDING_ROW_UPDATES = (EMBEDDING_SGD_ROWS, EMBEDDING_ADAGRAD_SUM, EMBEDDING_ADAGRAD_ROWS)
 DROPOUT_MARKER = "raf_dist.dropout"

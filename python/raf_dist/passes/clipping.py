@@ -16,7 +16,12 @@ is held when the optimizer reads it:
     added over the dp group in the one small allreduce that also carries the non-finite
     verdict (padding is zeros); split / replicated as above;
   - pipelining (runtime/pipeline.py): each stage's sum, added over the pp group; a tied
-    parameter only on the stage that holds it first.
+    parameter only on the stage that holds it first;
+  - embedding tables sharded over the dp ranks (passes/embedding_parallel.py): a table's
+    gradient is this rank's rows alone (the exchange already summed every rank's lookups),
+    so those sums are added over the dp group (``local``); a table updated on its looked-up
+    rows only has no dense gradient: its sum is the rows' (their duplicates summed first:
+    runtime/embedding_update.py), given as ``local_squares``, and the clip scales the rows.
 The norm is float32 (gradients of another dtype widen first) and goes back to the host as
 the second element of the step's loss output (``with_norm``), the same float on every rank.
 """
@@ -41,12 +46,17 @@ class Clip:
     order): ``split``, a tensor-parallel piece (its sum of squares added over tp);
     ``counted``, counted on this rank (False: a tied parameter another pp rank counts;
     default all); ``across_pp``: this rank holds some pipeline stages (the sums are added
-    over the pp group)."""
+    over the pp group); ``local``: this rank's rows of a table sharded over the dp ranks
+    (its sum added over the dp group)."""
 
     max_norm: float
     split: Tuple[bool, ...]
     counted: Tuple[bool, ...] = ()
     across_pp: bool = False
+    local: Tuple[bool, ...] = ()
+
+    def is_local(self, k: int) -> bool:
+        return k < len(self.local) and bool(self.local[k])
 
     @property
     def any_split(self) -> bool:
@@ -59,12 +69,22 @@ class Clip:
         return bool(self.split[k]) if k < len(self.split) else False
 
 
-def global_norm(bb: relax.BlockBuilder, grads: Sequence[relax.Expr], clip: Clip) -> relax.Expr:
+def global_norm(bb: relax.BlockBuilder, grads: Sequence[Optional[relax.Expr]], clip: Clip,
+                local_squares: Optional[relax.Expr] = None) -> relax.Expr:
     """The 0-d float32 global L2 norm of the (whole, reduced) ``grads`` as ``clip`` says they
-    are held (``norm_of``)."""
+    are held (``norm_of``). ``grads[k]`` None: parameter k's sum is in ``local_squares``
+    (a sparsely updated table's rows), which is added over the dp group with the other
+    ``local`` gradients' sums."""
     counted = [(g, bool(clip.kind(k))) for k, g in enumerate(grads)
-               if clip.kind(k) is not None]
+               if g is not None and clip.kind(k) is not None and not clip.is_local(k)]
     replicated, pieces = squares_by_kind(bb, [g for g, _ in counted], [s for _, s in counted])
+    mine = [g for k, g in enumerate(grads) if g is not None and clip.is_local(k)]
+    if mine or local_squares is not None:  # this rank's rows of the tables: summed over dp
+        own = squares_by_kind(bb, mine)[0] if mine else None
+        if local_squares is not None:
+            own = local_squares if own is None else bb.emit(relax.op.add(own, local_squares))
+        replicated = bb.emit(relax.op.add(replicated, bb.emit(relax.op.ccl.allreduce(own,
+                                                                                     "sum"))))
     return norm_of(bb, replicated, pieces, clip)
 
 

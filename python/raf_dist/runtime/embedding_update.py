@@ -12,13 +12,18 @@ its first argument in place, only when ``keep`` (the step's finite verdict) is s
 - ``raf_dist.embedding.adagrad_rows(table, sum, ids, rows, clr, eps, keep) -> table``:
   ``table[u] -= clr * g[u] / (sqrt(sum[u]) + eps)`` over the unique ids ``u``.
 
+and, for clipping by the global norm, ``raf_dist.embedding.rows_squares(ids, rows) -> 0-d
+float32``: the sum of squares of the table gradient the rows make (duplicates summed first).
+
 Packed functions rather than TVM kernels: TVM's scatter kernels write a copy of the whole
 table (O(rows)); numpy on a zero-copy view of the runtime tensor (DLPack) touches only the ids'
 rows. Host tensors only (the CPU path)."""
 import numpy as np
+import tvm
 import tvm_ffi
 
-from ..ir.ops import EMBEDDING_ADAGRAD_ROWS, EMBEDDING_ADAGRAD_SUM, EMBEDDING_SGD_ROWS
+from ..ir.ops import (EMBEDDING_ADAGRAD_ROWS, EMBEDDING_ADAGRAD_SUM, EMBEDDING_ROWS_SQUARES,
+                      EMBEDDING_SGD_ROWS)
 
 
 def _host_view(tensor):
@@ -62,6 +67,12 @@ def _adagrad_rows(table, total, ids, rows, clr, eps, keep):
     return table
 
 
+def _rows_squares(ids, rows):
+    _, grads = _summed(ids, rows, np.float32)
+    return tvm.runtime.tensor(np.array(np.sum(grads * grads, dtype=np.float32)), tvm.cpu())
+
+
 tvm_ffi.register_global_func(EMBEDDING_SGD_ROWS, _sgd_rows, override=True)
+tvm_ffi.register_global_func(EMBEDDING_ROWS_SQUARES, _rows_squares, override=True)
 tvm_ffi.register_global_func(EMBEDDING_ADAGRAD_SUM, _adagrad_sum, override=True)
 tvm_ffi.register_global_func(EMBEDDING_ADAGRAD_ROWS, _adagrad_rows, override=True)

@@ -96,7 +96,7 @@ class SPMDExecutor(LoopScalars):
         self._target = device_lib.target_for(self._device)
 
         model = self.model = self._split_for_tp(model, tensor_parallel_plan)
-        model = self.model = self._split_for_embeddings(model, embedding_plan, max_grad_norm)
+        model = self.model = self._split_for_embeddings(model, embedding_plan)
         self._clip = self._make_clip(max_grad_norm)
         self._build_step(model)
         # from the fingerprint check on the ranks meet in collectives (and compile barriers):
@@ -146,7 +146,7 @@ class SPMDExecutor(LoopScalars):
                              "dist.get_config().tensor_parallel_size first")
         return model
 
-    def _split_for_embeddings(self, model, embedding_plan, max_grad_norm):
+    def _split_for_embeddings(self, model, embedding_plan):
         """This rank's model with the embedding tables sharded over the dp group
         (training/embedding_parallel.py), or ``model``; the ids check of each step."""
         self.ep_plan, self._check_ids = None, None
@@ -157,11 +157,6 @@ class SPMDExecutor(LoopScalars):
                              f"{mode!r})")
         if not self.run_plan.embeddings_sharded:
             return model
-        if max_grad_norm is not None:
-            raise NotImplementedError(
-                f"max_grad_norm with embedding_parallel={mode!r} is not built yet (the sharded "
-                "tables' squared norms would be summed over the dp group); clip without "
-                "sharded tables, or embedding_parallel='none'")
         self.ep_plan = ep_lib.make_plan(model, mode, self.world, embedding_plan)
         full = {}
         for name in model.param_names:  # dp rank 0's tables, as DDP starts from rank 0's
@@ -284,7 +279,10 @@ class SPMDExecutor(LoopScalars):
         if max_grad_norm is None:
             return None
         split = set(self.tp_plan.placements) if self.tp_plan is not None else set()
-        return Clip(float(max_grad_norm), tuple(n in split for n in trained_names(self.model)))
+        tables = set(self.ep_plan.shapes) if self.ep_plan is not None else set()
+        names = trained_names(self.model)
+        return Clip(float(max_grad_norm), tuple(n in split for n in names),
+                    local=tuple(n in tables for n in names))
 
     def _compile_captured(self, model):
         """The gradient buckets, the StateLayout and the step compiled at the captured size."""

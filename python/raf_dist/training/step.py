@@ -29,6 +29,7 @@ from tvm import relax
 from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                         UPDATE_GROUPS, UPDATED_ARGUMENTS)
 from ..ir.ops import mark_gradient
+from ..ir.ops import EMBEDDING_ROWS_SQUARES as ROWS_SQUARES
 from ..layout.state import state_shape
 from ..optim import group_hyper_name
 from ..passes import clipping
@@ -406,10 +407,20 @@ def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_
     reads their rows."""
     sparse_rows = sparse_rows or {}
     norm = None
-    if clip is not None:
-        norm = clipping.global_norm(bb, grads, clip)
+    if clip is not None:  # a sparsely updated table counts (and scales) its rows
+        squares = [bb.emit(relax.call_pure_packed(ROWS_SQUARES, ids, rows,
+                                                  ty_args=relax.TensorType((), "float32")))
+                   for ids, rows in sparse_rows.values()]
+        total = squares[0] if squares else None
+        for term in squares[1:]:
+            total = bb.emit(relax.op.add(total, term))
+        norm = clipping.global_norm(
+            bb, [None if i in sparse_rows else g for i, g in enumerate(grads)], clip, total)
         coef = clipping.clip_coefficient(bb, norm, clip.max_norm)
-        clipped = [clipping.scaled(bb, g, coef) for g in grads]
+        clipped = [g if i in sparse_rows else clipping.scaled(bb, g, coef)
+                   for i, g in enumerate(grads)]
+        rows_of = {i: (ids, clipping.scaled(bb, rows, coef))
+                   for i, (ids, rows) in sparse_rows.items()}
     flag = None
     if nonfinite_guard:
         flag = nonfinite.finite_flag(
@@ -420,7 +431,7 @@ def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_
     keep = (None if flag is None else
             lambda new, old: nonfinite.keep_unless(bb, flag, new, old))
     if norm is not None:
-        grads = clipped
+        grads, sparse_rows = clipped, rows_of
     new_params, new_states = [], []
     for i, (param, grad) in enumerate(zip(param_vars, grads)):
         states = state_vars[i * n_states:(i + 1) * n_states]

@@ -2,6 +2,7 @@
 batch, and one process vs PyTorch.
 
 Usage: ep_train.py MODE OPTIMIZER STEPS [--save DIR] [--load DIR] [--plan TABLE=RANK]
+       [--clip MAX_NORM]
 MODE: "table" or "row" (or "none": a world of one resuming a checkpoint).
 The model is tests/models.py ShardedRec (three EmbeddingBag tables of 40, 60 and 12 rows:
 a sum bag with per-sample weights, a mean bag with a padding id, a sum bag; an nn.Embedding
@@ -15,7 +16,9 @@ After STEPS steps:
 - the all-to-all bytes of a step equal the analytic count (exchange_bytes); the dense
   gradients still travel by allreduce;
 --load resumes from a checkpoint (written at any layout) first; the references then cover
-the loaded steps too. --save writes a checkpoint at the end.
+the loaded steps too. --save writes a checkpoint at the end. --clip: every run (and PyTorch's,
+by clip_grad_norm_) clips the gradients by their global norm, the tables' included: the
+reported norm equals one process's on every step.
 Prints 'rank R: EP OK'."""
 import sys
 
@@ -26,13 +29,14 @@ import raf_dist
 from raf_dist import distributed as dist
 from raf_dist.passes.embedding_parallel import exchange_bytes
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
-from models import make_sharded_rec, raf_optimizer, rel_err, torch_optimizer, torch_step  # noqa: E402
+from models import (make_sharded_rec, raf_optimizer, rel_err, torch_loss,  # noqa: E402
+                    torch_optimizer, torch_step)
 
 GLOBAL_BATCH = 12
 TOL = 5e-5  # float reduction order (the exchanges' sums too), amplified by Adam: tp_train.py
 
 
-def torch_reference(opt_name, steps):
+def torch_reference(opt_name, steps, clip=None):
     """(losses, parameters, spread): PyTorch on the global batch in float32, and the
     norm-relative distance of its float32 parameters from its own float64 run (the
     calibration of the raf_dist-vs-PyTorch tolerance)."""
@@ -42,7 +46,17 @@ def torch_reference(opt_name, steps):
         module = module.to(dtype)
         x = tuple(a.to(dtype) if a.is_floating_point() else a for a in x)
         opt = torch_optimizer(opt_name, module.parameters())
-        losses = [torch_step(module, opt, x, y) for _ in range(steps)]
+        if clip is None:
+            losses = [torch_step(module, opt, x, y) for _ in range(steps)]
+        else:
+            losses = []
+            for _ in range(steps):
+                opt.zero_grad()
+                loss = torch_loss(module(*x), y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+                opt.step()
+                losses.append(loss.item())
         runs[dtype] = (losses, {k: v.detach().double().numpy()
                                 for k, v in module.state_dict().items()})
     (losses, params), (_, exact) = runs[torch.float32], runs[torch.float64]
@@ -50,7 +64,7 @@ def torch_reference(opt_name, steps):
     return losses, {k: v.astype(np.float32) for k, v in params.items()}, spread
 
 
-def references(opt_name, steps):
+def references(opt_name, steps, clip=None):
     """Rank 0 trains raf_dist alone on the global batch and PyTorch; every rank gets the
     raf_dist run (losses, state_dict, optimizer_state_dict). Collective."""
     comm = dist.get_communicator()
@@ -61,11 +75,15 @@ def references(opt_name, steps):
         config.update({"enable_data_parallel": False, "embedding_parallel": "none"})
         module, x, y = make_sharded_rec(GLOBAL_BATCH)
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, x),
-                                   optimizer=raf_optimizer(opt_name), local=True)
+                                   optimizer=raf_optimizer(opt_name), local=True,
+                                   max_grad_norm=clip)
         arrays = [a.numpy() for a in x]
-        losses = [trainer.step(arrays, y.numpy()) for _ in range(steps)]
-        reference = (losses, trainer.state_dict(), trainer.optimizer_state_dict())
-        torch_losses, torch_params, spread = torch_reference(opt_name, steps)
+        losses, norms = [], []
+        for _ in range(steps):
+            losses.append(trainer.step(arrays, y.numpy()))
+            norms.append(trainer.last_grad_norm)
+        reference = (losses, trainer.state_dict(), trainer.optimizer_state_dict(), norms)
+        torch_losses, torch_params, spread = torch_reference(opt_name, steps, clip)
         tol = max(4 * spread, 1e-6)
         assert rel_err(losses, torch_losses) <= tol, (losses, torch_losses, spread)
         for key, value in torch_params.items():
@@ -96,17 +114,27 @@ def main():
     if "--plan" in flags:
         table, rank = flags["--plan"].split("=")
         plan = {table: int(rank)}
+    clip = float(flags["--clip"]) if "--clip" in flags else None
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, tuple(xs)),
-                               optimizer=raf_optimizer(opt_name), embedding_plan=plan)
+                               optimizer=raf_optimizer(opt_name), embedding_plan=plan,
+                               max_grad_norm=clip)
     loaded = 0
     if "--load" in flags:
         trainer.load_checkpoint(flags["--load"])
         loaded = trainer.step_count
     arrays = [a.numpy() for a in xs]
-    losses = [trainer.step(arrays, ys) for _ in range(steps)]
+    losses, norms = [], []
+    for _ in range(steps):
+        losses.append(trainer.step(arrays, ys))
+        norms.append(trainer.last_grad_norm)
 
-    ref_losses, ref_params, ref_states = references(opt_name, loaded + steps)
+    ref_losses, ref_params, ref_states, ref_norms = references(opt_name, loaded + steps, clip)
     assert rel_err(losses, ref_losses[loaded:]) <= TOL, (losses, ref_losses)
+    if clip is not None:  # the tables' rows counted once, over every rank
+        assert rel_err(norms, ref_norms[loaded:]) <= TOL, (norms, ref_norms)
+        assert min(norms) > clip, ("the case should clip", norms)
+        if comm.rank == 0:
+            print(f"clipped at {clip}: global norms {[round(v, 4) for v in norms]}")
     params = trainer.state_dict()
     assert list(params) == list(ref_params)
     for key, value in ref_params.items():
