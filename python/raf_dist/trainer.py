@@ -110,6 +110,7 @@ class Trainer:
             check_pipeline_config(config, model)  # from the config and model alone
         comm = get_communicator()
         plan = plan_run(config, comm.size, local)  # the config, read once
+        check_tables_under_zero(plan, nonfinite, precision, max_grad_norm)
         if comm.size > 1 and not plan.local:  # before any other collective
             agree(comm, plan, model, loss, optimizer, device, embedding_plan)
         mesh = build_mesh(plan, config, comm.size)
@@ -281,6 +282,26 @@ def check_precision(precision: Any, grad_reduce_dtype: Any) -> None:
     if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
         raise ValueError(f"grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES}, got "
                          f"{grad_reduce_dtype!r}")
+
+
+def check_tables_under_zero(plan: Any, nonfinite: str, precision: str,
+                            max_grad_norm: Any) -> None:
+    """ZeRO with embedding tables sharded over the same ranks updates each bucket as soon as
+    it is reduced; what needs every gradient first (nonfinite="skip", fp16's loss scaling,
+    clipping) would need the tables' own verdict and norm in ShardZeRO's agreement, which is
+    not built: refused before anything starts."""
+    if not (plan.embeddings_sharded and plan.zero_level > 0):
+        return
+    asked = [what for what, on in (('nonfinite="skip"', nonfinite == "skip"),
+                                   ('precision="fp16" (loss scaling skips overflows)',
+                                    precision == "fp16"),
+                                   ("max_grad_norm", max_grad_norm is not None)) if on]
+    if asked:
+        raise NotImplementedError(
+            f"{', '.join(asked)} with embedding_parallel={plan.embedding_parallel!r} and "
+            f"zero_opt_level={plan.zero_level} is not built yet (the sharded tables' verdict "
+            "and norm would join ZeRO's agreement before any update); use zero_opt_level=0 "
+            "with sharded tables for it, or leave it out")
 
 
 def check_row_states(optimizer: Any, config: Any, local: bool) -> None:

@@ -141,9 +141,15 @@ def test_config_rules():
         with pytest.raises(ValueError, match="requires enable_data_parallel=True"):
             config.check()
         config.update({"enable_data_parallel": True, "zero_opt_level": 1})
-        with pytest.raises(NotImplementedError, match="zero_opt_level=1 is not built yet"):
+        config.check_supported()  # ZeRO for the dense layers beside the sharded tables
+        config.num_microbatches = 2
+        with pytest.raises(NotImplementedError, match="num_microbatches=2 is not built yet"):
             config.check_supported()
-        config.update({"zero_opt_level": 0, "activation_memory_budget_mb": 100})
+        config.update({"num_microbatches": 1, "tensor_parallel_size": 2})
+        with pytest.raises(NotImplementedError, match="tensor_parallel_size=2 is not built"):
+            config.check_supported()
+        config.update({"tensor_parallel_size": 1, "zero_opt_level": 0,
+                       "activation_memory_budget_mb": 100})
         with pytest.raises(NotImplementedError, match="activation_memory_budget_mb with "
                                                       "embedding_parallel"):
             config.check_supported()

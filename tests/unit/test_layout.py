@@ -103,6 +103,25 @@ def test_row_states_hold_one_value_per_row():
         state_layout(NAMES, SPECS, ["sum"], 1, 2, 0, [(0, 1, 2)], row_states=["sum"])
 
 
+def test_local_parameters_are_held_whole_beside_the_buckets():
+    """A sharded embedding table (``local``) under ZeRO-3: whole parameter and states, in no
+    bucket, its state buffers after the buckets' flat ones; the rest sharded as ever."""
+    n = 4
+    layout = state_layout(NAMES, SPECS, ["m"], 3, n, 1, [(2, 1)], local=[0])
+    assert layout.held_param_shape(0) == (3, 4) and layout.held_param_shape(1) == (2,)
+    assert [(b.params, b.numel) for b in layout.state_buffers()] == [((2, 1), 1 + 2), ((0,), 12)]
+    full = {(p, "m"): np.arange(np.prod(shape), dtype="float32").reshape(shape)
+            for p, (shape, _) in zip(NAMES, SPECS)}
+    held = {k: layout.shard_param(NAMES.index(k[0]), v) for k, v in full.items()}
+    packed = layout.pack_states(held)
+    assert [a.shape for a in packed] == [(3,), (3, 4)]
+    assert all(np.array_equal(layout.unpack_states(packed)[k], v) for k, v in held.items())
+    assert layout.param_bytes() == 4 * (12 + shard_size(5, n) + shard_size(4, n))
+    assert [a.shape for a in layout.zero_states()] == [(3,), (3, 4)]
+    with pytest.raises(ValueError, match="every parameter index once"):
+        state_layout(NAMES, SPECS, ["m"], 1, n, 0, [(2, 1)])  # parameter 0 nowhere
+
+
 def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="every parameter index once"):
         state_layout(NAMES, SPECS, ["m"], 1, 2, 0, [(0, 1)])

@@ -125,6 +125,13 @@ def test_dlrm_preset_exchanges_rows_by_alltoall():
     grads = [e.bytes // 4 for e in w.programs[0] if e.kind == "allreduce" and e.bytes > 4]
     # the MLPs' gradients in one bucket (padded to 16 elements); the tables' are not reduced
     assert grads == [-(-(728_065 + 49_536) // 16) * 16]
+    # the MLPs under ZeRO-2 beside the tables: reduce-scattered and gathered, the same
+    # exchanges; the tables' gradients still travel by the exchange alone
+    w, _ = build_workload(_args("dlrm", zero=2), 4)
+    kinds = {e.kind for e in w.programs[0]}
+    assert {"reduce_scatter", "allgather", "alltoall"} <= kinds, kinds
+    scattered = sum(e.bytes for e in w.programs[0] if e.kind == "reduce_scatter")
+    assert scattered == 4 * (728_065 + 49_536), scattered  # whole tensors, dense layers only
 
 
 def test_simulated_collectives_follow_the_alpha_beta_model():
@@ -173,8 +180,9 @@ def test_mesh_spec_refuses_what_the_trainer_refuses():
     with pytest.raises(ValueError, match="zero=2 with pipeline"):
         MeshSpec(dp=2, pp=2, zero=2)
     MeshSpec(dp=2, pp=2, zero=1)  # the pipeline's update shards the optimizer state
-    with pytest.raises(ValueError, match="plain data parallelism"):
+    with pytest.raises(ValueError, match="data parallelism and ZeRO only"):
         MeshSpec(dp=2, tp=2, embedding_parallel="table")
+    MeshSpec(dp=2, zero=3, embedding_parallel="table")  # the dense layers under ZeRO
 
 
 def test_simulate_cli_prints_the_side_by_side_and_the_prediction(capsys):

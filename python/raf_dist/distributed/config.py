@@ -155,15 +155,19 @@ class DistConfig:
                     "would pick different recomputation); choose activation_checkpointing "
                     "yourself")
             for field, value, allowed in (
-                    ("zero_opt_level", self.zero_opt_level, 0),
                     ("tensor_parallel_size", self.tensor_parallel_size, 1),
                     ("pipeline_parallel_size", self.pipeline_parallel_size, 1)):
                 if value != allowed:
                     raise NotImplementedError(
                         f"embedding_parallel={self.embedding_parallel!r} with {field}={value} "
                         f"is not built yet (the sharded tables' gradients and state sit "
-                        f"outside the ZeRO buckets and the tp / pp pieces); use {field}="
-                        f"{allowed} with sharded tables, or embedding_parallel='none'")
+                        f"outside the tp / pp pieces); use {field}={allowed} with sharded "
+                        "tables, or embedding_parallel='none'")
+            if self.zero_opt_level and self.num_microbatches > 1:
+                raise NotImplementedError(
+                    f"embedding_parallel={self.embedding_parallel!r} with zero_opt_level="
+                    f"{self.zero_opt_level} and num_microbatches={self.num_microbatches} is "
+                    "not built yet; use num_microbatches=1 with ZeRO and sharded tables")
 
     @property
     def recompute(self) -> str | None:

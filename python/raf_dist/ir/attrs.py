@@ -12,6 +12,9 @@ UPDATED_ARGUMENTS = "raf_dist.updated_arguments"
 # the optimizer parameter group of each trained parameter (step order), when there are several:
 # a ZeRO bucket holds one group (it runs one update chain)
 UPDATE_GROUPS = "raf_dist.update_groups"
+# the trained parameters (step order) whose gradients are this rank's alone (embedding tables
+# sharded over the dp ranks): they carry no gradient marker, and ZeRO holds them whole
+LOCAL_PARAMS = "raf_dist.local_params"
 # a TIR block annotated with it is never inlined by the CPU schedule (compiler/schedule.py):
 # a value computed once and read many times (passes/fast_math.py)
 MATERIALIZE = "raf_dist.materialize"

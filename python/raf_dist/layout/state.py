@@ -13,6 +13,11 @@ Under ZeRO (DESIGN.md section 3) over a data-parallel axis of N ranks:
   no step gathers or scatters state around it;
 - level 3: parameters held as their flat padded shards too.
 
+``local`` parameters (embedding tables sharded over the same dp ranks,
+passes/embedding_parallel.py) are this rank's own already: at every level they are held whole,
+with whole states, in no bucket; their state buffers follow the buckets' (one per parameter
+and state, in parameter order).
+
 An optimizer state is shaped like its parameter, or, for the states an optimizer keeps one
 value per row of (``row_states``: row-wise Adagrad's ``sum``, as torchrec's
 ``RowWiseAdagrad``), ``row_state_shape``: the leading axis kept, the others 1. ZeRO cuts the
@@ -84,6 +89,7 @@ class StateLayout:
     dp_rank: int
     buckets: Tuple[Tuple[int, ...], ...]
     row_states: Tuple[str, ...] = ()  # states kept one value per row (module docstring)
+    local: Tuple[int, ...] = ()  # parameters held whole at every level (module docstring)
 
     # ---- what is held ---------------------------------------------------------------------
     @property
@@ -99,6 +105,15 @@ class StateLayout:
     def numel(self, index: int) -> int:
         return int(np.prod(self.param_shapes[index], dtype=np.int64))
 
+    def is_local(self, index: int) -> bool:
+        """Whether parameter ``index`` is held whole, outside ZeRO's buckets (``local``)."""
+        return index in self.local
+
+    def shard_param(self, index: int, array: np.ndarray) -> np.ndarray:
+        """What this rank holds of a full parameter (or of a state shaped like it) between
+        steps under the state's sharding: its flat shard, or the whole for a local one."""
+        return np.asarray(array) if self.is_local(index) else self.shard(array)
+
     def state_shape(self, index: int, state: str) -> Shape:
         """The full shape of optimizer state ``state`` of parameter ``index``."""
         return state_shape(self.param_shapes[index], state, self.row_states)
@@ -109,7 +124,9 @@ class StateLayout:
 
     def held_param_shape(self, index: int) -> Shape:
         """The shape this rank holds parameter ``index`` at between steps."""
-        return (self.shard_numel(index),) if self.params_sharded else self.param_shapes[index]
+        if self.params_sharded and not self.is_local(index):
+            return (self.shard_numel(index),)
+        return self.param_shapes[index]
 
     def slice_range(self, index: int) -> Tuple[int, int]:
         """``[begin, end)`` of parameter ``index``'s flat elements this rank's shard holds."""
@@ -126,10 +143,14 @@ class StateLayout:
     def state_buffers(self) -> List[StateBuffer]:
         """The step's optimizer-state arguments, in order."""
         dtypes = self.param_dtypes
-        if not self.states_sharded:
+
+        def whole(indices: Sequence[int]) -> List[StateBuffer]:
             return [StateBuffer(i, s, (i,), (0,),
                                 int(np.prod(self.state_shape(i, s), dtype=np.int64)), dtypes[i])
-                    for i in range(len(self.param_names)) for s in self.state_names]
+                    for i in indices for s in self.state_names]
+
+        if not self.states_sharded:
+            return whole(range(len(self.param_names)))
         out = []
         for b, bucket in enumerate(self.buckets):
             offsets, total = [], 0
@@ -139,24 +160,27 @@ class StateLayout:
             for state in self.state_names:
                 out.append(StateBuffer(b, state, tuple(bucket), tuple(offsets), total,
                                        dtypes[bucket[0]]))
-        return out
+        return out + whole(self.local)
+
+    def _whole_buffer(self, buffer: StateBuffer) -> bool:
+        """A state buffer holding one parameter's whole state (level 0, or a local one)."""
+        return not self.states_sharded or self.is_local(buffer.params[0])
 
     # ---- packing --------------------------------------------------------------------------
     def pack_states(self, by_key: Dict[StateKey, np.ndarray]) -> List[np.ndarray]:
         """The step's state arguments from {(param, state): array}: full arrays at level 0,
         this rank's flat shards under ZeRO (as ``shard`` cuts them)."""
         names = self.param_names
-        if not self.states_sharded:
-            return [np.ascontiguousarray(by_key[(names[b.params[0]], b.state)])
-                    for b in self.state_buffers()]
-        return [np.concatenate([np.asarray(by_key[(names[k], b.state)]).reshape(-1)
+        return [np.ascontiguousarray(by_key[(names[b.params[0]], b.state)])
+                if self._whole_buffer(b) else
+                np.concatenate([np.asarray(by_key[(names[k], b.state)]).reshape(-1)
                                 for k in b.params]) for b in self.state_buffers()]
 
     def unpack_states(self, arrays: Sequence[np.ndarray]) -> Dict[StateKey, np.ndarray]:
         """{(param, state): array} of what this rank holds (inverse of ``pack_states``)."""
         names, out = self.param_names, {}
         for buffer, array in zip(self.state_buffers(), arrays, strict=True):
-            if not self.states_sharded:
+            if self._whole_buffer(buffer):
                 out[(names[buffer.params[0]], buffer.state)] = array
                 continue
             flat = np.asarray(array).reshape(-1)
@@ -168,8 +192,9 @@ class StateLayout:
         """The state arguments of a fresh optimizer: zeros, or ``values[state]`` for the
         states named there (Adagrad's initial_accumulator_value)."""
         values = values or {}
-        return [np.full(b.numel if self.states_sharded else self.state_shape(b.params[0], b.state),
-                        values.get(b.state, 0.0), b.dtype) for b in self.state_buffers()]
+        return [np.full(self.state_shape(b.params[0], b.state) if self._whole_buffer(b)
+                        else b.numel, values.get(b.state, 0.0), b.dtype)
+                for b in self.state_buffers()]
 
     # ---- bytes ----------------------------------------------------------------------------
     def _itemsize(self, index: int) -> int:
@@ -184,7 +209,8 @@ class StateLayout:
         return sum(self.numel(i) * self._itemsize(i) for i in range(len(self.param_names)))
 
     def shard_param_bytes(self) -> int:
-        return sum(self.shard_numel(i) * self._itemsize(i) for i in range(len(self.param_names)))
+        return sum((self.numel(i) if self.is_local(i) else self.shard_numel(i))
+                   * self._itemsize(i) for i in range(len(self.param_names)))
 
     def grad_bytes(self) -> int:
         """Gradient bytes that outlive their bucket's collective: every full gradient until
@@ -199,10 +225,11 @@ class StateLayout:
 def state_layout(param_names: Sequence[str], param_specs: Sequence[Tuple[Sequence[int], str]],
                  state_names: Sequence[str], zero_level: int = 0, dp_size: int = 1,
                  dp_rank: int = 0, buckets: Sequence[Sequence[int]] = (),
-                 row_states: Sequence[str] = ()) -> StateLayout:
+                 row_states: Sequence[str] = (), local: Sequence[int] = ()) -> StateLayout:
     """The one constructor of a :class:`StateLayout`. ``param_specs``: (shape, dtype) per
-    parameter; ``buckets`` (required under ZeRO): every parameter index exactly once;
-    ``row_states``: the states kept one value per row (refused under ZeRO)."""
+    parameter; ``buckets`` (required under ZeRO): every parameter index but the ``local``
+    ones exactly once; ``row_states``: the states kept one value per row (refused under
+    ZeRO); ``local``: parameters held whole at every level (module docstring)."""
     zero_level, dp_size, dp_rank = int(zero_level), int(dp_size), int(dp_rank)
     if zero_level not in (0, 1, 2, 3):
         raise ValueError(f"zero_level must be 0, 1, 2 or 3, got {zero_level}")
@@ -217,13 +244,14 @@ def state_layout(param_names: Sequence[str], param_specs: Sequence[Tuple[Sequenc
             f"shard ends, which can split a row, and the optimizer keeps {list(row_states)} "
             "one value per row (row-wise Adagrad): use zero_opt_level=0 with it, or an "
             "optimizer whose state is shaped like its parameter (SGD, Adam, AdamW)")
-    if zero_level and sorted(k for b in held for k in b) != list(range(len(names))):
+    own = tuple(sorted(int(k) for k in local))
+    if zero_level and sorted([k for b in held for k in b] + list(own)) != list(range(len(names))):
         raise ValueError(f"ZeRO's buckets must hold every parameter index once, got {held} "
-                         f"for {len(names)} parameters")
+                         f"for {len(names)} parameters (held whole: {list(own)})")
     return StateLayout(
         param_names=names,
         param_shapes=tuple(tuple(int(d) for d in s) for s, _ in param_specs),
         param_dtypes=tuple(str(d) for _, d in param_specs),
         state_names=tuple(state_names), zero_level=zero_level,
         dp_size=dp_size if zero_level else 1, dp_rank=dp_rank if zero_level else 0,
-        buckets=held, row_states=row_states)
+        buckets=held, row_states=row_states, local=own if zero_level else ())

@@ -41,6 +41,12 @@ What each level emits (gradients averaged in the reduce_scatter; loss averaged a
      (each shard cast first, buckets of one dtype): half the allgather bytes.
 The optimizer region must be elementwise (SGD, Adam, AdamW are): it is re-emitted on shards.
 
+Local parameters (``raf_dist.local_params``: embedding tables sharded over the same dp
+ranks, whose gradients are each rank's own) have no marker and are no bucket's: they stay
+whole arguments (level 3 too), are never gathered, and their update chains (dense, or the
+looked-up rows in place) are emitted as build_train_step wrote them, after the buckets'
+updates; their states follow the buckets' flat ones (raf_dist.layout).
+
 ``guard=True`` (Trainer(nonfinite="skip") under ZeRO): no bucket is updated before every
 gradient is reduced; each rank then checks its gradient shards and its loss (sums, as
 training/nonfinite.py), the ranks sum their "not finite" verdicts (one float allreduce), and
@@ -177,13 +183,20 @@ class _Emitter:
         for bucket, new_param in self.deferred:
             self._gather_updated(bucket, new_param)
         self._finish_gathers(keep=0)
+        for k in self.step.local:  # this rank's own tables: their update as it was
+            for binding in self.plan.update.chains[k]:
+                self.seg.add(binding)
 
     def _outputs(self) -> List[relax.Expr]:
-        """(loss, params, states, buffers), parameters and states in their new layout."""
+        """(loss, params, states, buffers), parameters and states in their new layout (the
+        local parameters' whole, after the buckets')."""
         plan, step = self.plan, self.step
-        new_params = self.new_param_shards if plan.level == 3 else self.new_full
+        new_params = dict(self.new_param_shards if plan.level == 3 else self.new_full)
+        new_params.update({k: step.new_param_field(k) for k in step.local})
         return ([self.loss] + [new_params[k] for k in range(len(step.params))]
                 + [self.new_states[(b.index, j)] for b in plan.grad_buckets
+                   for j in range(step.per_param)]
+                + [step.new_state_field(k, j) for k in step.local
                    for j in range(step.per_param)]
                 + list(step.buffer_outputs))
 

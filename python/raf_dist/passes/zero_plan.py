@@ -11,6 +11,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from ..ir.attrs import LOCAL_PARAMS
 from ..ir.utils import tensor_nbytes
 from ..layout import StateLayout, shard_size, state_layout
 from .auto_cast import LOW_DTYPES
@@ -78,6 +79,9 @@ class Step:
     # buffers the forward updates (BatchNorm running statistics): replicated, passed through
     buffer_outputs: Tuple[relax.Expr, ...]
     buffer_arguments: Tuple[int, ...]  # their arguments (the updated arguments' tail)
+    # parameters this rank's alone (sharded embedding tables: raf_dist.local_params): no
+    # marker, held and updated whole, their update chains emitted as they are
+    local: Tuple[int, ...] = ()
 
     @property
     def loss(self) -> relax.Expr:
@@ -112,8 +116,13 @@ def read_step(func: relax.Function) -> Step:
     per_param = int(attrs[LAYOUT_STATES_PER_PARAM])
     bindings = tuple(body.blocks[0].bindings)
     markers = tuple(find_markers(body.blocks[0]))
-    if sorted(m.param_index for m in markers) != list(range(num_params)):
-        raise ValueError("ShardZeRO: every parameter needs exactly one gradient marker")
+    local = tuple(sorted(int(k) for k in attrs.get(LOCAL_PARAMS, [])))
+    if sorted([m.param_index for m in markers] + list(local)) != list(range(num_params)):
+        raise ValueError("ShardZeRO: every parameter needs exactly one gradient marker (but "
+                         "the local ones, raf_dist.local_params, which have none)")
+    if not markers:
+        raise ValueError("ShardZeRO: no parameter is data parallel (every one is this "
+                         "rank's alone), so there is nothing to shard: use zero_opt_level=0")
     result = {b.var: b.value for b in bindings}.get(body.body)
     n_core = 1 + num_params * (1 + per_param)
     if not isinstance(result, relax.Tuple) or len(result.fields) < n_core:
@@ -131,14 +140,15 @@ def read_step(func: relax.Function) -> Step:
         optimizer_begin=max(m.position for m in markers) + 1 if markers else 0,
         buffer_outputs=buffer_outputs,
         buffer_arguments=tuple(updated[len(updated) - len(buffer_outputs):]
-                               if buffer_outputs else ()))
-    _check_elementwise(step)
+                               if buffer_outputs else ()), local=local)
     return step
 
 
-def _check_elementwise(step: Step) -> None:
-    """The update is re-emitted on flat shards, which only an elementwise update allows."""
-    for binding in step.bindings[step.optimizer_begin:]:
+def _check_elementwise(step: Step, update: "UpdateChains") -> None:
+    """The update is re-emitted on flat shards, which only an elementwise update allows (the
+    local parameters' chains run as they are)."""
+    sharded = [b for k, chain in update.chains.items() if k not in step.local for b in chain]
+    for binding in list(update.shared) + sharded:
         if binding.var.same_as(step.output_var) or isinstance(binding.value, relax.Var):
             continue
         value = binding.value
@@ -194,6 +204,7 @@ def update_chains(step: Step) -> UpdateChains:
         owner[binding.var] = (k, len(chains[k]))
         chains[k].append(binding)
     out = UpdateChains({k: tuple(c) for k, c in chains.items()}, tuple(shared), tuple(tail))
+    _check_elementwise(step, out)
     _check_one_rule(step, out, owner)
     return out
 
@@ -203,7 +214,8 @@ def _owners(step: Step) -> Owner:
     owner: Owner = {}
     for k, p in enumerate(step.params):
         owner[p] = (k, "param")
-        owner[step.marker_of[k].var] = (k, "grad")
+        if k in step.marker_of:  # (a local parameter's gradient is its chain's input)
+            owner[step.marker_of[k].var] = (k, "grad")
         for j in range(step.per_param):
             owner[step.state(k, j)] = (k, f"state{j}")
     return owner
@@ -219,6 +231,8 @@ def _check_one_rule(step: Step, update: UpdateChains, owner: Owner) -> None:
     first: Dict[int, int] = {}
     references: Dict[int, tuple] = {}
     for k in range(len(step.params)):
+        if k in step.local:  # updated whole, by its own chain
+            continue
         g = groups[k]
         described = _describe_chain(step, update, owner, scalars, k)
         if g not in references:
@@ -308,6 +322,8 @@ def plan_gathers(step: Step, name: str, begin: int, end: int, world_size: int,
     order: List[int] = []
     # parameter -> the dtypes it is read as (None: as itself)
     casts: Dict[int, Set[Optional[str]]] = {}
+    for k in step.local:  # held whole: never gathered
+        del param_pos[step.params[k]]
     for binding in step.bindings[begin:end]:
         cast = low_cast(binding.value, param_pos)
         for v in relax.analysis.free_vars(binding.value):
@@ -349,9 +365,12 @@ class ZeroPlan:
 
     @property
     def state_arguments(self) -> List[relax.Var]:
-        """The new optimizer-state arguments, bucket-major."""
-        return [self.flat_states[(b.index, j)] for b in self.grad_buckets
-                for j in range(self.step.per_param)]
+        """The new optimizer-state arguments, bucket-major, then the local parameters' own
+        (whole, as before)."""
+        return ([self.flat_states[(b.index, j)] for b in self.grad_buckets
+                 for j in range(self.step.per_param)]
+                + [self.step.state(k, j) for k in self.step.local
+                   for j in range(self.step.per_param)])
 
     def gathers_at(self, pos: int) -> GatherRegion:
         """Level 3: the region binding ``pos`` reads its parameters in."""
@@ -376,8 +395,9 @@ def plan_zero(func: relax.Function, level: int, world_size: int, bucket_bytes: i
     layout = state_layout([str(i) for i in range(len(params))],
                           [([int(d) for d in p.ty.shape], str(p.ty.dtype)) for p in params],
                           [str(j) for j in range(step.per_param)], level, world_size, 0,
-                          [b.keys for b in grad_buckets])
-    new_params = (tuple(relax.Var(p.name, relax.TensorType([layout.shard_numel(i)], p.ty.dtype))
+                          [b.keys for b in grad_buckets], local=step.local)
+    new_params = (tuple(p if layout.is_local(i) else
+                        relax.Var(p.name, relax.TensorType([layout.shard_numel(i)], p.ty.dtype))
                         for i, p in enumerate(params)) if layout.params_sharded else params)
     forward = backward = None
     if level == 3:
@@ -396,6 +416,8 @@ def _flat_states(step: Step, layout: StateLayout) -> Dict[Tuple[int, int], relax
     """One [S] state argument per bucket and state, named after the state it holds."""
     flat_states = {}
     for buffer in layout.state_buffers():
+        if layout.is_local(buffer.params[0]):  # whole: the step's own argument
+            continue
         j = int(buffer.state)
         name = step.state(buffer.params[0], j).name
         suffix = name.rsplit("__", 1)[-1] if "__" in name else f"state{j}"

@@ -81,9 +81,9 @@ class MeshSpec:
         if self.recompute not in ("none", "full", "selective"):
             raise ValueError(f"recompute must be 'none', 'full' or 'selective', got "
                              f"{self.recompute!r}")
-        if self.embedding_parallel != "none" and (self.tp > 1 or self.pp > 1 or self.zero):
-            raise ValueError("sharded embedding tables compose with plain data parallelism "
-                             "only (as the Trainer)")
+        if self.embedding_parallel != "none" and (self.tp > 1 or self.pp > 1):
+            raise ValueError("sharded embedding tables compose with data parallelism and "
+                             "ZeRO only (as the Trainer)")
 
     @property
     def world(self) -> int:

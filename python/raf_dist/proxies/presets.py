@@ -95,7 +95,7 @@ def _dlrm(a):
     model = models.dlrm(2048 // ranks if not a.micro_batch_set else a.micro_batch, 128,
                         [128, 128, 128], [80000] * 4, 128, [512, 512, 512, 256, 1])
     mesh = MeshSpec(dp=ranks, embedding_parallel=a.embedding_parallel or "table",
-                    bucket_mb=a.bucket_mb or 25.0)
+                    bucket_mb=a.bucket_mb or 25.0, zero=a.zero)
     return model, mesh, "mse"
 
 

@@ -294,7 +294,8 @@ class SPMDExecutor(LoopScalars):
                                    self.signature.state_names,
                                    self.zero_level if self.data_parallel else 0,
                                    self.world, self.dp_rank, self.grad_buckets,
-                                   row_states=self.signature.row_states)
+                                   row_states=self.signature.row_states,
+                                   local=self._local_params_indices())
         self._step_passes = self._passes()  # again for each new batch size
         self.compiled = self._compile(self._cache_dir)
         self._vm = relax.VirtualMachine(self.compiled.executable, self._device)
@@ -318,11 +319,19 @@ class SPMDExecutor(LoopScalars):
                                                    group=self.dp_group)
         return init
 
+    def _local_params_indices(self):
+        """The trained parameters this rank holds alone (its rows of the sharded tables):
+        whole under ZeRO too (raf_dist.layout)."""
+        tables = set(self.ep_plan.shapes) if self.ep_plan is not None else set()
+        return [i for i, n in enumerate(self.signature.param_names) if n in tables]
+
     def _init_state(self, model, init):
         """The runtime tensors held between steps: parameters (this rank's flat padded
         shard under ZeRO-3), frozen parameters, optimizer states, buffers."""
         if self.layout.params_sharded:
-            init = {n: self.layout.shard(a) for n, a in init.items()}
+            index = {n: i for i, n in enumerate(self.signature.param_names)}
+            init = {n: self.layout.shard_param(index[n], a) if n in index else a
+                    for n, a in init.items()}
         self._params = [tvm.runtime.tensor(init[n], self._device)
                         for n in self.signature.param_names]
         self._frozen = self._init_frozen(model)  # requires_grad=False: passed, never updated
@@ -776,9 +785,11 @@ class SPMDExecutor(LoopScalars):
         """{name: array} of the trained parameters this rank computes with: whole (gathered
         over the dp ranks under ZeRO-3), this tp rank's pieces under tensor parallelism."""
         if self.layout.params_sharded:
-            return {name: held.gather_shards(p, shape, self.world, self.dp_group)
-                    for name, p, (shape, _) in
-                    zip(self.signature.param_names, self._params, self.signature.param_specs)}
+            return {name: p.numpy() if self.layout.is_local(i) else
+                    held.gather_shards(p, shape, self.world, self.dp_group)
+                    for i, (name, p, (shape, _)) in enumerate(
+                        zip(self.signature.param_names, self._params,
+                            self.signature.param_specs))}
         return {name: p.numpy() for name, p in zip(self.signature.param_names, self._params)}
 
     def buffers_dict(self) -> dict:
@@ -887,12 +898,13 @@ class SPMDExecutor(LoopScalars):
             return self.tp_plan.local_shard(name, np.asarray(array), self.mesh.tp_rank)
 
         names = self.signature.param_names
+        index = {n: i for i, n in enumerate(names)}
         params = [piece(n, p) for n, p in zip(names, params)]
         if self.layout.params_sharded:
-            params = [self.layout.shard(p) for p in params]
+            params = [self.layout.shard_param(i, p) for i, p in enumerate(params)]
         states = {k: piece(k[0], v) for k, v in states.items()}
         if self.layout.states_sharded:
-            states = {k: self.layout.shard(v) for k, v in states.items()}
+            states = {k: self.layout.shard_param(index[k[0]], v) for k, v in states.items()}
         return params, states, {n: piece(n, v) for n, v in frozen.items()}
 
     def stats(self):

@@ -84,11 +84,12 @@ def full_optimizer_states(layout: StateLayout, states: Sequence[Any], dp_group: 
     """{param: {state: full array}} of the state tensors ``states`` held under ``layout``:
     ZeRO's shards gathered over dp, tensor-parallel pieces over tp (every rank calls it)."""
     shapes = dict(zip(layout.param_names, layout.param_shapes))
+    index = {n: i for i, n in enumerate(layout.param_names)}
     out: Dict[str, Dict[str, np.ndarray]] = {}
     held = layout.unpack_states([host_array(t) for t in states])
     for (param, state), value in held.items():
         full = (gather_shards(value, shapes[param], layout.dp_size, dp_group)
-                if layout.states_sharded else value)
+                if layout.states_sharded and not layout.is_local(index[param]) else value)
         if tp > 1:
             full = full_parameter(tp_plan, param, full, tp_group, tp)
         out.setdefault(param, {})[state] = full

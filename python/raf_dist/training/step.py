@@ -27,9 +27,9 @@ import tvm
 from tvm import relax
 
 from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
-                        UPDATE_GROUPS, UPDATED_ARGUMENTS)
-from ..ir.ops import mark_gradient
+                        LOCAL_PARAMS, UPDATE_GROUPS, UPDATED_ARGUMENTS)
 from ..ir.ops import EMBEDDING_ROWS_SQUARES as ROWS_SQUARES
+from ..ir.ops import mark_gradient
 from ..layout.state import state_shape
 from ..optim import group_hyper_name
 from ..passes import clipping
@@ -249,6 +249,8 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
                           len(params), n_buffers)
     if len(set(groups)) > 1:
         attrs[UPDATE_GROUPS] = groups
+    if local and accumulate != "partial":
+        attrs[LOCAL_PARAMS] = sorted(local)
     step_mod["train_step"] = step_mod["train_step"].with_attrs(attrs)
     step_mod = relax.transform.DeadCodeElimination(["train_step"])(step_mod)
     signature = _signature(model, target_spec, trainable, specs, optimizer, frozen,

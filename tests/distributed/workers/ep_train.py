@@ -2,7 +2,7 @@
 batch, and one process vs PyTorch.
 
 Usage: ep_train.py MODE OPTIMIZER STEPS [--save DIR] [--load DIR] [--plan TABLE=RANK]
-       [--clip MAX_NORM]
+       [--clip MAX_NORM] [--zero LEVEL]
 MODE: "table" or "row" (or "none": a world of one resuming a checkpoint).
 The model is tests/models.py ShardedRec (three EmbeddingBag tables of 40, 60 and 12 rows:
 a sum bag with per-sample weights, a mean bag with a padding id, a sum bag; an nn.Embedding
@@ -18,7 +18,8 @@ After STEPS steps:
 --load resumes from a checkpoint (written at any layout) first; the references then cover
 the loaded steps too. --save writes a checkpoint at the end. --clip: every run (and PyTorch's,
 by clip_grad_norm_) clips the gradients by their global norm, the tables' included: the
-reported norm equals one process's on every step.
+reported norm equals one process's on every step. --zero: the dense layers under ZeRO-LEVEL
+over the same ranks (the tables held whole by their holders, outside the buckets).
 Prints 'rank R: EP OK'."""
 import sys
 
@@ -72,7 +73,8 @@ def references(opt_name, steps, clip=None):
     if comm.rank == 0:
         config = dist.get_config()
         saved = config.as_dict()
-        config.update({"enable_data_parallel": False, "embedding_parallel": "none"})
+        config.update({"enable_data_parallel": False, "embedding_parallel": "none",
+                       "zero_opt_level": 0})
         module, x, y = make_sharded_rec(GLOBAL_BATCH)
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, x),
                                    optimizer=raf_optimizer(opt_name), local=True,
@@ -90,7 +92,8 @@ def references(opt_name, steps, clip=None):
             assert rel_err(reference[1][key], value) <= tol, (key, spread)
         print(f"one process vs PyTorch within {tol:.2g} (PyTorch's float32 vs float64: "
               f"{spread:.2g})")
-        config.update({k: saved[k] for k in ("enable_data_parallel", "embedding_parallel")})
+        config.update({k: saved[k] for k in ("enable_data_parallel", "embedding_parallel",
+                                             "zero_opt_level")})
     comm.idle_barrier()
     return comm.mpi_comm.bcast(reference, root=0)
 
@@ -101,8 +104,10 @@ def main():
     torch.set_num_threads(1)  # the ranks share the machine's cores
     comm = dist.get_communicator()
     n = comm.size
+    zero = int(flags.get("--zero", 0))
     if n > 1:
-        dist.get_config().update({"enable_data_parallel": True, "embedding_parallel": mode})
+        dist.get_config().update({"enable_data_parallel": True, "embedding_parallel": mode,
+                                  "zero_opt_level": zero})
     module, x, y = make_sharded_rec(GLOBAL_BATCH)
     if comm.rank > 0:  # the Trainer must start every rank from rank 0's parameters
         for p in module.parameters():
@@ -158,12 +163,14 @@ def main():
         assert ("raf_dist.embedding." in script) == (sparse is not None), opt_name
         assert sparse is None or sparse in script, (opt_name, sparse)
         tables = {name: params[name].nbytes for name in ep.shapes}
+        assert trainer.executor.zero_level == zero and stats["param_bytes"] > 0
         if opt_name == "rowwise_adagrad":  # one accumulator per row held: of this rank's rows
             expected = sum(4 * (ep.local_rows(k, comm.rank) if k in ep.shapes else
                                 v.shape[0] if v.ndim >= 2 else v.size)
                            for k, v in params.items())
             assert stats["optimizer_state_bytes"] == expected, (stats, expected)
-        dense = sum(v.nbytes for k, v in params.items() if k not in tables)
+        dense = sum(v.nbytes if zero < 3 else 4 * -(-v.size // n)  # ZeRO-3: its shards
+                    for k, v in params.items() if k not in tables)
         held = stats["param_bytes"] - dense
         assert held == ep.held_bytes(comm.rank), (held, ep.held_bytes(comm.rank))
         if mode == "table":
@@ -178,7 +185,14 @@ def main():
         expected = exchange_bytes(ep, comm.rank, lookups)
         got = stats["comm_bytes_last_step"].get("alltoall", 0)
         assert got == expected, (got, expected)
-        assert stats["comm_bytes_last_step"]["allreduce"] > 0  # the dense gradients
+        # the dense gradients: allreduced, or reduce-scattered under ZeRO
+        assert stats["comm_bytes_last_step"]["reduce_scatter" if zero else "allreduce"] > 0
+        if zero:  # the tables' states whole beside the dense layers' flat padded shards
+            per_param = len(next(iter(ref_states.values()), {}))
+            shards = sum(4 * -(-v.size // n) for k, v in params.items() if k not in tables)
+            expected = per_param * (held + shards)
+            assert stats["optimizer_state_bytes"] == expected, (stats, expected)
+            print(f"rank {comm.rank}: ZeRO-{zero} dense, optimizer state {expected} bytes")
         if comm.rank == 0:
             print(f"{mode}-wise over {n}: tables {ep.describe()['owners'] or 'split by rows'};"
                   f" rank 0 holds {held} of {sum(tables.values())} table bytes, sends "
