@@ -81,16 +81,36 @@ def test_bad_values_are_refused(dist_config):
     dist_config.update({"pipeline_parallel_size": 2, "activation_memory_budget_mb": 64})
     with pytest.raises(NotImplementedError, match="activation_memory_budget_mb is not built"):
         dist_config.check_supported()
-    dist_config.update({"pipeline_parallel_size": 1, "num_microbatches": 2})
-    with pytest.raises(NotImplementedError, match="with num_microbatches > 1 is not built"):
-        dist_config.check_supported()
-    dist_config.update({"num_microbatches": 1})
+    dist_config.update({"pipeline_parallel_size": 1})
     for bad in (0, -1.0, True, "64"):
         with pytest.raises(ValueError, match="None or a number of MB > 0"):
             dist_config.activation_memory_budget_mb = bad
     dist_config.activation_checkpointing = True
     assert dist_config.recompute == "full"
 
+
+
+def test_budget_with_microbatches_is_planned_on_the_microbatch_step(dist_config):
+    """With num_microbatches the steps that run are the microbatches' (gradient
+    accumulation): the budget is met by their planned temporaries (a budget between the
+    microbatch step's "full" and none peaks: the whole-batch step's none would not fit), and
+    the chosen recomputation trains bit-for-bit as without."""
+    module, x, y = make("transformer", 8)
+    dist_config.update({"num_microbatches": 2})
+    trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
+                               optimizer=raf_optimizer("adamw"))
+    whole = trainer.stats()["planned_peak_bytes"]  # the captured 8-row step
+    losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(STEPS)]
+    none = trainer.stats()["planned_peak_bytes"]  # the 4-row microbatches' steps
+    full = trainer.executor._microbatch_peak("full")  # planned, as the budget plans it
+    assert full < none < whole, (full, none, whole)
+    budget = (full + none) / 2
+    dist_config.activation_memory_budget_mb = budget / 2**20
+    trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
+                               optimizer=raf_optimizer("adamw"))
+    assert trainer.executor.recompute is not None
+    assert [trainer.step(x.numpy(), y.numpy()) for _ in range(STEPS)] == losses
+    assert trainer.stats()["planned_peak_bytes"] <= budget
 
 
 def _check_budget(config, batch, peaks, losses):

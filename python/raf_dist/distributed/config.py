@@ -142,11 +142,6 @@ class DistConfig:
                 "activation_memory_budget_mb is not built for pipeline stages yet (the stages' "
                 "budgets would differ with the microbatches each holds): use "
                 "activation_checkpointing=True with pipeline_parallel_size > 1")
-        if self.activation_memory_budget_mb is not None and self.num_microbatches > 1:
-            raise NotImplementedError(
-                "activation_memory_budget_mb with num_microbatches > 1 is not built yet (the "
-                "budget would have to be planned on the microbatch's step): choose "
-                "activation_checkpointing='selective' or 'full' yourself")
         if self.embedding_parallel != "none":
             if self.activation_memory_budget_mb is not None:
                 raise NotImplementedError(

@@ -200,7 +200,8 @@ class SPMDExecutor(LoopScalars):
 
     def _recompute_within_budget(self, step_model):
         """(policy, (step IR, signature)): the least recomputation whose planned step
-        temporaries fit activation_memory_budget_mb, planned with this rank's passes, and its
+        temporaries fit activation_memory_budget_mb, planned with this rank's passes (with
+        num_microbatches > 1: the microbatches' steps, ``_microbatch_peak``), and its
         step; a ValueError naming the smallest reachable peak when none does (before any
         collective: every rank of an SPMD job plans the same step).
 
@@ -213,22 +214,27 @@ class SPMDExecutor(LoopScalars):
         budget = self.run_plan.activation_memory_budget_mb
         peaks, builds = {}, {}
 
-        def plan(policy):
-            if policy not in peaks:
+        def build(policy):
+            if policy not in builds:
                 builds[policy] = build_train_step(step_model, self.loss, self.optimizer,
                                                   **self._step_options(policy))
-                peaks[policy] = plan_memory(builds[policy][0], self._passes(), self._target)
+            return builds[policy]
+
+        def plan(policy):  # with microbatches, the microbatches' steps are what runs
+            if policy not in peaks:
+                peaks[policy] = (self._microbatch_peak(policy) if self.microbatches > 1 else
+                                 plan_memory(build(policy)[0], self._passes(), self._target))
             return peaks[policy] <= budget * 2**20
 
         def chosen(policy):
             _LOG.info("activation_memory_budget_mb=%g: recomputation %s (planned temporaries "
                       "%.1f MB; %d points planned)", budget, _describe(policy),
                       peaks[policy] / 2**20, len(peaks))
-            return (None if policy == remat.Cheapest(0) else policy), builds[policy]
+            return (None if policy == remat.Cheapest(0) else policy), build(policy)
 
         if plan(remat.Cheapest(0)):  # no recomputation
             return chosen(remat.Cheapest(0))
-        values, blocks = builds[remat.Cheapest(0)][1].recompute_ladder
+        values, blocks = build(remat.Cheapest(0))[1].recompute_ladder
         # each range bisected only once its top end ("selective", then "full") fits: the two
         # policies' peaks are not ordered (a small model's kept head can outweigh the saving)
         for points in ([remat.Cheapest(i) for i in range(values + 1)],
@@ -251,6 +257,28 @@ class SPMDExecutor(LoopScalars):
             f"{_describe(best)}; none {peaks[remat.Cheapest(0)] / 2**20:.1f} MB). Raise the "
             "budget, lower the batch per rank, or split the model further "
             "(tensor_parallel_size, ZeRO-3)")
+
+    def _microbatch_peak(self, policy):
+        """With num_microbatches > 1 the steps that run are the microbatches' (gradient
+        accumulation): the planned temporaries of the largest microbatch's partial and final
+        steps under recomputation ``policy``, the larger of the two."""
+        rows = batching.microbatches(self.model.batch_size, self.microbatches)[0]
+        model = self.model.at_batch(rows)
+        if self.sync_batch_norm_world > 1 and has_training_batch_norm(model.mod):
+            model = decompose_forward(model, self.sync_batch_norm_world)
+        return max(plan_memory(build_train_step(model, self.loss, self.optimizer,
+                                                accumulate=kind,
+                                                **self._step_options(policy))[0],
+                               self._passes(local=kind == "partial"), self._target)
+                   for kind in ("partial", "final"))
+
+    def _planned_peak(self):
+        """The planned temporaries of the step that runs: with microbatches the largest of
+        the microbatch steps compiled so far (the captured whole-batch step until the first
+        step compiles them), else the captured step's."""
+        micro = [v.compiled.planned_peak_bytes for v in self._variants.values()
+                 if v.kind is not None]
+        return max(micro) if micro else self.compiled.planned_peak_bytes
 
     def _step_options(self, recompute):
         """build_train_step's arguments from the plan (every batch size's step alike), with
@@ -919,7 +947,7 @@ class SPMDExecutor(LoopScalars):
             # parameters, frozen parameters, buffers and optimizer state held between steps
             "held_bytes_by_dtype": bytes_by_dtype(self._params + self._frozen + self._buffers
                                                   + list(self._states)),
-            "planned_peak_bytes": self.compiled.planned_peak_bytes,
+            "planned_peak_bytes": self._planned_peak(),
             "comm_bytes_last_step": dict(self._comm_last_step),
             # the same bus bytes by mesh axis (with tensor parallelism): {"tp": ..., "dp": ...}
             "comm_bytes_by_axis": dict(self._comm_by_axis),
