@@ -3,7 +3,7 @@
 (DESIGN.md section 6), as issue #32 asks.
 
     python bench/dlrm.py [--np 2] [--mode table|row] [--rows 1000000] [--tables 8]
-                         [--steps 6] [--rounds 2] [--only raf]
+                         [--steps 6] [--rounds 2] [--only raf] [--optimizer sgd|rowwise_adagrad]
 
 The model (the DLRM benchmark's shape, Naumov et al. 2019): 13 dense features through a
 bottom MLP 13-512-256-64; 8 ``nn.EmbeddingBag(rows, 64, mode="sum")`` tables (8 x 1M x 64
@@ -19,7 +19,10 @@ targets are a step time <= DDP's and a per-rank memory about half of DDP's.
 
 ``--only raf`` runs raf_dist's side alone (tables larger than DDP's replicas fit): the
 sparse update's scaling is the step time at ``--rows 1000000`` against ``--rows 4000000``
-with the same ids per step.
+with the same ids per step. ``--optimizer rowwise_adagrad``: raf_dist's RowWiseAdagrad
+(torchrec's; its tables updated on the looked-up rows, one accumulator per row); PyTorch's
+side then runs torch.optim.Adagrad (PyTorch has no row-wise one: one accumulator per
+element), lr 0.01 both.
 
     python bench/dlrm.py --side raf|torch ...       one side, one BENCH line (under mpiexec)
 """
@@ -104,7 +107,7 @@ def _local(arrays, rank, size):
     return [a[rank * rows:(rank + 1) * rows] for a in arrays]
 
 
-def raf_side(mode, rows, tables, steps, cache_dir):
+def raf_side(mode, rows, tables, steps, cache_dir, optimizer="sgd"):
     import raf_dist
     from raf_dist import distributed as dist
 
@@ -114,8 +117,9 @@ def raf_side(mode, rows, tables, steps, cache_dir):
     xs = _local(list(x) + [y], comm.rank, comm.size)
     model = raf_dist.frontend.from_pytorch(module, tuple(xs[:-1]))
     del module  # raf_dist keeps no reference to it
-    trainer = raf_dist.Trainer(model, optimizer=raf_dist.optim.SGD(lr=0.01),
-                               cache_dir=cache_dir)
+    opt = (raf_dist.optim.SGD(lr=0.01) if optimizer == "sgd"
+           else raf_dist.optim.RowWiseAdagrad(lr=0.01))
+    trainer = raf_dist.Trainer(model, optimizer=opt, cache_dir=cache_dir)
     del model
     arrays = [a.numpy() for a in xs[:-1]]
     target = xs[-1].numpy()
@@ -127,10 +131,11 @@ def raf_side(mode, rows, tables, steps, cache_dir):
 
     return {"step_ms": ms, "rss": _world().allreduce(_status("VmRSS"), op=MPI.MAX),
             "param_bytes": _world().allreduce(stats["param_bytes"], op=MPI.MAX),
+            "state_bytes": _world().allreduce(stats["optimizer_state_bytes"], op=MPI.MAX),
             "alltoall_bytes": stats["comm_bytes_last_step"].get("alltoall", 0)}
 
 
-def torch_side(rows, tables, steps):
+def torch_side(rows, tables, steps, optimizer="sgd"):
     import torch
     import torch.distributed as tdist
     import torch.nn.functional as F
@@ -146,7 +151,8 @@ def torch_side(rows, tables, steps):
     module, x, y = build(rows, tables)
     dense, ids, target = _local(list(x) + [y], world.rank, world.size)
     module = DistributedDataParallel(module)
-    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    opt = (torch.optim.SGD(module.parameters(), lr=0.01) if optimizer == "sgd"
+           else torch.optim.Adagrad(module.parameters(), lr=0.01))
 
     def step():
         opt.zero_grad()
@@ -169,19 +175,21 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--only", choices=["raf"], help="raf_dist's side alone")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "rowwise_adagrad"])
     parser.add_argument("--side", choices=["raf", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        result = (raf_side(args.mode, args.rows, args.tables, args.steps, args.cache_dir)
-                  if args.side == "raf" else torch_side(args.rows, args.tables, args.steps))
+        result = (raf_side(args.mode, args.rows, args.tables, args.steps, args.cache_dir,
+                           args.optimizer) if args.side == "raf"
+                  else torch_side(args.rows, args.tables, args.steps, args.optimizer))
         if _world().rank == 0:
             harness.report(result)
         return
     print(f"# {harness.machine()}")
     base = [harness.mpiexec(), "-n", str(args.np), sys.executable, __file__, "--rows",
             str(args.rows), "--tables", str(args.tables), "--steps", str(args.steps),
-            "--mode", args.mode]
+            "--mode", args.mode, "--optimizer", args.optimizer]
     with tempfile.TemporaryDirectory() as cache:  # round 1 compiles, later rounds load
         sides = {"raf": base + ["--side", "raf", "--cache-dir", cache]}
         if args.only is None:
@@ -198,9 +206,10 @@ def main():
           f"{GLOBAL_BATCH} over {args.np} ranks, {args.mode}-wise"
           f"{'' if args.only else ' vs DDP (replicated)'}:")
     if args.only:
-        print(f"  step: raf_dist {med(raf, 'step_ms'):.0f} ms; RSS per rank (largest) "
-              f"{med(raf, 'rss', gib):.2f} GiB; parameters held per rank "
-              f"{med(raf, 'param_bytes', gib):.2f} GiB")
+        print(f"  step ({args.optimizer}): raf_dist {med(raf, 'step_ms'):.0f} ms; RSS per rank "
+              f"(largest) {med(raf, 'rss', gib):.2f} GiB; parameters held per rank "
+              f"{med(raf, 'param_bytes', gib):.2f} GiB, optimizer state "
+              f"{med(raf, 'state_bytes', 2**20):.1f} MiB")
         return
     peer = results["torch"]
     print(f"  step: raf_dist {med(raf, 'step_ms'):.0f} ms, PyTorch DDP {med(peer, 'step_ms'):.0f}"
