@@ -128,15 +128,16 @@ def test_metrics_count_the_flops_pytorch_counts(name, caplog):
     assert 0 < m["mfu"] <= 1 and m["flops_per_s"] > 0 and m["grad_norm"] is None
 
 
-@pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum"])
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum", "adagrad"])
 def test_param_groups_equal_torch_param_groups(opt_name, tmp_path):
-    """Biases without weight decay, the first layer with its own lr (and betas / momentum):
-    4 steps equal torch.optim with the same param groups; a parameter no pattern matches
-    takes the constructor's values. The groups' patterns are saved in a checkpoint, and one
-    trained with other groups is refused on load."""
+    """Biases without weight decay, the first layer with its own lr (and betas / momentum /
+    Adagrad's lr_decay): 4 steps equal torch.optim with the same param groups; a
+    parameter no pattern matches takes the constructor's values. The groups' patterns are
+    saved in a checkpoint, and one trained with other groups is refused on load."""
+    own = {"adamw": {"betas": (0.8, 0.99)}, "sgd_momentum": {"momentum": 0.5},
+           "adagrad": {"lr_decay": 0.1}}[opt_name]
     groups = [{"params": ["*.bias"], "weight_decay": 0.0},
-              {"params": ["layers.0.*"], "lr": 1e-3,
-               **({"betas": (0.8, 0.99)} if opt_name == "adamw" else {"momentum": 0.5})}]
+              {"params": ["layers.0.*"], "lr": 1e-3, **own}]
     module, x, y = make("mlp", 8)
     torch_module = make("mlp", 8)[0]
     named = dict(torch_module.named_parameters())
@@ -148,6 +149,16 @@ def test_param_groups_equal_torch_param_groups(opt_name, tmp_path):
     if opt_name == "adamw":
         opt = torch.optim.AdamW(torch_groups, lr=1e-2, weight_decay=0.1)
         ours = raf_dist.optim.AdamW(lr=1e-2, weight_decay=0.1, param_groups=groups)
+    elif opt_name == "adagrad":
+        opt = torch.optim.Adagrad(torch_groups, lr=0.05, weight_decay=1e-2,
+                                  initial_accumulator_value=0.1)
+        ours = raf_dist.optim.Adagrad(lr=0.05, weight_decay=1e-2, initial_accumulator_value=0.1,
+                                      param_groups=groups)
+        # torch.optim.Adagrad fills every accumulator from the constructor's value and
+        # ignores a group's: refused here rather than ignored
+        with pytest.raises(ValueError, match="reads from the constructor only"):
+            raf_dist.optim.Adagrad(param_groups=[{"params": ["*.bias"],
+                                                  "initial_accumulator_value": 0.5}])
     else:
         opt = torch.optim.SGD(torch_groups, lr=0.05, momentum=0.9, weight_decay=1e-2)
         ours = raf_dist.optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-2, param_groups=groups)
@@ -166,9 +177,11 @@ def test_param_groups_equal_torch_param_groups(opt_name, tmp_path):
         assert rel_err(trainer.state_dict()[name], p.detach().numpy()) <= TOL, name
     trainer.save_checkpoint(tmp_path)
     regrouped = [{"params": ["*.weight"], "weight_decay": 0.0}]
-    other = raf_dist.Trainer(model, optimizer=(
-        raf_dist.optim.AdamW(lr=1e-2, param_groups=regrouped) if opt_name == "adamw" else
-        raf_dist.optim.SGD(lr=0.05, momentum=0.9, param_groups=regrouped)))
+    other = raf_dist.Trainer(model, optimizer={
+        "adamw": lambda: raf_dist.optim.AdamW(lr=1e-2, param_groups=regrouped),
+        "adagrad": lambda: raf_dist.optim.Adagrad(lr=0.05, param_groups=regrouped),
+        "sgd_momentum": lambda: raf_dist.optim.SGD(lr=0.05, momentum=0.9,
+                                                   param_groups=regrouped)}[opt_name]())
     with pytest.raises(raf_dist.checkpoint.CheckpointError, match="param_groups"):
         other.load_checkpoint(tmp_path)
 

@@ -188,12 +188,17 @@ class StateLayout:
                 out[(names[k], buffer.state)] = flat[offset:offset + self.shard_numel(k)]
         return out
 
-    def zero_states(self, values: Optional[Dict[str, float]] = None) -> List[np.ndarray]:
-        """The state arguments of a fresh optimizer: zeros, or ``values[state]`` for the
-        states named there (Adagrad's initial_accumulator_value)."""
-        values = values or {}
+    def zero_states(self, values: Optional[Sequence[Dict[str, float]]] = None
+                    ) -> List[np.ndarray]:
+        """The state arguments of a fresh optimizer: zeros, or ``values[i][state]`` for the
+        states named there of parameter ``i`` (Adagrad's initial_accumulator_value, which an
+        optimizer parameter group may set; a ZeRO bucket holds one group, so its first
+        parameter's values are the bucket's)."""
+        def fill(b: StateBuffer) -> float:
+            return values[b.params[0]].get(b.state, 0.0) if values else 0.0
+
         return [np.full(self.state_shape(b.params[0], b.state) if self._whole_buffer(b)
-                        else b.numel, values.get(b.state, 0.0), b.dtype)
+                        else b.numel, fill(b), b.dtype)
                 for b in self.state_buffers()]
 
     # ---- bytes ----------------------------------------------------------------------------
@@ -243,7 +248,7 @@ def state_layout(param_names: Sequence[str], param_specs: Sequence[Tuple[Sequenc
             f"zero_opt_level={zero_level} shards each parameter's flat elements wherever a "
             f"shard ends, which can split a row, and the optimizer keeps {list(row_states)} "
             "one value per row (row-wise Adagrad): use zero_opt_level=0 with it, or an "
-            "optimizer whose state is shaped like its parameter (SGD, Adam, AdamW)")
+            "optimizer whose state is shaped like its parameter (SGD, Adagrad, Adam, AdamW)")
     own = tuple(sorted(int(k) for k in local))
     if zero_level and sorted([k for b in held for k in b] + list(own)) != list(range(len(names))):
         raise ValueError(f"ZeRO's buckets must hold every parameter index once, got {held} "

@@ -45,6 +45,12 @@ class Adagrad(Optimizer):
         self.weight_decay = float(weight_decay)
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.eps = float(eps)
+        for i, group in enumerate(self.param_groups):
+            if "initial_accumulator_value" in group:
+                raise ValueError(
+                    f"param_groups[{i}] sets initial_accumulator_value, which torch.optim."
+                    "Adagrad reads from the constructor only (a group's is ignored there): "
+                    f"set it on {type(self).__name__}(initial_accumulator_value=...) itself")
 
     def initial_state_values(self) -> dict[str, float]:
         return {"sum": self.initial_accumulator_value}

@@ -100,6 +100,13 @@ class Optimizer:
         """{state name: the value a fresh state is filled with}; the others start at 0."""
         return {}
 
+    def initial_states_by_param(self, names: Sequence[str]) -> list[dict[str, float]]:
+        """``initial_state_values`` of each parameter of ``names``: its group's (Adagrad's
+        groups may not set theirs, as torch.optim.Adagrad ignores a group's; an optimizer
+        whose groups may is filled per group)."""
+        groups = self.groups()
+        return [groups[g].initial_state_values() for g in self.assign(names, check=False)]
+
     def emit_row_update(self, bb: relax.BlockBuilder, param: relax.Expr,
                         states: Sequence[relax.Expr], ids: relax.Expr, rows: relax.Expr,
                         hyper: Mapping[str, relax.Expr],

@@ -264,7 +264,8 @@ class PipelineExecutor(LoopScalars):
             if name in self.param_names or name in self.frozen_names:
                 init[name] = value
         self._tensors = {n: tvm.runtime.tensor(v, self._device) for n, v in init.items()}
-        fresh = self.layout.zero_states(self.optimizer.initial_state_values())
+        fresh = self.layout.zero_states(self.optimizer.initial_states_by_param(
+            self.param_names))
         self._states = [tvm.runtime.tensor(a, self._device) for a in fresh]
 
     def _init_buffers(self, model):

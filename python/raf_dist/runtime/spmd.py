@@ -363,7 +363,8 @@ class SPMDExecutor(LoopScalars):
         self._params = [tvm.runtime.tensor(init[n], self._device)
                         for n in self.signature.param_names]
         self._frozen = self._init_frozen(model)  # requires_grad=False: passed, never updated
-        fresh = self.layout.zero_states(self.optimizer.initial_state_values())
+        fresh = self.layout.zero_states(self.optimizer.initial_states_by_param(
+            self.signature.param_names))
         self._states = [tvm.runtime.tensor(a, self._device) for a in fresh]
         self._buffers = self._init_buffers(model)
 
