@@ -191,9 +191,9 @@ class StateLayout:
     def zero_states(self, values: Optional[Sequence[Dict[str, float]]] = None
                     ) -> List[np.ndarray]:
         """The state arguments of a fresh optimizer: zeros, or ``values[i][state]`` for the
-        states named there of parameter ``i`` (Adagrad's initial_accumulator_value, which an
-        optimizer parameter group may set; a ZeRO bucket holds one group, so its first
-        parameter's values are the bucket's)."""
+        states named there of parameter ``i`` (Adagrad's initial_accumulator_value, from the
+        parameter's optimizer group; a ZeRO bucket holds one group, so its first parameter's
+        values are the bucket's)."""
         def fill(b: StateBuffer) -> float:
             return values[b.params[0]].get(b.state, 0.0) if values else 0.0
 
