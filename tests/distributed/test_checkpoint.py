@@ -74,6 +74,9 @@ def test_each_rank_checksums_only_the_files_it_reads(tmp_path):
     assert "rank 0: " not in out, out
 
 
+# make test-slow: test_reshard_on_load changes world and level against one process, and the
+# example trains in test_dist_example_trains_on_two_ranks
+@pytest.mark.slow
 def test_dist_example_resumes_on_another_world_size_and_level(tmp_path):
     from mpi_launch import ROOT
 

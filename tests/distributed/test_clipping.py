@@ -10,7 +10,9 @@ from mpi_launch import assert_ranks_ok, check_mpi
 
 
 @pytest.mark.parametrize("ranks,layouts", [
-    (2, "dp,z2,tp2"),  # ZeRO-1/3 and pipelines: with tp / dp in the 4-rank job
+    # make test-slow: ZeRO and tp with dp in the 4-rank job; clipping over plain dp in
+    # test_embedding_parallel's row-sgd-3-sparse-clip
+    pytest.param(2, "dp,z2,tp2", marks=pytest.mark.slow),
     (4, "tp2.z1.m2,tp2.z3,pp2.tp2.m2,pp2.z1.m2"),
 ], ids=["2-ranks", "4-ranks"])
 def test_clipping_counts_every_element_once(ranks, layouts):

@@ -73,10 +73,11 @@ def test_killed_worker_resumes_from_checkpoint_like_an_uninterrupted_mpiexec_run
         assert np.array_equal(expected[name], got[name]), name
 
 
-# data parallelism alone under the launcher: make test-slow (the ZeRO case runs the same
-# launcher path and more collectives)
-@pytest.mark.parametrize("worker, levels", [pytest.param("dp_train.py", (), marks=pytest.mark.slow),
-                                            ("zero_train.py", ("2,3",))],
+# make test-slow: zero_train.py at N=4 under mpiexec is test_zero's mlp-n4 case; a 4-rank
+# launcher world is test_two_nodes_on_one_host_form_one_world's, training under the launcher
+# test_killed_worker_resumes_from_checkpoint_like_an_uninterrupted_mpiexec_run's
+@pytest.mark.slow
+@pytest.mark.parametrize("worker, levels", [("dp_train.py", ()), ("zero_train.py", ("2,3",))],
                          ids=["data-parallel", "zero-2-3"])
 def test_four_workers_train_like_one_process(worker, levels):
     """4 workers started by the launcher (no mpiexec world) run the checks of test_data_parallel

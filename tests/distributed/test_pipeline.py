@@ -2,6 +2,8 @@
 and with data parallelism, ZeRO-1 and tensor parallelism, train like one process on the global
 batch under every schedule; checkpoints saved at pp x dp resume at dp and at another pp; bad
 layouts are refused on every rank before any collective."""
+import re
+
 import pytest
 
 from mpi_launch import assert_ranks_ok, check_mpi
@@ -18,20 +20,26 @@ from mpi_launch import assert_ranks_ok, check_mpi
     # each stage saves its matmul outputs, its backward recomputes the rest
     ("transformer", "adamw", 4, 1, 0, 4, ("--schedule", "interleaved_1f1b",
                                           "--microbatches", 4, "--checkpointing", "selective")),
-    # Hugging Face GPT-2: the tied embedding / head on the first and last stage, recomputed
-    # activations
-    ("hf_gpt2", "hf_adamw", 2, 1, 0, 2, ("--microbatches", 2, "--checkpointing", 1)),
+    # Hugging Face GPT-2: the tied embedding / head on the first and last stage; an
+    # activation budget (0.65 MB) between the stages' modelled activation memory without
+    # recomputation (stage 0 holds 2 microbatches: 0.70 MB; stage 1 holds 1: 0.63 MB), so
+    # recomputation is chosen for stage 0 alone (runtime/stage_budget.py)
+    ("hf_gpt2", "hf_adamw", 2, 1, 0, 2, ("--microbatches", 2, "--budget", 0.65)),
     # dp 2 x pp 2 x tp 2 on 8 ranks, ZeRO-1 over dp (each stage split over two tp ranks,
     # the vocabulary-parallel head and loss on the last; pp x tp alone is this minus dp);
     # nanoGPT's flattened logits: each microbatch takes its share of the (batch * seq) targets
     # and raf_dist.proxies' extraction of this mesh's step equals what its last step ran
     ("flat_lm", "sgd_momentum", 2, 2, 1, 8, ("--microbatches", 2, "--check-extraction", 1)),
 ], ids=["mlp8-pp2-gpipe-rowwise-adagrad", "mlp8-pp4-1f1b-split-points", "transformer-pp4-interleaved-selective",
-        "gpt2-pp2-tied-checkpointing", "flat-lm-dp2xpp2xtp2-zero1"])
+        "gpt2-pp2-tied-budget", "flat-lm-dp2xpp2xtp2-zero1"])
 def test_pipeline_equals_one_process(model, optimizer, pp, tp, zero, ranks, extra):
     out = check_mpi("pp_train.py", ranks, model, optimizer, pp, tp, zero, 3, *extra,
                     timeout=480)
     assert_ranks_ok(out, ranks, "PP OK")
+    if "--budget" in extra:  # the first stage recomputes, the last (1 microbatch) does not
+        assert re.search(r"budget: rank 0 stages \[0\] recompute \{0: '(selective|full)'\}",
+                         out), out[-3000:]
+        assert "budget: rank 1 stages [1] recompute {1: False}" in out, out[-3000:]
     assert "pipeline stages" in out
     if "--check-extraction" in extra:
         assert out.count("extraction equals the step's collectives") == ranks, out

@@ -20,7 +20,7 @@ CASES = [
     ("mlp", 4, 0.001, 1, "sgd_momentum,adamw", "0,1,2,3"),
     ("cnn", 2, 0.001, 0, "sgd_momentum,adamw", "0,1,2,3"),
     ("cnn", 3, 0.001, 1, "sgd_momentum,adamw", "1,2,3"),
-    ("transformer", 2, 0.004, 1, "adamw", "1,2,3"),
+    ("transformer", 2, 0.004, 1, "adamw", "0,1,2,3"),
 ]
 
 

@@ -79,8 +79,7 @@ def test_bad_values_are_refused(dist_config):
     with pytest.raises(ValueError, match="False, True, 'full' or 'selective'"):
         dist_config.activation_checkpointing = "some"
     dist_config.update({"pipeline_parallel_size": 2, "activation_memory_budget_mb": 64})
-    with pytest.raises(NotImplementedError, match="activation_memory_budget_mb is not built"):
-        dist_config.check_supported()
+    dist_config.check_supported()  # per stage under pipelining (runtime/stage_budget.py)
     dist_config.update({"pipeline_parallel_size": 1})
     for bad in (0, -1.0, True, "64"):
         with pytest.raises(ValueError, match="None or a number of MB > 0"):

@@ -14,6 +14,7 @@ from raf_dist.frontend import from_pytorch
 from raf_dist.passes.pipeline import (STAGE_MARKER_GRAD, ForwardGraph, partition,
                                       split_forward, stage_boundary, strip_stage_markers)
 from raf_dist.distributed import get_communicator, get_config
+from raf_dist.runtime import stage_budget
 from raf_dist.runtime.pipeline import PipelineExecutor
 from raf_dist.runtime.plan import build_mesh, plan_run
 
@@ -137,12 +138,13 @@ def _pipeline_executor(model, optimizer):
                             build_mesh(plan, config, comm.size), comm)
 
 
-def _run(config, name, stages, microbatches, steps=3, checkpointing=False):
+def _run(config, name, stages, microbatches, steps=3, checkpointing=False, budget=None):
     module, x, y = make(name, 8)
     model = from_pytorch(module, (x,))
     reference = raf_dist.Trainer(model, optimizer=raf_dist.optim.Adam(lr=1e-2))
     config.update({"pipeline_schedule": "interleaved_1f1b", "pipeline_stages_per_rank": stages,
-                   "num_microbatches": microbatches, "activation_checkpointing": checkpointing})
+                   "num_microbatches": microbatches, "activation_checkpointing": checkpointing,
+                   "activation_memory_budget_mb": budget})
     trainer = _pipeline_executor(model, raf_dist.optim.Adam(lr=1e-2))
     pairs = [(reference.step(x.numpy(), y.numpy()), trainer.step(x.numpy(), y.numpy()))
              for _ in range(steps)]
@@ -187,6 +189,49 @@ def test_selective_stages_save_less_and_train_the_same(dist_config):
                         for st in trainer._stage_sets[4].stages.values()]
             assert any("_re: " in text for text in backward)
     assert sum(saved["selective"].values()) < 0.8 * sum(saved[False].values()), saved
+
+
+def _modelled_peak(trainer):
+    """(runtime/stage_budget.py's model of the trainer's activation memory, per stage the
+    bytes the schedule should hold at its peak: the most microbatches in flight x saved)."""
+    timeline = stage_budget.saved_timeline(trainer.actions[trainer.pp_rank], trainer.my_stages)
+    stages = trainer._stage_sets[trainer._plan_rows].stages
+    held = {s: max(live[s] for live in timeline)
+            * stage_budget.saved_bytes(st.functions, trainer.stage_recompute[s])
+            for s, st in stages.items()}
+    return trainer.stats()["pipeline"]["modelled_activation_bytes"], held
+
+
+def test_budget_chooses_recomputation_per_stage_and_trains_the_same(dist_config):
+    """activation_memory_budget_mb under pipelining: a budget between the modelled activation
+    memory without recomputation and with "full" on every stage gets some recomputation, fits,
+    and the step is the same; the model's saved bytes are what the schedule really held (the
+    runtime's counters); a budget under "full"'s is refused naming the smallest."""
+    peaks = {}
+    for policy in (False, "full"):
+        dist_config.reset()
+        pairs, want, got, trainer = _run(dist_config, "transformer", 2, 4, steps=1,
+                                         checkpointing=policy)
+        peaks[policy], held = _modelled_peak(trainer)
+        assert held == trainer.stats()["pipeline"]["peak_saved_bytes"], policy
+    assert peaks["full"] < peaks[False], peaks
+    dist_config.reset()
+    pairs, want, got, trainer = _run(dist_config, "transformer", 2, 4,
+                                     budget=(peaks[False] + peaks["full"]) / 2 / 2**20)
+    chosen = trainer.stats()["pipeline"]["recompute"]
+    assert any(chosen.values()) and chosen != {0: "full", 1: "full"}, chosen
+    peak, held = _modelled_peak(trainer)
+    assert peak <= dist_config.activation_memory_budget_mb * 2**20, (peak, chosen)
+    assert held == trainer.stats()["pipeline"]["peak_saved_bytes"]
+    assert rel_err([b for _, b in pairs], [a for a, _ in pairs]) <= 1e-6, pairs
+    for key in want:
+        assert rel_err(got[key], want[key]) <= 1e-5, key
+    dist_config.activation_memory_budget_mb = (peaks["full"] - 1) / 2**20
+    module, x, _ = make("transformer", 8)
+    with pytest.raises(ValueError, match="cannot fit; the smallest modelled") as refused:
+        _pipeline_executor(from_pytorch(module, (x,)), raf_dist.optim.Adam(lr=1e-2))
+    smallest = float(str(refused.value).split("activation memory is ")[1].split(" MB")[0])
+    assert smallest <= round(peaks["full"] / 2**20, 1), (str(refused.value), peaks)
 
 
 @pytest.mark.parametrize("fields,error,match", [

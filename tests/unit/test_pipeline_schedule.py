@@ -183,3 +183,27 @@ def test_bad_inputs(call, match):
 
 def test_stage_rank_loop_placement():
     assert [ps.stage_rank(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_stage_budget_recomputes_the_stage_that_holds_most_first():
+    """runtime/stage_budget.py's choice on a 1F1B rank holding stages 0 and 1 of 4 (its
+    action list: stage 0 holds up to 4 microbatches, stage 1 up to 3): the stage whose step
+    saves most moves first, one level at a time, until the modelled peak fits."""
+    from raf_dist.runtime import stage_budget
+    from raf_dist.training.pipeline_schedule import Action
+
+    actions = [Action("F", 0, m) for m in range(4)] + [Action("F", 1, m) for m in range(3)]
+    actions += [Action("B", 1, 0), Action("B", 0, 0)]
+    timeline = stage_budget.saved_timeline(actions, [0, 1])
+    assert max(p[0] for p in timeline) == 4 and max(p[1] for p in timeline) == 3
+    cost = {False: (100, 10), "selective": (40, 12), "full": (5, 10)}  # (saved, temps)
+    chosen, peak = stage_budget.choose([0, 1], timeline, lambda s, lv: cost[lv], 10**9)
+    assert chosen == {0: False, 1: False} and peak == 4 * 100 + 3 * 100 + 10
+    chosen, peak = stage_budget.choose([0, 1], timeline, lambda s, lv: cost[lv], 600)
+    assert chosen == {0: "selective", 1: False} and peak == 4 * 40 + 3 * 100 + 12
+    chosen, peak = stage_budget.choose([0, 1], timeline, lambda s, lv: cost[lv], 300)
+    assert chosen == {0: "selective", 1: "selective"} and peak == 4 * 40 + 3 * 40 + 12
+    chosen, peak = stage_budget.choose([0, 1], timeline, lambda s, lv: cost[lv], 200)
+    assert chosen == {0: "full", 1: "selective"} and peak == 4 * 5 + 3 * 40 + 12
+    with pytest.raises(ValueError, match=r"smallest modelled activation memory is 0\.0 MB"):
+        stage_budget.choose([0, 1], timeline, lambda s, lv: cost[lv], 40)

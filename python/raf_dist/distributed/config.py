@@ -48,7 +48,10 @@ class DistConfig:
             planned peak fits, from none through "selective"'s values one at a time (lowest
             recompute cost per byte first) to "selective", then "full"'s blocks one at a time
             to "full", or the Trainer says at construction the smallest peak it can reach.
-            Replaces activation_checkpointing's choice.
+            Replaces activation_checkpointing's choice. Under pipelining the choice is per
+            stage (none, "selective" or "full"), for the rank's activation memory: the saved
+            values of the microbatches its stages hold in flight at the schedule's peak plus
+            the largest stage's planned temporaries (runtime/stage_budget.py).
         embedding_parallel: "none" (default: embedding tables replicated like any
             parameter), "table" (each table whole on one rank of the dp group, placed by
             bytes or by Trainer(embedding_plan=...)) or "row" (each table's rows split over
@@ -137,11 +140,6 @@ class DistConfig:
                 "pipeline_schedule='zero_bubble' is not built yet (it needs the backward split "
                 "into input and weight gradients); use 'interleaved_1f1b', '1f1b' or 'gpipe'")
 
-        if self.activation_memory_budget_mb is not None and self.pipeline_parallel_size > 1:
-            raise NotImplementedError(
-                "activation_memory_budget_mb is not built for pipeline stages yet (the stages' "
-                "budgets would differ with the microbatches each holds): use "
-                "activation_checkpointing=True with pipeline_parallel_size > 1")
         if self.embedding_parallel != "none":
             if self.activation_memory_budget_mb is not None:
                 raise NotImplementedError(

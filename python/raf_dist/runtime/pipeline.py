@@ -66,7 +66,7 @@ from . import agreement, batches
 from . import predict as predict_lib
 from . import state as held
 from . import metrics as metrics_lib
-from . import mixed_precision
+from . import mixed_precision, stage_budget
 from .loop import LoopScalars
 from .loss_scale import LossScaler
 from .plan import RunPlan
@@ -168,7 +168,14 @@ class PipelineExecutor(LoopScalars):
         self.param_specs = [specs[n] for n in self.param_names]
         self._profiling = None  # a profiler.StepProfiler while profile records
         self._stage_sets = {}  # microbatch rows -> _StageSet
+        self._built = {}  # (rows, stage, selective) -> _Stage, while recomputation is chosen
+        self.actions = schedules.rank_actions(self.schedule, self.pp, self.microbatches,
+                                              self.stages_per_rank)
+        # {stage: False | "selective" | "full"}: activation_checkpointing's one choice for
+        # every stage, or chosen per stage under activation_memory_budget_mb
+        self.stage_recompute = self._choose_recomputation(rows)
         self._stage_set(rows)
+        self._built = {}
         self.signature = TrainStepSignature(
             input_specs=list(model.input_specs), target_spec=self._captured_target_spec(),
             param_names=self.param_names, param_specs=self.param_specs,
@@ -194,8 +201,6 @@ class PipelineExecutor(LoopScalars):
         self._comm_last_step = {}
         self._peak_saved = {s: 0 for s in self.my_stages}
         self._peak_saved_bytes = {s: 0 for s in self.my_stages}
-        self.actions = schedules.rank_actions(self.schedule, self.pp, self.microbatches,
-                                              self.stages_per_rank)
         self.transport = PipelineTransport(mesh, self.num_stages, self.microbatches)
         schedules.check_actions(self.actions, self.num_stages, self.microbatches)
         agreement.check_fingerprints(comm, *self.fingerprint())
@@ -356,35 +361,67 @@ class PipelineExecutor(LoopScalars):
 
     def _build_stages(self, funcs, rows, low=frozenset()):
         """{stage index: _Stage} of this rank's stages (``funcs``: split_forward's functions
-        at ``rows`` rows per microbatch), compiled; ``low``: the boundaries whose activation
-        travels in the compute dtype (``_low_boundaries``)."""
-        stages = {}
+        at ``rows`` rows per microbatch), compiled, each with its recomputation
+        (``stage_recompute``); ``low``: the boundaries whose activation travels in the
+        compute dtype (``_low_boundaries``)."""
+        return {s: self._build_stage(s, funcs, rows, low,
+                                     self.stage_recompute[s] == "selective")
+                for s in self.my_stages}
+
+    def _build_stage(self, s, funcs, rows, low, selective):
+        """Stage ``s`` compiled (``selective``: its forward keeps what "selective" keeps)."""
+        key = (rows, s, selective)
+        if key in self._built:
+            return self._built[key]
         passes = []  # no gradient collective here: the update reduces over dp
         if self.tp > 1:
             passes.append(LowerTensorParallel(self.mesh.tp_group))
         if self.sync_batch_norm_world > 1:  # the statistics' allreduce ops, after autodiff
             passes.append(LowerAllReduce(self.dp_group))
         passes += function_passes()
-        for s in self.my_stages:
-            last = s == self.num_stages - 1
-            forward = funcs[s].function
-            if self.compute_dtype is not None:
-                forward = auto_cast(forward, self.compute_dtype, low_output=s in low)
-            fns = build_stage_functions(
-                s, last, forward, funcs[s].mask_indices, funcs[s].param_names,
-                self._frozen_names, self.loss,
-                target_spec=batching.batched_target_spec(self._captured_target_spec(), rows,
-                                                         self.batch_size) if last else None,
-                vocab_parallel=getattr(self.model, "output_split_classes", 0) > 1,
-                buffer_names=funcs[s].buffer_names, buffers_written=funcs[s].buffers_written,
-                selective=self.activation_checkpointing == "selective")
-            compiled = compile_step(fns.mod, passes=passes, target=self._target,
-                                    cache_dir=self._cache_dir)
-            vm = relax.VirtualMachine(compiled.executable, self._device)
-            stages[s] = _Stage(s, fns, {k: vm[k] for k in ("forward", "backward", "recompute",
-                                                           "forward_only")},
-                               compiled.planned_peak_bytes, vm)
-        return stages
+        last = s == self.num_stages - 1
+        forward = funcs[s].function
+        if self.compute_dtype is not None:
+            forward = auto_cast(forward, self.compute_dtype, low_output=s in low)
+        fns = build_stage_functions(
+            s, last, forward, funcs[s].mask_indices, funcs[s].param_names,
+            self._frozen_names, self.loss,
+            target_spec=batching.batched_target_spec(self._captured_target_spec(), rows,
+                                                     self.batch_size) if last else None,
+            vocab_parallel=getattr(self.model, "output_split_classes", 0) > 1,
+            buffer_names=funcs[s].buffer_names, buffers_written=funcs[s].buffers_written,
+            selective=selective)
+        compiled = compile_step(fns.mod, passes=passes, target=self._target,
+                                cache_dir=self._cache_dir)
+        vm = relax.VirtualMachine(compiled.executable, self._device)
+        stage = self._built[key] = _Stage(
+            s, fns, {k: vm[k] for k in ("forward", "backward", "recompute", "forward_only")},
+            compiled.planned_peak_bytes, vm)
+        return stage
+
+    def _choose_recomputation(self, rows):
+        """{stage: recomputation} for this rank's stages: activation_checkpointing's for
+        all, or under activation_memory_budget_mb the least per stage whose modelled
+        activation memory fits (runtime/stage_budget.py; the stages compiled while choosing
+        are kept for the first stage set). A budget no choice meets raises on every rank."""
+        budget = self.run_plan.activation_memory_budget_mb
+        if budget is None:
+            level = {True: "full", "full": "full", "selective": "selective"}.get(
+                self.activation_checkpointing, False)
+            return {s: level for s in self.my_stages}
+        funcs = split_forward(self.plan)
+        low = self._low_boundaries(funcs)
+
+        def measure(s, level):
+            stage = self._build_stage(s, funcs, rows, low, level == "selective")
+            return stage_budget.saved_bytes(stage.functions, level), stage.planned_peak_bytes
+
+        timeline = stage_budget.saved_timeline(self.actions[self.pp_rank], self.my_stages)
+        chosen = stage_budget.choose_on_every_rank(
+            self.comm, self.my_stages, timeline, measure, int(budget * 2**20))
+        _LOG.info("activation_memory_budget_mb=%g on pp rank %d: recomputation %s",
+                  budget, self.pp_rank, chosen)
+        return chosen
 
     def _captured_target_spec(self):
         """The target's spec at the captured batch (from the full model's output)."""
@@ -512,7 +549,8 @@ class PipelineExecutor(LoopScalars):
         profiling = self._profiling is not None and self._profiling.active
         run = ScheduleRun(self.actions[self.pp_rank], self.transport, sets, pieces, weights,
                           self._tensors, self._buffer_tensors, my_stages=self.my_stages,
-                          recompute=self.activation_checkpointing == "full",
+                          recompute={s for s, level in self.stage_recompute.items()
+                                     if level == "full"},
                           device=self._device,
                           dtype=self._hyper_dtype,
                           recorder=self._profiling.recorder if profiling else None)
@@ -649,7 +687,8 @@ class PipelineExecutor(LoopScalars):
 
     def stats(self):
         """As the SPMD executor's, plus ``pipeline``: this rank's stages, the most microbatches (and
-        bytes) of saved activations each stage held at once, and the stage plan's costs."""
+        bytes) of saved activations each stage held at once, each stage's recomputation
+        (False, "selective" or "full") and the stage plan's costs."""
         params = [self._tensors[n] for n in self.param_names + self.frozen_names]
         return process_memory.with_total({
             "param_bytes": sum(nbytes(p) for p in params),
@@ -665,10 +704,22 @@ class PipelineExecutor(LoopScalars):
                 "schedule": self.schedule, "microbatches": self.microbatches,
                 "peak_saved_microbatches": dict(self._peak_saved),
                 "peak_saved_bytes": dict(self._peak_saved_bytes),
+                "recompute": dict(self.stage_recompute),
+                "modelled_activation_bytes": self._modelled_activation_bytes(),
                 "stage_costs": list(self.plan.costs)},
             **device_lib.memory_stats(self._device),
             **process_memory.overheads(),  # compiled code, libraries loaded
         })
+
+    def _modelled_activation_bytes(self):
+        """runtime/stage_budget.py's model of this rank's activation memory at the captured
+        microbatch size (what activation_memory_budget_mb is held to)."""
+        stages = self._stage_sets[self._plan_rows].stages
+        timeline = stage_budget.saved_timeline(self.actions[self.pp_rank], self.my_stages)
+        return stage_budget.modelled_peak(
+            timeline, {s: stage_budget.saved_bytes(st.functions, self.stage_recompute[s])
+                       for s, st in stages.items()},
+            {s: st.planned_peak_bytes for s, st in stages.items()})
 
     def save_checkpoint(self, path, extra=None, keep=2):
         """The full tensors written as any layout writes them (full_train_state), so a

@@ -19,7 +19,7 @@ widened where it is consumed, and the input gradient a backward returns (float32
 narrowed to the message dtype before it is sent or handed over.
 """
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -37,12 +37,13 @@ class ScheduleRun:
 
     def __init__(self, actions: Sequence[Any], transport: Any, sets: Dict[int, Any],
                  pieces: Sequence[int], weights: Sequence[float], tensors: Dict[str, Any],
-                 buffers: Dict[str, Any], *, my_stages: Sequence[int], recompute: bool,
+                 buffers: Dict[str, Any], *, my_stages: Sequence[int], recompute: Iterable[int],
                  device: Any, dtype: str, recorder: Any = None) -> None:
         self.actions, self.transport, self.sets = actions, transport, sets
         self.pieces, self.weights = list(pieces), list(weights)
         self.tensors, self.buffers, self.my_stages = tensors, buffers, set(my_stages)
-        self.recompute, self.device, self.recorder = recompute, device, recorder
+        # the stages that keep only their input and recompute in backward ("full")
+        self.recompute, self.device, self.recorder = set(recompute), device, recorder
         self.starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]).astype(int).tolist()
         self.seeds = [tvm.runtime.tensor(np.array(w, dtype=dtype), device) for w in weights]
         self.handoff: Dict[Tuple[str, int, int], Any] = {}  # for this rank's next F / B
@@ -118,7 +119,7 @@ class ScheduleRun:
         params = [self.tensors[n] for n in fns.param_names]
         params += [self.buffers[n] for n in fns.buffer_names]
         written = fns.buffers_written
-        if self.recompute:  # only the stage input is kept; backward recomputes the rest
+        if s in self.recompute:  # only the stage input is kept; backward recomputes the rest
             out = stage.vm["forward_only"](*data, *params)
             primary, first_new = (out[0], 1) if written else (out, 0)
             keep = data
@@ -147,11 +148,11 @@ class ScheduleRun:
         grad_in = (self.seeds[m] if fns.last
                    else self._as(self.handoff.pop(("B", s, m)), fns.seed_spec[1]))
         params = [self.tensors[n] for n in fns.param_names]
-        if self.recompute:  # recompute reads the buffers too
+        if s in self.recompute:  # recompute reads the buffers too
             params += [self.buffers[n] for n in fns.buffer_names]
         mine = [self.accs[n] for n in fns.trainable]
-        out = stage.vm["recompute" if self.recompute else "backward"](*keep, grad_in, *params,
-                                                                      *mine)
+        function = "recompute" if s in self.recompute else "backward"
+        out = stage.vm[function](*keep, grad_in, *params, *mine)
         for i, n in enumerate(fns.trainable):
             self.accs[n] = out[1 + i]
         if s > 0:

@@ -2,7 +2,7 @@
 the global batch.
 
 Usage: pp_train.py MODEL OPTIMIZER PP TP ZERO STEPS [--microbatches M] [--schedule S]
-       [--stages-per-rank V] [--checkpointing 1|selective] [--split-points a,b] [--save DIR]
+       [--stages-per-rank V] [--checkpointing 1|selective] [--budget MB] [--split-points a,b] [--save DIR]
        [--load DIR]
 World = pp x dp x tp. Every rank passes the slice of the global batch of its data-parallel
 index (all stages the same arrays). After STEPS steps the losses (on every rank), the full
@@ -39,6 +39,8 @@ def main():
                    "num_microbatches": microbatches, "pipeline_schedule": schedule,
                    "activation_checkpointing": {"1": True, "selective": "selective"}.get(
                        flags.get("--checkpointing"), False)})
+    if "--budget" in flags:  # recomputation chosen per stage (runtime/stage_budget.py)
+        config.activation_memory_budget_mb = float(flags["--budget"])
     if "--stages-per-rank" in flags:
         config.pipeline_stages_per_rank = int(flags["--stages-per-rank"])
     if "--split-points" in flags:
@@ -78,6 +80,11 @@ def main():
             assert total > 0, "no stage of this rank recomputed anything"
 
     stats = trainer.stats()["pipeline"]
+    if "--budget" in flags:
+        modelled = stats["modelled_activation_bytes"]
+        print(f"budget: rank {comm.rank} stages {stats['stages']} recompute "
+              f"{stats['recompute']} modelled {modelled / 2**20:.3f} MB")
+        assert modelled <= float(flags["--budget"]) * 2**20, (modelled, stats["recompute"])
     for stage, peak in stats["peak_saved_microbatches"].items():
         expected = {"1f1b": min(pp - stage, microbatches), "gpipe": microbatches}.get(schedule)
         assert peak == expected if expected else 1 <= peak <= microbatches, (stage, peak, stats)
