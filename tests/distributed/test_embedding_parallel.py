@@ -4,6 +4,8 @@ batch (and that process like PyTorch), each rank holding its share of the table 
 all-to-all bytes the analytic count; checkpoints reshard table-wise -> row-wise -> one
 process; bad plans and bad ids are refused on every rank before any exchange
 (workers/ep_errors.py)."""
+import re
+
 import pytest
 
 from mpi_launch import assert_ranks_ok, check_mpi
@@ -22,8 +24,10 @@ from mpi_launch import assert_ranks_ok, check_mpi
     pytest.param("row", "sgd_momentum", 4, (), marks=pytest.mark.slow),
     pytest.param("table", "sgd", 3, (), marks=pytest.mark.slow),
     # the dense layers under ZeRO-3 over the same ranks (sharded and gathered), the tables
-    # held whole by their holders outside the buckets; row-wise sparse SGD beside ZeRO-2
-    ("table", "adamw", 2, ("--zero", 3)),
+    # held whole by their holders outside the buckets; an activation budget of 0.0135 MB
+    # (14155 bytes): rank 1's step plans 13032 bytes without recomputation, rank 0's (its
+    # tables) 14344, so the agreed policy recomputes on both; row-wise sparse SGD beside ZeRO-2
+    ("table", "adamw", 2, ("--zero", 3, "--budget", 0.0135)),
     pytest.param("row", "sgd", 3, ("--zero", 2), marks=pytest.mark.slow),
 ], ids=["row-sgd-3-sparse-clip", "table-adamw-4-plan-clip", "row-sgd_momentum-4",
         "table-sgd-3-sparse", "table-adamw-2-zero3", "row-sgd-3-sparse-zero2"])
@@ -33,6 +37,9 @@ def test_sharded_tables_equal_one_process(mode, optimizer, ranks, extra):
     assert f"{mode}-wise over {ranks}" in out and "one process vs PyTorch" in out, out
     assert ("--clip" in extra) == ("clipped at" in out), out
     assert ("--zero" in extra) == (out.count("dense, optimizer state") == ranks), out
+    if "--budget" in extra:  # one policy for the dp group, chosen by the largest rank's peaks
+        chosen = set(re.findall(r"budget: rank \d+ recompute (.*) planned", out))
+        assert len(chosen) == 1 and chosen != {"None"}, (chosen, out[-3000:])
 
 
 def test_checkpoint_reshards_table_to_row_to_one_process(tmp_path):

@@ -231,7 +231,7 @@ def test_budget_chooses_recomputation_per_stage_and_trains_the_same(dist_config)
     with pytest.raises(ValueError, match="cannot fit; the smallest modelled") as refused:
         _pipeline_executor(from_pytorch(module, (x,)), raf_dist.optim.Adam(lr=1e-2))
     smallest = float(str(refused.value).split("activation memory is ")[1].split(" MB")[0])
-    assert smallest <= round(peaks["full"] / 2**20, 1), (str(refused.value), peaks)
+    assert smallest <= peaks["full"] / 2**20 * 1.001, (str(refused.value), peaks)  # 3 digits
 
 
 @pytest.mark.parametrize("fields,error,match", [

@@ -141,12 +141,6 @@ class DistConfig:
                 "into input and weight gradients); use 'interleaved_1f1b', '1f1b' or 'gpipe'")
 
         if self.embedding_parallel != "none":
-            if self.activation_memory_budget_mb is not None:
-                raise NotImplementedError(
-                    "activation_memory_budget_mb with embedding_parallel is not built yet "
-                    "(each rank's planned peak differs with the tables it holds, so the ranks "
-                    "would pick different recomputation); choose activation_checkpointing "
-                    "yourself")
             for field, value, allowed in (
                     ("tensor_parallel_size", self.tensor_parallel_size, 1),
                     ("pipeline_parallel_size", self.pipeline_parallel_size, 1)):

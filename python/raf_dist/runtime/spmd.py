@@ -210,9 +210,14 @@ class SPMDExecutor(LoopScalars):
         time (``FullBlocks``). Within a range fewer recomputed values plan to more memory, so
         the first point that fits is found by bisection (~log2 of the points' count of plans);
         only points actually planned and fitting are chosen, so a step that is not monotone in
-        them costs optimality, never the budget."""
+        them costs optimality, never the budget.
+
+        With sharded embedding tables each rank's step differs (the tables it holds), so a
+        point's peak is the largest over the dp group (one allgather per point planned): the
+        ranks walk the same points and choose one policy, as their fingerprints require."""
         budget = self.run_plan.activation_memory_budget_mb
         peaks, builds = {}, {}
+        agreeing = self.ep_plan is not None and self.world > 1
 
         def build(policy):
             if policy not in builds:
@@ -224,6 +229,8 @@ class SPMDExecutor(LoopScalars):
             if policy not in peaks:
                 peaks[policy] = (self._microbatch_peak(policy) if self.microbatches > 1 else
                                  plan_memory(build(policy)[0], self._passes(), self._target))
+                if agreeing:
+                    peaks[policy] = max(self.dp_comm.allgather(peaks[policy]))
             return peaks[policy] <= budget * 2**20
 
         def chosen(policy):
@@ -235,6 +242,13 @@ class SPMDExecutor(LoopScalars):
         if plan(remat.Cheapest(0)):  # no recomputation
             return chosen(remat.Cheapest(0))
         values, blocks = build(remat.Cheapest(0))[1].recompute_ladder
+        if agreeing:  # the same points on every rank, or none of them walks the ladder
+            ladders = self.dp_comm.allgather((values, blocks))
+            if len(set(ladders)) > 1:
+                raise raised_on_every_rank(NotImplementedError(
+                    f"activation_memory_budget_mb: the ranks' steps offer different "
+                    f"recomputation (values, blocks) {ladders} with these sharded tables; "
+                    "choose activation_checkpointing yourself"))
         # each range bisected only once its top end ("selective", then "full") fits: the two
         # policies' peaks are not ordered (a small model's kept head can outweigh the saving)
         for points in ([remat.Cheapest(i) for i in range(values + 1)],
@@ -253,8 +267,8 @@ class SPMDExecutor(LoopScalars):
         best = min(peaks, key=lambda p: peaks[p])
         raise ValueError(
             f"activation_memory_budget_mb={budget:g}: the step's planned temporaries cannot "
-            f"fit; the smallest reachable is {peaks[best] / 2**20:.1f} MB (recomputation "
-            f"{_describe(best)}; none {peaks[remat.Cheapest(0)] / 2**20:.1f} MB). Raise the "
+            f"fit; the smallest reachable is {peaks[best] / 2**20:.3g} MB (recomputation "
+            f"{_describe(best)}; none {peaks[remat.Cheapest(0)] / 2**20:.3g} MB). Raise the "
             "budget, lower the batch per rank, or split the model further "
             "(tensor_parallel_size, ZeRO-3)")
 

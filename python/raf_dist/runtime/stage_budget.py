@@ -78,9 +78,9 @@ def choose(stages: Sequence[int], timeline: Sequence[Mapping[int, int]],
             raise ValueError(
                 f"activation_memory_budget_mb={budget_bytes / 2**20:g}: this pipeline rank's "
                 f"stages {list(stages)} cannot fit; the smallest modelled activation memory "
-                f"is {min(seen.values()) / 2**20:.1f} MB (saved values of the microbatches in "
+                f"is {min(seen.values()) / 2**20:.3g} MB (saved values of the microbatches in "
                 "flight plus the stages' planned temporaries; every stage recomputing "
-                f"\"full\"); none {seen[tuple(sorted((s, 0) for s in stages))] / 2**20:.1f} "
+                f"\"full\"); none {seen[tuple(sorted((s, 0) for s in stages))] / 2**20:.3g} "
                 "MB. Raise the budget, use more microbatches of fewer rows, or more stages")
         current, stage = min(steps)
         levels[stage] += 1

@@ -2,7 +2,7 @@
 batch, and one process vs PyTorch.
 
 Usage: ep_train.py MODE OPTIMIZER STEPS [--save DIR] [--load DIR] [--plan TABLE=RANK]
-       [--clip MAX_NORM] [--zero LEVEL]
+       [--clip MAX_NORM] [--zero LEVEL] [--budget MB]
 MODE: "table" or "row" (or "none": a world of one resuming a checkpoint).
 The model is tests/models.py ShardedRec (three EmbeddingBag tables of 40, 60 and 12 rows:
 a sum bag with per-sample weights, a mean bag with a padding id, a sum bag; an nn.Embedding
@@ -74,7 +74,7 @@ def references(opt_name, steps, clip=None):
         config = dist.get_config()
         saved = config.as_dict()
         config.update({"enable_data_parallel": False, "embedding_parallel": "none",
-                       "zero_opt_level": 0})
+                       "zero_opt_level": 0, "activation_memory_budget_mb": None})
         module, x, y = make_sharded_rec(GLOBAL_BATCH)
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, x),
                                    optimizer=raf_optimizer(opt_name), local=True,
@@ -108,6 +108,8 @@ def main():
     if n > 1:
         dist.get_config().update({"enable_data_parallel": True, "embedding_parallel": mode,
                                   "zero_opt_level": zero})
+        if "--budget" in flags:  # the ranks' steps differ (their tables): one agreed policy
+            dist.get_config().activation_memory_budget_mb = float(flags["--budget"])
     module, x, y = make_sharded_rec(GLOBAL_BATCH)
     if comm.rank > 0:  # the Trainer must start every rank from rank 0's parameters
         for p in module.parameters():
@@ -201,6 +203,11 @@ def main():
             (table, rank), = plan.items()
             assert ep.owners[table + ".weight"] == rank, ep.owners
 
+    if "--budget" in flags:
+        planned = trainer.stats()["planned_peak_bytes"]
+        print(f"budget: rank {comm.rank} recompute {trainer.executor.recompute} planned "
+              f"{planned} bytes")
+        assert planned <= float(flags["--budget"]) * 2**20, planned
     if "--save" in flags:
         trainer.save_checkpoint(flags["--save"])
     print(f"rank {comm.rank}: EP OK")
