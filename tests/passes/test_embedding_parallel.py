@@ -83,6 +83,44 @@ def test_exchange_bytes_count_ids_rows_and_gradients():
     assert exchange_bytes(rows, 0, {"t": [5]}) == 2 * 5 * 4 + 2 * 5 * 16 + 2 * 5 * 16
 
 
+def test_pooled_bytes_count_pairs_weights_and_pooled_blocks():
+    """A bag pooling (passes/embedding_pooled.py): rank 0 sends 6 (id, bag) int32 pairs and
+    their weights to the owner, and the 2 pooled rows' gradients; the owner sends back the 2
+    pooled rows instead of 6 rows."""
+    plan = EmbeddingPlan("table", 2, {"t": (10, 4)}, {"t": 1})
+    assert exchange_bytes(plan, 0, {"t": [(6, 2, True)]}) == 6 * (8 + 4) + 2 * 16
+    assert exchange_bytes(plan, 1, {"t": [(6, 2, False)]}) == 2 * 16
+    rows = EmbeddingPlan("row", 3, {"t": (10, 4)})  # partial pooled blocks to every rank
+    assert exchange_bytes(rows, 0, {"t": [(5, 2, False)]}) == 2 * 5 * 8 + 2 * 2 * 16 * 2
+
+
+def test_bags_are_pooled_on_the_holders(rec):
+    """ShardedRec's three nn.EmbeddingBag lookups (sum with per-sample weights, mean with a
+    padding id, sum) are found as poolings; its nn.Embedding is not one. Sharded, each
+    pooling's exchange sends (id, bag) pairs and gets back (bags, dim) blocks: the forward has
+    no (ids, dim) exchange left but the category's."""
+    from raf_dist.passes.embedding_pooled import find_pooled
+    from raf_dist.passes.embedding_parallel import shard_embedding_forward
+    from raf_dist.passes.tensor_parallel import vars_by_name
+
+    model, _ = rec
+    names = list(model.param_names)
+    tables = ep.make_plan(model, "table", 2, None)
+    by_name = vars_by_name(model.forward, names)
+    sites = find_pooled(model.forward, [by_name[n] for n in tables.names])
+    pooled = {n: s for s in sites.values() for n, v in by_name.items() if v.same_as(s.table)}
+    assert sorted(pooled) == ["tables.0.weight", "tables.1.weight", "tables.2.weight"]
+    assert [pooled[f"tables.{i}.weight"].weights is not None for i in range(3)] == \
+        [True, False, False]
+    sharded = shard_embedding_forward(model.forward, tables, 0, names)
+    exchanged = [b.value for blk in sharded.body.blocks for b in blk.bindings
+                 if is_ep_exchange(b.value)]
+    shapes = sorted(tuple(int(d) for d in call.args[0].ty.shape)[1:] for call in exchanged)
+    # per pooling: (id, bag) pairs out, weights (table 0), the pooled blocks back; the
+    # category: ids out and rows back
+    assert shapes.count((2,)) == 3 and shapes.count(()) == 2, shapes
+
+
 def _exchange_module(send, recv):
     x = relax.Var("x", relax.TensorType((sum(send), 3), "float32"))
     bb = relax.BlockBuilder()

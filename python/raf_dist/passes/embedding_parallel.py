@@ -29,9 +29,9 @@ its lookups and their gradients are empty tensors, but they are there, so that r
 every exchange is on the path from the loss to a parameter and no pass drops it (a collective
 only some ranks run would hang the others).
 
-Rows travel unpooled: an ``nn.EmbeddingBag``'s bag is pooled on the rank that owns the
-sample, after the exchange (the frontend lowers the pooling as a matmul with the bags'
-membership; see docs/design-notes.md for what pooling on the holder would take).
+An ``nn.EmbeddingBag``'s bags are pooled on the holders and pooled vectors travel back
+(passes/embedding_pooled.py: the ids go out with their bag numbers); a plain ``nn.Embedding``
+lookup (or rows used for anything besides their bag's sum) travels as rows.
 
 ``LowerEmbeddingExchange(group)`` (after autodiff) turns each exchange into a blocking
 ``raf_dist.ccl.alltoall`` with the split counts as constants (alltoallv; the native runtime's
@@ -46,6 +46,7 @@ import tvm
 from tvm import relax
 
 from ..ir.ops import ep_exchange, is_ep_exchange
+from .embedding_pooled import find_pooled, pooled_exchange_bytes, pooled_lookup
 from .bucketing import collective
 from .gradient_markers import SubstituteVars
 from .lower_allreduce import lower_blocking, lower_functions
@@ -248,13 +249,25 @@ def shard_embedding_forward(func: relax.Function, plan: EmbeddingPlan, rank: int
     bb = relax.BlockBuilder()
     attrs = dict(func.attrs) if func.attrs is not None else {}
     fname = str(attrs.pop("global_symbol", "forward"))
+    # bags pooled on the holders (passes/embedding_pooled.py): their rows' bindings go
+    pooled = find_pooled(func, list(table_of))
+    folded = {v for site in pooled.values() for v in (site.take, site.scaled) if v is not None}
 
     def substitute(expr):
         return SubstituteVars(var_map).visit_expr(expr)
 
     def emit(binding, output):
         value = binding.value
-        if (isinstance(value, relax.Call) and value.op.same_as(_TAKE)
+        if binding.var in folded:
+            return
+        site = pooled.get(binding.var)
+        if site is not None:
+            rows = pooled_lookup(bb, plan, table_of[site.table], rank, var_map[site.table],
+                                 substitute(site.ids), substitute(site.member),
+                                 None if site.weights is None else substitute(site.weights),
+                                 substitute(site.bag_of),
+                                 None if site.keep is None else substitute(site.keep))
+        elif (isinstance(value, relax.Call) and value.op.same_as(_TAKE)
                 and isinstance(value.args[0], relax.Var) and value.args[0] in table_of):
             name = table_of[value.args[0]]
             rows = _lookup(bb, plan, name, rank, var_map[value.args[0]],
@@ -314,19 +327,24 @@ def _lookup(bb: relax.BlockBuilder, plan: EmbeddingPlan, name: str, rank: int,
     return op.reshape(back, shape + [dim]) if shape != [count] else back
 
 
-def exchange_bytes(plan: EmbeddingPlan, rank: int, lookups: Mapping[str, Sequence[int]],
+def exchange_bytes(plan: EmbeddingPlan, rank: int, lookups: Mapping[str, Sequence],
                    id_bytes: int = 4, row_bytes: int = 4) -> int:
     """The bytes rank ``rank`` sends to other ranks in one training step's exchanges (the
-    native counters' alltoall bus bytes): ``lookups`` {table: ids per lookup of it} (every
-    rank looks up as many ids; ids travel as int32 below 2**31 rows). Forward: the ids to
-    each holder, the rows back from a holder; backward: the rows' gradients to each
-    holder."""
+    native counters' alltoall bus bytes): ``lookups`` {table: its lookups}, each the number
+    of ids it looks up or, for a bag pooling (passes/embedding_pooled.py), (ids, bags,
+    weighted) (every rank looks up as many ids; ids travel as int32 below 2**31 rows).
+    Forward: the ids to each holder, the rows back from a holder; backward: the rows'
+    gradients to each holder."""
     total = 0
     for name, counts in lookups.items():
         holders = plan.holders(name)
         dim = int(plan.shapes[name][1])
         others = [h for h in holders if h != rank]
         for k in counts:
+            if isinstance(k, tuple):
+                total += pooled_exchange_bytes(plan, rank, name, *k, id_bytes=id_bytes,
+                                               row_bytes=row_bytes)
+                continue
             total += len(others) * k * id_bytes  # ids out
             if rank in holders:  # rows to every other rank
                 total += (plan.world - 1) * k * dim * row_bytes

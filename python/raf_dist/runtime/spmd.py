@@ -212,8 +212,10 @@ class SPMDExecutor(LoopScalars):
         only points actually planned and fitting are chosen, so a step that is not monotone in
         them costs optimality, never the budget.
 
-        With sharded embedding tables each rank's step differs (the tables it holds), so a
-        point's peak is the largest over the dp group (one allgather per point planned): the
+        With sharded embedding tables each rank's step differs (the tables it holds, the bags
+        its holders pool), so a point's peak is the largest over the dp group (one allgather
+        per point planned) and the ladder walked is the ranks' common part (the fewest
+        values, the fewest blocks: ``Cheapest(i)`` is each rank's i cheapest values): the
         ranks walk the same points and choose one policy, as their fingerprints require."""
         budget = self.run_plan.activation_memory_budget_mb
         peaks, builds = {}, {}
@@ -242,13 +244,9 @@ class SPMDExecutor(LoopScalars):
         if plan(remat.Cheapest(0)):  # no recomputation
             return chosen(remat.Cheapest(0))
         values, blocks = build(remat.Cheapest(0))[1].recompute_ladder
-        if agreeing:  # the same points on every rank, or none of them walks the ladder
+        if agreeing:  # the same points on every rank: the ladders' common part
             ladders = self.dp_comm.allgather((values, blocks))
-            if len(set(ladders)) > 1:
-                raise raised_on_every_rank(NotImplementedError(
-                    f"activation_memory_budget_mb: the ranks' steps offer different "
-                    f"recomputation (values, blocks) {ladders} with these sharded tables; "
-                    "choose activation_checkpointing yourself"))
+            values, blocks = min(v for v, _ in ladders), min(b for _, b in ladders)
         # each range bisected only once its top end ("selective", then "full") fits: the two
         # policies' peaks are not ordered (a small model's kept head can outweigh the saving)
         for points in ([remat.Cheapest(i) for i in range(values + 1)],

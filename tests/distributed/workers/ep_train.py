@@ -182,8 +182,11 @@ def main():
                 ep.block_rows(t) * ep.shapes[t][1] * 4 for t in tables)
         assert held <= bound, (held, bound)
         # the ids each step looks up: three bags of 4 per row, one category per row
-        lookups = {"tables.0.weight": [local * 4], "tables.1.weight": [local * 4],
-                   "tables.2.weight": [local * 4], "category.weight": [local]}
+        # (ids, bags, per-sample weights): the bags pooled on the holders (table 0 weighted);
+        # the category a plain nn.Embedding, its rows travel
+        lookups = {"tables.0.weight": [(local * 4, local, True)],
+                   "tables.1.weight": [(local * 4, local, False)],
+                   "tables.2.weight": [(local * 4, local, False)], "category.weight": [local]}
         expected = exchange_bytes(ep, comm.rank, lookups)
         got = stats["comm_bytes_last_step"].get("alltoall", 0)
         assert got == expected, (got, expected)
