@@ -110,7 +110,7 @@ class Trainer:
             check_pipeline_config(config, model)  # from the config and model alone
         comm = get_communicator()
         plan = plan_run(config, comm.size, local)  # the config, read once
-        check_tables_under_zero(plan, nonfinite, precision, max_grad_norm)
+        check_tables_under_zero(plan, nonfinite, precision)
         if comm.size > 1 and not plan.local:  # before any other collective
             agree(comm, plan, model, loss, optimizer, device, embedding_plan)
         mesh = build_mesh(plan, config, comm.size)
@@ -284,18 +284,17 @@ def check_precision(precision: Any, grad_reduce_dtype: Any) -> None:
                          f"{grad_reduce_dtype!r}")
 
 
-def check_tables_under_zero(plan: Any, nonfinite: str, precision: str,
-                            max_grad_norm: Any) -> None:
-    """ZeRO with embedding tables sharded over the same ranks updates each bucket as soon as
-    it is reduced; what needs every gradient first (nonfinite="skip", fp16's loss scaling,
-    clipping) would need the tables' own verdict and norm in ShardZeRO's agreement, which is
-    not built: refused before anything starts."""
+def check_tables_under_zero(plan: Any, nonfinite: str, precision: str) -> None:
+    """ZeRO with embedding tables sharded over the same ranks: clipping's norm takes the
+    tables' sums of squares into ShardZeRO's agreement; the skip of a non-finite step
+    (nonfinite="skip", fp16's loss scaling) would need the tables' verdict there and their
+    in-place row updates made conditional, which is not built: refused before anything
+    starts."""
     if not (plan.embeddings_sharded and plan.zero_level > 0):
         return
     asked = [what for what, on in (('nonfinite="skip"', nonfinite == "skip"),
                                    ('precision="fp16" (loss scaling skips overflows)',
-                                    precision == "fp16"),
-                                   ("max_grad_norm", max_grad_norm is not None)) if on]
+                                    precision == "fp16")) if on]
     if asked:
         raise NotImplementedError(
             f"{', '.join(asked)} with embedding_parallel={plan.embedding_parallel!r} and "

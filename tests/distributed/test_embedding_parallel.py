@@ -26,10 +26,10 @@ from mpi_launch import assert_ranks_ok, check_mpi
     # the dense layers under ZeRO-3 over the same ranks (sharded and gathered), the tables
     # held whole by their holders outside the buckets; an activation budget of 0.014 MB
     # (14680 bytes): rank 1's step plans 13144 bytes without recomputation, rank 0's (its
-    # tables, the bags it pools) 15456, so the agreed policy recomputes on both; row-wise
-    # sparse SGD beside ZeRO-2
-    ("table", "adamw", 2, ("--zero", 3, "--budget", 0.014)),
-    pytest.param("row", "sgd", 3, ("--zero", 2), marks=pytest.mark.slow),
+    # tables, the bags it pools) 15456, so the agreed policy recomputes on both; clipped (the
+    # tables' squares join ZeRO's agreement). Row-wise sparse SGD beside ZeRO-2, clipped
+    ("table", "adamw", 2, ("--zero", 3, "--budget", 0.014, "--clip", 0.1)),
+    pytest.param("row", "sgd", 3, ("--zero", 2, "--clip", 0.1), marks=pytest.mark.slow),
 ], ids=["row-sgd-3-sparse-clip", "table-adamw-4-plan-clip", "row-sgd_momentum-4",
         "table-sgd-3-sparse", "table-adamw-2-zero3", "row-sgd-3-sparse-zero2"])
 def test_sharded_tables_equal_one_process(mode, optimizer, ranks, extra):

@@ -86,6 +86,19 @@ def test_bytes_follow_design_section_3(level):
     assert layout.held_param_shape(0) == ((3,) if level == 3 else (3, 4))
 
 
+def test_a_sparsely_updated_table_holds_no_gradient():
+    """A table updated on its looked-up rows (``sparse``) forms no whole gradient: its bytes
+    leave grad_bytes at every level, the others' stay (a local one whole, the rest shards)."""
+    n = 4
+    plain = state_layout(NAMES, SPECS, ["m"], 0, n, 0, [(0, 1, 2)])
+    sparse = state_layout(NAMES, SPECS, ["m"], 0, n, 0, [(0, 1, 2)], sparse=[0])
+    assert plain.grad_bytes() - sparse.grad_bytes() == 4 * 12
+    zero2 = state_layout(NAMES, SPECS, ["m"], 2, n, 0, [(1, 2)], local=[0], sparse=[0])
+    assert zero2.grad_bytes() == 4 * (shard_size(5, n) + shard_size(4, n))
+    assert state_layout(NAMES, SPECS, ["m"], 2, n, 0, [(1, 2)], local=[0]).grad_bytes() \
+        == 4 * (12 + shard_size(5, n) + shard_size(4, n))
+
+
 def test_row_states_hold_one_value_per_row():
     """Row-wise Adagrad's accumulator: (rows, 1) of a 2-D parameter, the parameter's own shape
     of a 1-D one; the other states keep their parameter's shape; fresh values as asked."""

@@ -90,6 +90,7 @@ class StateLayout:
     buckets: Tuple[Tuple[int, ...], ...]
     row_states: Tuple[str, ...] = ()  # states kept one value per row (module docstring)
     local: Tuple[int, ...] = ()  # parameters held whole at every level (module docstring)
+    sparse: Tuple[int, ...] = ()  # updated on their looked-up rows: no whole gradient held
 
     # ---- what is held ---------------------------------------------------------------------
     @property
@@ -219,8 +220,12 @@ class StateLayout:
 
     def grad_bytes(self) -> int:
         """Gradient bytes that outlive their bucket's collective: every full gradient until
-        backward ends at levels 0-1, the reduced shards at 2-3."""
-        return self.full_param_bytes() if self.zero_level < 2 else self.shard_param_bytes()
+        backward ends at levels 0-1, the reduced shards at 2-3; none for a ``sparse``
+        parameter (a table updated on its looked-up rows: no whole gradient is formed)."""
+        whole = self.zero_level < 2
+        return sum((self.numel(i) if whole or self.is_local(i) else self.shard_numel(i))
+                   * self._itemsize(i) for i in range(len(self.param_names))
+                   if i not in self.sparse)
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer state this rank holds."""
@@ -230,11 +235,13 @@ class StateLayout:
 def state_layout(param_names: Sequence[str], param_specs: Sequence[Tuple[Sequence[int], str]],
                  state_names: Sequence[str], zero_level: int = 0, dp_size: int = 1,
                  dp_rank: int = 0, buckets: Sequence[Sequence[int]] = (),
-                 row_states: Sequence[str] = (), local: Sequence[int] = ()) -> StateLayout:
+                 row_states: Sequence[str] = (), local: Sequence[int] = (),
+                 sparse: Sequence[int] = ()) -> StateLayout:
     """The one constructor of a :class:`StateLayout`. ``param_specs``: (shape, dtype) per
     parameter; ``buckets`` (required under ZeRO): every parameter index but the ``local``
     ones exactly once; ``row_states``: the states kept one value per row (refused under
-    ZeRO); ``local``: parameters held whole at every level (module docstring)."""
+    ZeRO); ``local``: parameters held whole at every level (module docstring); ``sparse``:
+    parameters updated on their looked-up rows, whose whole gradient is never held."""
     zero_level, dp_size, dp_rank = int(zero_level), int(dp_size), int(dp_rank)
     if zero_level not in (0, 1, 2, 3):
         raise ValueError(f"zero_level must be 0, 1, 2 or 3, got {zero_level}")
@@ -259,4 +266,5 @@ def state_layout(param_names: Sequence[str], param_specs: Sequence[Tuple[Sequenc
         param_dtypes=tuple(str(d) for _, d in param_specs),
         state_names=tuple(state_names), zero_level=zero_level,
         dp_size=dp_size if zero_level else 1, dp_rank=dp_rank if zero_level else 0,
-        buckets=held, row_states=row_states, local=own if zero_level else ())
+        buckets=held, row_states=row_states, local=own if zero_level else (),
+        sparse=tuple(sorted(int(k) for k in sparse)))

@@ -59,6 +59,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import tvm
 from tvm import relax
 
+from ..ir.ops import EMBEDDING_ROWS_SQUARES
 from . import clipping
 
 from .bucketing import Segments, assemble, collective
@@ -173,6 +174,7 @@ class _Emitter:
                 self._reduce_scatter(bucket)
                 self._finish_reduces(keep=1 if self.overlap else 0)
         self._finish_reduces(keep=0)
+        coef = None
         if self.waits_all:  # every rank's verdict / norm first, then the updates
             coef = self._agree(self.pending)
             for bucket, out in self.pending:
@@ -183,9 +185,84 @@ class _Emitter:
         for bucket, new_param in self.deferred:
             self._gather_updated(bucket, new_param)
         self._finish_gathers(keep=0)
-        for k in self.step.local:  # this rank's own tables: their update as it was
+        # this rank's own tables: their update as it was (clipped: what it reads scaled)
+        for k in self.step.local:
+            mapping = self._clipped_local(k, coef) if coef is not None else {}
             for binding in self.plan.update.chains[k]:
-                self.seg.add(binding)
+                self.seg.add(relax.VarBinding(binding.var, _substitute(binding.value, mapping))
+                             if mapping else binding)
+
+    def _sparse_rows(self, k: int) -> Optional[Tuple[relax.Var, relax.Var]]:
+        """(ids, rows' gradients) that local parameter k's in-place row update reads (a
+        ``raf_dist.embedding.*`` call of its chain), or None for a dense update."""
+        for binding in self.plan.update.chains[k]:
+            value = binding.value
+            if not (isinstance(value, relax.Call) and value.args
+                    and isinstance(value.args[0], relax.ExternFunc)
+                    and str(value.args[0].global_symbol).startswith("raf_dist.embedding.")):
+                continue
+            args = [a for a in value.args[1:] if isinstance(a, relax.Var)
+                    and isinstance(a.ty, relax.TensorType)]
+            ids = next(i for i, a in enumerate(args) if "int" in str(a.ty.dtype))
+            rows = next(a for a in args[ids + 1:] if "float" in str(a.ty.dtype))
+            return args[ids], rows
+        return None
+
+    def _dense_reads(self, k: int) -> Tuple[List[relax.Binding], List[relax.Var]]:
+        """(the update tail's bindings local parameter k's chain reads, in order; the values
+        of backward they and the chain read: its gradient). A local parameter has no marker
+        (zero_plan): its optimizer's first products of the gradient (Adam's (1 - beta) g)
+        own no parameter tensor, so they sit in the tail."""
+        update = self.plan.update
+        tail_at = {b.var: i for i, b in enumerate(update.tail)}
+        outside = set(self.step.func.params) | {b.var for b in update.shared}
+        defined = {b.var for b in update.chains[k]}
+        used, reads, seen = set(), [], set()
+        stack = [v for b in update.chains[k] for v in relax.analysis.free_vars(b.value)]
+        while stack:
+            v = stack.pop()
+            if v in seen or v in defined or v in outside:
+                continue
+            seen.add(v)
+            if v in tail_at:
+                used.add(tail_at[v])
+                stack.extend(relax.analysis.free_vars(update.tail[tail_at[v]].value))
+            elif "float" in str(getattr(v.ty, "dtype", "")):
+                reads.append(v)
+        return [update.tail[i] for i in sorted(used)], sorted(reads, key=lambda v: v.name)
+
+    def _local_table_squares(self) -> List[relax.Expr]:
+        """This rank's sums of squares of its local parameters' gradients (its rows of the
+        sharded tables: disjoint across the dp ranks, so the agreement's sum counts each row
+        once); a sparse update's by ``raf_dist.embedding.rows_squares`` (duplicate ids summed
+        first, as the dense gradient would hold them)."""
+        sums: List[relax.Expr] = []
+        for k in self.step.local:
+            sparse = self._sparse_rows(k)
+            if sparse is not None:
+                sums.append(self.bind(f"local_squares{k}", relax.call_pure_packed(
+                    EMBEDDING_ROWS_SQUARES, *sparse, ty_args=relax.TensorType((), "float32"))))
+            else:
+                sums.append(clipping.squares_by_kind(self.seg.builder, self._dense_reads(k)[1],
+                                                     emit=self._binder(f"local_sq{k}"))[0])
+        return sums
+
+    def _clipped_local(self, k: int, coef: relax.Var) -> Dict[relax.Var, relax.Expr]:
+        """What local parameter k's chain reads, clipped: a sparse update's rows scaled by the
+        coefficient; a dense one's gradient scaled and the tail's products of it emitted again
+        from the scaled gradient."""
+        sparse = self._sparse_rows(k)
+        if sparse is not None:
+            return {sparse[1]: clipping.scaled(self.seg.builder, sparse[1], coef,
+                                               emit=self._binder(f"clipped_rows{k}"))}
+        tail, reads = self._dense_reads(k)
+        mapping: Dict[relax.Var, relax.Expr] = {
+            v: clipping.scaled(self.seg.builder, v, coef, emit=self._binder(f"clipped{k}_"))
+            for v in reads}
+        for binding in tail:
+            mapping[binding.var] = self.bind(f"{binding.var.name}_clipped{k}",
+                                             _substitute(binding.value, mapping))
+        return mapping
 
     def _outputs(self) -> List[relax.Expr]:
         """(loss, params, states, buffers), parameters and states in their new layout (the
@@ -334,7 +411,10 @@ class _Emitter:
             parts.append(self.bind("not_finite", op.where(flag, relax.const(0.0, dtype),
                                                           relax.const(1.0, dtype))))
         if self.clip is not None:
-            parts.extend(self._local_squares(pending))
+            replicated, pieces = self._local_squares(pending)
+            for i, term in enumerate(self._local_table_squares()):
+                replicated = self.bind(f"with_local_squares{i}", relax.op.add(replicated, term))
+            parts.extend([replicated, pieces])
         name = "not_finite" if len(parts) == 1 else "agree"  # (the guard alone: its own names)
         vector = (self.bind("not_finite_1", op.reshape(parts[0], [1])) if len(parts) == 1
                   else self.bind("agree_local", op.concat(

@@ -335,7 +335,9 @@ class SPMDExecutor(LoopScalars):
                                    self.zero_level if self.data_parallel else 0,
                                    self.world, self.dp_rank, self.grad_buckets,
                                    row_states=self.signature.row_states,
-                                   local=self._local_params_indices())
+                                   local=self._local_params_indices(),
+                                   sparse=[self.signature.param_names.index(n)
+                                           for n in self.signature.sparse_names])
         self._step_passes = self._passes()  # again for each new batch size
         self.compiled = self._compile(self._cache_dir)
         self._vm = relax.VirtualMachine(self.compiled.executable, self._device)

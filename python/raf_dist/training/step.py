@@ -67,6 +67,9 @@ class TrainStepSignature:
     recompute_ladder: tuple = (0, 0)
     # the states kept one value per row (raf_dist.layout.state_shape): row-wise Adagrad's
     row_states: list = dataclasses.field(default_factory=list)
+    # the sharded tables updated in place on their looked-up rows: no whole gradient is
+    # formed for them (their rows' gradients are the step's temporaries)
+    sparse_names: list = dataclasses.field(default_factory=list)
 
     @property
     def num_inputs(self):
@@ -255,7 +258,8 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     step_mod = relax.transform.DeadCodeElimination(["train_step"])(step_mod)
     signature = _signature(model, target_spec, trainable, specs, optimizer, frozen,
                            loss_weight, out_info, hyper_names)
-    return step_mod, dataclasses.replace(signature, recompute_ladder=recompute_ladder)
+    return step_mod, dataclasses.replace(signature, recompute_ladder=recompute_ladder,
+                                         sparse_names=[trainable[i] for i in sorted(sparse)])
 
 
 def _training_forward(model, compute_dtype=None):

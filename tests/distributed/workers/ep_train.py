@@ -136,12 +136,13 @@ def main():
         norms.append(trainer.last_grad_norm)
 
     ref_losses, ref_params, ref_states, ref_norms = references(opt_name, loaded + steps, clip)
-    assert rel_err(losses, ref_losses[loaded:]) <= TOL, (losses, ref_losses)
-    if clip is not None:  # the tables' rows counted once, over every rank
+    if clip is not None:  # the tables' rows counted once, over every rank (checked first:
+        # a wrong norm shows as wrong losses from the second step)
         assert rel_err(norms, ref_norms[loaded:]) <= TOL, (norms, ref_norms)
         assert min(norms) > clip, ("the case should clip", norms)
         if comm.rank == 0:
             print(f"clipped at {clip}: global norms {[round(v, 4) for v in norms]}")
+    assert rel_err(losses, ref_losses[loaded:]) <= TOL, (losses, ref_losses)
     params = trainer.state_dict()
     assert list(params) == list(ref_params)
     for key, value in ref_params.items():
@@ -175,6 +176,12 @@ def main():
                     for k, v in params.items() if k not in tables)
         held = stats["param_bytes"] - dense
         assert held == ep.held_bytes(comm.rank), (held, ep.held_bytes(comm.rank))
+        # gradients held: the dense ones (reduced shards from ZeRO-2 on), and the tables'
+        # whole unless updated on their looked-up rows (no whole gradient formed)
+        dense_grads = sum(v.nbytes if zero < 2 else 4 * -(-v.size // n)
+                          for k, v in params.items() if k not in tables)
+        expected = dense_grads + (0 if sparse is not None else held)
+        assert stats["grad_bytes"] == expected, (stats["grad_bytes"], expected, opt_name)
         if mode == "table":
             bound = sum(tables.values()) / n + max(tables.values())
         else:
