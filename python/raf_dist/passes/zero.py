@@ -59,7 +59,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import tvm
 from tvm import relax
 
-from ..ir.ops import EMBEDDING_ROWS_SQUARES
+from ..ir.ops import EMBEDDING_ROW_UPDATES, EMBEDDING_ROWS_SQUARES
+from ..ir.utils import is_packed_marker
 from . import clipping
 
 from .bucketing import Segments, assemble, collective
@@ -194,12 +195,10 @@ class _Emitter:
 
     def _sparse_rows(self, k: int) -> Optional[Tuple[relax.Var, relax.Var]]:
         """(ids, rows' gradients) that local parameter k's in-place row update reads (a
-        ``raf_dist.embedding.*`` call of its chain), or None for a dense update."""
+        ``EMBEDDING_ROW_UPDATES`` call of its chain), or None for a dense update."""
         for binding in self.plan.update.chains[k]:
             value = binding.value
-            if not (isinstance(value, relax.Call) and value.args
-                    and isinstance(value.args[0], relax.ExternFunc)
-                    and str(value.args[0].global_symbol).startswith("raf_dist.embedding.")):
+            if not any(is_packed_marker(value, f) for f in EMBEDDING_ROW_UPDATES):
                 continue
             args = [a for a in value.args[1:] if isinstance(a, relax.Var)
                     and isinstance(a.ty, relax.TensorType)]

@@ -405,10 +405,8 @@ class PipelineExecutor(LoopScalars):
         activation memory fits (runtime/stage_budget.py; the stages compiled while choosing
         are kept for the first stage set). A budget no choice meets raises on every rank."""
         budget = self.run_plan.activation_memory_budget_mb
-        if budget is None:
-            level = {True: "full", "full": "full", "selective": "selective"}.get(
-                self.activation_checkpointing, False)
-            return {s: level for s in self.my_stages}
+        if budget is None:  # the plan's policy: None, "full" or "selective"
+            return {s: self.activation_checkpointing or False for s in self.my_stages}
         funcs = split_forward(self.plan)
         low = self._low_boundaries(funcs)
 
