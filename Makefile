@@ -15,7 +15,7 @@ TYPED     := python/raf_dist/data.py python/raf_dist/device.py python/raf_dist/m
              python/raf_dist/runtime/agreement.py python/raf_dist/runtime/tensors.py \
              python/raf_dist/runtime/transport.py python/raf_dist/checkpoint/train_state.py \
              python/raf_dist/runtime/predict.py python/raf_dist/runtime/schedule_run.py \
-             python/raf_dist/passes/zero.py python/raf_dist/passes/zero_plan.py \
+             python/raf_dist/passes/zero.py python/raf_dist/passes/zero_local.py python/raf_dist/passes/zero_plan.py \
              python/raf_dist/runtime/mixed_precision.py python/raf_dist/runtime/loss_scale.py \
              python/raf_dist/runtime/loop.py python/raf_dist/runtime/metrics.py \
              python/raf_dist/passes/clipping.py python/raf_dist/process_memory.py \

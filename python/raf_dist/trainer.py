@@ -110,7 +110,6 @@ class Trainer:
             check_pipeline_config(config, model)  # from the config and model alone
         comm = get_communicator()
         plan = plan_run(config, comm.size, local)  # the config, read once
-        check_tables_under_zero(plan, nonfinite, precision)
         if comm.size > 1 and not plan.local:  # before any other collective
             agree(comm, plan, model, loss, optimizer, device, embedding_plan)
         mesh = build_mesh(plan, config, comm.size)
@@ -282,25 +281,6 @@ def check_precision(precision: Any, grad_reduce_dtype: Any) -> None:
     if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
         raise ValueError(f"grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES}, got "
                          f"{grad_reduce_dtype!r}")
-
-
-def check_tables_under_zero(plan: Any, nonfinite: str, precision: str) -> None:
-    """ZeRO with embedding tables sharded over the same ranks: clipping's norm takes the
-    tables' sums of squares into ShardZeRO's agreement; the skip of a non-finite step
-    (nonfinite="skip", fp16's loss scaling) would need the tables' verdict there and their
-    in-place row updates made conditional, which is not built: refused before anything
-    starts."""
-    if not (plan.embeddings_sharded and plan.zero_level > 0):
-        return
-    asked = [what for what, on in (('nonfinite="skip"', nonfinite == "skip"),
-                                   ('precision="fp16" (loss scaling skips overflows)',
-                                    precision == "fp16")) if on]
-    if asked:
-        raise NotImplementedError(
-            f"{', '.join(asked)} with embedding_parallel={plan.embedding_parallel!r} and "
-            f"zero_opt_level={plan.zero_level} is not built yet (the sharded tables' verdict "
-            "and norm would join ZeRO's agreement before any update); use zero_opt_level=0 "
-            "with sharded tables for it, or leave it out")
 
 
 def check_row_states(optimizer: Any, config: Any, local: bool) -> None:

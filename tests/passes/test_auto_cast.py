@@ -97,6 +97,30 @@ def test_float16_same_rules():
     assert out.count('R.astype(w, dtype="float16")') == 1 and "bfloat16" not in out
 
 
+def test_embedding_exchange_carries_float32_on_every_rank():
+    """The embedding tables' all-to-all (passes/embedding_parallel.py) is different IR on
+    each side: a holder sends pooled bags (a matmul: low precision under AutoCast), another
+    rank an empty block of float32 rows. It carries float32 whatever its input, so both
+    sides agree (following the input, MPI failed on the mismatch)."""
+    from tvm import relax
+    from raf_dist.ir.ops import ep_exchange
+
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    w = relax.Var("w", relax.TensorType((8, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("forward", [x, w]):
+        with bb.dataflow():
+            pooled = bb.emit(relax.op.matmul(x, w))
+            out = bb.emit_output(ep_exchange(pooled, [4, 0], [4, 0]))
+        bb.emit_func_output(out)
+    func = auto_cast(bb.get()["forward"], "bfloat16")
+    bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+    sent = [v.args[0] for v in bindings.values()
+            if isinstance(v, relax.Call) and "ep_exchange" in str(v.op)]
+    assert len(sent) == 1 and sent[0].ty.dtype == "float32", func.script()
+    assert 'dtype="bfloat16") = R.matmul(' in func.script()  # the pooling still in bf16
+
+
 def test_op_without_rule_is_refused_by_name():
     @R.function
     def f(x: R.Tensor((1, 1, 4, 4), "float32"), w: R.Tensor((4, 4), "float32")):

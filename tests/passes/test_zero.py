@@ -11,7 +11,7 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import raf_dist
-from models import MLP, make, raf_optimizer
+from models import MLP, make, make_sharded_rec, raf_optimizer
 from raf_dist.passes import ShardZeRO, gradient_buckets, shard_size
 from raf_dist.passes.gradient_markers import find_markers
 from raf_dist.training import build_train_step
@@ -194,6 +194,44 @@ def test_shapes_and_collective_counts(level, world_size, overlap):
     tvm_ffi.structural_walk(func, [(relax.ExternFunc, lambda f: externs.append(f.global_symbol))])
     assert "raf_dist.ccl.local_shard" in externs or level == 3
     assert not any("rank" in name for name in externs), externs
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])  # tables updated on their rows / densely
+def test_guard_reads_the_local_tables_and_keeps_their_update(optimizer):
+    """nonfinite="skip" under ZeRO beside sharded embedding tables (raf_dist.local_params):
+    each rank's verdict also reads its tables' gradients (one isfinite per local gradient
+    beyond the loss's and the reduced buckets'), and their updates happen only when every
+    rank's verdict is finite: a sparse row update's ``keep`` is the agreed verdict, a dense
+    update's new table and states are ``where(all_finite, new, old)``."""
+    module, x, _ = make_sharded_rec(4)
+    tables = [n for n, _ in module.named_parameters() if n.startswith(("tables.", "category."))]
+    mod, signature = build_train_step(raf_dist.frontend.from_pytorch(module, x), "cross_entropy",
+                                      raf_optimizer(optimizer),
+                                      local_grads=(tuple(tables), 2, True))
+    local = [signature.param_names.index(n) for n in tables]
+    bucket_bytes = 500
+    n_buckets = len(gradient_buckets(mod, bucket_bytes))
+    func = ShardZeRO(2, 2, bucket_bytes, guard=True)(mod)["train_step"]
+    bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+    by_name = {v.name: v for v in bindings}
+    verdict = by_name["all_finite"]
+    isfinite = [v for v, e in bindings.items()
+                if isinstance(e, relax.Call) and e.op.same_as(tvm.ir.Op.get("relax.isfinite"))]
+    assert len(isfinite) == 1 + n_buckets + len(local), (len(isfinite), n_buckets)
+    outputs = bindings[func.body.body].fields if isinstance(func.body.body, relax.Var) else \
+        func.body.body.fields
+    n_in = 4 + 1  # dense, ids, category, weights; the target
+    if optimizer == "sgd":
+        updates = [e for e in bindings.values() if isinstance(e, relax.Call) and e.args
+                   and isinstance(e.args[0], relax.ExternFunc)
+                   and e.args[0].global_symbol == "raf_dist.embedding.sgd_rows"]
+        assert len(updates) == len(local)
+        assert all(u.args[5].same_as(verdict) for u in updates)  # (args[0]: the function)
+    else:
+        for k in local:
+            kept = bindings[outputs[1 + k]]
+            assert kept.op.same_as(tvm.ir.Op.get("relax.where")), kept
+            assert kept.args[0].same_as(verdict) and kept.args[2].same_as(func.params[n_in + k])
 
 
 def _last_gradient_position(func, mod):

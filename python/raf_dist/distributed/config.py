@@ -150,11 +150,6 @@ class DistConfig:
                         f"is not built yet (the sharded tables' gradients and state sit "
                         f"outside the tp / pp pieces); use {field}={allowed} with sharded "
                         "tables, or embedding_parallel='none'")
-            if self.zero_opt_level and self.num_microbatches > 1:
-                raise NotImplementedError(
-                    f"embedding_parallel={self.embedding_parallel!r} with zero_opt_level="
-                    f"{self.zero_opt_level} and num_microbatches={self.num_microbatches} is "
-                    "not built yet; use num_microbatches=1 with ZeRO and sharded tables")
 
     @property
     def recompute(self) -> str | None:

@@ -54,6 +54,9 @@ EMBEDDING_ADAGRAD_ROWS = "raf_dist.embedding.adagrad_rows"
 EMBEDDING_ROWS_SQUARES = "raf_dist.embedding.rows_squares"
 #: the sparse row updates, each writing its first argument in place
 EMBEDDING_ROW_UPDATES = (EMBEDDING_SGD_ROWS, EMBEDDING_ADAGRAD_SUM, EMBEDDING_ADAGRAD_ROWS)
+#: where each row update takes its ``keep`` flag (0-based, among the call's arguments):
+#: ShardZeRO's guard puts every rank's finite verdict there
+EMBEDDING_ROW_KEEP = {EMBEDDING_SGD_ROWS: 4, EMBEDDING_ADAGRAD_SUM: 3, EMBEDDING_ADAGRAD_ROWS: 6}
 DROPOUT_MARKER = "raf_dist.dropout"
 MARK_GRADIENT = "raf_dist.mark_gradient"
 

@@ -33,7 +33,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..ir.ops import custom_op_names
+from ..ir.ops import EP_EXCHANGE, custom_op_names
 from ..ir.utils import mutate_functions
 
 LOW_DTYPES = ("bfloat16", "float16")
@@ -87,9 +87,20 @@ RULES = {**{n: "low" for n in LOW}, **{n: "float32" for n in FLOAT32},
          **{n: "follow" for n in FOLLOW}, **{n: "keep" for n in KEEP}}
 
 
+#: raf_dist's embedding-table exchange (passes/embedding_parallel.py) is an all-to-all whose
+#: two sides are different IR: a holder sends what it computed (pooled bags: a matmul, so low
+#: precision), the others an empty block of the table's rows. Following the input would give
+#: the sides different dtypes (MPI fails on the mismatch), so the exchange carries float32 on
+#: every rank, as torchrec's pooled all-to-all does unless quantized comms are asked for.
+FLOAT32_EXCHANGES = frozenset({EP_EXCHANGE})
+
+
 def rule_of(op_name: str) -> str:
     """The cast rule of the op named ``op_name``; raf_dist's own ops (markers, tp
-    collectives) follow their inputs. Raises for an op without a rule."""
+    collectives) follow their inputs, the embedding exchange is float32. Raises for an op
+    without a rule."""
+    if op_name in FLOAT32_EXCHANGES:
+        return "float32"
     rule = RULES.get(op_name)
     if rule is None and op_name in custom_op_names():
         rule = "follow"

@@ -52,19 +52,20 @@ gradient is reduced; each rank then checks its gradient shards and its loss (sum
 training/nonfinite.py), the ranks sum their "not finite" verdicts (one float allreduce), and
 every update becomes ``where(all finite, new, old)``, the loss NaN otherwise, so a
 non-finite step leaves parameters and state as they were on every rank. The updates then no
-longer overlap backward's reductions (only with the guard).
+longer overlap backward's reductions (only with the guard). The local parameters'
+gradients join the verdict too, and their updates are kept the same way
+(passes/zero_local.py, with their part of clipping).
 """
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import tvm
 from tvm import relax
 
-from ..ir.ops import EMBEDDING_ROW_UPDATES, EMBEDDING_ROWS_SQUARES
-from ..ir.utils import is_packed_marker
 from . import clipping
 
 from .bucketing import Segments, assemble, collective
-from .gradient_markers import UPDATED_ARGUMENTS, SubstituteVars
+from .gradient_markers import UPDATED_ARGUMENTS
+from .zero_local import LocalChains, substitute
 from .zero_plan import Bucket, GatherRegion, ZeroPlan, low_cast, plan_zero
 
 Handle = Optional[relax.Var]  # a started collective's handle; None: it ran blocking
@@ -98,6 +99,7 @@ class _Emitter:
         # level 3, per (region, bucket): the started gather, then the gathered parameters
         self.started: Dict[Tuple[str, int], Tuple[Handle, relax.Var, List[relax.Var]]] = {}
         self.gathered: Dict[Tuple[str, int], Dict[int, relax.Var]] = {}
+        self.local = LocalChains(self)  # the local parameters' chains
 
     def emit(self) -> relax.Function:
         if self.plan.forward_gathers is not None:
@@ -181,98 +183,23 @@ class _Emitter:
             for bucket, out in self.pending:
                 if coef is not None:
                     out = clipping.scaled(self.seg.builder, out, coef,
-                                          emit=self._binder(f"clipped{bucket.index}"))
+                                          emit=self.binder(f"clipped{bucket.index}"))
                 self._update(bucket, out)
         for bucket, new_param in self.deferred:
             self._gather_updated(bucket, new_param)
         self._finish_gathers(keep=0)
-        # this rank's own tables: their update as it was (clipped: what it reads scaled)
-        for k in self.step.local:
-            mapping = self._clipped_local(k, coef) if coef is not None else {}
-            for binding in self.plan.update.chains[k]:
-                self.seg.add(relax.VarBinding(binding.var, _substitute(binding.value, mapping))
-                             if mapping else binding)
-
-    def _sparse_rows(self, k: int) -> Optional[Tuple[relax.Var, relax.Var]]:
-        """(ids, rows' gradients) that local parameter k's in-place row update reads (a
-        ``EMBEDDING_ROW_UPDATES`` call of its chain), or None for a dense update."""
-        for binding in self.plan.update.chains[k]:
-            value = binding.value
-            if not any(is_packed_marker(value, f) for f in EMBEDDING_ROW_UPDATES):
-                continue
-            args = [a for a in value.args[1:] if isinstance(a, relax.Var)
-                    and isinstance(a.ty, relax.TensorType)]
-            ids = next(i for i, a in enumerate(args) if "int" in str(a.ty.dtype))
-            rows = next(a for a in args[ids + 1:] if "float" in str(a.ty.dtype))
-            return args[ids], rows
-        return None
-
-    def _dense_reads(self, k: int) -> Tuple[List[relax.Binding], List[relax.Var]]:
-        """(the update tail's bindings local parameter k's chain reads, in order; the values
-        of backward they and the chain read: its gradient). A local parameter has no marker
-        (zero_plan): its optimizer's first products of the gradient (Adam's (1 - beta) g)
-        own no parameter tensor, so they sit in the tail."""
-        update = self.plan.update
-        tail_at = {b.var: i for i, b in enumerate(update.tail)}
-        outside = set(self.step.func.params) | {b.var for b in update.shared}
-        defined = {b.var for b in update.chains[k]}
-        used, reads, seen = set(), [], set()
-        stack = [v for b in update.chains[k] for v in relax.analysis.free_vars(b.value)]
-        while stack:
-            v = stack.pop()
-            if v in seen or v in defined or v in outside:
-                continue
-            seen.add(v)
-            if v in tail_at:
-                used.add(tail_at[v])
-                stack.extend(relax.analysis.free_vars(update.tail[tail_at[v]].value))
-            elif "float" in str(getattr(v.ty, "dtype", "")):
-                reads.append(v)
-        return [update.tail[i] for i in sorted(used)], sorted(reads, key=lambda v: v.name)
-
-    def _local_table_squares(self) -> List[relax.Expr]:
-        """This rank's sums of squares of its local parameters' gradients (its rows of the
-        sharded tables: disjoint across the dp ranks, so the agreement's sum counts each row
-        once); a sparse update's by ``raf_dist.embedding.rows_squares`` (duplicate ids summed
-        first, as the dense gradient would hold them)."""
-        sums: List[relax.Expr] = []
-        for k in self.step.local:
-            sparse = self._sparse_rows(k)
-            if sparse is not None:
-                sums.append(self.bind(f"local_squares{k}", relax.call_pure_packed(
-                    EMBEDDING_ROWS_SQUARES, *sparse, ty_args=relax.TensorType((), "float32"))))
-            else:
-                sums.append(clipping.squares_by_kind(self.seg.builder, self._dense_reads(k)[1],
-                                                     emit=self._binder(f"local_sq{k}"))[0])
-        return sums
-
-    def _clipped_local(self, k: int, coef: relax.Var) -> Dict[relax.Var, relax.Expr]:
-        """What local parameter k's chain reads, clipped: a sparse update's rows scaled by the
-        coefficient; a dense one's gradient scaled and the tail's products of it emitted again
-        from the scaled gradient."""
-        sparse = self._sparse_rows(k)
-        if sparse is not None:
-            return {sparse[1]: clipping.scaled(self.seg.builder, sparse[1], coef,
-                                               emit=self._binder(f"clipped_rows{k}"))}
-        tail, reads = self._dense_reads(k)
-        mapping: Dict[relax.Var, relax.Expr] = {
-            v: clipping.scaled(self.seg.builder, v, coef, emit=self._binder(f"clipped{k}_"))
-            for v in reads}
-        for binding in tail:
-            mapping[binding.var] = self.bind(f"{binding.var.name}_clipped{k}",
-                                             _substitute(binding.value, mapping))
-        return mapping
+        self.local.emit(coef)  # this rank's own tables (passes/zero_local.py)
 
     def _outputs(self) -> List[relax.Expr]:
         """(loss, params, states, buffers), parameters and states in their new layout (the
         local parameters' whole, after the buckets')."""
         plan, step = self.plan, self.step
         new_params = dict(self.new_param_shards if plan.level == 3 else self.new_full)
-        new_params.update({k: step.new_param_field(k) for k in step.local})
+        new_params.update({k: self.local.new_param(k) for k in step.local})
         return ([self.loss] + [new_params[k] for k in range(len(step.params))]
                 + [self.new_states[(b.index, j)] for b in plan.grad_buckets
                    for j in range(step.per_param)]
-                + [step.new_state_field(k, j) for k in step.local
+                + [self.local.new_state(k, j) for k in step.local
                    for j in range(step.per_param)]
                 + list(step.buffer_outputs))
 
@@ -330,8 +257,8 @@ class _Emitter:
         new_states = [mapping.get(step.new_state_field(k0, j), old)
                       for j, old in enumerate(old_states)]
         if self.guard:
-            new_param = self._keep_if_finite(f"kept_param{b}", new_param, param_flat)
-            new_states = [self._keep_if_finite(f"kept_state{b}_{j}", new, old)
+            new_param = self.keep_if_finite(f"kept_param{b}", new_param, param_flat)
+            new_states = [self.keep_if_finite(f"kept_state{b}_{j}", new, old)
                           for j, (new, old) in enumerate(zip(new_states, old_states))]
         self.new_states.update({(b, j): state for j, state in enumerate(new_states)})
         self._put_back(bucket, new_param)
@@ -357,13 +284,13 @@ class _Emitter:
         for j in range(step.per_param):
             mapping[step.state(k0, j)] = self.plan.flat_states[(b, j)]
         for binding in self.plan.update.chains[k0]:
-            value = self.seg.builder.normalize(_substitute(binding.value, mapping))
+            value = self.seg.builder.normalize(substitute(binding.value, mapping))
             var = relax.DataflowVar(f"{binding.var.name}_b{b}", value.ty)
             self.seg.add(relax.VarBinding(var, value))
             mapping[binding.var] = var
         return mapping
 
-    def _keep_if_finite(self, name: str, new: relax.Var, old: relax.Var) -> relax.Var:
+    def keep_if_finite(self, name: str, new: relax.Var, old: relax.Var) -> relax.Var:
         return self.bind(name, relax.op.where(self.all_finite, new, old))
 
     def _put_back(self, bucket: Bucket, new_param: relax.Var) -> None:
@@ -405,13 +332,13 @@ class _Emitter:
         coefficient (None without clipping; the loss becomes [loss, norm])."""
         op, dtype = relax.op, "float32"
         parts = []
-        if self.guard:
-            flag = self._local_finite([out for _, out in pending])
+        if self.guard:  # the reduced shards and this rank's own tables' gradients
+            flag = self._local_finite([out for _, out in pending] + self.local.gradients())
             parts.append(self.bind("not_finite", op.where(flag, relax.const(0.0, dtype),
                                                           relax.const(1.0, dtype))))
         if self.clip is not None:
             replicated, pieces = self._local_squares(pending)
-            for i, term in enumerate(self._local_table_squares()):
+            for i, term in enumerate(self.local.squares()):
                 replicated = self.bind(f"with_local_squares{i}", relax.op.add(replicated, term))
             parts.extend([replicated, pieces])
         name = "not_finite" if len(parts) == 1 else "agree"  # (the guard alone: its own names)
@@ -437,11 +364,11 @@ class _Emitter:
         replicated, pieces = values
         norm = clipping.norm_of(self.seg.builder, replicated,
                                 pieces if self.clip.any_split else None, self.clip,
-                                emit=self._binder("grad_norm"))
+                                emit=self.binder("grad_norm"))
         coef = clipping.clip_coefficient(self.seg.builder, norm, self.clip.max_norm,
-                                         emit=self._binder("clip_coef"))
+                                         emit=self.binder("clip_coef"))
         self.loss = clipping.with_norm(self.seg.builder, self.loss, norm,
-                                       emit=self._binder("loss_and_norm"))
+                                       emit=self.binder("loss_and_norm"))
         return coef
 
     def _local_finite(self, shards: Sequence[relax.Var]) -> relax.Var:
@@ -475,11 +402,11 @@ class _Emitter:
                 if kind is not None:
                     (pieces if kind else replicated).append(shard)
         zero = relax.const(0.0, "float32")
-        return [clipping.squares_by_kind(self.seg.builder, group, emit=self._binder(name))[0]
+        return [clipping.squares_by_kind(self.seg.builder, group, emit=self.binder(name))[0]
                 if group else zero
                 for name, group in (("squares", replicated), ("squares_tp", pieces))]
 
-    def _binder(self, prefix: str):
+    def binder(self, prefix: str):
         """An ``emit`` for passes/clipping.py: binds each value under a fresh name."""
         count = [0]
 
@@ -502,7 +429,7 @@ class _Emitter:
         used = [v for v in relax.analysis.free_vars(value) if v in region.param_index]
         if not used:
             return value
-        return _substitute(value, {v: self._gathered(region, region.param_index[v])
+        return substitute(value, {v: self._gathered(region, region.param_index[v])
                                    for v in used})
 
     def _start_gather(self, region: GatherRegion, b: int) -> None:
@@ -539,10 +466,6 @@ class _Emitter:
             self._prefetch(region, bucket.index + 1)  # the next bucket, one ahead
             self.gathered[key] = dict(zip(bucket.keys, outs))
         return self.gathered[key][k]
-
-
-def _substitute(expr: relax.Expr, mapping: Dict[relax.Var, relax.Expr]) -> relax.Expr:
-    return SubstituteVars(mapping).visit_expr(expr)
 
 
 @tvm.transform.module_pass(opt_level=0, name="ShardZeRO")

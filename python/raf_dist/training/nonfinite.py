@@ -16,7 +16,8 @@ Contract with the distribution passes: the flag must be the same on every rank. 
 data parallelism (AllReduceGradients) the optimizer reads the all-reduced gradients, which
 every rank holds identically, so the flag agrees; the (local) loss is left out there. ZeRO
 updates each bucket's shard as soon as it is reduced, before the other gradients exist, so
-the Trainer does not build the guard under ZeRO (it checks the returned loss instead).
+the step is built without this guard under ZeRO and ShardZeRO emits its own (passes/zero.py:
+every shard reduced first, one agreed verdict, the sharded tables' gradients included).
 Under tensor parallelism the ranks of a tp group hold different pieces of the split
 parameters' gradients, so their verdicts are summed across the group (``across_tp``).
 """
