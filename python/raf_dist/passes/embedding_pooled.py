@@ -9,11 +9,13 @@ nothing looser: a row of M must be one-hot or zero, which the ``equal`` against 
 guarantees, and the bag numbers are read off it) where the rows feed nothing but the
 pooling. ``pooled_lookup`` then sends, per id,
 the id and its bag's number (``bag_of[l]``, -1 for a padding id: one int32
-(ids, 2) exchange) and the weights (one float exchange, if any), and the holder rebuilds each
-sender's membership from the keys, pools its rows and sends back one (bags, dim) block per
+(ids, 2) exchange) and the weights (one float exchange, if any), and the holder adds each
+row into its sender's bag (one scatter-add, ``grad.take_backward``; its gradient is the
+gather, training/gradients.py) and sends back one (bags, dim) block per
 rank; row-wise, each holder's block is a partial sum of its rows and the asking rank adds the
 N blocks (torchrec's reduce-scatter of pooled partial sums). The backward is the exchanges'
-reverse (their registered gradient) and the matmul's and take's own gradients on the holder.
+reverse (their registered gradient) and the scatter-add's and take's own gradients on the
+holder.
 
 Bytes per lookup of L ids in B bags of dim D, per other holder / rank: 8 L (+ 4 L weighted)
 out, 4 B D back and 4 B D of gradient, against 4 L out and 8 L D unpooled.
@@ -164,12 +166,17 @@ def pooled_lookup(bb: relax.BlockBuilder, plan, name: str, rank: int, table: rel
         w = bb.emit(op.tile(weights, [len(holders)])) if len(holders) > 1 else weights
         got_w = bb.emit(ep_exchange(w, send, recv))
         rows = bb.emit(op.multiply(rows, op.expand_dims(got_w, 1)))
-    if rank in holders:  # each sender's bags pooled: (world, bags, ids) x (world, ids, dim)
-        member_t = bb.emit(op.astype(op.equal(
-            op.reshape(op.arange(0, bags, 1, index), [1, bags, 1]),
-            op.expand_dims(op.reshape(got_keys, [world, count]), 1)), dtype))
-        pooled = bb.emit(op.matmul(member_t, op.reshape(rows, [world, count, dim])))
-        outgoing = bb.emit(op.reshape(pooled, [world * bags, dim]))
+    if rank in holders:  # each sender's bags pooled by one scatter-add of the rows
+        # (sender s's id in bag b adds into row s * bags + b; a padding id into a spare last
+        # row, dropped): O(ids x dim), where a (bags, ids) membership matmul per sender was
+        # O(bags x ids x dim) and grew with the square of the batch
+        sender = bb.emit(op.repeat(op.arange(0, world, 1, index), count, axis=0))
+        slot = bb.emit(op.add(op.multiply(sender, relax.const(bags, index)), got_keys))
+        slot = bb.emit(op.where(op.less(got_keys, relax.const(0, index)),
+                                relax.const(world * bags, index), slot))
+        sums = bb.emit(relax.op.grad.take_backward(
+            rows, op.zeros((world * bags + 1, dim), dtype), slot, axis=0))
+        outgoing = bb.emit(op.strided_slice(sums, [0], [0], [world * bags]))
     else:  # nothing to pool: the (0, dim) rows keep this rank's half of the exchange alive
         outgoing = rows
     back_send = [bags] * world if rank in holders else [0] * world

@@ -239,6 +239,17 @@ def _take_grad(orig_var, orig_call, output_grad, ctx):
             grad_ops.no_grad(orig_call.args[1])]
 
 
+@_register("relax.grad.take_backward")
+def _scatter_add_grad(orig_var, orig_call, output_grad, ctx):
+    """take_backward used forward, as a scatter-add (passes/embedding_pooled.py sums each
+    bag's rows with it): row i of the result is the sum of the source rows whose index is i,
+    so a source row's gradient is the result gradient's row at its index (a take). The
+    second argument only gives the result's shape."""
+    source, like, indices = orig_call.args
+    return [op.take(output_grad, indices, axis=orig_call.attrs.axis),
+            grad_ops.no_grad(like), grad_ops.no_grad(indices)]
+
+
 @_register("relax.clip")
 def _clip_grad(orig_var, orig_call, output_grad, ctx):
     x, low, high = orig_call.args
