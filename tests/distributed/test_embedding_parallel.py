@@ -34,17 +34,25 @@ from mpi_launch import assert_ranks_ok, check_mpi
     ("table", "adamw", 2, ("--zero", 3, "--budget", 0.0128, "--clip", 0.1, "--nan-step", 1)),
     # fp16 under ZeRO-2: the pooled bags' exchange in float32 on both sides (AutoCast), the
     # loss scale's overflows (here N ranks' local gradients overflow at 2^16 where one
-    # process's do not) and the NaN step skipped through the same guard
-    ("table", "adamw", 2, ("--zero", 2, "--precision", "fp16", "--nan-step", 1, "--steps", 4)),
+    # process's do not) and the NaN step skipped through the same guard (make test runs it
+    # at dp 2 x tp 2, below)
+    pytest.param("table", "adamw", 2, ("--zero", 2, "--precision", "fp16", "--nan-step", 1,
+                                       "--steps", 4), marks=pytest.mark.slow),
     # row-wise sparse SGD beside ZeRO-2, clipped, the NaN step skipped by the row updates'
     # keep flag; gradient accumulation beside ZeRO-1
     pytest.param("row", "sgd", 3, ("--zero", 2, "--clip", 0.1, "--nan-step", 1),
                  marks=pytest.mark.slow),
     pytest.param("table", "adamw", 2, ("--zero", 1, "--microbatches", 2),
                  marks=pytest.mark.slow),
+    # dp 2 x tp 2: the MLPs split over each dp group's tp ranks, the tables sharded over the
+    # dp ranks and whole on every tp rank; ZeRO-2 over dp, fp16 (its overflow skip and the
+    # NaN step through ShardZeRO's guard), clipped (the tables' squares over dp, not tp)
+    ("table", "adamw", 4, ("--tp", 2, "--zero", 2, "--precision", "fp16", "--clip", 0.1,
+                           "--nan-step", 1, "--steps", 4)),
 ], ids=["row-sgd-2-sparse-clip", "table-adamw-4-plan-clip", "row-sgd_momentum-4",
         "table-sgd-3-sparse", "table-adamw-2-zero3-skip", "table-adamw-2-zero2-fp16",
-        "row-sgd-3-sparse-zero2-skip", "table-adamw-2-zero1-microbatches"])
+        "row-sgd-3-sparse-zero2-skip", "table-adamw-2-zero1-microbatches",
+        "table-adamw-dp2xtp2-zero2-fp16"])
 def test_sharded_tables_equal_one_process(mode, optimizer, ranks, extra):
     extra, steps = list(extra), 3
     if "--steps" in extra:  # (ep_train.py takes them as its third argument)
@@ -54,7 +62,8 @@ def test_sharded_tables_equal_one_process(mode, optimizer, ranks, extra):
     out = check_mpi("ep_train.py", ranks, mode, optimizer, steps, *extra, timeout=420)
     assert ("--nan-step" in extra) == ("skipped on every rank" in out), out[-3000:]
     assert_ranks_ok(out, ranks, "EP OK")
-    assert f"{mode}-wise over {ranks}" in out and "one process vs PyTorch" in out, out
+    dp = ranks // dict(zip(extra[::2], extra[1::2])).get("--tp", 1)
+    assert f"{mode}-wise over {dp}" in out and "one process vs PyTorch" in out, out
     assert ("--clip" in extra) == ("clipped at" in out), out
     assert ("--zero" in extra) == (out.count("dense, optimizer state") == ranks), out
     if "--budget" in extra:  # one policy for the dp group, chosen by the largest rank's peaks
@@ -75,6 +84,20 @@ def test_checkpoint_reshards_table_to_row_to_one_process(tmp_path):
     assert_ranks_ok(check_mpi("ep_train.py", 3, "row", "rowwise_adagrad", 2, "--load", ckpt,
                               "--save", ckpt, timeout=300), 3, "EP OK")
     assert_ranks_ok(check_mpi("ep_train.py", 1, "none", "rowwise_adagrad", 1, "--load", ckpt,
+                              timeout=300), 1, "EP OK")
+
+
+@pytest.mark.slow
+def test_checkpoint_reshards_across_tp_beside_the_tables(tmp_path):
+    """Saved table-wise at dp 2 x tp 2 (ZeRO-1), resumed row-wise at dp 2 x tp 2 under ZeRO-3
+    (each rank's tp piece, then its ZeRO shard of it; the tables' rows), then by one
+    process."""
+    ckpt = tmp_path / "ckpt"
+    assert_ranks_ok(check_mpi("ep_train.py", 4, "table", "adamw", 2, "--tp", 2, "--zero", 1,
+                              "--save", ckpt, timeout=400), 4, "EP OK")
+    assert_ranks_ok(check_mpi("ep_train.py", 4, "row", "adamw", 1, "--tp", 2, "--zero", 3,
+                              "--load", ckpt, "--save", ckpt, timeout=400), 4, "EP OK")
+    assert_ranks_ok(check_mpi("ep_train.py", 1, "none", "adamw", 1, "--load", ckpt,
                               timeout=300), 1, "EP OK")
 
 

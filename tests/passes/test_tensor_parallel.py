@@ -16,7 +16,7 @@ from raf_dist.passes.tp_ops import TP_COPY, TP_REDUCE, LowerTensorParallel, tp_c
 from raf_dist.passes.tp_padding import Padding
 from raf_dist.training.tensor_parallel import make_plan, shard_model
 
-from models import MLP, TransformerBlock
+from models import MLP, TransformerBlock, make_sharded_rec
 
 F32 = "float32"
 ROWS = 4
@@ -220,6 +220,26 @@ def test_explicit_colwise_on_indivisible_dimension_raises():
     with pytest.raises(ValueError, match=r"layers\.0\.weight.*30"):
         plan_tensor_parallel(before, 4, MLP_NAMES, MLP_NAMES,
                              plan={"layers.0": "colwise", "layers.1": "rowwise"})
+
+
+def test_tables_sharded_over_dp_stay_whole_on_every_tp_rank():
+    """embedding_parallel beside tensor parallelism: the auto plan would split the embedding
+    tables along their rows (vocabulary parallel); ``keep_whole`` leaves them to the dp
+    sharding and still splits the MLPs; a user plan that splits one is refused by name."""
+    from raf_dist.training import embedding_parallel as ep_lib
+
+    module, x, _ = make_sharded_rec(8)
+    model = raf_dist.frontend.from_pytorch(module, x)
+    tables = ep_lib.table_names(model)
+    assert set(tables) == {"tables.0.weight", "tables.1.weight", "tables.2.weight",
+                           "category.weight"}
+    assert set(tables) & set(make_plan(model, 2).placements)  # what keep_whole prevents
+    plan = make_plan(model, 2, keep_whole=tables)
+    assert not set(tables) & set(plan.placements), plan.placements
+    assert {"bottom.0.weight", "top.0.weight", "top.2.weight"} <= set(plan.placements)
+    with pytest.raises(ValueError, match="'category.weight' is planned 'rowwise', but it is an "
+                                         "embedding table"):
+        make_plan(model, 2, {"category.weight": "rowwise"}, keep_whole=tables)
 
 
 def test_an_inner_layer_is_not_padded_only_an_output_head():

@@ -132,6 +132,12 @@ def test_dlrm_preset_exchanges_rows_by_alltoall():
     assert {"reduce_scatter", "allgather", "alltoall"} <= kinds, kinds
     scattered = sum(e.bytes for e in w.programs[0] if e.kind == "reduce_scatter")
     assert scattered == 4 * (728_065 + 49_536), scattered  # whole tensors, dense layers only
+    # dp 2 x tp 2: the MLPs split over tp (their partial sums allreduced over tp), the tables
+    # whole on every tp rank and exchanged over dp only
+    w, _ = build_workload(_args("dlrm", tp=2), 4)
+    axes = {(e.kind, e.axis) for e in w.programs[0]}
+    assert ("alltoall", "dp") in axes and ("alltoall", "tp") not in axes, axes
+    assert any(axis == "tp" for _, axis in axes), axes
 
 
 def test_simulated_collectives_follow_the_alpha_beta_model():
@@ -180,9 +186,10 @@ def test_mesh_spec_refuses_what_the_trainer_refuses():
     with pytest.raises(ValueError, match="zero=2 with pipeline"):
         MeshSpec(dp=2, pp=2, zero=2)
     MeshSpec(dp=2, pp=2, zero=1)  # the pipeline's update shards the optimizer state
-    with pytest.raises(ValueError, match="data parallelism and ZeRO only"):
-        MeshSpec(dp=2, tp=2, embedding_parallel="table")
+    with pytest.raises(ValueError, match="not pipelining"):
+        MeshSpec(dp=2, pp=2, embedding_parallel="table")
     MeshSpec(dp=2, zero=3, embedding_parallel="table")  # the dense layers under ZeRO
+    MeshSpec(dp=2, tp=2, embedding_parallel="table")  # the MLPs split, the tables whole
 
 
 def test_simulate_cli_prints_the_side_by_side_and_the_prediction(capsys):

@@ -140,16 +140,12 @@ class DistConfig:
                 "pipeline_schedule='zero_bubble' is not built yet (it needs the backward split "
                 "into input and weight gradients); use 'interleaved_1f1b', '1f1b' or 'gpipe'")
 
-        if self.embedding_parallel != "none":
-            for field, value, allowed in (
-                    ("tensor_parallel_size", self.tensor_parallel_size, 1),
-                    ("pipeline_parallel_size", self.pipeline_parallel_size, 1)):
-                if value != allowed:
-                    raise NotImplementedError(
-                        f"embedding_parallel={self.embedding_parallel!r} with {field}={value} "
-                        f"is not built yet (the sharded tables' gradients and state sit "
-                        f"outside the tp / pp pieces); use {field}={allowed} with sharded "
-                        "tables, or embedding_parallel='none'")
+        if self.embedding_parallel != "none" and self.pipeline_parallel_size != 1:
+            raise NotImplementedError(
+                f"embedding_parallel={self.embedding_parallel!r} with pipeline_parallel_size="
+                f"{self.pipeline_parallel_size} is not built yet (the sharded tables' "
+                "gradients and state sit outside the pipeline stages); use "
+                "pipeline_parallel_size=1 with sharded tables, or embedding_parallel='none'")
 
     @property
     def recompute(self) -> str | None:

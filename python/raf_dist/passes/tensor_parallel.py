@@ -153,20 +153,32 @@ class TensorParallelPlan:
         return "\n".join(lines)
 
 
-def plan_tensor_parallel(func, tp, param_names, trained, plan=None, split_output=False):
+def plan_tensor_parallel(func, tp, param_names, trained, plan=None, split_output=False,
+                         keep_whole=()):
     """Find the placements (see the module docstring). ``param_names``: names of ``func``'s
     parameter arguments (the last ``len(param_names)`` arguments before any buffers, in
     order: ``vars_by_name`` below); ``trained``: names of those that get gradients;
-    ``split_output``: the loss takes logits split along their classes (cross-entropy).
+    ``split_output``: the loss takes logits split along their classes (cross-entropy);
+    ``keep_whole``: names every tp rank holds whole (embedding tables sharded over the dp
+    ranks instead: embedding_parallel), which a ``plan`` must not split.
     A vocabulary T does not divide is padded (tp_padding.py) when the search then splits it;
     a padded parameter the search keeps whole is planned again unpadded, with its group."""
+    keep_whole = frozenset(keep_whole)
+    for name in sorted(keep_whole):
+        value = _plan_value(plan, name) if plan is not None else None
+        if value in ("colwise", "rowwise"):
+            raise ValueError(f"tensor parallel plan: {name!r} is planned {value!r}, but it is "
+                             "an embedding table embedding_parallel shards over the "
+                             "data-parallel ranks; plan it \"replicate\" or leave it out of "
+                             "the plan")
     by_name = vars_by_name(func, param_names)
-    groups, unpaddable = _vocabulary_padding(func, tp, by_name, trained, split_output)
+    groups, unpaddable = _vocabulary_padding(func, tp, by_name, trained, split_output,
+                                             keep_whole)
     while True:
         padding = {n: p for group in groups for n, p in group.items()}
         padded = pad_forward(func, {by_name[n]: p for n, p in padding.items()},
                              split_output) if padding else func
-        out = _search(padded, tp, param_names, trained, plan, split_output)
+        out = _search(padded, tp, param_names, trained, plan, split_output, keep_whole)
         whole = {n for n, p in padding.items()
                  if n not in out.placements or out.placements[n].dim != p.dim}
         if not whole:
@@ -187,7 +199,7 @@ def _first_output(func):
     return out.fields[0] if isinstance(out, relax.Tuple) else out
 
 
-def _vocabulary_padding(func, tp, by_name, trained, split_output):
+def _vocabulary_padding(func, tp, by_name, trained, split_output, keep_whole=frozenset()):
     """([{param name: Padding}], {param name: why not}): one group per vocabulary T does not
     divide that padding can split (tp_padding.py): an embedding table the search would split
     (with the head tied to it and its bias), a head whose classes leave the forward split
@@ -200,7 +212,7 @@ def _vocabulary_padding(func, tp, by_name, trained, split_output):
     groups, seen, unpaddable = [], set(), {}
     for param, dim, root in candidates:
         size = static_shape(param)[dim]
-        if param in seen or size % tp == 0:
+        if param in seen or size % tp == 0 or names[param] in keep_whole:
             seen.add(param)
             continue
         seen.add(param)
@@ -230,17 +242,20 @@ def _vocabulary_padding(func, tp, by_name, trained, split_output):
     return groups, unpaddable
 
 
-def _search(func, tp, param_names, trained, plan, split_output):
+def _search(func, tp, param_names, trained, plan, split_output, keep_whole=frozenset()):
     """plan_tensor_parallel on ``func`` as it is (its shapes padded already)."""
     by_name = vars_by_name(func, param_names)
     names = {v: n for n, v in by_name.items()}
     needs_grad = _needs_grad(func, [by_name[n] for n in trained if n in by_name])
     candidates, notes = _column_candidates(func, set(by_name.values()))
+    candidates = [c for c in candidates if names[c[0]] not in keep_whole]
     accepted, reasons = {}, {}
     if plan is not None:
         groups, forced = _explicit_groups(plan, candidates, names, param_names)
     else:
         groups, forced = _candidate_groups(candidates), {}
+    forced.update({by_name[n]: "held whole by every tp rank (sharded over the data-parallel "
+                               "ranks: embedding_parallel)" for n in keep_whole if n in by_name})
     for group in groups:
         attempts = [group] + ([[c] for c in group] if len(group) > 1 and plan is None else [])
         for attempt in attempts:

@@ -36,6 +36,10 @@ class LocalChains:
         self.plan, self.step = emitter.plan, emitter.step
         # guarded dense updates: (parameter, None or state slot) -> the kept value
         self.kept: Dict[Tuple[int, Optional[int]], relax.Var] = {}
+        # what each chain reads, found once (the verdict, the squares and the clipped chain
+        # all ask)
+        self._sparse: Dict[int, Optional[Tuple[relax.Var, relax.Var]]] = {}
+        self._dense: Dict[int, Tuple[List[relax.Binding], List[relax.Var]]] = {}
 
     def gradients(self) -> List[relax.Var]:
         """What the local updates read of backward: a sparse update's rows' gradients, a
@@ -106,6 +110,11 @@ class LocalChains:
     def _sparse_rows(self, k: int) -> Optional[Tuple[relax.Var, relax.Var]]:
         """(ids, rows' gradients) that local parameter k's in-place row update reads (a
         ``EMBEDDING_ROW_UPDATES`` call of its chain), or None for a dense update."""
+        if k not in self._sparse:
+            self._sparse[k] = self._find_sparse_rows(k)
+        return self._sparse[k]
+
+    def _find_sparse_rows(self, k: int) -> Optional[Tuple[relax.Var, relax.Var]]:
         for binding in self.plan.update.chains[k]:
             value = binding.value
             if not any(is_packed_marker(value, f) for f in EMBEDDING_ROW_UPDATES):
@@ -122,6 +131,11 @@ class LocalChains:
         of backward they and the chain read: its gradient). A local parameter has no marker
         (zero_plan): its optimizer's first products of the gradient (Adam's (1 - beta) g)
         own no parameter tensor, so they sit in the tail."""
+        if k not in self._dense:
+            self._dense[k] = self._find_dense_reads(k)
+        return self._dense[k]
+
+    def _find_dense_reads(self, k: int) -> Tuple[List[relax.Binding], List[relax.Var]]:
         update = self.plan.update
         tail_at = {b.var: i for i, b in enumerate(update.tail)}
         outside = set(self.step.func.params) | {b.var for b in update.shared}

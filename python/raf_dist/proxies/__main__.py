@@ -25,8 +25,8 @@ def _parser():
     p.add_argument("--layers", type=int, help="transformer layers (gpt2 48, gpt3 96)")
     p.add_argument("--stages", type=int, help="pipeline stages (gpt2 4, gpt3 = layers)")
     p.add_argument("--microbatches", type=int, help="gpt2 8, gpt3 2 x stages")
-    p.add_argument("--tp", type=int, help="tensor-parallel ranks (gpt3 4; cosmoflow: "
-                                          "the spatial split, 4)")
+    p.add_argument("--tp", type=int, help="tensor-parallel ranks (gpt3 4; gpt2 and dlrm "
+                                          "1; cosmoflow: the spatial split, 4)")
     p.add_argument("--dp", type=int, help="data-parallel replicas (default: what the world "
                                           "leaves)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
@@ -76,6 +76,8 @@ def build_workload(args, world: int) -> tuple[Workload, list]:
         stages = args.stages or args.layers or 96
     elif args.workload == "gpt2":
         tp, stages = args.tp or 1, args.stages or 4
+    elif args.workload == "dlrm":  # (--tp: the MLPs split, the tables sharded over dp)
+        tp, stages = args.tp or 1, 1
     else:
         tp, stages = 1, 1
     if world % (tp * stages):

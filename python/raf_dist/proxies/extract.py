@@ -81,9 +81,9 @@ class MeshSpec:
         if self.recompute not in ("none", "full", "selective"):
             raise ValueError(f"recompute must be 'none', 'full' or 'selective', got "
                              f"{self.recompute!r}")
-        if self.embedding_parallel != "none" and (self.tp > 1 or self.pp > 1):
-            raise ValueError("sharded embedding tables compose with data parallelism and "
-                             "ZeRO only (as the Trainer)")
+        if self.embedding_parallel != "none" and self.pp > 1:
+            raise ValueError("sharded embedding tables compose with data and tensor "
+                             "parallelism and ZeRO, not pipelining (as the Trainer)")
 
     @property
     def world(self) -> int:
@@ -178,9 +178,11 @@ def _pieces(model, mesh: MeshSpec, loss: str, tensor_parallel_plan=None, embeddi
     """tp rank 0's / dp rank 0's piece of ``model`` (shapes only)."""
     lean = model.without_values()
     if mesh.tp > 1:
+        from ..training import embedding_parallel as ep_lib
         from ..training import tensor_parallel as tp_lib
 
-        plan = tp_lib.make_plan(lean, mesh.tp, tensor_parallel_plan, loss)
+        tables = ep_lib.table_names(lean) if mesh.embedding_parallel != "none" else ()
+        plan = tp_lib.make_plan(lean, mesh.tp, tensor_parallel_plan, loss, keep_whole=tables)
         lean = tp_lib.shard_model(lean, plan, 0, lean.init_params, values=False)
     if mesh.embedding_parallel != "none":
         from ..training import embedding_parallel as ep_lib

@@ -94,7 +94,7 @@ def _dlrm(a):
     ranks = a.dp
     model = models.dlrm(2048 // ranks if not a.micro_batch_set else a.micro_batch, 128,
                         [128, 128, 128], [80000] * 4, 128, [512, 512, 512, 256, 1])
-    mesh = MeshSpec(dp=ranks, embedding_parallel=a.embedding_parallel or "table",
+    mesh = MeshSpec(dp=ranks, tp=a.tp or 1, embedding_parallel=a.embedding_parallel or "table",
                     bucket_mb=a.bucket_mb or 25.0, zero=a.zero)
     return model, mesh, "mse"
 

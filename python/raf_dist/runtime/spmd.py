@@ -139,8 +139,11 @@ class SPMDExecutor(LoopScalars):
         """This rank's tp piece of ``model`` (training/tensor_parallel.py), or ``model``."""
         self.tp_plan = None
         if self.tp > 1:
+            # the tables sharded over the dp ranks stay whole on every tp rank of a dp group
+            tables = (ep_lib.table_names(model) if self.run_plan.embeddings_sharded else ())
             self.tp_plan, model = held.split_model(model, self.tp, tensor_parallel_plan,
-                                                   self.loss, self.comm, self.mesh.tp_rank)
+                                                   self.loss, self.comm, self.mesh.tp_rank,
+                                                   keep_whole=tables)
         elif tensor_parallel_plan is not None:
             raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1; set "
                              "dist.get_config().tensor_parallel_size first")
@@ -816,9 +819,9 @@ class SPMDExecutor(LoopScalars):
         parallelism parameters are sharded, so this gathers them: every rank must call it."""
         local = {n: ckpt.host_array(v) for n, v in self._in_model_order(
             self._local_params()).items()}  # frozen ones too, in named_parameters() order
-        if self.ep_plan is not None:
-            return {n: held.full_table(self.ep_plan, n, v, self.dp_group)
-                    for n, v in local.items()}
+        if self.ep_plan is not None:  # the tables from the dp ranks (whole on every tp rank)
+            local = {n: held.full_table(self.ep_plan, n, v, self.dp_group)
+                     for n, v in local.items()}
         if self.tp == 1:
             return local
         return {n: held.full_parameter(self.tp_plan, n, v, self.mesh.tp_group, self.tp)
@@ -936,9 +939,12 @@ class SPMDExecutor(LoopScalars):
         """This rank's pieces of full parameters (signature order), optimizer states and
         frozen parameters: its tp piece, then its dp shard where ZeRO shards them."""
         def piece(name, array):
-            if self.ep_plan is not None:  # this rank's rows of a sharded table
-                return self.ep_plan.local_shard(name, np.asarray(array), self.dp_rank)
-            return self.tp_plan.local_shard(name, np.asarray(array), self.mesh.tp_rank)
+            array = np.asarray(array)
+            if self.tp_plan is not None:  # this tp rank's piece (a table stays whole)
+                array = self.tp_plan.local_shard(name, array, self.mesh.tp_rank)
+            if self.ep_plan is not None:  # this dp rank's rows of a sharded table
+                array = self.ep_plan.local_shard(name, array, self.dp_rank)
+            return array
 
         names = self.signature.param_names
         index = {n: i for i, n in enumerate(names)}

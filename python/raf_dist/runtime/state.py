@@ -14,11 +14,11 @@ from ..training import tensor_parallel as tp_lib
 
 
 def split_model(model: Any, tp: int, user_plan: Any, loss: str, comm: Any,
-                tp_rank: int) -> Tuple[Any, Any]:
+                tp_rank: int, keep_whole: Sequence[str] = ()) -> Tuple[Any, Any]:
     """(plan, ``model`` split across the tp ranks): the plan (found, or ``user_plan``
-    checked), the full initial parameters of world rank 0 on every rank, this rank's pieces
-    of them. Collective over the world."""
-    plan = tp_lib.make_plan(model, tp, user_plan, loss)
+    checked; ``keep_whole`` never split), the full initial parameters of world rank 0 on
+    every rank, this rank's pieces of them. Collective over the world."""
+    plan = tp_lib.make_plan(model, tp, user_plan, loss, keep_whole)
     full = {}
     for name in model.param_names:
         value = np.ascontiguousarray(model.init_params[name]).copy()

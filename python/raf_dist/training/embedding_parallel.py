@@ -6,7 +6,7 @@ layers stay data parallel. Table-wise, each rank's forward differs (it looks up 
 tables), so each rank compiles its own step (after local rank 0's, which the SPMD build
 order waits for; they cannot share a cache entry)."""
 import logging
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 import tvm
@@ -25,6 +25,11 @@ def make_plan(model: Any, mode: str, world: int,
     tables = find_tables(model.forward, list(model.param_names), trained_names(model))
     itemsize = max((np.dtype(model.init_params[n].dtype).itemsize for n in tables), default=4)
     return plan_embeddings(tables, mode, world, user_plan, itemsize)
+
+
+def table_names(model: Any) -> Tuple[str, ...]:
+    """The names of ``model``'s embedding tables (what ``make_plan`` would shard)."""
+    return tuple(find_tables(model.forward, list(model.param_names), trained_names(model)))
 
 
 def shard_model(model: Any, plan: EmbeddingPlan, rank: int, full_params: Dict[str, Any],

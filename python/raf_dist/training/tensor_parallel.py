@@ -19,12 +19,16 @@ def trained_names(model):
     return [n for n in model.param_names if n not in frozen]
 
 
-def make_plan(model, tp: int, plan=None, loss="cross_entropy") -> TensorParallelPlan:
+def make_plan(model, tp: int, plan=None, loss="cross_entropy",
+              keep_whole=()) -> TensorParallelPlan:
     """The plan for ``model`` at ``tp`` ranks: found on the captured graph, or ``plan``
     ({pattern: "colwise" | "rowwise" | "replicate"}) checked against it. With
-    cross-entropy the output head may stay split along the classes (vocabulary parallel)."""
+    cross-entropy the output head may stay split along the classes (vocabulary parallel).
+    ``keep_whole``: parameters no tp rank splits (the embedding tables embedding_parallel
+    shards over the dp ranks)."""
     return plan_tensor_parallel(model.forward, tp, list(model.param_names), trained_names(model),
-                                plan=plan, split_output=loss == "cross_entropy")
+                                plan=plan, split_output=loss == "cross_entropy",
+                                keep_whole=keep_whole)
 
 
 def shard_model(model, plan: TensorParallelPlan, tp_rank: int, full_params: dict,

@@ -3,7 +3,7 @@ batch, and one process vs PyTorch.
 
 Usage: ep_train.py MODE OPTIMIZER STEPS [--save DIR] [--load DIR] [--plan TABLE=RANK]
        [--clip MAX_NORM] [--zero LEVEL] [--budget MB] [--nan-step K]
-       [--microbatches M] [--precision fp16|bf16]
+       [--microbatches M] [--precision fp16|bf16] [--tp T]
 MODE: "table" or "row" (or "none": a world of one resuming a checkpoint).
 The model is tests/models.py ShardedRec (three EmbeddingBag tables of 40, 60 and 12 rows:
 a sum bag with per-sample weights, a mean bag with a padding id, a sum bag; an nn.Embedding
@@ -25,6 +25,9 @@ over the same ranks (the tables held whole by their holders, outside the buckets
 whole batch in one step).
 --precision: every rank and the reference train in it (the reference's loss scale too);
 the tolerance is PRECISION_FACTOR x the one-process run's distance from float32.
+--tp T: tensor_parallel_size T (the world is N / T dp ranks x T): the dense layers split
+across each dp group's tp ranks, the tables sharded over the dp ranks and held whole by every
+tp rank of a group; the counts above are per dp rank.
 --nan-step K: Trainer(nonfinite="skip"), and step K (0-based, not the last) gets a NaN in the
 last rank's dense features: every rank returns NaN for it and no rank updates anything (the
 tables' rows included), so the run ends where the references' STEPS - 1 good steps end.
@@ -106,7 +109,7 @@ def references(opt_name, steps, clip=None, precision="fp32"):
         saved = config.as_dict()
         config.update({"enable_data_parallel": False, "embedding_parallel": "none",
                        "zero_opt_level": 0, "activation_memory_budget_mb": None,
-                       "num_microbatches": 1})
+                       "num_microbatches": 1, "tensor_parallel_size": 1})
         reference = train_alone(opt_name, steps, clip)
         losses = reference[0]
         torch_losses, torch_params, spread = torch_reference(opt_name, steps, clip)
@@ -133,7 +136,8 @@ def references(opt_name, steps, clip=None, precision="fp32"):
             print(f"one process in {precision}: {values:.2g} from float32 (states {states:.2g})")
         reference = reference + (tols,)
         config.update({k: saved[k] for k in ("enable_data_parallel", "embedding_parallel",
-                                             "zero_opt_level", "num_microbatches")})
+                                             "zero_opt_level", "num_microbatches",
+                                             "tensor_parallel_size")})
     comm.idle_barrier()
     return comm.mpi_comm.bcast(reference, root=0)
 
@@ -143,11 +147,12 @@ def main():
     flags = dict(zip(sys.argv[4::2], sys.argv[5::2]))
     torch.set_num_threads(1)  # the ranks share the machine's cores
     comm = dist.get_communicator()
-    n = comm.size
+    tp = int(flags.get("--tp", 1))
+    n = comm.size // tp  # the dp ranks: the tables are sharded over them
     zero = int(flags.get("--zero", 0))
-    if n > 1:
+    if comm.size > 1:
         dist.get_config().update({"enable_data_parallel": True, "embedding_parallel": mode,
-                                  "zero_opt_level": zero})
+                                  "zero_opt_level": zero, "tensor_parallel_size": tp})
         dist.get_config().num_microbatches = int(flags.get("--microbatches", 1))
         if "--budget" in flags:  # the ranks' steps differ (their tables): one agreed policy
             dist.get_config().activation_memory_budget_mb = float(flags["--budget"])
@@ -156,7 +161,8 @@ def main():
         for p in module.parameters():
             p.data.normal_()
     local = GLOBAL_BATCH // n
-    rows = slice(comm.rank * local, (comm.rank + 1) * local)
+    dp_rank = dist.get_mesh().dp_rank  # the tp ranks of a dp group read the same rows
+    rows = slice(dp_rank * local, (dp_rank + 1) * local)
     xs, ys = [a[rows] for a in x], y[rows].numpy()
     plan = None
     if "--plan" in flags:
@@ -177,7 +183,7 @@ def main():
         loaded = trainer.step_count
     arrays = [a.numpy() for a in xs]
     bad = [a.copy() for a in arrays]
-    if comm.rank == n - 1:
+    if dp_rank == n - 1:  # (every tp rank of that dp group)
         bad[0][0, 0] = np.nan  # the dense features: every gradient behind them turns NaN
     losses, norms = [], []
     for i in range(steps):
@@ -231,6 +237,15 @@ def main():
 
     ep = trainer.executor.ep_plan
     stats = trainer.stats()
+    tp_plan = trainer.executor.tp_plan
+    if tp > 1:  # the dense layers split, the tables whole on every tp rank
+        assert tp_plan is not None and not set(tp_plan.placements) & set(ep.shapes), tp_plan
+        print(f"rank {comm.rank}: tp {tp}: split {sorted(tp_plan.placements)}")
+
+    def piece(k, v):  # the elements of parameter k this rank's tp piece holds
+        return (int(np.prod(tp_plan.local_shape(k, v.shape))) if tp_plan is not None
+                and k in tp_plan.placements else v.size)
+
     if n > 1:
         assert ep is not None and ep.mode == mode, ep
         # plain SGD and row-wise Adagrad update the looked-up rows in place (no dense table
@@ -243,17 +258,17 @@ def main():
         tables = {name: params[name].nbytes for name in ep.shapes}
         assert trainer.executor.zero_level == zero and stats["param_bytes"] > 0
         if opt_name == "rowwise_adagrad":  # one accumulator per row held: of this rank's rows
-            expected = sum(4 * (ep.local_rows(k, comm.rank) if k in ep.shapes else
+            expected = sum(4 * (ep.local_rows(k, dp_rank) if k in ep.shapes else
                                 v.shape[0] if v.ndim >= 2 else v.size)
                            for k, v in params.items())
             assert stats["optimizer_state_bytes"] == expected, (stats, expected)
-        dense = sum(v.nbytes if zero < 3 else 4 * -(-v.size // n)  # ZeRO-3: its shards
+        dense = sum(4 * piece(k, v) if zero < 3 else 4 * -(-piece(k, v) // n)  # ZeRO-3: shards
                     for k, v in params.items() if k not in tables)
         held = stats["param_bytes"] - dense
-        assert held == ep.held_bytes(comm.rank), (held, ep.held_bytes(comm.rank))
+        assert held == ep.held_bytes(dp_rank), (held, ep.held_bytes(dp_rank))
         # gradients held: the dense ones (reduced shards from ZeRO-2 on), and the tables'
         # whole unless updated on their looked-up rows (no whole gradient formed)
-        dense_grads = sum(v.nbytes if zero < 2 else 4 * -(-v.size // n)
+        dense_grads = sum(4 * piece(k, v) if zero < 2 else 4 * -(-piece(k, v) // n)
                           for k, v in params.items() if k not in tables)
         expected = dense_grads + (0 if sparse is not None else held)
         assert stats["grad_bytes"] == expected, (stats["grad_bytes"], expected, opt_name)
@@ -269,14 +284,15 @@ def main():
         lookups = {"tables.0.weight": [(local * 4, local, True)],
                    "tables.1.weight": [(local * 4, local, False)],
                    "tables.2.weight": [(local * 4, local, False)], "category.weight": [local]}
-        expected = exchange_bytes(ep, comm.rank, lookups)
+        expected = exchange_bytes(ep, dp_rank, lookups)
         got = stats["comm_bytes_last_step"].get("alltoall", 0)
         assert got == expected, (got, expected)
         # the dense gradients: allreduced, or reduce-scattered under ZeRO
         assert stats["comm_bytes_last_step"]["reduce_scatter" if zero else "allreduce"] > 0
         if zero:  # the tables' states whole beside the dense layers' flat padded shards
             per_param = len(next(iter(ref_states.values()), {}))
-            shards = sum(4 * -(-v.size // n) for k, v in params.items() if k not in tables)
+            shards = sum(4 * -(-piece(k, v) // n) for k, v in params.items()
+                         if k not in tables)
             expected = per_param * (held + shards)
             assert stats["optimizer_state_bytes"] == expected, (stats, expected)
             print(f"rank {comm.rank}: ZeRO-{zero} dense, optimizer state {expected} bytes")
