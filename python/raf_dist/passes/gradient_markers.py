@@ -21,7 +21,8 @@ from ..ir.utils import mutate_functions, tensor_numel
 
 __all__ = ["LAYOUT_NUM_PARAMS", "LAYOUT_PARAM_OFFSET", "LAYOUT_STATES_PER_PARAM",
            "MARK_GRADIENT", "UPDATED_ARGUMENTS", "Marker", "StripGradientMarkers",
-           "SubstituteVars", "find_markers", "is_marker", "mark_gradient", "tensor_numel"]
+           "SubstituteVars", "find_markers", "is_marker", "mark_gradient", "substitute",
+           "tensor_numel"]
 
 is_marker = is_gradient_marker
 
@@ -77,3 +78,8 @@ class SubstituteVars(PyExprMutator):
 
     def visit_dataflow_var_(self, var):
         return self.mapping.get(var, var)
+
+
+def substitute(expr, mapping):
+    """``expr`` with the variables of ``mapping`` replaced (SubstituteVars)."""
+    return SubstituteVars(mapping).visit_expr(expr)

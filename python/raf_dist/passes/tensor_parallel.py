@@ -29,7 +29,7 @@ import logging
 import numpy as np
 from tvm import relax
 
-from .gradient_markers import SubstituteVars
+from .gradient_markers import substitute
 from .tp_layout import (PARTIAL, Request, Resegment, Unsplittable, field_shapes,
                         local_shape, propagate, static_shape)
 from .tp_ops import tp_copy, tp_rank, tp_reduce
@@ -562,12 +562,8 @@ def shard_forward(func, tp, param_names, trained, plan):
                 copies = _Copies(bb, result.copies, var_map, bound)
                 for b in block.bindings:
                     emit(b, copies)
-        bb.emit_func_output(_substitute(func.body.body, var_map))
+        bb.emit_func_output(substitute(func.body.body, var_map))
     return bb.get()[name]
-
-
-def _substitute(expr, var_map):
-    return SubstituteVars(var_map).visit_expr(expr)
 
 
 class _Copies:
@@ -591,7 +587,7 @@ class _Copies:
             value = self.bound[var]
             inner = value.args[0]
             self.needed.setdefault(inner, root)
-            rest = [_substitute(a, self.var_map) for a in value.args[1:]]
+            rest = [substitute(a, self.var_map) for a in value.args[1:]]
             new = self.bb.emit(relax.Call(value.op, [self[inner], *rest], value.attrs,
                                           value.ty_args), name_hint=f"{var.name}_tp")
         self.done[var] = new
@@ -610,11 +606,11 @@ def _rewrite(bb, binding, tp, layouts, copies, var_map, vocab, output=False):
                     and layouts.get(a, PARTIAL) == PARTIAL):
                 args.append(copies[a])
             else:
-                args.append(_substitute(a, var_map))
+                args.append(substitute(a, var_map))
         new = (_vocab_lookup(bb, value, args) if var in vocab else
                _local_call(value, args, var, hi, tp))
     else:
-        new = _substitute(value, var_map)
+        new = substitute(value, var_map)
     if hi == PARTIAL:  # this rank's partial sum, then g
         new = tp_reduce(bb.emit(new, name_hint=var.name + "_partial"))
     emitted = bb.emit_output(new, name_hint=var.name) if output else bb.emit(

@@ -64,8 +64,8 @@ from tvm import relax
 from . import clipping
 
 from .bucketing import Segments, assemble, collective
-from .gradient_markers import UPDATED_ARGUMENTS
-from .zero_local import LocalChains, substitute
+from .gradient_markers import UPDATED_ARGUMENTS, substitute
+from .zero_local import LocalChains
 from .zero_plan import Bucket, GatherRegion, ZeroPlan, low_cast, plan_zero
 
 Handle = Optional[relax.Var]  # a started collective's handle; None: it ran blocking

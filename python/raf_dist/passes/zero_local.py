@@ -20,11 +20,7 @@ from tvm import relax
 from ..ir.ops import EMBEDDING_ROW_KEEP, EMBEDDING_ROW_UPDATES, EMBEDDING_ROWS_SQUARES
 from ..ir.utils import is_packed_marker
 from . import clipping
-from .gradient_markers import SubstituteVars
-
-
-def substitute(expr: relax.Expr, mapping: Dict[relax.Var, relax.Expr]) -> relax.Expr:
-    return SubstituteVars(mapping).visit_expr(expr)
+from .gradient_markers import substitute
 
 
 class LocalChains:

@@ -176,17 +176,16 @@ def _renumber(events: list[Event], start: int) -> tuple[list[Event], int]:
 
 def _pieces(model, mesh: MeshSpec, loss: str, tensor_parallel_plan=None, embedding_plan=None):
     """tp rank 0's / dp rank 0's piece of ``model`` (shapes only)."""
+    from ..training import embedding_parallel as ep_lib
+
     lean = model.without_values()
     if mesh.tp > 1:
-        from ..training import embedding_parallel as ep_lib
         from ..training import tensor_parallel as tp_lib
 
         tables = ep_lib.table_names(lean) if mesh.embedding_parallel != "none" else ()
         plan = tp_lib.make_plan(lean, mesh.tp, tensor_parallel_plan, loss, keep_whole=tables)
         lean = tp_lib.shard_model(lean, plan, 0, lean.init_params, values=False)
     if mesh.embedding_parallel != "none":
-        from ..training import embedding_parallel as ep_lib
-
         plan = ep_lib.make_plan(lean, mesh.embedding_parallel, mesh.dp, embedding_plan)
         names = tuple(plan.names)
         lean = ep_lib.shard_model(lean, plan, 0, lean.init_params, values=False)

@@ -22,14 +22,18 @@ def make_plan(model: Any, mode: str, world: int,
               user_plan: Optional[Mapping[str, int]] = None) -> EmbeddingPlan:
     """The plan for ``model``'s tables over ``world`` dp ranks (raises ValueError naming a
     bad plan or a model without tables)."""
-    tables = find_tables(model.forward, list(model.param_names), trained_names(model))
+    tables = _tables(model)
     itemsize = max((np.dtype(model.init_params[n].dtype).itemsize for n in tables), default=4)
     return plan_embeddings(tables, mode, world, user_plan, itemsize)
 
 
 def table_names(model: Any) -> Tuple[str, ...]:
     """The names of ``model``'s embedding tables (what ``make_plan`` would shard)."""
-    return tuple(find_tables(model.forward, list(model.param_names), trained_names(model)))
+    return tuple(_tables(model))
+
+
+def _tables(model: Any) -> Dict[str, Tuple[int, int]]:
+    return find_tables(model.forward, list(model.param_names), trained_names(model))
 
 
 def shard_model(model: Any, plan: EmbeddingPlan, rank: int, full_params: Dict[str, Any],
