@@ -137,10 +137,12 @@ class Trainer:
         own step the first time it comes)."""
         return self.executor.step(x, y)
 
-    def predict(self, x: np.ndarray) -> np.ndarray:
+    def predict(self, x: Batch) -> np.ndarray:
         """The model's output on any number of rows (evaluation: running statistics, no
-        dropout), as one numpy array. Where parameters are sharded this gathers them: every
-        rank must call it."""
+        dropout), as one numpy array; ``x`` one array, or a tuple of one per input (as
+        ``step`` takes them). Where parameters are sharded this gathers them, and with sharded
+        embedding tables each rank computes a share of the rows: every rank must call it,
+        with the same rows."""
         return self.executor.predict(x)
 
     def metrics(self) -> Dict[str, Any]:

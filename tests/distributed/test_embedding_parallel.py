@@ -17,7 +17,9 @@ from mpi_launch import assert_ranks_ok, check_mpi
     # below (table-wise N=2, row-wise N=3) and ep_errors.py (a user plan at N=2) it is make
     # test's share; N=4 and the rest: make test-slow (~2 min). N=2 (25 rows of the category
     # table: blocks of 13 and 12, the last padded); row-wise at N=3 is the chain's
-    ("row", "sgd", 2, ("--clip", 0.1)),
+    # predict() after training (every rank passes the same 5 rows and computes 3 of them, the
+    # last share padded; the tables' lookups exchanged as in a step)
+    ("row", "sgd", 2, ("--clip", 0.1, "--predict", 5)),
     # four tables on four ranks, one placed by the user's plan (module name); the dense
     # tables' gradients clipped
     pytest.param("table", "adamw", 4, ("--plan", "tables.2=3", "--clip", 0.1),
@@ -30,8 +32,9 @@ from mpi_launch import assert_ranks_ok, check_mpi
     # tables, the bags it pools) 13825, so the agreed policy recomputes on both; clipped (the
     # tables' squares join ZeRO's agreement); nonfinite="skip" with a NaN in step 1 on the
     # last rank (the tables' verdict joins the agreement, their update kept only when every
-    # rank's is finite)
-    ("table", "adamw", 2, ("--zero", 3, "--budget", 0.0128, "--clip", 0.1, "--nan-step", 1)),
+    # rank's is finite); predict on 13 rows (a piece of 6, one of 1 on each rank)
+    ("table", "adamw", 2, ("--zero", 3, "--budget", 0.0128, "--clip", 0.1, "--nan-step", 1,
+                           "--predict", 13)),
     # fp16 under ZeRO-2: the pooled bags' exchange in float32 on both sides (AutoCast), the
     # loss scale's overflows (here N ranks' local gradients overflow at 2^16 where one
     # process's do not) and the NaN step skipped through the same guard (make test runs it
@@ -47,8 +50,9 @@ from mpi_launch import assert_ranks_ok, check_mpi
     # dp 2 x tp 2: the MLPs split over each dp group's tp ranks, the tables sharded over the
     # dp ranks and whole on every tp rank; ZeRO-2 over dp, fp16 (its overflow skip and the
     # NaN step through ShardZeRO's guard), clipped (the tables' squares over dp, not tp)
+    # predict's classes gathered over tp, its lookups exchanged over dp
     ("table", "adamw", 4, ("--tp", 2, "--zero", 2, "--precision", "fp16", "--clip", 0.1,
-                           "--nan-step", 1, "--steps", 4)),
+                           "--nan-step", 1, "--steps", 4, "--predict", 13)),
 ], ids=["row-sgd-2-sparse-clip", "table-adamw-4-plan-clip", "row-sgd_momentum-4",
         "table-sgd-3-sparse", "table-adamw-2-zero3-skip", "table-adamw-2-zero2-fp16",
         "row-sgd-3-sparse-zero2-skip", "table-adamw-2-zero1-microbatches",
@@ -65,6 +69,7 @@ def test_sharded_tables_equal_one_process(mode, optimizer, ranks, extra):
     dp = ranks // dict(zip(extra[::2], extra[1::2])).get("--tp", 1)
     assert f"{mode}-wise over {dp}" in out and "one process vs PyTorch" in out, out
     assert ("--clip" in extra) == ("clipped at" in out), out
+    assert ("--predict" in extra) == ("predict on" in out), out
     assert ("--zero" in extra) == (out.count("dense, optimizer state") == ranks), out
     if "--budget" in extra:  # one policy for the dp group, chosen by the largest rank's peaks
         chosen = set(re.findall(r"budget: rank \d+ recompute (.*) planned", out))
@@ -118,6 +123,7 @@ def test_bad_plans_and_ids_are_refused_on_every_rank():
     out = check_mpi("ep_errors.py", 2, timeout=180)
     assert_ranks_ok(out, 2, "EP ERRORS OK")
     for message in ("which is no embedding table", "outside the data-parallel group",
-                    "needs dist.get_config().embedding_parallel", "different rows per rank"):
+                    "needs dist.get_config().embedding_parallel", "different rows per rank",
+                    "got other rows on other ranks", "asked for row -1"):
         assert out.count(message) == 2, (message, out)
     assert out.count("was asked for row 60") == 1 and out.count("the batch of rank(s) [1]") == 1

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import raf_dist
-from models import make, raf_optimizer, rel_err, torch_optimizer
+from models import make, make_sharded_rec, raf_optimizer, rel_err, torch_optimizer
 
 # float32 sums in another order per step: ~1e-7 each; a few steps stay far below 1e-5
 TOL = 1e-5
@@ -76,6 +76,33 @@ def test_predict_on_any_number_of_rows():
         np.testing.assert_allclose(trainer.predict(data[:rows].numpy()), expected, rtol=1e-5,
                                    atol=1e-6)
     assert trainer.executor._forwards.sizes() == [1, 3, 5, 8]  # one forward per piece size
+
+
+def test_predict_takes_every_input_of_a_multi_input_model():
+    """A recommender's four inputs (dense features, bags of ids, a category, per-sample
+    weights) cut together into pieces; the last piece padded with copies of the first row
+    when the model cannot be captured again (its padded outputs cut off)."""
+    module, x, y = make_sharded_rec(4)
+    model = raf_dist.frontend.from_pytorch(module, x)
+    trainer = raf_dist.Trainer(model, optimizer=raf_optimizer("sgd"), local=True)
+    trainer.step([a.numpy() for a in x], y.numpy())
+    module.load_state_dict({k: torch.from_numpy(v) for k, v in trainer.state_dict().items()})
+    data = make_sharded_rec(11, seed=5)[1]
+    expected = module(*data).detach().numpy()
+    np.testing.assert_allclose(trainer.predict(tuple(a.numpy() for a in data)), expected,
+                               rtol=1e-5, atol=1e-6)
+    assert trainer.executor._forwards.sizes() == [3, 4]
+    fixed = raf_dist.Trainer(dataclasses.replace(raf_dist.frontend.from_pytorch(module, x),
+                                                 respecialize=None),
+                             optimizer=raf_optimizer("sgd"), local=True)  # the trained values
+    np.testing.assert_allclose(fixed.predict(tuple(a.numpy() for a in data)), expected,
+                               rtol=1e-5, atol=1e-6)
+    assert fixed.executor._forwards.sizes() == [4]
+    with pytest.raises(ValueError, match=r"input 1: rows must have shape \(3, 4\)"):
+        trainer.predict([data[0].numpy(), data[1][:, :2].numpy(), data[2].numpy(),
+                         data[3].numpy()])
+    with pytest.raises(ValueError, match="got 1 input"):
+        trainer.predict(data[0].numpy())
 
 
 def test_dropout_masks_follow_the_batch_size():

@@ -664,10 +664,12 @@ class PipelineExecutor(LoopScalars):
         return out
 
     def predict(self, x):
-        """The model's output on the rows ``x`` (any number): the whole forward on every rank
-        with the full parameters (gathered over pp and tp: every rank calls it), in pieces of
-        the captured batch size (runtime/predict.py). Evaluation, not the pipelined step."""
-        x = predict_lib.check_rows(x, self.full_model.input_specs)
+        """The model's output on the rows ``x`` (any number; one array or one per input): the
+        whole forward on every rank with the full parameters (gathered over pp and tp: every
+        rank calls it), in pieces of the captured batch size (runtime/predict.py).
+        Evaluation, not the pipelined step."""
+        specs, batch = self.full_model.input_specs, int(self.full_model.batch_size)
+        inputs, _ = predict_lib.check_rows(x, specs, batch)
         full = self.state_dict()
         params = [tvm.runtime.tensor(np.ascontiguousarray(full[n]), self._device)
                   for n in self.full_model.param_names]
@@ -676,11 +678,12 @@ class PipelineExecutor(LoopScalars):
         buffers = [tvm.runtime.tensor(np.array(buffers[n], order="C"), self._device)
                    for n in getattr(self.full_model, "buffer_names", ())]
 
-        def run_piece(piece, rows):
+        def run_piece(pieces, rows):
             forward, _ = self._forwards.at(rows)
-            return forward(tvm.runtime.tensor(piece, self._device), *params, *buffers).numpy()
+            return forward(*[tvm.runtime.tensor(p, self._device) for p in pieces], *params,
+                           *buffers).numpy()
 
-        return predict_lib.in_pieces(x, int(self.full_model.input_specs[0][0][0]),
+        return predict_lib.in_pieces(inputs, specs, batch,
                                      self.full_model.respecialize is not None, run_piece)
 
     def stats(self):

@@ -14,43 +14,83 @@ import tvm
 from tvm import relax
 
 from ..compiler import compile_step
+from ..training import batch_size as batching
 from ..passes.auto_cast import auto_cast
 from ..passes.pipeline import strip_stage_markers
 
 Spec = Tuple[Sequence[int], str]
 
 
-def check_rows(x: Any, input_specs: Sequence[Spec]) -> np.ndarray:
-    """``x`` as an array of the model's (single) input, any number of rows (at least one)."""
-    if len(input_specs) != 1:
-        raise ValueError("predict() supports single-input models")
-    shape, dtype = input_specs[0]
-    x = np.asarray(x, dtype=dtype)
-    if x.ndim != len(shape) or tuple(x.shape[1:]) != tuple(shape[1:]):
-        raise ValueError(f"predict(): rows must have shape {tuple(shape[1:])}, got "
-                         f"{tuple(x.shape[1:])}")
-    if not len(x):
+def check_rows(x: Any, input_specs: Sequence[Spec],
+               captured_rows: Optional[int]) -> Tuple[List[np.ndarray], int]:
+    """(the inputs as arrays of their captured dtypes, their rows): ``x`` is one array, or one
+    per input of a multi-input model (a tuple or list, as ``step`` takes them). An input whose
+    captured leading dimension is the batch (``captured_rows``) may have any number of rows
+    (at least one), the same for every such input; any other input has its captured shape."""
+    if captured_rows is None:
+        raise ValueError("predict() cuts the rows of the model's first input, which was "
+                         "captured as a scalar: capture the model with a batched first input")
+    given = list(x) if isinstance(x, (tuple, list)) else [x]
+    if len(input_specs) == 1 and not (len(given) == 1 and isinstance(given[0], np.ndarray)):
+        given = [x]  # one input: rows as nested lists are one array
+    if len(given) != len(input_specs):
+        raise ValueError(f"predict() got {len(given)} input(s); the model was captured with "
+                         f"{len(input_specs)}: pass one array per input, as a tuple, as "
+                         "step() takes them")
+    arrays = [np.asarray(a, dtype=dtype) for a, (_, dtype) in zip(given, input_specs)]
+    rows = batching.leading_rows(arrays, input_specs, captured_rows)
+    for i, (array, spec) in enumerate(zip(arrays, input_specs)):
+        shape, _ = batching.batched_spec(spec, rows, captured_rows)
+        if array.shape != shape:
+            what = "" if len(arrays) == 1 else f"input {i}: "
+            expected, got = ((f"rows must have shape {shape[1:]}", array.shape[1:])
+                             if is_batched(spec, captured_rows) and array.ndim == len(shape)
+                             else (f"expected shape {shape}", array.shape))
+            raise ValueError(f"predict(): {what}{expected} (as captured), got {got}")
+    if not rows:
         raise ValueError("predict() needs at least one row, got an empty array")
-    return x
+    return arrays, rows
 
 
-def in_pieces(x: np.ndarray, batch: int, respecialize: bool,
-              run_piece: Callable[[np.ndarray, int], np.ndarray]) -> np.ndarray:
-    """The outputs of ``run_piece(rows_array, rows)`` over ``x`` cut into pieces of ``batch``
-    rows, concatenated; ``respecialize``: whether the last, shorter piece runs at its own
-    size (else it is padded with zero rows, whose outputs are cut off). An output with k rows
-    per input row (nanoGPT's logits flattened to (rows * seq, vocab)) keeps k per row."""
+def is_batched(spec: Spec, captured_rows: int) -> bool:
+    """Whether an input of captured ``spec`` leads with the batch (is cut into pieces)."""
+    return bool(len(spec[0])) and int(spec[0][0]) == int(captured_rows)
+
+
+def rows_of(inputs: Sequence[np.ndarray], specs: Sequence[Spec], captured_rows: int,
+            start: int, count: int, rows: int) -> List[np.ndarray]:
+    """Rows [start, start + count) of every batched input, padded to ``rows`` rows with
+    copies of the inputs' first row (a row the caller passed, so valid wherever the model
+    reads it: an id of its table, a non-zero norm; the padded outputs are cut off); the other
+    inputs whole."""
+    out = []
+    for array, spec in zip(inputs, specs):
+        if not is_batched(spec, captured_rows):
+            out.append(array)
+            continue
+        piece = array[start:start + count]
+        if len(piece) < rows:
+            piece = np.concatenate([piece, np.repeat(array[:1], rows - len(piece), axis=0)])
+        out.append(np.ascontiguousarray(piece))
+    return out
+
+
+def in_pieces(inputs: Sequence[np.ndarray], specs: Sequence[Spec], captured_rows: int,
+              respecialize: bool,
+              run_piece: Callable[[List[np.ndarray], int], np.ndarray]) -> np.ndarray:
+    """The outputs of ``run_piece(piece_inputs, rows)`` over the inputs' rows cut into pieces
+    of ``captured_rows`` rows, concatenated; ``respecialize``: whether the last, shorter piece
+    runs at its own size (else it is padded, and the padding's outputs cut off). An output
+    with k rows per input row (nanoGPT's logits flattened to (rows * seq, vocab)) keeps k
+    per row."""
+    total = batching.leading_rows(inputs, specs, captured_rows)
     outputs: List[np.ndarray] = []
-    for start in range(0, len(x), batch):
-        piece = x[start:start + batch]
-        rows = len(piece) if respecialize else batch
-        if rows != len(piece):
-            padded = np.zeros((rows,) + piece.shape[1:], dtype=piece.dtype)
-            padded[:len(piece)] = piece
-            piece = padded
-        out = run_piece(np.ascontiguousarray(piece), rows)
+    for start in range(0, total, captured_rows):
+        count = min(captured_rows, total - start)
+        rows = count if respecialize else captured_rows
+        out = run_piece(rows_of(inputs, specs, captured_rows, start, count, rows), rows)
         per_row = out.shape[0] // rows if out.ndim and out.shape[0] % rows == 0 else 1
-        outputs.append(out[:min(batch, len(x) - start) * per_row])
+        outputs.append(out[:count * per_row])
     return np.concatenate(outputs)
 
 

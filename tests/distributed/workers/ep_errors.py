@@ -5,7 +5,9 @@
 - one rank's batch with an id outside its table: ValueError on every rank (naming the table
   and the id there, the rank elsewhere), before any all-to-all (the native counters show
   none); ranks with different rows: ValueError on every rank; the Trainer then trains on a
-  good batch as if nothing happened (nothing lost, nothing hung).
+  good batch as if nothing happened (nothing lost, nothing hung);
+- predict() with a bad id, or other rows on one rank: ValueError on every rank before any
+  exchange; then predict() on good rows runs.
 Prints 'rank R: refused: <message>' per case and 'rank R: EP ERRORS OK'."""
 import sys
 
@@ -61,11 +63,17 @@ def main():
     loss = good.step(xs, ys)
     assert loss == loss and good.step_count == 1, loss
     assert dist.comm_counters()["alltoall"]["calls"] > 0
-    try:  # not built: refused alike on every rank (no exchange started)
-        good.predict(xs[0])
-        raise AssertionError("predict() with sharded tables was not refused")
-    except NotImplementedError as err:
-        assert "predict() with sharded embedding tables" in str(err), err
+    # predict: every rank passes the same rows, each computes a share of them. A bad id
+    # and ranks with other rows are refused on every rank before any exchange
+    calls = dist.comm_counters()["alltoall"]["calls"]
+    every = [a.numpy() for a in x]
+    wrong = [a.copy() for a in every]
+    wrong[1][-1, 1, 0] = -1
+    refused(lambda: good.predict(wrong), "'tables.1.weight' has 60 rows and was asked for row -1")
+    refused(lambda: good.predict([a[:5] for a in every] if comm.rank == 0 else every),
+            f"got other rows on other ranks ([5, {4 * comm.size}")
+    assert dist.comm_counters()["alltoall"]["calls"] == calls
+    assert good.predict(every).shape == (4 * comm.size, 2)
     print(f"rank {comm.rank}: EP ERRORS OK")
 
 

@@ -3,7 +3,7 @@ batch, and one process vs PyTorch.
 
 Usage: ep_train.py MODE OPTIMIZER STEPS [--save DIR] [--load DIR] [--plan TABLE=RANK]
        [--clip MAX_NORM] [--zero LEVEL] [--budget MB] [--nan-step K]
-       [--microbatches M] [--precision fp16|bf16] [--tp T]
+       [--microbatches M] [--precision fp16|bf16] [--tp T] [--predict ROWS]
 MODE: "table" or "row" (or "none": a world of one resuming a checkpoint).
 The model is tests/models.py ShardedRec (three EmbeddingBag tables of 40, 60 and 12 rows:
 a sum bag with per-sample weights, a mean bag with a padding id, a sum bag; an nn.Embedding
@@ -28,6 +28,8 @@ the tolerance is PRECISION_FACTOR x the one-process run's distance from float32.
 --tp T: tensor_parallel_size T (the world is N / T dp ranks x T): the dense layers split
 across each dp group's tp ranks, the tables sharded over the dp ranks and held whole by every
 tp rank of a group; the counts above are per dp rank.
+--predict ROWS: after training, predict() on ROWS other rows (every rank passes them all and
+computes a share, the last share padded) equals one process's predict.
 --nan-step K: Trainer(nonfinite="skip"), and step K (0-based, not the last) gets a NaN in the
 last rank's dense features: every rank returns NaN for it and no rank updates anything (the
 tables' rows included), so the run ends where the references' STEPS - 1 good steps end.
@@ -79,9 +81,15 @@ def torch_reference(opt_name, steps, clip=None):
     return losses, {k: v.astype(np.float32) for k, v in params.items()}, spread
 
 
-def train_alone(opt_name, steps, clip=None, precision="fp32"):
-    """(losses, state_dict, optimizer_state_dict, norms, loss scale): raf_dist alone on the
-    global batch (the caller's config switched to one process)."""
+def predict_rows(count):
+    """``count`` rows of the model's inputs for predict (other ids than the training batch)."""
+    return [a.numpy() for a in make_sharded_rec(count, seed=7)[1]]
+
+
+def train_alone(opt_name, steps, clip=None, precision="fp32", predict=0):
+    """(losses, state_dict, optimizer_state_dict, norms, loss scale, predictions on
+    ``predict`` rows or None): raf_dist alone on the global batch (the caller's config
+    switched to one process)."""
     module, x, y = make_sharded_rec(GLOBAL_BATCH)
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, x),
                                optimizer=raf_optimizer(opt_name), local=True,
@@ -92,13 +100,13 @@ def train_alone(opt_name, steps, clip=None, precision="fp32"):
         losses.append(trainer.step(arrays, y.numpy()))
         norms.append(trainer.last_grad_norm)
     return (losses, trainer.state_dict(), trainer.optimizer_state_dict(), norms,
-            trainer.loss_scale)
+            trainer.loss_scale, trainer.predict(predict_rows(predict)) if predict else None)
 
 
-def references(opt_name, steps, clip=None, precision="fp32"):
+def references(opt_name, steps, clip=None, precision="fp32", predict=0):
     """Rank 0 trains raf_dist alone on the global batch and PyTorch; every rank gets the
     raf_dist run in ``precision`` (losses, state_dict, optimizer_state_dict, norms, loss
-    scale) and the tolerances {"values": loss and parameters, "states": optimizer states}:
+    scale, its predictions on ``predict`` rows) and the tolerances {"values": loss and parameters, "states": optimizer states}:
     TOL in float32; in fp16 / bf16 PRECISION_FACTOR x the one-process run's largest distance
     from float32 (the size of its rounding on this case, measured in the same run).
     Collective."""
@@ -110,7 +118,7 @@ def references(opt_name, steps, clip=None, precision="fp32"):
         config.update({"enable_data_parallel": False, "embedding_parallel": "none",
                        "zero_opt_level": 0, "activation_memory_budget_mb": None,
                        "num_microbatches": 1, "tensor_parallel_size": 1})
-        reference = train_alone(opt_name, steps, clip)
+        reference = train_alone(opt_name, steps, clip, predict=predict)
         losses = reference[0]
         torch_losses, torch_params, spread = torch_reference(opt_name, steps, clip)
         tol = max(4 * spread, 1e-6)
@@ -123,7 +131,7 @@ def references(opt_name, steps, clip=None, precision="fp32"):
         if precision != "fp32":  # the largest distance from float32 in one process, of the
             # loss and parameters, and of the optimizer states (Adam's first updates hardly
             # depend on the gradients' rounding; its states do), as workers/amp_train.py
-            low = train_alone(opt_name, steps, clip, precision)
+            low = train_alone(opt_name, steps, clip, precision, predict)
             values = max([rel_err(low[0], losses)]
                          + [rel_err(v, reference[1][k]) for k, v in low[1].items()])
             states = max([rel_err(v, reference[2][k][state])
@@ -204,8 +212,9 @@ def main():
     norms = [v for i, v in enumerate(norms) if i not in skipped]
     steps -= len(skipped)
 
-    ref_losses, ref_params, ref_states, ref_norms, ref_scale, tols = references(
-        opt_name, loaded + steps, clip, precision)
+    predict = int(flags.get("--predict", 0))
+    ref_losses, ref_params, ref_states, ref_norms, ref_scale, ref_predicted, tols = references(
+        opt_name, loaded + steps, clip, precision, predict)
     if precision == "fp16":  # the reference skipped nothing; each skip halved the scale here
         assert ref_scale == 2.0 ** 16 and trainer.loss_scale == ref_scale / 2 ** len(skipped), (
             trainer.loss_scale, ref_scale, skipped)
@@ -234,6 +243,14 @@ def main():
     if comm.rank == 0:
         print("largest distance from one process: " + ", ".join(
             f"{k} {worst[k]:.2g} (tolerance {tols[k]:.2g})" for k in worst))
+
+    if predict:  # every rank computes a share of the rows, its lookups exchanged
+        predicted = trainer.predict(predict_rows(predict))
+        assert predicted.shape == ref_predicted.shape, (predicted.shape, ref_predicted.shape)
+        err = rel_err(predicted, ref_predicted)
+        assert err <= tols["values"], (err, tols["values"])
+        if comm.rank == 0:
+            print(f"predict on {predict} rows: {err:.2g} from one process")
 
     ep = trainer.executor.ep_plan
     stats = trainer.stats()
