@@ -21,10 +21,11 @@ import contextlib
 import ctypes
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 _LOADED: Dict[str, int] = {}  # name -> anonymous RSS growth in bytes while it first loaded
 _FILES: Dict[str, Set[str]] = {}  # name -> the files that load mapped (shared libraries)
@@ -201,6 +202,69 @@ def return_free_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+#: TVM's compiler (with LLVM): needed to compile a step, never to run one (the step's code and
+#: libtvm_runtime.so run it)
+COMPILER_LIBRARIES = ("libtvm_compiler.so",)
+_MADV_DONTNEED = 4  # <sys/mman.h>
+
+
+def release_compiler_pages() -> int:
+    """Drop this process's resident pages of the compiler's shared libraries
+    (``COMPILER_LIBRARIES``): after a step is compiled the process runs it without them, yet
+    the ~80 MiB of code and read-only data the compile touched stay mapped (RSS) for the
+    process's life. Only read-only mappings with no private (copied-on-write) pages are
+    unmapped (``madvise(MADV_DONTNEED)`` on such a mapping loses nothing: a later compile
+    reads the pages back from the file), then ``posix_fadvise(DONTNEED)`` lets the page
+    cache go once no other process maps them. Returns the resident bytes dropped (0 where
+    /proc or madvise is absent). Linux only; elsewhere nothing."""
+    mappings = _compiler_mappings()
+    if not mappings:
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    except (OSError, AttributeError):
+        return 0
+    dropped, files = 0, set()
+    for start, end, rss, path in mappings:
+        if madvise(start, end - start, _MADV_DONTNEED) == 0:
+            dropped += rss
+            files.add(path)
+    for path in files:
+        with contextlib.suppress(OSError, AttributeError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return dropped
+
+
+def _compiler_mappings() -> List[Tuple[int, int, int, str]]:
+    """(start, end, resident bytes, path) of every read-only mapping of a compiler library
+    that holds no private page (smaps' Anonymous: 0), i.e. every page a copy of the file."""
+    found: List[List[Any]] = []
+    current: Optional[List[Any]] = None
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+            path = line.split(None, 5)[5] if len(fields) >= 6 else ""
+            current = None
+            if "w" not in fields[1] and Path(path).name in COMPILER_LIBRARIES:
+                start, end = (int(v, 16) for v in fields[0].split("-"))
+                current = [start, end, 0, path, 0]
+                found.append(current)
+        elif current is not None and fields and fields[0] in ("Rss:", "Anonymous:"):
+            current[2 if fields[0] == "Rss:" else 4] = int(fields[1]) * 1024
+    return [(start, end, rss, path) for start, end, rss, path, anonymous in found
+            if not anonymous]
 
 
 def loaded_code(path: str) -> None:

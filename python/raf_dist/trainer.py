@@ -127,6 +127,7 @@ class Trainer:
                                  lr_schedule=lr_schedule, log_every=log_every,
                                  max_grad_norm=max_grad_norm, **extra)
         process_memory.return_free_heap()  # what compiling freed (the RSS stays the run's)
+        process_memory.release_compiler_pages()  # the compiler's code, until it compiles again
         if env.profile_dir() is not None:
             self.profile(env.profile_steps(), env.profile_dir())
 

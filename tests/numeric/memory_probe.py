@@ -55,7 +55,10 @@ def main():
         trainer.step(x.numpy(), y.numpy())
     gc.collect()
     stats = trainer.stats()
+    compiler = {m[3] for m in process_memory._compiler_mappings()}
     print(json.dumps({"growth": process_memory.rss_bytes() - before,
+                      "compiler_files": sorted(compiler),
+                      "compiler_resident": process_memory._resident_file_bytes(compiler),
                       **{k: v for k, v in stats.items() if k.endswith("_bytes")
                          and isinstance(v, int)},
                       "libraries": process_memory.library_bytes()}))
