@@ -105,7 +105,7 @@ def test_row_states_hold_one_value_per_row():
     layout = state_layout(NAMES, SPECS, ["sum", "m"], row_states=["sum"])
     assert [layout.state_shape(i, "sum") for i in range(3)] == [(3, 1), (5,), (2, 1)]
     assert [layout.state_shape(i, "m") for i in range(3)] == [(3, 4), (5,), (2, 2)]
-    fresh = layout.zero_states([{"sum": 0.5}, {"sum": 0.5}, {"sum": 0.25}])  # per parameter
+    fresh = list(layout.zero_states([{"sum": 0.5}, {"sum": 0.5}, {"sum": 0.25}]))  # by parameter
     assert [(a.shape, float(a.flat[0])) for a in fresh] == [
         ((3, 1), 0.5), ((3, 4), 0.0), ((5,), 0.5), ((5,), 0.0), ((2, 1), 0.25), ((2, 2), 0.0)]
     assert layout.state_bytes() == 4 * ((3 + 5 + 2) + (12 + 5 + 4))

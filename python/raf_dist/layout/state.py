@@ -28,7 +28,7 @@ The checkpoint format, ``Trainer.stats()`` and ``tools.estimate_memory`` read th
 so the rule is written once.
 """
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -190,17 +190,19 @@ class StateLayout:
         return out
 
     def zero_states(self, values: Optional[Sequence[Dict[str, float]]] = None
-                    ) -> List[np.ndarray]:
-        """The state arguments of a fresh optimizer: zeros, or ``values[i][state]`` for the
-        states named there of parameter ``i`` (Adagrad's initial_accumulator_value, from the
-        parameter's optimizer group; a ZeRO bucket holds one group, so its first parameter's
-        values are the bucket's)."""
+                    ) -> Iterator[np.ndarray]:
+        """The state arguments of a fresh optimizer, one at a time (the caller copies each
+        to its runtime tensor before the next is made: AdamW's two moments of a model would
+        otherwise exist twice at once, the largest transient of a Trainer's construction):
+        zeros, or ``values[i][state]`` for the states named there of parameter ``i``
+        (Adagrad's initial_accumulator_value, from the parameter's optimizer group; a ZeRO
+        bucket holds one group, so its first parameter's values are the bucket's)."""
         def fill(b: StateBuffer) -> float:
             return values[b.params[0]].get(b.state, 0.0) if values else 0.0
 
-        return [np.full(self.state_shape(b.params[0], b.state) if self._whole_buffer(b)
+        return (np.full(self.state_shape(b.params[0], b.state) if self._whole_buffer(b)
                         else b.numel, fill(b), b.dtype)
-                for b in self.state_buffers()]
+                for b in self.state_buffers())
 
     # ---- bytes ----------------------------------------------------------------------------
     def _itemsize(self, index: int) -> int:

@@ -945,8 +945,8 @@ class SPMDExecutor(LoopScalars):
         whatever world size and ZeRO level wrote it: each rank reads the element ranges it
         now holds. Returns the ``extra`` given to save_checkpoint. Every file's size, the
         sha256 of each file a rank reads, and the model's names, shapes and dtypes are checked
-        first, on every rank, and any problem raises the same CheckpointError everywhere before any data moves;
-        nothing on disk is modified. Every rank must call it."""
+        first, on every rank, and any problem raises the same CheckpointError everywhere
+        before any data moves; nothing on disk is modified. Every rank must call it."""
         if self.tp > 1 or self.ep_plan is not None:  # full tensors in (full_train_state),
             # this rank's pieces kept
             params, states, buffers, frozen, meta = ckpt.load(held.full_train_state(self, {}),
