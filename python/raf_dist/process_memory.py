@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import importlib.abc
 import importlib.machinery
+import logging
 import os
 import sys
 import threading
@@ -30,6 +31,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 _LOADED: Dict[str, int] = {}  # name -> anonymous RSS growth in bytes while it first loaded
 _FILES: Dict[str, Set[str]] = {}  # name -> the files that load mapped (shared libraries)
 _CODE: Set[str] = set()  # paths of the compiled step libraries this process loaded
+_LOG = logging.getLogger("raf_dist")
 
 
 def rss_bytes() -> int:
@@ -57,21 +59,29 @@ def _mapped_files() -> Set[str]:
         return set()
 
 
+def _smaps() -> List[Tuple[str, str, str, Dict[str, int]]]:
+    """(address range, permissions, path or "", {field: bytes}) of every mapping of this
+    process (/proc/self/smaps; [] where it is absent)."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return []
+    mappings: List[Tuple[str, str, str, Dict[str, int]]] = []
+    for line in lines:
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+            path = line.split(None, 5)[5] if len(fields) >= 6 else ""
+            mappings.append((fields[0], fields[1], path, {}))
+        elif mappings and len(fields) >= 2 and fields[0].endswith(":") and fields[1].isdigit():
+            mappings[-1][3][fields[0][:-1]] = int(fields[1]) * 1024
+    return mappings
+
+
 def _resident_file_bytes(paths: Set[str]) -> int:
     """Resident bytes of the mappings of ``paths`` now (/proc/self/smaps)."""
     if not paths:
         return 0
-    total, counting = 0, False
-    try:
-        for line in Path("/proc/self/smaps").read_text().splitlines():
-            fields = line.split()
-            if fields and "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
-                counting = len(fields) >= 6 and line.split(None, 5)[5] in paths
-            elif counting and fields and fields[0] == "Rss:":
-                total += int(fields[1]) * 1024
-    except OSError:
-        return 0
-    return total
+    return sum(sizes.get("Rss", 0) for _, _, path, sizes in _smaps() if path in paths)
 
 
 def _start() -> Tuple[int, Set[str]]:
@@ -213,58 +223,33 @@ _MADV_DONTNEED = 4  # <sys/mman.h>
 def release_compiler_pages() -> int:
     """Drop this process's resident pages of the compiler's shared libraries
     (``COMPILER_LIBRARIES``): after a step is compiled the process runs it without them, yet
-    the ~80 MiB of code and read-only data the compile touched stay mapped (RSS) for the
-    process's life. Only read-only mappings with no private (copied-on-write) pages are
-    unmapped (``madvise(MADV_DONTNEED)`` on such a mapping loses nothing: a later compile
-    reads the pages back from the file), then ``posix_fadvise(DONTNEED)`` lets the page
-    cache go once no other process maps them. Returns the resident bytes dropped (0 where
-    /proc or madvise is absent). Linux only; elsewhere nothing."""
-    mappings = _compiler_mappings()
+    the 80-90 MiB of code and read-only data the compile touched stay in its RSS for its
+    whole life. ``madvise(MADV_DONTNEED)`` on a read-only mapping none of whose pages is
+    private (no copied-on-write page, resident or swapped out: a relocated table would
+    come back from the file unrelocated) loses nothing: the mapping stays, and a later
+    compile faults the pages back in from the file (they stay in the page cache, which the
+    kernel reclaims as it needs). Returns the resident bytes dropped (0 where /proc or
+    madvise is absent: Linux only)."""
+    mappings = [(address, path, sizes.get("Rss", 0)) for address, perms, path, sizes in _smaps()
+                if Path(path).name in COMPILER_LIBRARIES and "w" not in perms
+                and not sizes.get("Anonymous", 0) and not sizes.get("Swap", 0)]
     if not mappings:
         return 0
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     except (OSError, AttributeError):
         return 0
-    dropped, files = 0, set()
-    for start, end, rss, path in mappings:
+    dropped = 0
+    for address, path, rss in mappings:
+        start, end = (int(v, 16) for v in address.split("-"))
         if madvise(start, end - start, _MADV_DONTNEED) == 0:
             dropped += rss
-            files.add(path)
-    for path in files:
-        with contextlib.suppress(OSError, AttributeError):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        else:
+            _LOG.debug("madvise(DONTNEED) of %s at %s failed: %s", path, address,
+                       os.strerror(ctypes.get_errno()))
+    _LOG.debug("dropped %.1f MiB of the compiler's resident pages", dropped / 2**20)
     return dropped
-
-
-def _compiler_mappings() -> List[Tuple[int, int, int, str]]:
-    """(start, end, resident bytes, path) of every read-only mapping of a compiler library
-    that holds no private page (smaps' Anonymous: 0), i.e. every page a copy of the file."""
-    found: List[List[Any]] = []
-    current: Optional[List[Any]] = None
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        fields = line.split()
-        if fields and "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
-            path = line.split(None, 5)[5] if len(fields) >= 6 else ""
-            current = None
-            if "w" not in fields[1] and Path(path).name in COMPILER_LIBRARIES:
-                start, end = (int(v, 16) for v in fields[0].split("-"))
-                current = [start, end, 0, path, 0]
-                found.append(current)
-        elif current is not None and fields and fields[0] in ("Rss:", "Anonymous:"):
-            current[2 if fields[0] == "Rss:" else 4] = int(fields[1]) * 1024
-    return [(start, end, rss, path) for start, end, rss, path, anonymous in found
-            if not anonymous]
 
 
 def loaded_code(path: str) -> None:

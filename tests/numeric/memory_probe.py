@@ -55,7 +55,8 @@ def main():
         trainer.step(x.numpy(), y.numpy())
     gc.collect()
     stats = trainer.stats()
-    compiler = {m[3] for m in process_memory._compiler_mappings()}
+    compiler = {path for _, _, path, _ in process_memory._smaps()
+                if Path(path).name in process_memory.COMPILER_LIBRARIES}
     print(json.dumps({"growth": process_memory.rss_bytes() - before,
                       "compiler_files": sorted(compiler),
                       "compiler_resident": process_memory._resident_file_bytes(compiler),

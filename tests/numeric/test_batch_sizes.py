@@ -76,6 +76,11 @@ def test_predict_on_any_number_of_rows():
         np.testing.assert_allclose(trainer.predict(data[:rows].numpy()), expected, rtol=1e-5,
                                    atol=1e-6)
     assert trainer.executor._forwards.sizes() == [1, 3, 5, 8]  # one forward per piece size
+    # a single-input model takes a list of rows, or its one input wrapped in a tuple
+    np.testing.assert_allclose(trainer.predict([data[0].numpy(), data[1].numpy()]),
+                               module(data[:2]).detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(trainer.predict((data[:3].numpy(),)),
+                               module(data[:3]).detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_predict_takes_every_input_of_a_multi_input_model():

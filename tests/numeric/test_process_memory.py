@@ -6,8 +6,9 @@ with ``stats()["total_bytes"]`` (parameters, optimizer state, planned step tempo
 compiled code, and the libraries loading them added: TVM, torch.export, MPI;
 raf_dist/process_memory.py).
 
-Measured on this 2-core machine (growth / total): wide_mlp 1.06-1.10, gpt2 (transformers)
-1.07-1.11, resnet (torchvision) 1.13-1.24, the high ends with the step compiled in the process
+Measured on this 2-core machine (growth / total, 2026-11-26, before the Trainer dropped the
+compiler's resident pages after construction: both sides fell by those pages since): wide_mlp
+1.06-1.10, gpt2 (transformers) 1.07-1.11, resnet (torchvision) 1.13-1.24, the high ends with the step compiled in the process
 (a cold build cache, as this test session's). Libraries count their anonymous memory at load
 plus their shared objects' resident pages read when stats() is called (code pages become
 resident as they first run). What is not accounted for, ~40-90 MiB whatever the model: the

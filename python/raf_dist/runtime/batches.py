@@ -20,13 +20,22 @@ def allgather_rows_and_flags(mpi_comm: Any, rows: int,
     """(every rank's row count, every rank's ``flag``): ``allgather_rows`` carrying one more
     integer per rank (a verdict each rank reached alone, e.g. that its batch has a bad id,
     so every rank raises together instead of one leaving the others in a collective)."""
+    rows_per_rank, flags = zip(*allgather_ints(mpi_comm, [rows, flag],
+                                               "the exchange of every rank's batch rows "
+                                               "before the step"))
+    return list(rows_per_rank), list(flags)
+
+
+def allgather_ints(mpi_comm: Any, values: Sequence[int], what: str) -> List[List[int]]:
+    """Every rank's ``values`` (as many on every rank; int64), by rank: an Iallgather
+    waited on under the collective timeout (``what`` names it in the error)."""
     size = mpi_comm.Get_size()
-    send, received = np.array([rows, flag], np.int64), np.zeros(2 * size, np.int64)
+    send = np.array(values, np.int64)
+    received = np.zeros(size * send.size, np.int64)
     # a rank that never comes must not hang the others
-    wait_request(mpi_comm.Iallgather(send, received),
-                 "the exchange of every rank's batch rows before the step",
+    wait_request(mpi_comm.Iallgather(send, received), what,
                  "a peer rank has probably died, stalled or is running a different program")
-    return [int(r) for r in received[0::2]], [int(f) for f in received[1::2]]
+    return [[int(v) for v in row] for row in received.reshape(size, send.size)]
 
 
 def check_rows_per_rank(rows_per_rank: Sequence[int], rank: int) -> None:

@@ -668,7 +668,7 @@ class PipelineExecutor(LoopScalars):
         whole forward on every rank with the full parameters (gathered over pp and tp: every
         rank calls it), in pieces of the captured batch size (runtime/predict.py).
         Evaluation, not the pipelined step."""
-        specs, batch = self.full_model.input_specs, int(self.full_model.batch_size)
+        specs, batch = self.full_model.input_specs, self.full_model.batch_size
         inputs, _ = predict_lib.check_rows(x, specs, batch)
         full = self.state_dict()
         params = [tvm.runtime.tensor(np.ascontiguousarray(full[n]), self._device)

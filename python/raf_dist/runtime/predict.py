@@ -31,8 +31,9 @@ def check_rows(x: Any, input_specs: Sequence[Spec],
         raise ValueError("predict() cuts the rows of the model's first input, which was "
                          "captured as a scalar: capture the model with a batched first input")
     given = list(x) if isinstance(x, (tuple, list)) else [x]
-    if len(input_specs) == 1 and not (len(given) == 1 and isinstance(given[0], np.ndarray)):
-        given = [x]  # one input: rows as nested lists are one array
+    if len(input_specs) == 1 and not (len(given) == 1
+                                      and np.ndim(given[0]) == len(input_specs[0][0])):
+        given = [x]  # one input: rows as nested lists (or a list of rows) are one array
     if len(given) != len(input_specs):
         raise ValueError(f"predict() got {len(given)} input(s); the model was captured with "
                          f"{len(input_specs)}: pass one array per input, as a tuple, as "
@@ -43,18 +44,13 @@ def check_rows(x: Any, input_specs: Sequence[Spec],
         shape, _ = batching.batched_spec(spec, rows, captured_rows)
         if array.shape != shape:
             what = "" if len(arrays) == 1 else f"input {i}: "
-            expected, got = ((f"rows must have shape {shape[1:]}", array.shape[1:])
-                             if is_batched(spec, captured_rows) and array.ndim == len(shape)
+            rows_only = batching.is_batched(spec, captured_rows) and array.ndim == len(shape)
+            expected, got = ((f"rows must have shape {shape[1:]}", array.shape[1:]) if rows_only
                              else (f"expected shape {shape}", array.shape))
             raise ValueError(f"predict(): {what}{expected} (as captured), got {got}")
     if not rows:
         raise ValueError("predict() needs at least one row, got an empty array")
     return arrays, rows
-
-
-def is_batched(spec: Spec, captured_rows: int) -> bool:
-    """Whether an input of captured ``spec`` leads with the batch (is cut into pieces)."""
-    return bool(len(spec[0])) and int(spec[0][0]) == int(captured_rows)
 
 
 def rows_of(inputs: Sequence[np.ndarray], specs: Sequence[Spec], captured_rows: int,
@@ -65,7 +61,7 @@ def rows_of(inputs: Sequence[np.ndarray], specs: Sequence[Spec], captured_rows: 
     inputs whole."""
     out = []
     for array, spec in zip(inputs, specs):
-        if not is_batched(spec, captured_rows):
+        if not batching.is_batched(spec, captured_rows):
             out.append(array)
             continue
         piece = array[start:start + count]

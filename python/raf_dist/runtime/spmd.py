@@ -10,6 +10,7 @@ tensors between steps, held as the ``StateLayout`` says (``raf_dist.layout``).
 import logging
 import math
 import time
+import zlib
 
 import numpy as np
 import tvm
@@ -674,60 +675,75 @@ class SPMDExecutor(LoopScalars):
         with the tables' holders, so every rank must call it (with the same rows)."""
         specs = self.signature.input_specs
         inputs, rows = predict_lib.check_rows(x, specs, self.batch_size)
-        params = list(self._in_model_order(zip(self.signature.param_names,
-                                                self._params)).values())
-        if self.zero_level == 3:  # sharded between steps: gather this rank's parameters
-            local = self._in_model_order(self._local_params())
-            params = [tvm.runtime.tensor(local[n], self._device) for n in self.model.param_names]
+        sharing = self.ep_plan is not None and self.world > 1
+        if sharing:  # before any other collective: the same rows everywhere, every id good
+            self._agree_on_predict_rows(inputs, rows)
+        with self.comm.collective_work("predict", self.spmd):
+            params = list(self._in_model_order(zip(self.signature.param_names,
+                                                    self._params)).values())
+            if self.zero_level == 3:  # sharded between steps: gather this rank's parameters
+                local = self._in_model_order(self._local_params())
+                params = [tvm.runtime.tensor(local[n], self._device)
+                          for n in self.model.param_names]
 
-        def run_piece(pieces, rows):
-            forward, model = self._forwards.at(rows)
-            evaluation = model.forward_eval is not None  # running statistics (BatchNorm eval)
-            no_dropout = [] if evaluation else [tvm.runtime.tensor(np.ones(s, d), self._device)
-                                                for s, d, _ in model.dropout_specs]
-            out = forward(*[tvm.runtime.tensor(p, self._device) for p in pieces], *no_dropout,
-                          *params, *(self._buffers if evaluation else ()))
-            if not evaluation and self._buffers:  # training forward: (output, *buffers)
-                out = out[0]
-            out = out.numpy()
-            if self.tp_plan is not None and self.tp_plan.output_split:  # classes split over tp
-                out = self._gather_classes(out)
-            return out
+            def run_piece(pieces, rows):
+                forward, model = self._forwards.at(rows)
+                evaluation = model.forward_eval is not None  # running statistics (BN eval)
+                no_dropout = [] if evaluation else [
+                    tvm.runtime.tensor(np.ones(s, d), self._device)
+                    for s, d, _ in model.dropout_specs]
+                out = forward(*[tvm.runtime.tensor(p, self._device) for p in pieces],
+                              *no_dropout, *params, *(self._buffers if evaluation else ()))
+                if not evaluation and self._buffers:  # training forward: (output, *buffers)
+                    out = out[0]
+                out = out.numpy()
+                if self.tp_plan is not None and self.tp_plan.output_split:  # classes over tp
+                    out = self._gather_classes(out)
+                return out
 
-        respecialize = self.model.respecialize is not None
-        if self.ep_plan is None or self.world == 1:
-            return predict_lib.in_pieces(inputs, specs, self.batch_size, respecialize, run_piece)
-        return self._predict_sharing_rows(inputs, rows, respecialize, run_piece)
+            respecialize = self.model.respecialize is not None
+            if not sharing:
+                return predict_lib.in_pieces(inputs, specs, self.batch_size, respecialize,
+                                             run_piece)
+            # sharded tables: each dp rank computes an equal share of the rows (the last
+            # share padded), its lookups exchanged with the holders as in a step; the shares
+            # are allgathered
+            share = -(-rows // self.world)
+            start = self.dp_rank * share
+            mine = predict_lib.rows_of(inputs, specs, self.batch_size, start,
+                                       max(0, min(share, rows - start)), share)
+            out = np.ascontiguousarray(predict_lib.in_pieces(mine, specs, self.batch_size,
+                                                             respecialize, run_piece))
+            shares = collectives.allgather(out.reshape(-1), group=self.dp_group)
+            return shares.reshape((self.world * out.shape[0],) + out.shape[1:])[
+                :rows * (out.shape[0] // share)]
 
-    def _predict_sharing_rows(self, inputs, rows, respecialize, run_piece):
-        """``predict`` with sharded embedding tables: every dp rank computes an equal share
-        of the rows (the last share padded), its lookups exchanged with the tables' holders
-        as in a step, and the shares are allgathered. Before any exchange, every rank checks
-        every id of ``inputs`` and the ranks agree on their rows (one small allgather), so a
-        bad id or a rank with other rows is an error on every rank, not a hang."""
+    def _agree_on_predict_rows(self, inputs, rows):
+        """``predict`` with sharded tables, before any exchange: this rank checks every id of
+        ``inputs`` (at the captured batch size: the step's compiled check) and the dp ranks
+        exchange their row counts, verdicts and a checksum of their rows in one small
+        allgather; a bad id, or ranks with other rows, is a ValueError on every rank."""
         specs = self.signature.input_specs
         bad_ids = None
-        for start in range(0, rows, self.batch_size):  # the captured size's check, compiled
+        for start in range(0, rows, self.batch_size):
             count = min(self.batch_size, rows - start)
             bad_ids = bad_ids or self._check_ids.message(
                 predict_lib.rows_of(inputs, specs, self.batch_size, start, count,
                                     self.batch_size), self.batch_size)
-        rows_per_rank, bad = batches.allgather_rows_and_flags(self.dp_comm, rows,
-                                                              int(bad_ids is not None))
-        if bad_ids is None and not any(bad) and len(set(rows_per_rank)) > 1:
+        checksum = 0
+        for array in inputs:
+            checksum = zlib.crc32(np.ascontiguousarray(array).view(np.uint8), checksum)
+        rows_per_rank, bad, checksums = zip(*batches.allgather_ints(
+            self.dp_comm, [rows, int(bad_ids is not None), checksum],
+            "the exchange of every rank's rows before predict()"))
+        if bad_ids is None and not any(bad) and (len(set(rows_per_rank)) > 1
+                                                 or len(set(checksums)) > 1):
             raise raised_on_every_rank(ValueError(
                 f"predict() with sharded embedding tables got other rows on other ranks "
-                f"({rows_per_rank} rows by rank): every rank must pass the same rows (each "
-                "computes a share of them, looking up the others' tables)"))
+                f"({list(rows_per_rank)} rows by rank, {len(set(checksums))} different "
+                "contents): every rank must pass the same rows (each computes a share of "
+                "them, looking up the others' tables)"))
         self._check_sharded_tables_batch(rows_per_rank, bad, bad_ids)
-        share = -(-rows // self.world)
-        mine = predict_lib.rows_of(inputs, specs, self.batch_size, self.dp_rank * share,
-                                   max(0, min(share, rows - self.dp_rank * share)), share)
-        out = np.ascontiguousarray(predict_lib.in_pieces(mine, specs, self.batch_size,
-                                                         respecialize, run_piece))
-        shares = collectives.allgather(out.reshape(-1), group=self.dp_group)
-        per_row = out.shape[0] // share
-        return shares.reshape((self.world * out.shape[0],) + out.shape[1:])[:rows * per_row]
 
     def _gather_classes(self, piece):
         """The whole output from every tp rank's slice of its last (class) dimension."""

@@ -32,12 +32,18 @@ class StepVariant:
     kind: str = None  # None: a whole step; "partial" / "final": a microbatch's (accumulation)
 
 
+def is_batched(spec, captured_rows) -> bool:
+    """Whether an input (or target) of captured ``spec`` (shape, dtype) leads with the batch
+    of ``captured_rows`` rows (and so takes any number of rows)."""
+    return bool(len(spec[0])) and int(spec[0][0]) == captured_rows
+
+
 def batched_spec(spec, rows: int, captured_rows: int):
     """``spec`` (shape, dtype) with its leading dimension ``rows`` when that dimension is the
     captured batch (a batched input or target), else unchanged."""
     shape, dtype = spec
     shape = tuple(int(d) for d in shape)
-    if len(shape) and shape[0] == captured_rows:
+    if is_batched(spec, captured_rows):
         shape = (int(rows),) + shape[1:]
     return shape, dtype
 
@@ -90,8 +96,8 @@ def leading_rows(arrays, specs, captured_rows: int) -> int:
     leading dimension is the batch. Raises naming the input when the batched inputs disagree
     (the trailing dimensions and dtypes are checked against the specs later)."""
     rows = None
-    for i, (array, (shape, _)) in enumerate(zip(arrays, specs)):
-        if not len(shape) or int(shape[0]) != captured_rows:
+    for i, (array, spec) in enumerate(zip(arrays, specs)):
+        if not is_batched(spec, captured_rows):
             continue
         array_shape = np.shape(array)
         if not len(array_shape):

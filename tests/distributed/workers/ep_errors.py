@@ -6,8 +6,9 @@
   and the id there, the rank elsewhere), before any all-to-all (the native counters show
   none); ranks with different rows: ValueError on every rank; the Trainer then trains on a
   good batch as if nothing happened (nothing lost, nothing hung);
-- predict() with a bad id, or other rows on one rank: ValueError on every rank before any
-  exchange; then predict() on good rows runs.
+- predict() with a bad id, or other rows on one rank (another count, or as many rows with
+  other values): ValueError on every rank before any exchange; then predict() on good rows
+  runs.
 Prints 'rank R: refused: <message>' per case and 'rank R: EP ERRORS OK'."""
 import sys
 
@@ -72,6 +73,9 @@ def main():
     refused(lambda: good.predict(wrong), "'tables.1.weight' has 60 rows and was asked for row -1")
     refused(lambda: good.predict([a[:5] for a in every] if comm.rank == 0 else every),
             f"got other rows on other ranks ([5, {4 * comm.size}")
+    other = [a.copy() for a in every]
+    other[0][0, 0] += 1.0  # as many rows, other values: the ranks' checksums differ
+    refused(lambda: good.predict(other if comm.rank == 0 else every), "2 different contents")
     assert dist.comm_counters()["alltoall"]["calls"] == calls
     assert good.predict(every).shape == (4 * comm.size, 2)
     print(f"rank {comm.rank}: EP ERRORS OK")

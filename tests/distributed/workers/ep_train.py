@@ -106,7 +106,8 @@ def train_alone(opt_name, steps, clip=None, precision="fp32", predict=0):
 def references(opt_name, steps, clip=None, precision="fp32", predict=0):
     """Rank 0 trains raf_dist alone on the global batch and PyTorch; every rank gets the
     raf_dist run in ``precision`` (losses, state_dict, optimizer_state_dict, norms, loss
-    scale, its predictions on ``predict`` rows) and the tolerances {"values": loss and parameters, "states": optimizer states}:
+    scale, its predictions on ``predict`` rows) and the tolerances {"values": loss and
+    parameters, "states": optimizer states}:
     TOL in float32; in fp16 / bf16 PRECISION_FACTOR x the one-process run's largest distance
     from float32 (the size of its rounding on this case, measured in the same run).
     Collective."""
