@@ -51,9 +51,11 @@ def test_stats_total_predicts_rss_growth(name):
     assert 0.9 * total <= growth <= 1.4 * total, (name, growth / total, got)
     # after construction the compiler's code is not resident (process_memory
     # release_compiler_pages: 80-90 MiB of libtvm_compiler.so otherwise), and the steps
-    # after it did not need it back. What stays: its relocated (private) pages, ~3 MiB
+    # after it did not fault most of it back. What stays: its relocated (private) pages,
+    # ~3 MiB, and what runs after construction: 4 MiB resident with a warm build cache,
+    # 14-15 MiB with a cold one (a fresh clone's), measured here
     assert got["compiler_files"], "libtvm_compiler.so is not mapped: the check saw nothing"
-    assert got["compiler_resident"] < 12 * 2**20, got["compiler_resident"]
+    assert got["compiler_resident"] < 32 * 2**20, got["compiler_resident"]
 
 
 def test_capture_keeps_no_reference_to_the_module():
