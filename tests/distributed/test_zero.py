@@ -17,7 +17,9 @@ from mpi_launch import assert_ranks_ok, check_mpi
 # job as ZeRO for mlp at N = 4 and cnn at N = 2 serial: these were test_data_parallel.py's
 # cases, each a launch of its own with the same models, ranks and buckets.
 CASES = [
-    ("mlp", 4, 0.001, 1, "sgd_momentum,adamw", "0,1,2,3"),
+    # make test-slow (45 s): 4 ranks run in make test's tp / pp / clipping jobs, level 0 in
+    # cnn-n2-serial's, both optimizers over the other three cases
+    pytest.param("mlp", 4, 0.001, 1, "sgd_momentum,adamw", "0,1,2,3", marks=pytest.mark.slow),
     # one optimizer each for the CNN (the buckets' serial / overlapped paths and the uneven
     # world do not depend on it; both optimizers at every level: the MLP's case)
     ("cnn", 2, 0.001, 0, "sgd_momentum", "0,1,2,3"),
@@ -28,7 +30,7 @@ CASES = [
 
 @pytest.mark.parametrize("model, nprocs, bucket_mb, overlap, optimizers, levels", CASES,
                          ids=[f"{m}-n{n}-{'overlap' if o else 'serial'}"
-                              for m, n, _, o, _, _ in CASES])
+                              for m, n, _, o, _, _ in (getattr(c, "values", c) for c in CASES)])
 def test_every_zero_level_matches_single_process(model, nprocs, bucket_mb, overlap, optimizers,
                                                  levels):
     out = check_mpi("zero_train.py", nprocs, model, optimizers, bucket_mb, overlap,

@@ -15,9 +15,12 @@ Pipeline (in order; each pass's output is dumped to ``$RAF_DIST_DUMP_IR/NN_<pass
 The cache key is a hash of the module after step 1 (its TVMScript), the target, the TVM and
 raf_dist versions and a hash of this package's lowering code; a hit skips steps 2–5.
 """
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -32,6 +35,8 @@ from .inplace_update import UpdateInPlace
 from .memory import planned_bytes
 from .schedule import ScheduleCPU
 from .schedule_gpu import ScheduleGPU
+
+_log = logging.getLogger(__name__)
 
 
 def _compiler_fingerprint():
@@ -186,12 +191,52 @@ def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     lib_path = cache / f"step-{key}.so"
     meta_path = cache / f"step-{key}.json"
-    if lib_path.exists() and meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        process_memory.loaded_code(str(lib_path))
-        return CompiledStep(tvm.runtime.load_module(str(lib_path)), meta["planned_peak_bytes"],
-                            str(lib_path), True)
+    hit = _load_cached(lib_path, meta_path)
+    if hit is not None:
+        return hit
+    cache.mkdir(parents=True, exist_ok=True)
+    # ranks of one job that build the same step (every dp rank, every tp rank of a layer's
+    # split, the microbatch variants) take turns: the first builds, the others load its library
+    with _build_lock(cache / f"step-{key}.lock"):
+        hit = _load_cached(lib_path, meta_path)
+        if hit is not None:
+            return hit
+        return _build(mod, target, instruments, lib_path, meta_path)
 
+
+def _load_cached(lib_path, meta_path):
+    if not (lib_path.exists() and meta_path.exists()):
+        return None
+    meta = json.loads(meta_path.read_text())
+    process_memory.loaded_code(str(lib_path))
+    return CompiledStep(tvm.runtime.load_module(str(lib_path)), meta["planned_peak_bytes"],
+                        str(lib_path), True)
+
+
+@contextlib.contextmanager
+def _build_lock(path):
+    """An exclusive ``flock`` on ``path`` for the duration of one build. N ranks on one host
+    that miss the cache together would otherwise each compile the same module (on a 2-core
+    host, 4 ranks took twice one build's time); the kernel releases the lock when its holder
+    exits, so a rank killed mid-build never blocks the others. Where the filesystem refuses
+    ``flock`` (some network mounts) every rank builds, as before."""
+    with open(path, "a") as handle:
+        locked = True
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log.debug("waiting for another process's build of %s", path.stem)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            locked = False
+        try:
+            yield
+        finally:
+            if locked:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(mod, target, instruments, lib_path, meta_path):
     if target.kind.name == "cuda":  # TVM reads its kernel compiler from the environment
         from ..device import cuda_compiler
         os.environ.setdefault("TVM_CUDA_COMPILE_MODE", cuda_compiler() or "nvrtc")
@@ -201,7 +246,6 @@ def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
         lowered = tvm.transform.Sequential(_pipeline(target)[0].finalize_passes(target)[1:])(planned)
     with target, tvm.transform.PassContext(opt_level=3):
         executable = tvm.compile(lowered, target=target, relax_pipeline=None)
-    cache.mkdir(parents=True, exist_ok=True)
     tmp = lib_path.with_suffix(f".tmp{os.getpid()}.so")
     executable.export_library(str(tmp))
     os.replace(tmp, lib_path)  # atomic: concurrent ranks never load a half-written library
