@@ -35,6 +35,7 @@ from .inplace_update import UpdateInPlace
 from .memory import planned_bytes
 from .schedule import ScheduleCPU
 from .schedule_gpu import ScheduleGPU
+from .share_storage import ShareStorageAcrossDtypes
 
 _log = logging.getLogger(__name__)
 
@@ -157,7 +158,8 @@ def _plan(mod, target, instruments=()):
         return tvm.transform.Sequential(
             pipeline.library_dispatch_passes(target) + legalize
             + pipeline.dataflow_lower_passes(target)
-            + [WriteGradientsIntoBuckets(), UpdateInPlace()] + finalize[:1])(mod)
+            + [WriteGradientsIntoBuckets(), UpdateInPlace()] + finalize[:1]
+            + [ShareStorageAcrossDtypes()])(mod)
 
 
 def apply_passes(mod, passes):
