@@ -19,6 +19,7 @@ TYPED     := python/raf_dist/data.py python/raf_dist/device.py python/raf_dist/m
              python/raf_dist/runtime/mixed_precision.py python/raf_dist/runtime/loss_scale.py \
              python/raf_dist/runtime/loop.py python/raf_dist/runtime/metrics.py \
              python/raf_dist/passes/clipping.py python/raf_dist/process_memory.py \
+             python/raf_dist/passes/saved_precision.py \
              python/raf_dist/runtime/stage_budget.py
 NATIVE    := $(wildcard src/*/*.cc src/*/*.h cmake/modules/*.cmake) CMakeLists.txt config.cmake
 

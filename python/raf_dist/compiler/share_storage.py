@@ -1,16 +1,23 @@
-"""ShareStorageAcrossDtypes: the step's temporaries re-planned onto storage blocks that any
-dtype may reuse. Runs right after TVM's StaticPlanBlockMemory.
+"""ShareStorageAcrossDtypes: the step's temporaries planned again, after TVM's
+StaticPlanBlockMemory, onto storage blocks that tensors of any dtype share, placed by
+decreasing size.
 
-TVM 0.27's planner (``StaticPlanBlockMemory``'s ``TokenAllocator1D``) keeps one pool of free
-storage per dtype: a float32 block freed in the forward is never reused by a bfloat16 tensor
-of the backward, nor the other way round. A mixed-precision step has both kinds everywhere
-(bf16 activations, float32 norms, softmax, loss and gradients), so its plan grew to the sum of
-two plans: the bf16 step of bench/mixed_precision.py's 23M GPT planned 308 MiB, as much as the
-float32 step, against a peak of 235 MiB of tensors live at once. A storage block is bytes (the
-VM checks only that a tensor fits it; the dtype of ``alloc_storage`` is an alignment hint), so
-this pass takes every tensor TVM placed (``memory.alloc_tensor`` on a planned storage), its
-lifetime (its binding to the last binding that reads it or anything derived from it), and
-assigns the tensors again with TVM's own best-fit rule but one pool for every dtype.
+TVM 0.27's planner (``StaticPlanBlockMemory``'s ``TokenAllocator1D``) has two habits that cost
+memory on a training step. It keeps one pool of free storage per dtype: a float32 block freed
+in the forward is never reused by a bfloat16 tensor of the backward, nor the other way round,
+and a mixed-precision step has both everywhere (bf16 activations; float32 norms, softmax,
+loss, gradients), so its plan grew to nearly the sum of two plans. And it assigns online, in
+execution order (a free block from size / 16 to size x 16, a smaller one grown): a small
+early tensor takes a large block that a large later tensor then cannot have. The bf16 step of
+bench/mixed_precision.py's 23M GPT planned 308 MiB, as much as its float32 step, against a
+peak of 235 MiB of tensors live at once.
+
+A storage block is bytes (the VM checks only that a tensor fits it; the dtype of
+``alloc_storage`` is an alignment hint), and every lifetime is known for the whole step. So
+this pass takes every tensor TVM placed (``memory.alloc_tensor`` on a planned storage) with
+its lifetime (from its binding to the last binding that reads it or anything derived from
+it) and assigns them again with an offline rule, greedy by size for shared objects
+(``_assign``), in one pool for every dtype; TVM's plan is kept where it is as small.
 
 Lifetimes are conservative: a binding's variable is taken to alias every planned tensor its
 value mentions (views, tuples, a collective's handle, a packed call's result), so a tensor
@@ -23,9 +30,6 @@ from tvm import relax
 
 _ALLOC_STORAGE = tvm.ir.Op.get("relax.memory.alloc_storage")
 _ALLOC_TENSOR = tvm.ir.Op.get("relax.memory.alloc_tensor")
-#: TVM's TokenAllocator1D reuses a free block between size / 16 and size * 16 (growing a
-#: smaller one); the same rule here, so only the pooling across dtypes differs
-_MATCH_RANGE = 16
 
 
 def _static_bytes(call):
@@ -101,27 +105,26 @@ def _lifetimes(bindings, body_result):
     return tokens
 
 
-class _Pool:
-    """Storage blocks of any dtype, reused by TVM's best-fit rule."""
-
-    def __init__(self):
-        self.sizes = []  # block -> bytes (grown as larger tensors take it)
-        self.free = set()
-
-    def take(self, nbytes):
-        free = sorted(self.free, key=lambda b: self.sizes[b])
-        larger = [b for b in free if nbytes <= self.sizes[b] <= nbytes * _MATCH_RANGE]
-        smaller = [b for b in free if nbytes / _MATCH_RANGE <= self.sizes[b] < nbytes]
-        if larger:
-            block = larger[0]
-        elif smaller:
-            block = smaller[-1]
-            self.sizes[block] = nbytes
+def _assign(tokens, sizes):
+    """({tensor var: block}, [block bytes]): greedy by size for shared objects (Pisarchyk
+    and Lee 2020, TensorFlow Lite's planner): the tensors by decreasing size, each into the
+    smallest block none of whose tensors is alive at the same time, else a new block. The
+    lifetimes are known for the whole step, so the large tensors are placed first instead of
+    in execution order (TVM's online rule lets a small early tensor take a large block)."""
+    block_sizes, block_lives, block_of = [], [], {}
+    for var in sorted(tokens, key=lambda v: (-sizes[v], tokens[v][0])):
+        first, last = tokens[var]
+        free = [b for b, lives in enumerate(block_lives)
+                if all(end < first or start > last for start, end in lives)]
+        if free:  # every block is at least as large: its first tensor was
+            block = min(free, key=lambda b: block_sizes[b])
         else:
-            self.sizes.append(nbytes)
-            return len(self.sizes) - 1
-        self.free.discard(block)
-        return block
+            block = len(block_sizes)
+            block_sizes.append(sizes[var])
+            block_lives.append([])
+        block_lives[block].append((first, last))
+        block_of[var] = block
+    return block_of, block_sizes
 
 
 def _replan(func):
@@ -131,19 +134,10 @@ def _replan(func):
     tokens = _lifetimes(bindings, func.body.body)
     if not tokens:
         return None
-    pool = _Pool()
-    block_of = {}
-    ends = sorted(((last, var) for var, (_, last) in tokens.items()), key=lambda e: e[0])
-    released = 0
-    for i, binding in enumerate(bindings):
-        if binding.var not in tokens:
-            continue
-        while released < len(ends) and ends[released][0] < i:
-            pool.free.add(block_of[ends[released][1]])
-            released += 1
-        block_of[binding.var] = pool.take(_tensor_bytes(binding.value))
+    sizes = {b.var: _tensor_bytes(b.value) for b in bindings if b.var in tokens}
+    block_of, block_sizes = _assign({v: tuple(t) for v, t in tokens.items()}, sizes)
     planned_before = sum(_static_bytes(b.value) for b in bindings if _is(b, _ALLOC_STORAGE))
-    if sum(pool.sizes) >= planned_before:  # TVM's plan is as small: keep it
+    if sum(block_sizes) >= planned_before:  # TVM's plan is as small: keep it
         return None
     first_user = {}
     for binding in bindings:
@@ -163,7 +157,7 @@ def _replan(func):
                 call = binding.value
                 if first_user[b].same_as(binding):
                     out.append(relax.VarBinding(storage_vars[b], normalize(relax.Call(
-                        _ALLOC_STORAGE, [relax.ShapeExpr([pool.sizes[b]]),
+                        _ALLOC_STORAGE, [relax.ShapeExpr([block_sizes[b]]),
                                          *_storage_tail(bindings, call.args[0])]))))
                 binding = relax.VarBinding(binding.var, normalize(relax.Call(
                     _ALLOC_TENSOR, [storage_vars[b], *call.args[1:]], call.attrs,

@@ -38,6 +38,7 @@ from ..passes.batch_norm import DecomposeBatchNorm, has_training_batch_norm
 from ..passes.pipeline import strip_stage_markers
 from ..passes.remat import ladder as remat_ladder
 from ..passes.remat import rematerialize
+from ..passes.saved_precision import save_low_precision
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from . import nonfinite
 from .loss import build_loss
@@ -168,6 +169,8 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     adjoint, n_forward = _adjoint(forward, loss_func, n_in, trains)
     # recomputation rewrites only the backward's binding values: these stay the adjoint's
     loss_value, grads, new_buffers = _loss_and_grads(adjoint)
+    if compute_dtype is not None:  # the backward reads the forward's 16-bit copies
+        adjoint = save_low_precision(adjoint, n_forward)
     recompute_ladder = (0, 0)
     if recompute is not None:
         recompute_ladder = remat_ladder(adjoint, n_forward, len(model.input_specs), loss_value)
@@ -296,9 +299,33 @@ def _adjoint(forward, loss_func, n_in, trains):
     mod = relax.training.AppendLoss("main", loss_func, num_backbone_outputs=1)(mod)
     forward_params = mod["main_loss"].params[n_in:n_in + len(trains)]
     require = [v for v, t in zip(forward_params, trains) if t]
-    n_forward = sum(len(block.bindings) for block in mod["main_loss"].body.blocks)
     mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
-    return mod["main_loss_adjoint"], n_forward
+    adjoint = mod["main_loss_adjoint"]
+    return adjoint, _forward_length(adjoint)
+
+
+def _forward_length(adjoint):
+    """How many of the adjoint's leading bindings are the forward and the loss: up to the
+    binding of the loss it returns (and of the new buffers returned beside it). Counted on
+    the adjoint, not on the function Gradient read: Gradient drops the forward's unused
+    bindings (an AutoCast forward had 369, its adjoint 339 before the backward began)."""
+    bindings = [b for block in adjoint.body.blocks for b in block.bindings]
+    position = {b.var: i for i, b in enumerate(bindings)}
+    bound = {b.var: b.value for b in bindings}
+    result = adjoint.body.body
+    while isinstance(result, relax.Var) and result in bound:
+        result = bound[result]
+    outputs = [result.fields[0]]
+    last = -1
+    while outputs:
+        value = outputs.pop()
+        if isinstance(value, relax.Tuple):
+            outputs.extend(value.fields)
+        elif isinstance(value, relax.Var) and value in position:
+            last = max(last, position[value])
+            if isinstance(bound[value], (relax.Tuple, relax.Var)):  # (loss, *new buffers)
+                outputs.append(bound[value])
+    return last + 1
 
 
 def _layout_attrs(accumulate, first, n_params, n_states, n_args, n_buffers):
