@@ -14,7 +14,8 @@ def _is_start(symbol):
     return bool(symbol) and symbol.startswith("raf_dist.ccl.") and symbol.endswith("_start")
 
 
-def _static_size(shape_expr):
+def static_size(shape_expr):
+    """Elements of a ``ShapeExpr`` of constant dimensions, None otherwise."""
     if not isinstance(shape_expr, relax.ShapeExpr):
         return None
     size = 1
@@ -25,7 +26,8 @@ def _static_size(shape_expr):
     return size
 
 
-def _nbytes(numel, dtype):
+def nbytes(numel, dtype):
+    """Bytes of ``numel`` elements of ``dtype``."""
     dtype = tvm.DataType(str(dtype))
     return numel * ((dtype.bits + 7) // 8) * dtype.lanes
 
@@ -42,11 +44,11 @@ def planned_bytes(mod, func_name=None):
         if not isinstance(expr, relax.Call):
             return
         if packed_call(expr)[0] in _BUCKETS:
-            total += _nbytes(_static_size(expr.ty.shape) or 0, expr.ty.dtype)
+            total += nbytes(static_size(expr.ty.shape) or 0, expr.ty.dtype)
         elif expr.op == _ALLOC_STORAGE:
-            total += _static_size(expr.args[0]) or 0
+            total += static_size(expr.args[0]) or 0
         elif expr.op == _ALLOC_TENSOR:
-            total += _nbytes(_static_size(expr.args[0]) or 0, expr.args[1].value)
+            total += nbytes(static_size(expr.args[0]) or 0, expr.args[1].value)
 
     for gvar, func in mod.functions_items():
         if isinstance(func, relax.Function) and func_name in (None, gvar.name_hint):

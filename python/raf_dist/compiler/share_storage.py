@@ -28,27 +28,21 @@ to the end. A function whose planned storage is not a top-level binding with a s
 import tvm
 from tvm import relax
 
+from .memory import nbytes, static_size
+
 _ALLOC_STORAGE = tvm.ir.Op.get("relax.memory.alloc_storage")
 _ALLOC_TENSOR = tvm.ir.Op.get("relax.memory.alloc_tensor")
 
 
 def _static_bytes(call):
-    shape = call.args[0]
-    if not (isinstance(shape, relax.ShapeExpr) and len(shape.values) == 1
-            and isinstance(shape.values[0], tvm.tirx.IntImm)):
-        return None
-    return int(shape.values[0].value)
+    """Bytes of an ``alloc_storage`` (its shape is [bytes]), None when not static."""
+    return static_size(call.args[0])
 
 
 def _tensor_bytes(call):
-    shape, dtype = call.args[2], tvm.DataType(str(call.args[3].value))
-    if not (isinstance(shape, relax.ShapeExpr)
-            and all(isinstance(d, tvm.tirx.IntImm) for d in shape.values)):
-        return None
-    numel = 1
-    for d in shape.values:
-        numel *= int(d.value)
-    return numel * ((dtype.bits + 7) // 8) * dtype.lanes
+    """Bytes of an ``alloc_tensor`` (storage, offset, shape, dtype), None when not static."""
+    numel = static_size(call.args[2])
+    return None if numel is None else nbytes(numel, call.args[3].value)
 
 
 def _is(binding, op):
@@ -135,7 +129,7 @@ def _replan(func):
     if not tokens:
         return None
     sizes = {b.var: _tensor_bytes(b.value) for b in bindings if b.var in tokens}
-    block_of, block_sizes = _assign({v: tuple(t) for v, t in tokens.items()}, sizes)
+    block_of, block_sizes = _assign(tokens, sizes)
     planned_before = sum(_static_bytes(b.value) for b in bindings if _is(b, _ALLOC_STORAGE))
     if sum(block_sizes) >= planned_before:  # TVM's plan is as small: keep it
         return None
@@ -143,6 +137,8 @@ def _replan(func):
     for binding in bindings:
         if binding.var in block_of:
             first_user.setdefault(block_of[binding.var], binding)
+    # the device index, scope and dtype hint of each tensor's old storage, for its new one
+    storage_args = {b.var: list(b.value.args[1:]) for b in bindings if _is(b, _ALLOC_STORAGE)}
     normalize = relax.BlockBuilder().normalize
     storage_vars = {block: relax.Var(f"shared_storage{block}", relax.ObjectType())
                     for block in first_user}
@@ -158,7 +154,7 @@ def _replan(func):
                 if first_user[b].same_as(binding):
                     out.append(relax.VarBinding(storage_vars[b], normalize(relax.Call(
                         _ALLOC_STORAGE, [relax.ShapeExpr([block_sizes[b]]),
-                                         *_storage_tail(bindings, call.args[0])]))))
+                                         *storage_args[call.args[0]]]))))
                 binding = relax.VarBinding(binding.var, normalize(relax.Call(
                     _ALLOC_TENSOR, [storage_vars[b], *call.args[1:]], call.attrs,
                     call.ty_args)))
@@ -166,14 +162,6 @@ def _replan(func):
         new_blocks.append(relax.BindingBlock(out))
     return relax.Function(func.params, normalize(relax.SeqExpr(new_blocks, func.body.body)),
                           func.ret_ty, func.is_pure, func.attrs)
-
-
-def _storage_tail(bindings, storage_var):
-    """The device index, scope and dtype arguments of the alloc_storage bound to ``storage_var``."""
-    for binding in bindings:
-        if binding.var.same_as(storage_var):
-            return list(binding.value.args[1:])
-    raise AssertionError(f"no alloc_storage for {storage_var.name}")
 
 
 @tvm.transform.module_pass(opt_level=0, name="ShareStorageAcrossDtypes")

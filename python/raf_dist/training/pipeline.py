@@ -38,8 +38,8 @@ from ..passes.pipeline import emit_function, stage_input_count
 from ..passes.remat import rematerialize
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from .loss import build_loss
-from .step import (GRAD_UNSCALE, _emit_update, _follow, _groups, _ident, _loss_and_grads,
-                   in_param_dtypes, mark_in, missing_gradients, state_type)
+from .step import (GRAD_UNSCALE, _emit_update, _follow, _forward_length, _groups, _ident,
+                   _loss_and_grads, in_param_dtypes, mark_in, missing_gradients, state_type)
 
 
 @dataclasses.dataclass
@@ -120,11 +120,10 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
     if not require:
         raise ValueError(f"pipeline stage {index} has nothing to differentiate (no trainable "
                          "parameter and no activation input)")
-    n_forward = sum(len(block.bindings) for block in main.body.blocks)
     mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
     adjoint = mod["main_loss_adjoint"]
     if selective:  # the backward reads recomputed copies of what "selective" does not keep
-        adjoint = rematerialize(adjoint, n_forward, n_in, "selective", None)
+        adjoint = rematerialize(adjoint, _forward_length(adjoint), n_in, "selective", None)
     args = list(adjoint.params)
     inputs, masks = args[:n_in], args[n_in:n_in + len(mask_indices)]
     params = args[n_in + len(mask_indices):n_fwd - n_buf]

@@ -312,10 +312,7 @@ def _forward_length(adjoint):
     bindings = [b for block in adjoint.body.blocks for b in block.bindings]
     position = {b.var: i for i, b in enumerate(bindings)}
     bound = {b.var: b.value for b in bindings}
-    result = adjoint.body.body
-    while isinstance(result, relax.Var) and result in bound:
-        result = bound[result]
-    outputs = [result.fields[0]]
+    outputs = [_unwrap(adjoint.body.body, bound).fields[0]]
     last = -1
     while outputs:
         value = outputs.pop()
@@ -518,20 +515,20 @@ def _follow(var, value):
 def _loss_and_grads(adjoint):
     """The adjoint function returns (loss, (grad, ...)), or ((loss, *new buffers), (grad,
     ...)) for a forward that updates buffers; find those expressions."""
-    result = adjoint.body.body
     bound = {b.var: b.value for block in adjoint.body.blocks for b in block.bindings}
-    while isinstance(result, relax.Var) and result in bound:
-        result = bound[result]
-    loss_value, grads = result.fields
-    while isinstance(grads, relax.Var) and grads in bound:
-        grads = bound[grads]
+    loss_value, grads = _unwrap(adjoint.body.body, bound).fields
+    grads = _unwrap(grads, bound)
     new_buffers = []
     if isinstance(loss_value.ty, relax.TupleType):
-        outputs = loss_value
-        while isinstance(outputs, relax.Var) and outputs in bound:
-            outputs = bound[outputs]
-        loss_value, *new_buffers = outputs.fields
+        loss_value, *new_buffers = _unwrap(loss_value, bound).fields
     return loss_value, list(grads.fields), new_buffers
+
+
+def _unwrap(expr, bound):
+    """``expr`` through the variables ``bound`` binds it to, down to the value."""
+    while isinstance(expr, relax.Var) and expr in bound:
+        expr = bound[expr]
+    return expr
 
 
 def _split_frozen(model):
