@@ -57,6 +57,12 @@ def strict_schedules() -> bool:
     return switch("RAF_DIST_STRICT_SCHEDULE")
 
 
+def build_in_process() -> bool:
+    """RAF_DIST_BUILD_IN_PROCESS: compile a step in this process rather than in a forked
+    build process (compiler/build.py), e.g. to step through the passes in a debugger."""
+    return switch("RAF_DIST_BUILD_IN_PROCESS")
+
+
 def skip_schedules() -> bool:
     """RAF_DIST_NO_SCHEDULE: leave every generated kernel unscheduled."""
     return switch("RAF_DIST_NO_SCHEDULE")

@@ -51,6 +51,7 @@ def main():
     before = process_memory.rss_bytes()  # the user's module and data exist already
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                optimizer=raf_dist.optim.AdamW(lr=1e-3))
+    construction_peak = process_memory.peak_rss_bytes()  # capture + Trainer
     for _ in range(3):
         trainer.step(x.numpy(), y.numpy())
     gc.collect()
@@ -58,6 +59,8 @@ def main():
     compiler = {path for _, _, path, _ in process_memory._smaps()
                 if Path(path).name in process_memory.COMPILER_LIBRARIES}
     print(json.dumps({"growth": process_memory.rss_bytes() - before,
+                      "construction_peak": construction_peak,
+                      "steady_rss": process_memory.rss_bytes(),
                       "compiler_files": sorted(compiler),
                       "compiler_resident": process_memory._resident_file_bytes(compiler),
                       **{k: v for k, v in stats.items() if k.endswith("_bytes")

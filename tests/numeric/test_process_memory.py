@@ -56,6 +56,14 @@ def test_stats_total_predicts_rss_growth(name):
     # 14-15 MiB with a cold one (a fresh clone's), measured here
     assert got["compiler_files"], "libtvm_compiler.so is not mapped: the check saw nothing"
     assert got["compiler_resident"] < 32 * 2**20, got["compiler_resident"]
+    # construction's peak (capture and Trainer, the step compiled in the process when the
+    # build cache is cold, as in a fresh clone) within 10% of the steady state after the
+    # steps (#31): the step is compiled in a forked build process (compiler/build.py), whose
+    # heap and compiler code leave with it. Measured here, cold and warm alike: wide_mlp
+    # 0.99, gpt2 0.69, resnet 0.94; compiled in the process, cold, resnet was 1.18 (the
+    # compile's ~170 MiB transient over a 650 MiB process) and the 23M GPT 1.09-1.14
+    assert got["construction_peak"] <= 1.1 * got["steady_rss"], (
+        name, got["construction_peak"] / got["steady_rss"])
 
 
 def test_capture_keeps_no_reference_to_the_module():

@@ -14,6 +14,17 @@ Pipeline (in order; each pass's output is dumped to ``$RAF_DIST_DUMP_IR/NN_<pass
 
 The cache key is a hash of the module after step 1 (its TVMScript), the target, the TVM and
 raf_dist versions and a hash of this package's lowering code; a hit skips steps 2–5.
+
+Steps 2-5 of a CPU build run in a forked child (``_build_in_child``), which writes the library
+and its metadata into the cache and exits; this process then loads them as it loads any
+cache hit. LLVM's code generation and TVM's lowering need ~100-200 MiB of heap and touch
+~90 MiB of the compiler library's code for a transient the training process would otherwise
+carry: its construction peak on top of the parameters, and afterwards a heap glibc cannot
+return (fragmented by the IR objects that outlive the build). Fork shares every page
+copy-on-write, so the child costs no extra copy of what the process holds, and whatever it
+allocates leaves with it (TorchInductor compiles in worker processes for the same reason).
+A CUDA build stays in the process (a CUDA context does not survive fork), as does every build
+where fork is absent or ``RAF_DIST_BUILD_IN_PROCESS`` is set.
 """
 import contextlib
 import dataclasses
@@ -22,6 +33,10 @@ import hashlib
 import json
 import logging
 import os
+import pickle
+import sys
+import traceback
+import warnings
 from pathlib import Path
 
 import tvm
@@ -203,7 +218,11 @@ def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
         hit = _load_cached(lib_path, meta_path)
         if hit is not None:
             return hit
-        return _build(mod, target, instruments, lib_path, meta_path)
+        if (target.kind.name == "cuda" or not hasattr(os, "fork")
+                or sys.platform != "linux" or env.build_in_process()):
+            return _build(mod, target, instruments, lib_path, meta_path)
+        _build_in_child(mod, target, instruments, lib_path, meta_path)
+        return dataclasses.replace(_load_cached(lib_path, meta_path), cache_hit=False)
 
 
 def _load_cached(lib_path, meta_path):
@@ -238,7 +257,59 @@ def _build_lock(path):
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build(mod, target, instruments, lib_path, meta_path):
+def _build_in_child(mod, target, instruments, lib_path, meta_path):
+    """``_build`` in a forked child that writes the library and its metadata and exits (the
+    module docstring says why). The child runs the compiler alone on its one thread: it runs
+    no kernel (TVM's and OpenMP's thread pools are not needed), makes no MPI call, and leaves
+    with ``os._exit`` (no atexit handler, no MPI_Finalize, no flush of buffers it inherited).
+    An exception in the child is raised here as it was raised there (its traceback attached);
+    a child killed by a signal (a crash in the compiler, the OOM killer) is a RuntimeError
+    naming it."""
+    sys.stdout.flush()  # what this process printed is not printed again by the child
+    sys.stderr.flush()
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # Python >= 3.12 warns on fork in a threaded process;
+        warnings.simplefilter("ignore", DeprecationWarning)  # the child only compiles
+        pid = os.fork()
+    if pid == 0:  # the build process
+        os.close(read)
+        code = 0
+        try:
+            _build(mod, target, instruments, lib_path, meta_path, load=False)
+        except BaseException as exc:  # noqa: B036 -- reported to the parent, whatever it is
+            code = 1
+            text = traceback.format_exc()
+            try:
+                payload = pickle.dumps((exc, text))
+                pickle.loads(payload)  # (an exception whose __init__ takes other arguments)
+            except Exception:  # an exception that does not pickle arrives as its text
+                payload = pickle.dumps((None, text))
+            with os.fdopen(write, "wb") as pipe:
+                pipe.write(payload)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        payload = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        raise RuntimeError(
+            f"the build process compiling {lib_path.name} was killed by signal "
+            f"{os.WTERMSIG(status)} (a crash in the compiler, or out of memory); set "
+            "RAF_DIST_BUILD_IN_PROCESS=1 to compile in this process and see where")
+    if payload:
+        exc, text = pickle.loads(payload)
+        if exc is None:
+            raise RuntimeError(f"compiling {lib_path.name} failed in the build process:\n{text}")
+        raise exc from RuntimeError(f"in the build process:\n{text}")
+    if os.WEXITSTATUS(status) != 0 or not (lib_path.exists() and meta_path.exists()):
+        raise RuntimeError(f"the build process compiling {lib_path.name} exited with status "
+                           f"{os.WEXITSTATUS(status)} and wrote no library")
+
+
+def _build(mod, target, instruments, lib_path, meta_path, load=True):
     if target.kind.name == "cuda":  # TVM reads its kernel compiler from the environment
         from ..device import cuda_compiler
         os.environ.setdefault("TVM_CUDA_COMPILE_MODE", cuda_compiler() or "nvrtc")
@@ -254,6 +325,8 @@ def _build(mod, target, instruments, lib_path, meta_path):
     meta_tmp = meta_path.with_suffix(f".tmp{os.getpid()}")
     meta_tmp.write_text(json.dumps({"planned_peak_bytes": peak, "target": str(target)}))
     os.replace(meta_tmp, meta_path)
+    if not load:  # (the build process: its parent loads the library)
+        return None
     process_memory.loaded_code(str(lib_path))
     if target.kind.name == "cuda":  # (a CUDA library loads only where a CUDA runtime is)
         return CompiledStep(executable, peak, str(lib_path), False)

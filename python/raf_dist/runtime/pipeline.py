@@ -187,6 +187,7 @@ class PipelineExecutor(LoopScalars):
             buffer_specs=model.buffer_specs() if getattr(model, "buffer_names", ()) else [])
         self._holding_ranks = self._parameter_holders(stage_plan)
         self._build_update(optimizer, cache_dir)
+        process_memory.after_compile()  # the compile's transient gone before the states come
         self._init_parameters(model)
         self._tied = self._tied_parameters()
         self.step_count = 0

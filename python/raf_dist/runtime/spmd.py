@@ -107,6 +107,7 @@ class SPMDExecutor(LoopScalars):
                 agreement.check_fingerprints(comm, *self.fingerprint())
             self._compile_captured(model)
             init = self._initial_params(model)
+        process_memory.after_compile()  # the compile's transient gone before the states come
         self._init_state(model, init)
         del init
         self._keep_shapes_only()
