@@ -194,8 +194,8 @@ def test_stage_budget_recomputes_the_stage_that_holds_most_first():
 
     actions = [Action("F", 0, m) for m in range(4)] + [Action("F", 1, m) for m in range(3)]
     actions += [Action("B", 1, 0), Action("B", 0, 0)]
-    timeline = stage_budget.saved_timeline(actions, [0, 1])
-    assert max(p[0] for p in timeline) == 4 and max(p[1] for p in timeline) == 3
+    timeline = stage_budget.held_timeline(actions, [0, 1])
+    assert max(p[0][0] for p in timeline) == 4 and max(p[0][1] for p in timeline) == 3
     cost = {False: (100, 10), "selective": (40, 12), "full": (5, 10)}  # (saved, temps)
     chosen, peak = stage_budget.choose([0, 1], timeline, lambda s, lv: cost[lv], 10**9)
     assert chosen == {0: False, 1: False} and peak == 4 * 100 + 3 * 100 + 10
@@ -207,3 +207,30 @@ def test_stage_budget_recomputes_the_stage_that_holds_most_first():
     assert chosen == {0: "full", 1: "selective"} and peak == 4 * 5 + 3 * 40 + 12
     with pytest.raises(ValueError, match=r"smallest modelled activation memory is 4\.29e-05 MB"):
         stage_budget.choose([0, 1], timeline, lambda s, lv: cost[lv], 40)
+
+
+def test_stage_budget_counts_the_boundary_messages_held():
+    """held_timeline's boundary bytes on pp rank 1 of 2 under 1F1B with 2 microbatches
+    (stages 0, 1 of 2: the rank holds stage 1, the last), and on rank 0 with a 16-bit
+    message (the input gradient comes back float32 from the backward and leaves narrowed):
+    every receive posted first, each message kept until the step ends."""
+    from raf_dist.runtime import stage_budget
+    from raf_dist.training import pipeline_schedule as ps
+
+    actions = ps.rank_actions("1f1b", 2, 2, 1)
+    last = stage_budget.held_timeline(actions[1], [1], stage_budget.Messages(
+        [((4, 8), "float32")], {1: ((4, 8), "float32")}))
+    message = 4 * 8 * 4
+    assert last[0] == ({1: 0}, 2 * message)  # both activations' buffers posted
+    # F(1, m) reads its activation; B(1, m) sends the input gradient, kept to the step's end
+    assert last[-1][1] == 2 * message and max(b for _, b in last) == 2 * message
+    first = stage_budget.held_timeline(actions[0], [0], stage_budget.Messages(
+        [((4, 8), "bfloat16")], {}))
+    half = 4 * 8 * 2
+    assert first[0] == ({0: 0}, 2 * half)  # the two gradients' buffers posted
+    # both forwards' activations sent and kept, the gradients read: 2 activations at the end
+    assert first[-1][1] == 2 * half and max(b for _, b in first) == 4 * half
+    saved = {0: 1000}
+    # the peak: after F(0, 1), both microbatches' saved values and 4 messages held at once
+    assert stage_budget.modelled_peak(first, saved, {0: 50}) == 2 * 1000 + 4 * half + 50
+    assert stage_budget.modelled_peak(first, saved, {0: 50}, update_temps=10**6) == 10**6

@@ -173,6 +173,8 @@ class PipelineExecutor(LoopScalars):
                                               self.stages_per_rank)
         # {stage: False | "selective" | "full"}: activation_checkpointing's one choice for
         # every stage, or chosen per stage under activation_memory_budget_mb
+        self._holding_ranks = self._parameter_holders(stage_plan)
+        self._build_update(optimizer, cache_dir)  # (its temporaries join the budget's model)
         self.stage_recompute = self._choose_recomputation(rows)
         self._stage_set(rows)
         self._built = {}
@@ -185,8 +187,6 @@ class PipelineExecutor(LoopScalars):
             frozen_names=self.frozen_names, frozen_specs=[specs[n] for n in self.frozen_names],
             buffer_names=list(getattr(model, "buffer_names", ())),
             buffer_specs=model.buffer_specs() if getattr(model, "buffer_names", ()) else [])
-        self._holding_ranks = self._parameter_holders(stage_plan)
-        self._build_update(optimizer, cache_dir)
         process_memory.after_compile()  # the compile's transient gone before the states come
         self._init_parameters(model)
         self._tied = self._tied_parameters()
@@ -202,6 +202,7 @@ class PipelineExecutor(LoopScalars):
         self._comm_last_step = {}
         self._peak_saved = {s: 0 for s in self.my_stages}
         self._peak_saved_bytes = {s: 0 for s in self.my_stages}
+        self._peak_held_bytes = 0  # saved values + boundary messages (ScheduleRun)
         self.transport = PipelineTransport(mesh, self.num_stages, self.microbatches)
         schedules.check_actions(self.actions, self.num_stages, self.microbatches)
         agreement.check_fingerprints(comm, *self.fingerprint())
@@ -338,14 +339,25 @@ class PipelineExecutor(LoopScalars):
             self._buffer_holders = {b: stage_rank(i, self.pp) for i, f in enumerate(funcs)
                                     for b in f.buffers_written}
         low = self._low_boundaries(funcs)
-        stage_set = _StageSet(rows, self._build_stages(funcs, rows, low), [
-            (tuple(int(d) for d in ty.shape), self.compute_dtype if b in low else str(ty.dtype))
-            for b, ty in enumerate(f.output_type for f in funcs)])
+        stage_set = _StageSet(rows, self._build_stages(funcs, rows, low),
+                              self._boundary_specs(funcs, low))
         self._stage_sets[rows] = stage_set
         if self._profiling is not None:  # a size first seen while profiling is recorded too
             for stage in stage_set.stages.values():
                 self._profiling.attach(stage.machine)
         return stage_set
+
+    def _boundary_specs(self, funcs, low):
+        """(shape, dtype) of each stage's output (boundary b: stage b's output, stage b + 1's
+        input), in the compute dtype where ``low`` says it travels in it."""
+        return [(tuple(int(d) for d in ty.shape), self.compute_dtype if b in low else str(ty.dtype))
+                for b, ty in enumerate(f.output_type for f in funcs)]
+
+    def _messages(self, specs, input_specs):
+        """runtime/stage_budget.py's Messages: the boundaries of ``specs`` (every stage's
+        output: the last stage's is no message) and {stage: its input spec}."""
+        return stage_budget.Messages(specs[:self.num_stages - 1],
+                                     {s: spec for s, spec in input_specs.items() if s > 0})
 
     def _low_boundaries(self, funcs):
         """Under mixed precision, the stage boundaries b (stage b's output, stage b + 1's one
@@ -415,9 +427,14 @@ class PipelineExecutor(LoopScalars):
             stage = self._build_stage(s, funcs, rows, low, level == "selective")
             return stage_budget.saved_bytes(stage.functions, level), stage.planned_peak_bytes
 
-        timeline = stage_budget.saved_timeline(self.actions[self.pp_rank], self.my_stages)
+        inputs = {s: (tuple(int(d) for d in funcs[s].function.params[0].ty.shape),
+                      str(funcs[s].function.params[0].ty.dtype)) for s in self.my_stages}
+        timeline = stage_budget.held_timeline(
+            self.actions[self.pp_rank], self.my_stages,
+            self._messages(self._boundary_specs(funcs, low), inputs))
         chosen = stage_budget.choose_on_every_rank(
-            self.comm, self.my_stages, timeline, measure, int(budget * 2**20))
+            self.comm, self.my_stages, timeline, measure, int(budget * 2**20),
+            self.compiled_update.planned_peak_bytes)
         _LOG.info("activation_memory_budget_mb=%g on pp rank %d: recomputation %s",
                   budget, self.pp_rank, chosen)
         return chosen
@@ -558,6 +575,7 @@ class PipelineExecutor(LoopScalars):
         for s in self.my_stages:
             self._peak_saved[s] = max(self._peak_saved[s], run.peak_saved[s])
             self._peak_saved_bytes[s] = max(self._peak_saved_bytes[s], run.peak_saved_bytes[s])
+        self._peak_held_bytes = max(self._peak_held_bytes, run.peak_held_bytes)
         self.last_timeline = run.timeline
         return loss_sum, accs
 
@@ -689,9 +707,13 @@ class PipelineExecutor(LoopScalars):
 
     def stats(self):
         """As the SPMD executor's, plus ``pipeline``: this rank's stages, the most microbatches (and
-        bytes) of saved activations each stage held at once, each stage's recomputation
-        (False, "selective" or "full") and the stage plan's costs."""
+        bytes) of saved activations each stage held at once, the most saved values and
+        boundary messages the rank held at once (``peak_held_bytes``) and the model of both
+        (``modelled_held_bytes``; ``modelled_activation_bytes`` adds the planned
+        temporaries: runtime/stage_budget.py), each stage's recomputation (False,
+        "selective" or "full") and the stage plan's costs."""
         params = [self._tensors[n] for n in self.param_names + self.frozen_names]
+        held, modelled = self._modelled_activation_bytes()
         return process_memory.with_total({
             "param_bytes": sum(nbytes(p) for p in params),
             "grad_bytes": sum(nbytes(self._tensors[n]) for n in self.param_names),
@@ -706,8 +728,10 @@ class PipelineExecutor(LoopScalars):
                 "schedule": self.schedule, "microbatches": self.microbatches,
                 "peak_saved_microbatches": dict(self._peak_saved),
                 "peak_saved_bytes": dict(self._peak_saved_bytes),
+                "peak_held_bytes": self._peak_held_bytes,
                 "recompute": dict(self.stage_recompute),
-                "modelled_activation_bytes": self._modelled_activation_bytes(),
+                "modelled_activation_bytes": modelled,
+                "modelled_held_bytes": held,
                 "stage_costs": list(self.plan.costs)},
             **device_lib.memory_stats(self._device),
             **process_memory.overheads(),  # compiled code, libraries loaded
@@ -715,13 +739,20 @@ class PipelineExecutor(LoopScalars):
 
     def _modelled_activation_bytes(self):
         """runtime/stage_budget.py's model of this rank's activation memory at the captured
-        microbatch size (what activation_memory_budget_mb is held to)."""
-        stages = self._stage_sets[self._plan_rows].stages
-        timeline = stage_budget.saved_timeline(self.actions[self.pp_rank], self.my_stages)
-        return stage_budget.modelled_peak(
-            timeline, {s: stage_budget.saved_bytes(st.functions, self.stage_recompute[s])
-                       for s, st in stages.items()},
-            {s: st.planned_peak_bytes for s, st in stages.items()})
+        microbatch size: (saved values and boundary messages at their peak, the whole model:
+        what activation_memory_budget_mb is held to)."""
+        stage_set = self._stage_sets[self._plan_rows]
+        stages = stage_set.stages
+        messages = self._messages(stage_set.boundary_specs,
+                                  {s: st.functions.input_specs[0] for s, st in stages.items()})
+        timeline = stage_budget.held_timeline(self.actions[self.pp_rank], self.my_stages,
+                                              messages)
+        saved = {s: stage_budget.saved_bytes(st.functions, self.stage_recompute[s])
+                 for s, st in stages.items()}
+        return (stage_budget.modelled_peak(timeline, saved, {}),
+                stage_budget.modelled_peak(timeline, saved,
+                                           {s: st.planned_peak_bytes for s, st in stages.items()},
+                                           self.compiled_update.planned_peak_bytes))
 
     def save_checkpoint(self, path, extra=None, keep=2):
         """The full tensors written as any layout writes them (full_train_state), so a

@@ -54,6 +54,12 @@ class ScheduleRun:
         # the most microbatches (and bytes) of saved activations each stage held at once
         self.peak_saved = dict(self.live)
         self.peak_saved_bytes = dict(self.live_bytes)
+        # bytes of boundary messages held (posted receive buffers, handoffs, outputs waiting
+        # for their SEND, sent messages kept until the step's sends are waited), and the
+        # most saved values + messages held at once, after any action (runtime/stage_budget.py
+        # models both)
+        self.boundary_bytes = 0
+        self.peak_held_bytes = 0
         self.timeline: List[Tuple[str, int, int, float, float]] = []
         self.loss_sum = 0.0
         self.accs: Dict[str, Any] = {}
@@ -64,29 +70,34 @@ class ScheduleRun:
         self.accs = {n: tvm.runtime.tensor(np.zeros(s, d), self.device)
                      for n, (s, d) in zip(param_names, param_specs)}
         recvs = self._post_receives()
+        self.boundary_bytes = sum(buffer.nbytes for _, buffer in recvs.values())
+        self._note_held()
         self.transport.start_step()
         for a in self.actions:
             began = time.perf_counter()
             if a.kind in ("RECV_F", "RECV_B"):
                 request, buffer = recvs.pop((a.kind, a.stage, a.microbatch))
                 self.transport.wait(request, str(a))
-                self.handoff[(a.kind[-1], a.stage, a.microbatch)] = tvm.runtime.tensor(
-                    buffer, self.device)
+                received = tvm.runtime.tensor(buffer, self.device)
+                self.handoff[(a.kind[-1], a.stage, a.microbatch)] = received
+                self.boundary_bytes += nbytes(received) - buffer.nbytes
             elif a.kind in ("SEND_F", "SEND_B"):
                 value = self.outputs.pop((a.kind[-1], a.stage, a.microbatch))
                 boundary = a.stage if a.kind == "SEND_F" else a.stage - 1
                 _, dtype = self.sets[self.pieces[a.microbatch]].boundary_specs[boundary]
                 host = value.numpy()  # (a message travels through the host)
-                self.transport.send(np.ascontiguousarray(host.astype(_numpy_dtype(dtype),
-                                                                     copy=False)),
-                                    a.peer, a.kind[-1], boundary, a.microbatch)
+                message = np.ascontiguousarray(host.astype(_numpy_dtype(dtype), copy=False))
+                self.boundary_bytes += message.nbytes - nbytes(value)  # kept until the end
+                self.transport.send(message, a.peer, a.kind[-1], boundary, a.microbatch)
             elif a.kind == "F":
                 self._forward(a.stage, a.microbatch, inputs, y, target_per_row)
             elif a.kind == "B":
                 self._backward(a.stage, a.microbatch)
             if a.kind in ("F", "B"):
                 self._record(a.kind, a.stage, a.microbatch, began, time.perf_counter())
+            self._note_held()
         self.transport.finish_sends()
+        self.boundary_bytes = 0
         return self.loss_sum, self.accs
 
     def _post_receives(self) -> Dict[Tuple[str, int, int], Tuple[Any, np.ndarray]]:
@@ -113,7 +124,7 @@ class ScheduleRun:
         stage = self.sets[self.pieces[m]].stages[s]
         fns = stage.functions
         data = ([self._rows_of(v, m) for v in inputs] if s == 0
-                else [self._as(self.handoff.pop(("F", s, m)), fns.input_specs[0][1])])
+                else [self._as(self._take(("F", s, m)), fns.input_specs[0][1])])
         if fns.last:
             data.append(self._rows_of(y, m, target_per_row))
         params = [self.tensors[n] for n in fns.param_names]
@@ -146,7 +157,7 @@ class ScheduleRun:
         self.live[s] -= 1
         self.live_bytes[s] -= sum(nbytes(t) for t in keep)
         grad_in = (self.seeds[m] if fns.last
-                   else self._as(self.handoff.pop(("B", s, m)), fns.seed_spec[1]))
+                   else self._as(self._take(("B", s, m)), fns.seed_spec[1]))
         params = [self.tensors[n] for n in fns.param_names]
         if s in self.recompute:  # recompute reads the buffers too
             params += [self.buffers[n] for n in fns.buffer_names]
@@ -157,6 +168,16 @@ class ScheduleRun:
             self.accs[n] = out[1 + i]
         if s > 0:
             self._deliver("B", s - 1, m, out[0], s)
+
+    def _take(self, key: Tuple[str, int, int]) -> Any:
+        """The handoff ``key`` (a received message or this rank's stage's output), let go."""
+        tensor = self.handoff.pop(key)
+        self.boundary_bytes -= nbytes(tensor)
+        return tensor
+
+    def _note_held(self) -> None:
+        held = sum(self.live_bytes.values()) + self.boundary_bytes
+        self.peak_held_bytes = max(self.peak_held_bytes, held)
 
     def _as(self, tensor: Any, dtype: str) -> Any:
         """``tensor`` in ``dtype``: a 16-bit message widened for a float32 stage input, a
@@ -172,6 +193,7 @@ class ScheduleRun:
             self.handoff[(kind, to_stage, m)] = tensor
         else:
             self.outputs[(kind, from_stage, m)] = tensor
+        self.boundary_bytes += nbytes(tensor)
 
     def _record(self, kind: str, s: int, m: int, began: float, ended: float) -> None:
         self.timeline.append((kind, s, m, began, ended))

@@ -6,14 +6,21 @@ for recomputation's absence several times over and the last stage once (Megatron
 torchtitan recompute per stage for the same reason). The activation memory of a rank is
 modelled as
 
-    max over the rank's schedule of  sum over its stages s of  live_s(t) * saved_s
-    + the largest planned temporaries of its stages' compiled functions
+    max( max over the rank's schedule of ( sum over its stages s of live_s(t) * saved_s
+                                           + boundary(t) )
+         + the largest planned temporaries of its stages' compiled functions,
+         the update's planned temporaries )
 
-where ``live_s(t)`` counts the microbatches stage s holds after each of the rank's forwards
-(its action list, walked once: ``saved_timeline``), ``saved_s`` is the bytes one microbatch
-keeps (the forward's saved outputs; under "full" the stage input alone) and the temporaries
-are the compiled module's planned peak (compiler/build.py's memory plan). The runtime's
-counters (``ScheduleRun.peak_saved_bytes``) measure the first term; tests compare them.
+where ``live_s(t)`` counts the microbatches stage s holds after each of the rank's actions
+(its action list, walked once: ``held_timeline``), ``saved_s`` is the bytes one microbatch
+keeps (the forward's saved outputs; under "full" the stage input alone), ``boundary(t)`` the
+bytes of the stage-boundary messages held then (runtime/schedule_run.py posts every receive
+of the step first and keeps each sent message until the step's sends are waited, at its end;
+between a stage and the next action the activation or gradient waits in a handoff or for its
+SEND), the temporaries are the compiled module's planned peak (compiler/build.py's memory
+plan), and the update, which runs after the schedule has let every saved value go, plans its
+own. The runtime's counters (``ScheduleRun.peak_saved_bytes``, ``peak_held_bytes``) measure
+the first term; tests compare them.
 
 ``choose`` starts every stage without recomputation and, while the modelled peak exceeds the
 budget, moves one stage one step along none -> "selective" -> "full": the stage whose step
@@ -22,7 +29,7 @@ all-"full" cannot meet is a ValueError naming the smallest peak it reached. Each
 for its own stages; the dp ranks of one pp rank hold the same stages and choose alike, and the
 choice changes no message between stages (the schedule and the boundaries are the same).
 """
-from typing import Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import tvm
 
@@ -31,31 +38,85 @@ from ..distributed.communicator import raised_on_every_rank
 LEVELS = (False, "selective", "full")
 
 
-def saved_timeline(actions: Iterable, stages: Sequence[int]) -> List[Dict[int, int]]:
-    """{stage: microbatches held} after each forward of ``actions`` (a rank's action list,
-    training/pipeline_schedule.py) for the rank's ``stages``."""
+#: one point of a rank's schedule: ({stage: microbatches whose saved values it holds},
+#: bytes of boundary messages held)
+Point = Tuple[Dict[int, int], int]
+
+
+class Messages:
+    """The bytes of a rank's stage-boundary messages. ``specs[b]``: boundary b's message
+    (stage b's output, stage b + 1's input) as (shape, dtype), for the S - 1 boundaries of
+    S stages; ``input_specs[s]``: stage s's input, whose gradient its backward returns in
+    that dtype (float32 where the message is 16-bit: narrowed when sent)."""
+
+    def __init__(self, specs: Sequence[Tuple[Sequence[int], str]],
+                 input_specs: Mapping[int, Tuple[Sequence[int], str]]) -> None:
+        self.specs = list(specs)
+        self.last = len(self.specs)  # the last stage's index
+        self.input_grads = {s: _bytes(*spec) for s, spec in input_specs.items()}
+
+    def message(self, boundary: int) -> int:
+        return _bytes(*self.specs[boundary])
+
+
+def held_timeline(actions: Iterable, stages: Sequence[int],
+                  messages: Optional[Messages] = None) -> List[Point]:
+    """What the rank holds after each of ``actions`` (its action list,
+    training/pipeline_schedule.py) for its ``stages``, the first point before any action (the
+    step's receives posted): runtime/schedule_run.py's bookkeeping, walked without running
+    anything. Without ``messages`` the boundary bytes are 0."""
+    actions = list(actions)
+    mine = set(stages)
     live = {s: 0 for s in stages}
-    points = []
+    if messages is None:
+        return [(dict(live), 0)] + [(_count(live, a), 0) for a in actions]
+    last = messages.last
+    # every receive of the step is posted first (a buffer of the message's bytes); a
+    # received buffer becomes the handoff its stage reads, of the same bytes
+    held = sum(messages.message(a.stage - 1 if a.kind == "RECV_F" else a.stage)
+               for a in actions if a.kind in ("RECV_F", "RECV_B"))
+    points = [(dict(live), held)]
     for a in actions:
-        if a.kind == "F" and a.stage in live:
-            live[a.stage] += 1
-            points.append(dict(live))
-        elif a.kind == "B" and a.stage in live:
-            live[a.stage] -= 1
-    return points or [dict(live)]
+        s = a.stage
+        if a.kind == "F":
+            if s > 0:  # the activation it read (a message, or stage s - 1's output here)
+                held -= messages.message(s - 1)
+            if s < last:  # its output, handed to stage s + 1 here or waiting for its SEND
+                held += messages.message(s)
+        elif a.kind == "B":
+            if s < last:  # the gradient it read: a message, or stage s + 1's float32 one here
+                held -= messages.input_grads[s + 1] if s + 1 in mine else messages.message(s)
+            if s > 0:  # its input's gradient (float32), for stage s - 1
+                held += messages.input_grads[s]
+        elif a.kind == "SEND_B":  # narrowed to the message, kept until the step's end
+            held += messages.message(s - 1) - messages.input_grads[s]
+        # (SEND_F: the activation's host copy replaces it, kept until the step's end;
+        # RECV_*: the posted buffer's bytes become the handoff's)
+        points.append((_count(live, a), held))
+    return points
 
 
-def modelled_peak(timeline: Sequence[Mapping[int, int]], saved: Mapping[int, int],
-                  temps: Mapping[int, int]) -> int:
-    """The model of the module docstring: the saved values' peak plus the largest stage's
-    planned temporaries (bytes)."""
-    held = max(sum(n * saved[s] for s, n in live.items()) for live in timeline)
-    return held + max(temps.values(), default=0)
+def _count(live: Dict[int, int], action) -> Dict[int, int]:
+    """``live`` after ``action`` (updated in place; a copy returned)."""
+    if action.kind == "F" and action.stage in live:
+        live[action.stage] += 1
+    elif action.kind == "B" and action.stage in live:
+        live[action.stage] -= 1
+    return dict(live)
 
 
-def choose(stages: Sequence[int], timeline: Sequence[Mapping[int, int]],
-           measure: Callable[[int, object], Tuple[int, int]], budget_bytes: int
-           ) -> Tuple[Dict[int, object], int]:
+def modelled_peak(timeline: Sequence[Point], saved: Mapping[int, int],
+                  temps: Mapping[int, int], update_temps: int = 0) -> int:
+    """The model of the module docstring (bytes): the saved values and boundary messages at
+    their peak plus the largest stage's planned temporaries, or the update's temporaries."""
+    held = max(sum(n * saved[s] for s, n in live.items()) + boundary
+               for live, boundary in timeline)
+    return max(held + max(temps.values(), default=0), update_temps)
+
+
+def choose(stages: Sequence[int], timeline: Sequence[Point],
+           measure: Callable[[int, object], Tuple[int, int]], budget_bytes: int,
+           update_temps: int = 0) -> Tuple[Dict[int, object], int]:
     """({stage: False | "selective" | "full"}, modelled peak): the least recomputation, per
     stage, whose modelled peak fits ``budget_bytes``. ``measure(stage, level)`` gives that
     stage's (saved bytes per microbatch, planned temporaries) at ``level``."""
@@ -67,7 +128,7 @@ def choose(stages: Sequence[int], timeline: Sequence[Mapping[int, int]],
         if key not in seen:
             got = {s: measure(s, LEVELS[i]) for s, i in lv.items()}
             seen[key] = modelled_peak(timeline, {s: g[0] for s, g in got.items()},
-                                      {s: g[1] for s, g in got.items()})
+                                      {s: g[1] for s, g in got.items()}, update_temps)
         return seen[key]
 
     current = peak(levels)
@@ -79,7 +140,8 @@ def choose(stages: Sequence[int], timeline: Sequence[Mapping[int, int]],
                 f"activation_memory_budget_mb={budget_bytes / 2**20:g}: this pipeline rank's "
                 f"stages {list(stages)} cannot fit; the smallest modelled activation memory "
                 f"is {min(seen.values()) / 2**20:.3g} MB (saved values of the microbatches in "
-                "flight plus the stages' planned temporaries; every stage recomputing "
+                "flight, the boundary messages held and the stages' planned temporaries, "
+                "or the update's; every stage recomputing "
                 f"\"full\"); none {seen[tuple(sorted((s, 0) for s in stages))] / 2**20:.3g} "
                 "MB. Raise the budget, use more microbatches of fewer rows, or more stages")
         current, stage = min(steps)
@@ -108,12 +170,12 @@ def _bytes(shape, dtype) -> int:
     return n * ((tvm.DataType(str(dtype)).bits + 7) // 8)
 
 
-def choose_on_every_rank(comm, stages, timeline, measure, budget_bytes):
+def choose_on_every_rank(comm, stages, timeline, measure, budget_bytes, update_temps=0):
     """``choose`` on every rank of ``comm``; a rank whose stages cannot fit makes every rank
     raise its error (one allgather: the other ranks would otherwise wait for it in their
     first collective)."""
     try:
-        chosen, error = choose(stages, timeline, measure, budget_bytes)[0], None
+        chosen, error = choose(stages, timeline, measure, budget_bytes, update_temps)[0], None
     except ValueError as exc:
         chosen, error = None, str(exc)
     errors = [(r, e) for r, e in enumerate(comm.mpi_comm.allgather(error)) if e is not None]

@@ -85,6 +85,9 @@ def main():
         print(f"budget: rank {comm.rank} stages {stats['stages']} recompute "
               f"{stats['recompute']} modelled {modelled / 2**20:.3f} MB")
         assert modelled <= float(flags["--budget"]) * 2**20, (modelled, stats["recompute"])
+    # the saved values and boundary messages (every receive posted first, each message kept
+    # to the step's end) the rank held at once, as runtime/stage_budget.py walks its actions
+    assert stats["peak_held_bytes"] == stats["modelled_held_bytes"], stats
     for stage, peak in stats["peak_saved_microbatches"].items():
         expected = {"1f1b": min(pp - stage, microbatches), "gpipe": microbatches}.get(schedule)
         assert peak == expected if expected else 1 <= peak <= microbatches, (stage, peak, stats)
