@@ -47,6 +47,36 @@ def median_ms(fn, steps: int, warmup: int = 3, timer=None) -> float:
     return statistics.median(times) * 1e3
 
 
+def median_wall_cpu_ms(fn, steps: int, warmup: int = 3) -> dict:
+    """``median_ms`` and, beside it, the median CPU time of this process per call (every
+    thread's, ``time.process_time``) and the share of the machine's time the hypervisor
+    stole meanwhile (/proc/stat's steal column; 0 where absent). On a shared VM the wall
+    time of one process varies by tens of percent from one run to the next; the CPU time
+    the work took and the steal say whether a ratio moved with the work or the machine."""
+    for _ in range(warmup):
+        fn()
+    walls, cpus = [], []
+    before = _cpu_ticks()
+    for _ in range(steps):
+        start, cpu = time.perf_counter(), time.process_time()
+        fn()
+        walls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu)
+    after = _cpu_ticks()
+    total = sum(after) - sum(before)
+    steal = (after[7] - before[7]) / total if total > 0 and len(after) > 7 else 0.0
+    return {"ms": statistics.median(walls) * 1e3, "cpu_ms": statistics.median(cpus) * 1e3,
+            "steal": steal}
+
+
+def _cpu_ticks() -> list[int]:
+    """The machine's CPU time counters (the first line of /proc/stat; [] where absent)."""
+    try:
+        return [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return []
+
+
 def mpiexec() -> str:
     """The launcher the project's Makefile uses: the mpich wheel's in the venv, else the system's."""
     venv = Path(sys.executable).parent / "mpiexec"

@@ -8,7 +8,9 @@ targets of issue #31 are ratios against it).
 Models (AdamW, float32): bench/mixed_precision.py's ``gpt`` (bench/step_time.py's GPT: 4
 layers, d=128, seq 64, vocab 512, batch 16) and ``gemm_gpt`` (6 layers, d=512, 8 heads, seq
 128, vocab 4096, batch 8; 23M parameters). Printed per model and policy: the median step time
-and its ratio to no recomputation (median of the per-round ratios [spread]), the planned
+and its ratio to no recomputation (median of the per-round ratios [spread]), the same for
+the process's CPU time per step and the hypervisor's steal meanwhile (a shared VM's wall
+time moves by tens of percent between runs: the CPU time says whether the work did), the planned
 temporaries (``stats()["planned_peak_bytes"]``) and their ratio, and the process's peak RSS
 (VmHWM) after the timed steps.
 
@@ -103,8 +105,8 @@ def raf_side(name, policy, steps, cache_dir, batch=None, budget_mb=None):
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                optimizer=raf_dist.optim.AdamW(lr=1e-3), cache_dir=cache_dir)
     xn, yn = x.numpy(), y.numpy()
-    ms = harness.median_ms(lambda: trainer.step(xn, yn), steps)
-    return {"ms": ms, "planned_peak_bytes": trainer.stats()["planned_peak_bytes"],
+    timed = harness.median_wall_cpu_ms(lambda: trainer.step(xn, yn), steps)
+    return {**timed, "planned_peak_bytes": trainer.stats()["planned_peak_bytes"],
             "peak_rss_bytes": _peak_rss_bytes(), "rows": len(xn),
             "recompute": str(trainer.executor.recompute)}
 
@@ -133,6 +135,7 @@ def main():
     print(f"# raf_dist, float32, AdamW; {harness.machine()}; each side alone, {args.rounds} "
           f"alternating rounds of {args.steps} steps")
     print(f"{'model':9s} {'policy':10s} {'ms':>8s} {'time x none [spread]':>21s} "
+          f"{'CPU time x none [spread]':>25s} {'steal':>6s} "
           f"{'temps MB':>9s} {'temps x none':>12s} {'peak RSS MB':>11s}")
     with tempfile.TemporaryDirectory() as cache_dir:
         for name in names:
@@ -141,13 +144,16 @@ def main():
             res = harness.alternate({p: common + ["--side", p] for p in POLICIES}, args.rounds,
                                     cpu_set)
             ms = {p: [r["ms"] for r in v] for p, v in res.items()}
+            cpu = {p: [r["cpu_ms"] for r in v] for p, v in res.items()}
             base = res["none"][0]["planned_peak_bytes"]
             for p in POLICIES:
                 temps = res[p][0]["planned_peak_bytes"]
                 rss = max(r["peak_rss_bytes"] for r in res[p])
+                steal = statistics.median(r["steal"] for r in res[p])
                 print(f"{name:9s} {p:10s} {statistics.median(ms[p]):8.1f} "
-                      f"{harness.format_ratio(ms[p], ms['none']):>21s} {temps / 2**20:9.1f} "
-                      f"{temps / base:12.2f} {rss / 2**20:11.1f}")
+                      f"{harness.format_ratio(ms[p], ms['none']):>21s} "
+                      f"{harness.format_ratio(cpu[p], cpu['none']):>25s} {100 * steal:5.1f}% "
+                      f"{temps / 2**20:9.1f} {temps / base:12.2f} {rss / 2**20:11.1f}")
 
 
 def batch_at_budget(args):

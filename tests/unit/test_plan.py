@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from raf_dist.tools.plan import main, memory_bytes, plan
+from raf_dist.tools.plan import boundary_bytes, main, memory_bytes, plan
 
 KEYS = {"dp", "tp", "pp", "zero", "microbatches", "recompute", "step_time_s",
         "memory_per_device_gb", "comm_bytes_per_step"}
@@ -39,6 +39,21 @@ def test_memory_follows_the_layout_zero_and_recomputation(ranked):
         (4, 1, 1, 0, 1, "none")]
     # 12 layers over 4 stages hold a quarter of the parameters each (about)
     assert by[(1, 1, 4, 0, 4, "full")] < by[(4, 1, 1, 0, 1, "full")]
+
+
+def test_a_pipeline_rank_holds_its_boundary_messages():
+    """What tools/plan adds to a pipeline rank's activations for its boundary messages equals
+    runtime/stage_budget.py's walk of the Trainer's 1F1B actions (the peak of its boundary
+    term) on each rank of 3 stages with 4 microbatches, boundaries of 100 and 10 bytes."""
+    from raf_dist.runtime import stage_budget
+    from raf_dist.training import pipeline_schedule as ps
+
+    rows = [([], 0, 0, 0, 1, 0), ([], 0, 0, 100, 1, 0), ([], 0, 0, 10, 1, 0)]
+    messages = stage_budget.Messages([((100,), "uint8"), ((10,), "uint8")],
+                                     {1: ((100,), "uint8"), 2: ((10,), "uint8")})
+    for rank, actions in enumerate(ps.rank_actions("1f1b", 3, 4, 1)):
+        walked = max(b for _, b in stage_budget.held_timeline(actions, [rank], messages))
+        assert boundary_bytes(rows, [0, 1, 2], rank, 4, 3) == walked, rank
 
 
 def test_configurations_that_do_not_fit_are_marked():

@@ -10,7 +10,10 @@ level, microbatch count and recomputation policy the Trainer accepts:
   stages, AdamW's two states) plus the activations a step keeps: the values of the stage's
   forward kept per microbatch (all of them without recomputation; with it, what
   passes/remat.py or the pipeline's checkpointing keeps) times the microbatches in flight on
-  that stage (1F1B: min(P - s, M)), plus what one backward recomputes (``activation_bytes``);
+  that stage (1F1B: min(P - s, M)), plus what one backward recomputes (``activation_bytes``),
+  plus under pipelining the stage-boundary messages a rank holds through a step (every
+  receive posted first, every sent message kept to the step's end, as
+  runtime/stage_budget.py models the Trainer's: ``boundary_bytes``);
 - step time: first a quick estimate (FLOPs at the cluster's rate, the pipeline bubble
   (P - 1) / M, the gradient reduction's ring time) that orders the configurations that fit,
   then, in that order and while ``--budget-s`` lasts, raf_dist.proxies' extraction of the
@@ -136,6 +139,28 @@ def activation_bytes(every: int, matmul: int, inp: int, blocks: int, cuts: int,
     return in_flight * (matmul + cuts) + (every - matmul) / blocks
 
 
+def boundary_bytes(stages: Sequence[tuple[Any, ...]], owners: Sequence[int], rank: int,
+                   microbatches: int, pp: int) -> float:
+    """The stage-boundary messages pp rank ``rank`` holds at most through a 1F1B step (as
+    runtime/stage_budget.held_timeline walks the Trainer's: every receive posted at the
+    step's start, every sent message kept to its end). Across the boundary below stage s
+    the rank holds M - k messages (forward receives not yet read, input gradients sent),
+    across the one above it M + k (activations sent, gradient receives not yet read), where
+    k = forwards - backwards run so far, 0 .. min(P - rank, M); the larger end counts.
+    ``stages``: stage_info's rows (their input bytes: the boundary before them)."""
+    held = 0.0
+    last = len(stages) - 1
+    ahead = min(pp - rank, microbatches)
+    for s, o in enumerate(owners):
+        if o != rank:
+            continue
+        below = stages[s][3] if s > 0 else 0
+        above = stages[s + 1][3] if s < last else 0
+        held += max(microbatches * (below + above),
+                    (microbatches - ahead) * below + (microbatches + ahead) * above)
+    return held
+
+
 def memory_bytes(piece: Any, mesh: Any, precision: str,
                  stages: list[tuple[Any, ...]] | None = None) -> float:
     """Per device, the most any pp rank holds (module docstring); ``stages``: stage_info."""
@@ -159,6 +184,8 @@ def memory_bytes(piece: Any, mesh: Any, precision: str,
             in_flight = min(mesh.pp - r, mesh.microbatches) if mesh.pp > 1 else 1
             act += activation_bytes(every, matmul, inp, blocks, cuts, mesh.recompute,
                                     mesh.pp > 1, in_flight)
+        if mesh.pp > 1:
+            act += boundary_bytes(stages, owners, r, mesh.microbatches, mesh.pp)
         worst = max(worst, held + act * act_scale)
     return worst
 
