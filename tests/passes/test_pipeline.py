@@ -310,3 +310,36 @@ def test_update_step_reduces_gradients_in_bfloat16():
     assert bucket_bytes(half) * 2 == bucket_bytes(full)
     reduced = AllReduceGradients(2, 10**6)(half)["train_step"].script()
     assert 'dtype="bfloat16"' in reduced and "raf_dist.ccl.allreduce" in reduced
+
+
+def test_bf16_stages_save_the_forwards_16_bit_copies():
+    """A bf16 stage (AutoCast) saves the 16-bit copies of the values AutoCast widened for its
+    layer norms and narrowed from its softmax, as the one-function step does
+    (passes/saved_precision.py): fewer saved bytes, no float32 value saved that has a 16-bit
+    twin, the same stage otherwise (its inputs, parameters and outputs)."""
+    from raf_dist.passes.auto_cast import auto_cast
+    from raf_dist.training.pipeline import build_stage_functions
+
+    module, x, _ = make("transformer", 8)
+    model = from_pytorch(module, (x,))
+    funcs = split_forward(partition(_graph(model), 2))
+    for s, f in enumerate(funcs):
+        last = s == len(funcs) - 1
+        forward = auto_cast(f.function, "bfloat16", low_output=not last)
+        built = {low: build_stage_functions(
+            s, last, forward, f.mask_indices, f.param_names, (), "cross_entropy",
+            target_spec=((tuple(int(d) for d in list(f.output_type.shape)[:-1]), "int64")
+                         if last else None), low_precision=low)
+            for low in (False, True)}
+        saved = {}
+        for low, fns in built.items():
+            fields = fns.mod["forward"].ret_ty.fields[1:1 + fns.num_saved]
+            saved[low] = {dt: sum(int(np.prod([int(d) for d in t.shape]))
+                                  for t in fields if str(t.dtype) == dt)
+                          for dt in {str(t.dtype) for t in fields}}
+        nbytes = {low: sum(n * (2 if dt == "bfloat16" else 4) for dt, n in by.items())
+                  for low, by in saved.items()}
+        assert nbytes[True] < nbytes[False], (s, saved)
+        assert saved[True].get("float32", 0) < saved[False].get("float32", 0), (s, saved)
+        assert ([str(p.ty) for p in built[True].mod["forward"].params]
+                == [str(p.ty) for p in built[False].mod["forward"].params])

@@ -1,5 +1,5 @@
 """Small IR utilities the layers share: running a PyExprMutator over each Relax function of a
-module, recognising the ``call_pure_packed`` markers the frontends and the step builder leave
+module, the operator a call calls, recognising the ``call_pure_packed`` markers the frontends and the step builder leave
 for passes to rewrite, element counts of static tensor types, a sum of a whole tensor that
 runs on every core."""
 import tvm
@@ -21,6 +21,14 @@ def mutate_functions(mod, mutator):
         if isinstance(func, relax.Function):
             mutator.builder_.update_func(gvar, mutator.visit_expr(func))
     return mutator.builder_.get()
+
+
+def op_name(value) -> str:
+    """The name of the operator ``value`` calls ("relax.matmul"); "" when it is not a call
+    of an operator (a variable, a constant, a call of a function or a packed function)."""
+    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+        return str(value.op.name)
+    return ""
 
 
 def tensor_numel(ty):

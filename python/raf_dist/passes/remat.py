@@ -45,6 +45,7 @@ import math
 import tvm
 from tvm import relax
 
+from ..ir.utils import op_name
 from .gradient_markers import SubstituteVars
 
 POLICIES = ("full", "selective")
@@ -73,12 +74,6 @@ class FullBlocks:
     (module docstring)."""
 
     count: int
-
-
-def _op_name(value):
-    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
-        return value.op.name
-    return None
 
 
 def _free_vars(expr):
@@ -133,7 +128,7 @@ class _Forward:
 
     def is_residual_join(self, var):
         value = self.bindings[self.index[var]].value
-        return (_op_name(value) == "relax.add"
+        return (op_name(value) == "relax.add"
                 and all(isinstance(a, relax.Var) and a in self.data for a in value.args))
 
 
@@ -183,8 +178,8 @@ def _ranked(fwd, uses):
         value = fwd.bindings[fwd.index[var]].value
         numel = _numel(var.ty)
         if (numel is None or not isinstance(var, relax.DataflowVar)
-                or _op_name(value) in KEEP_OUTPUTS
-                or (_op_name(value) or "").startswith(NEVER_RECOMPUTED_PREFIXES)):
+                or op_name(value) in KEEP_OUTPUTS
+                or op_name(value).startswith(NEVER_RECOMPUTED_PREFIXES)):
             continue
         size = numel * tvm.runtime.DataType(var.ty.dtype).bits // 8
         if size == 0:  # nothing to save
@@ -219,7 +214,7 @@ def ladder(adjoint, n_forward, n_data, loss):
 
 
 def _selective_kept(bindings):
-    return {b.var for b in bindings if _op_name(b.value) in KEEP_OUTPUTS}
+    return {b.var for b in bindings if op_name(b.value) in KEEP_OUTPUTS}
 
 
 def rematerialize(adjoint, n_forward, n_data, policy, loss):
@@ -254,7 +249,7 @@ def rematerialize(adjoint, n_forward, n_data, policy, loss):
     else:
         kept = _selective_kept(bindings[:n_forward])
     kept |= {b.var for b in bindings[:n_forward]
-             if (_op_name(b.value) or "").startswith(NEVER_RECOMPUTED_PREFIXES)}
+             if op_name(b.value).startswith(NEVER_RECOMPUTED_PREFIXES)}
 
     new_bindings = list(bindings[:n_forward])
     copies = {}

@@ -23,15 +23,10 @@ from typing import Dict, List, Optional, Tuple
 import tvm
 from tvm import relax
 
+from ..ir.utils import op_name
 from .gradient_markers import SubstituteVars
 
 _ASTYPE = "relax.astype"
-
-
-def _op_name(value: relax.Expr) -> str:
-    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
-        return str(value.op.name)
-    return ""
 
 
 def _float_bits(var: relax.Expr) -> int:
@@ -50,7 +45,7 @@ def _sources(forward: List[relax.Binding], narrowed: bool) -> Dict[relax.Var, Tu
     out: Dict[relax.Var, Tuple[relax.Var, str]] = {}
     for binding in forward:
         value = binding.value
-        if _op_name(value) != _ASTYPE or not isinstance(value.args[0], relax.DataflowVar):
+        if op_name(value) != _ASTYPE or not isinstance(value.args[0], relax.DataflowVar):
             continue
         src, dst = value.args[0], binding.var
         if src not in defined or not isinstance(dst, relax.DataflowVar):
@@ -87,7 +82,7 @@ def _same_values(var: relax.Var, producer: Dict[relax.Var, relax.Expr]) -> List[
 def _keeps_values(call: relax.Call, out: relax.Var) -> bool:
     """Whether ``call`` (producing ``out``) only reshapes its first argument, or broadcasts it
     to its own shape."""
-    op, shape = _op_name(call), _shape(out)
+    op, shape = op_name(call), _shape(out)
     if shape is None:
         return False
     return op == "relax.reshape" or (op == "relax.broadcast_to" and _shape(call.args[0]) == shape)

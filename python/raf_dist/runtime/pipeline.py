@@ -403,7 +403,7 @@ class PipelineExecutor(LoopScalars):
                                                      self.batch_size) if last else None,
             vocab_parallel=getattr(self.model, "output_split_classes", 0) > 1,
             buffer_names=funcs[s].buffer_names, buffers_written=funcs[s].buffers_written,
-            selective=selective)
+            selective=selective, low_precision=self.compute_dtype is not None)
         compiled = compile_step(fns.mod, passes=passes, target=self._target,
                                 cache_dir=self._cache_dir)
         vm = relax.VirtualMachine(compiled.executable, self._device)

@@ -36,6 +36,7 @@ from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PE
                         UPDATE_GROUPS, UPDATED_ARGUMENTS)
 from ..passes.pipeline import emit_function, stage_input_count
 from ..passes.remat import rematerialize
+from ..passes.saved_precision import save_low_precision
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from .loss import build_loss
 from .step import (GRAD_UNSCALE, _emit_update, _follow, _forward_length, _groups, _ident,
@@ -85,7 +86,7 @@ def _objective(last, loss, pred_ty, target_spec, vocab_parallel):
 
 def build_stage_functions(index, last, forward, mask_indices, param_names, frozen, loss,
                           target_spec=None, vocab_parallel=False, buffer_names=(),
-                          buffers_written=(), selective=False):
+                          buffers_written=(), selective=False, low_precision=False):
     """The StageFunctions of stage ``index`` (module docstring). ``forward`` is the stage's
     function from passes.pipeline.split_forward: ``(*inputs, *masks, *params, *buffers) ->
     output``, or ``(output, *new values of buffers_written)`` (batch norm already
@@ -94,7 +95,10 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
     buffers and leaves them alone. ``selective`` (activation_checkpointing="selective"):
     ``forward`` saves only what passes/remat.py's "selective" keeps (matmul and convolution
     outputs, and what the recomputation starts from) and ``backward`` recomputes the cheap
-    rest before its first use (the same pass as the one-function step's)."""
+    rest before its first use (the same pass as the one-function step's). ``low_precision``
+    (a stage AutoCast cast to bf16 / fp16): the backward reads the forward's 16-bit copies of
+    the values AutoCast widened or narrowed (passes/saved_precision.py, as the one-function
+    step's), so the stage saves those in 16 bits."""
     n_buf = len(buffer_names)
     n_in = stage_input_count(forward, len(mask_indices), len(param_names), n_buf)
     missing = missing_gradients(forward)
@@ -122,6 +126,8 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
                          "parameter and no activation input)")
     mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
     adjoint = mod["main_loss_adjoint"]
+    if low_precision:  # (AutoCast's stage) the backward reads the forward's 16-bit copies
+        adjoint = save_low_precision(adjoint, _forward_length(adjoint))
     if selective:  # the backward reads recomputed copies of what "selective" does not keep
         adjoint = rematerialize(adjoint, _forward_length(adjoint), n_in, "selective", None)
     args = list(adjoint.params)
