@@ -9,7 +9,9 @@ raf_dist/process_memory.py).
 Measured on this 2-core machine (growth / total, 2026-11-26, before the Trainer dropped the
 compiler's resident pages after construction: both sides fell by those pages since): wide_mlp
 1.06-1.10, gpt2 (transformers) 1.07-1.11, resnet (torchvision) 1.13-1.24, the high ends with the step compiled in the process
-(a cold build cache, as this test session's). Libraries count their anonymous memory at load
+(a cold build cache, as this test session's). 2026-11-28, the step built in a forked process
+(cold and warm alike): wide_mlp 1.13, gpt2 1.13, resnet 1.29 (bench/RESULTS.md says where the
+rest is, phase by phase). Libraries count their anonymous memory at load
 plus their shared objects' resident pages read when stats() is called (code pages become
 resident as they first run). What is not accounted for, ~40-90 MiB whatever the model: the
 compiler's freed heap that glibc cannot return (fragmented by live IR objects), the IR and VM
