@@ -220,12 +220,13 @@ def return_free_heap() -> None:
 
 
 def after_compile() -> int:
-    """What compiling left behind, let go before the run's own tensors are made: the heap
-    it freed (``return_free_heap``) and the compiler's resident code (``release_compiler_pages``).
-    Called by the executors between compiling the step and allocating the parameters and the
-    optimizer's states, so that a cold compile's transient (~100-150 MiB of heap and code on
-    the 23M GPT) and the states are not resident at once: construction's peak stays the
-    larger of the two, not their sum. Returns the compiler bytes dropped."""
+    """What compiling left behind in this process, let go: the heap it freed
+    (``return_free_heap``) and the compiler's resident code (``release_compiler_pages``).
+    The executors call it between compiling the step and allocating the parameters and the
+    optimizer's states (the capture, autodiff and the step's passes run here even when the
+    build runs in a forked process: compiler/build.py), so that the transient and the states
+    are not resident at once; the Trainer again at the end of construction. Returns the
+    compiler bytes dropped."""
     return_free_heap()
     return release_compiler_pages()
 

@@ -126,8 +126,9 @@ class Trainer:
                                  precision=precision, grad_reduce_dtype=grad_reduce_dtype,
                                  lr_schedule=lr_schedule, log_every=log_every,
                                  max_grad_norm=max_grad_norm, **extra)
-        process_memory.return_free_heap()  # what compiling freed (the RSS stays the run's)
-        process_memory.release_compiler_pages()  # the compiler's code, until it compiles again
+        # what construction freed and the compiler's code (until it compiles again), as the
+        # executors drop them before making their states
+        process_memory.after_compile()
         if env.profile_dir() is not None:
             self.profile(env.profile_steps(), env.profile_dir())
 

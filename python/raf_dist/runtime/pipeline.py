@@ -60,7 +60,7 @@ from ..passes.tp_ops import LowerTensorParallel
 from ..training import batch_size as batching
 from ..training import pipeline_schedule as schedules
 from ..training.loss import check_targets, num_classes
-from ..training.pipeline import build_stage_functions, build_update_step
+from ..training.pipeline import build_stage_functions, build_update_step, type_spec
 from ..training.step import GRAD_UNSCALE, TrainStepSignature, hyper_arguments
 from . import agreement, batches
 from . import predict as predict_lib
@@ -350,8 +350,9 @@ class PipelineExecutor(LoopScalars):
     def _boundary_specs(self, funcs, low):
         """(shape, dtype) of each stage's output (boundary b: stage b's output, stage b + 1's
         input), in the compute dtype where ``low`` says it travels in it."""
-        return [(tuple(int(d) for d in ty.shape), self.compute_dtype if b in low else str(ty.dtype))
-                for b, ty in enumerate(f.output_type for f in funcs)]
+        specs = [type_spec(f.output_type) for f in funcs]
+        return [(shape, self.compute_dtype if b in low else dtype)
+                for b, (shape, dtype) in enumerate(specs)]
 
     def _messages(self, specs, input_specs):
         """runtime/stage_budget.py's Messages: the boundaries of ``specs`` (every stage's
@@ -427,8 +428,7 @@ class PipelineExecutor(LoopScalars):
             stage = self._build_stage(s, funcs, rows, low, level == "selective")
             return stage_budget.saved_bytes(stage.functions, level), stage.planned_peak_bytes
 
-        inputs = {s: (tuple(int(d) for d in funcs[s].function.params[0].ty.shape),
-                      str(funcs[s].function.params[0].ty.dtype)) for s in self.my_stages}
+        inputs = {s: type_spec(funcs[s].function.params[0].ty) for s in self.my_stages}
         timeline = stage_budget.held_timeline(
             self.actions[self.pp_rank], self.my_stages,
             self._messages(self._boundary_specs(funcs, low), inputs))

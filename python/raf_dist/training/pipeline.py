@@ -126,10 +126,11 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
                          "parameter and no activation input)")
     mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
     adjoint = mod["main_loss_adjoint"]
+    n_forward = _forward_length(adjoint)  # (both passes below rewrite the backward only)
     if low_precision:  # (AutoCast's stage) the backward reads the forward's 16-bit copies
-        adjoint = save_low_precision(adjoint, _forward_length(adjoint))
+        adjoint = save_low_precision(adjoint, n_forward)
     if selective:  # the backward reads recomputed copies of what "selective" does not keep
-        adjoint = rematerialize(adjoint, _forward_length(adjoint), n_in, "selective", None)
+        adjoint = rematerialize(adjoint, n_forward, n_in, "selective", None)
     args = list(adjoint.params)
     inputs, masks = args[:n_in], args[n_in:n_in + len(mask_indices)]
     params = args[n_in + len(mask_indices):n_fwd - n_buf]
@@ -209,14 +210,15 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
                               if new_buffers else sub(primary)))
     return StageFunctions(
         index=index, last=last, mod=out_mod,
-        input_specs=[_spec(v.ty) for v in inputs], mask_indices=list(mask_indices),
-        param_names=list(param_names), trainable=trainable, output_spec=_spec(primary.ty),
-        num_saved=len(saved), input_grad=input_grad, seed_spec=_spec(seed.ty),
+        input_specs=[type_spec(v.ty) for v in inputs], mask_indices=list(mask_indices),
+        param_names=list(param_names), trainable=trainable, output_spec=type_spec(primary.ty),
+        num_saved=len(saved), input_grad=input_grad, seed_spec=type_spec(seed.ty),
         target_spec=tuple(target_spec) if target_spec is not None else None,
         buffer_names=list(buffer_names), buffers_written=list(buffers_written))
 
 
-def _spec(ty):
+def type_spec(ty):
+    """(shape, dtype) of a statically shaped tensor type."""
     return tuple(int(d) for d in ty.shape), str(ty.dtype)
 
 
