@@ -2,7 +2,7 @@
 dlight rule takes: two kernels over GPU threads, and — run on the CPU with the same grid as
 serial loops — the same result as numpy's unbuffered scatter-add, repeated indices included;
 and the mean of nll_loss (reductions to one value), which dlight's GeneralReduction turned
-into a kernel launch per token."""
+into a kernel launch per token; the fused cross-entropy's kernels (training/cross_entropy.py)."""
 import re
 
 import numpy as np
@@ -15,6 +15,7 @@ from tvm.script import relax as R
 
 from raf_dist.compiler.schedule_gpu import (ScalarReductions, launches_once,
                                             schedule_gpu_prim_func, schedule_scatter_add)
+from raf_dist.training.loss import build_loss
 
 V, D, N = 37, 11, 50  # V*D = 407 elements: two blocks of 256 threads, the second one partial
 
@@ -154,3 +155,29 @@ def test_scalar_reductions_declines_reductions_with_many_outputs():
         mod = relax.transform.LegalizeOps()(bb.get())
         func = [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)][0]
         assert ScalarReductions().apply(func, CUDA, False) is None
+
+
+def _cross_entropy_kernels(shape, dtype):
+    func, _ = build_loss("cross_entropy", shape, dtype)
+    mod = tvm.IRModule({tvm.ir.GlobalVar("main"): func.with_attr("global_symbol", "main")})
+    mod = relax.transform.Gradient("main")(mod)
+    with CUDA:
+        mod = relax.transform.LegalizeOps()(mod)
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_cross_entropy_kernels_are_spread_over_threads(dtype):
+    """training/cross_entropy.py's two kernels (row statistics, the gradient) through
+    ScheduleGPU's rules: one launch each, every row's work over many threads."""
+    kernels = _cross_entropy_kernels((512, 4096), dtype)
+    assert {"cross_entropy_rows", "cross_entropy_grad"} <= set(kernels)
+    for name in ("cross_entropy_rows", "cross_entropy_grad"):
+        with CUDA:
+            scheduled = schedule_gpu_prim_func(kernels[name], CUDA)
+        assert scheduled is not None and launches_once(scheduled), name
+        threads = [extent for kind, extent, tag in _loops(scheduled)
+                   if kind == tirx.ForKind.THREAD_BINDING and tag == "threadIdx.x"]
+        # every row's work spread over threads, not one thread per kernel (Fallback's last
+        # resort) nor one launch per row
+        assert threads and min(threads) > 1, name

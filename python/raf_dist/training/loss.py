@@ -1,7 +1,9 @@
 """Loss functions as Relax functions ``loss(prediction, target) -> scalar``.
 
 ``cross_entropy``: integer class targets, mean over the batch, as
-``torch.nn.functional.cross_entropy`` (predictions (B, C) or (B, ..., C) with targets (B, ...)).
+``torch.nn.functional.cross_entropy`` (predictions (B, C) or (B, ..., C) with targets (B, ...)):
+the fused op of cross_entropy.py (no log-probabilities held; its backward writes the logits'
+gradient in their dtype).
 ``mse``: mean of squared differences, as ``torch.nn.functional.mse_loss``.
 
 Under tensor parallelism the predictions may arrive split along their classes (the output
@@ -15,6 +17,8 @@ backward.
 """
 import numpy as np
 from tvm import relax
+
+from .cross_entropy import cross_entropy
 
 LOSSES = ("cross_entropy", "mse")
 
@@ -45,22 +49,15 @@ def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=Non
     bb = relax.BlockBuilder()
     with bb.function("loss", arguments):
         with bb.dataflow():
-            if name == "cross_entropy":
-                logits = pred
+            if name == "cross_entropy" and vocab_parallel:
+                logits, flat_target = pred, target
                 if len(pred_shape) > 2:  # (B, ..., C) -> (B*..., C) as F.cross_entropy on flat
-                    rows = 1
-                    for d in pred_shape[:-1]:
-                        rows *= d
+                    rows = int(np.prod(pred_shape[:-1]))
                     logits = bb.emit(relax.op.reshape(pred, (rows, pred_shape[-1])))
                     flat_target = bb.emit(relax.op.reshape(target, (rows,)))
-                else:
-                    flat_target = target
-                if vocab_parallel:
-                    value = _vocab_parallel_cross_entropy(bb, logits, flat_target)
-                else:
-                    log_probs = bb.emit(relax.op.nn.log_softmax(logits, axis=-1))
-                    value = bb.emit(relax.op.nn.nll_loss(log_probs, flat_target,
-                                                         reduction="mean"))
+                value = _vocab_parallel_cross_entropy(bb, logits, flat_target)
+            elif name == "cross_entropy":  # one op, its own backward (cross_entropy.py)
+                value = bb.emit(cross_entropy(pred, target))
             else:
                 diff = bb.emit(relax.op.subtract(pred, target))
                 squared = bb.emit(relax.op.multiply(diff, diff))

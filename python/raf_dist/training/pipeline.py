@@ -38,6 +38,7 @@ from ..passes.pipeline import emit_function, stage_input_count
 from ..passes.remat import rematerialize
 from ..passes.saved_precision import save_low_precision
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
+from .cross_entropy import narrow_loss_input
 from .loss import build_loss
 from .step import (GRAD_UNSCALE, _emit_update, _follow, _forward_length, _groups, _ident,
                    _loss_and_grads, in_param_dtypes, mark_in, missing_gradients, state_type)
@@ -113,6 +114,7 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
     objective, target_spec = _objective(last, loss, out_ty, target_spec, vocab_parallel)
     mod = tvm.IRModule({tvm.ir.GlobalVar("main"): forward.with_attr("global_symbol", "main")})
     mod = relax.training.AppendLoss("main", objective, num_backbone_outputs=1)(mod)
+    mod["main_loss"] = narrow_loss_input(mod["main_loss"])
     main = mod["main_loss"]
     n_fwd = len(forward.params)
     stage_params = list(main.params[n_in + len(mask_indices):n_fwd - n_buf])

@@ -41,6 +41,7 @@ from ..passes.remat import rematerialize
 from ..passes.saved_precision import save_low_precision
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from . import nonfinite
+from .cross_entropy import narrow_loss_input
 from .loss import build_loss
 
 
@@ -297,6 +298,7 @@ def _adjoint(forward, loss_func, n_in, trains):
     how many of its leading bindings are the forward and the loss (the backward follows)."""
     mod = tvm.IRModule({tvm.ir.GlobalVar("main"): forward.with_attr("global_symbol", "main")})
     mod = relax.training.AppendLoss("main", loss_func, num_backbone_outputs=1)(mod)
+    mod["main_loss"] = narrow_loss_input(mod["main_loss"])
     forward_params = mod["main_loss"].params[n_in:n_in + len(trains)]
     require = [v for v, t in zip(forward_params, trains) if t]
     mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)

@@ -1,0 +1,180 @@
+"""Cross-entropy as one op with its own backward: ``raf_dist.cross_entropy(logits, target)``
+is the mean over the rows of ``logsumexp(logits[r]) - logits[r, target[r]]`` (logits
+``(..., C)`` of any float dtype, integer targets ``(...)``); its gradient
+``raf_dist.cross_entropy_grad(logits, target, g)`` writes ``(softmax(logits[r]) -
+one_hot(target[r])) * g / rows`` straight into a tensor of the logits' dtype.
+
+Why not ``log_softmax`` + ``nll_loss`` (what training/loss.py emitted before): autodiff of
+that pair holds four logits-sized float32 tensors across the loss (the log-probabilities, the
+nll gradient's mostly-zero tensor, the log-softmax gradient, and under mixed precision the
+logits widened to float32 and the gradient narrowed back), and TVM's nll_loss backward is an
+opaque kernel nothing fuses into. Here the forward keeps nothing but the logits (which the
+backward recomputes the row statistics from: two more reads of one tensor, no write), and
+the backward writes one tensor, in the logits' dtype. Under bf16 the logits leave the head
+matmul in bf16 and never exist in float32 (``narrow_loss_input``): the statistics are
+accumulated in float32 registers. This is the fused cross-entropy of Megatron-LM's
+``fused_vocab_parallel_cross_entropy`` and of Liger-Kernel / Apex's ``xentropy`` (same
+formula; written here as TE, so it is lowered for the CPU and CUDA like any other op).
+
+Targets are checked to lie in [0, C) before a step runs (loss.check_targets), so the mean is
+over every row, as ``torch.nn.functional.cross_entropy``'s with no ``ignore_index`` hit.
+"""
+import tvm
+from tvm import relax, te
+from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.ir import _ffi_api as _ir_api
+from tvm.relax.op.base import register_gradient
+from tvm.relax.transform.legalize_ops.common import register_legalize
+
+from ..ir.attrs import MATERIALIZE
+from ..ir.ops import GRADIENT_LEVEL
+from ..passes.auto_cast import LOW_DTYPES
+from ..passes.fast_math import exp_float32
+
+CROSS_ENTROPY = "raf_dist.cross_entropy"
+CROSS_ENTROPY_GRAD = "raf_dist.cross_entropy_grad"
+
+
+def _register(name, description, arguments, infer):
+    if name in _ir_api.ListOpNames():  # a module reloaded: the op is already there
+        return tvm.ir.Op.get(name)
+    _ir_api.RegisterOp(name, description)
+    op = tvm.ir.Op.get(name)
+    op.set_num_inputs(len(arguments))
+    for argument, kind, text in arguments:
+        op.add_argument(argument, kind, text)
+    tvm.ir.register_op_attr(name, "FInferType", infer)
+    tvm.ir.register_op_attr(name, "FPurity", True)
+    tvm.ir.register_op_attr(name, "TScriptPrinterName", name)
+    return op
+
+
+_FORWARD = _register(
+    CROSS_ENTROPY, "mean cross-entropy of logits (..., C) against integer targets (...)",
+    [("logits", "Tensor", "the unnormalised scores, classes last"),
+     ("target", "Tensor", "class indices in [0, C)")],
+    lambda call, ctx: relax.TensorType((), "float32"))
+_BACKWARD = _register(
+    CROSS_ENTROPY_GRAD, "the gradient of raf_dist.cross_entropy with respect to its logits",
+    [("logits", "Tensor", "the forward's logits"), ("target", "Tensor", "the class indices"),
+     ("output_grad", "Tensor", "the loss's gradient (0-d float32)")],
+    lambda call, ctx: call.args[0].ty)
+
+
+def cross_entropy(logits: relax.Expr, target: relax.Expr) -> relax.Call:
+    return relax.Call(_FORWARD, [logits, target])
+
+
+def is_cross_entropy(expr) -> bool:
+    return isinstance(expr, relax.Call) and expr.op == _FORWARD
+
+
+def _gradient(var, call, grad, ctx):
+    logits, target = call.args
+    return [relax.Call(_BACKWARD, [logits, target, grad]), relax.op.grad.no_grad(target)]
+
+
+register_gradient(CROSS_ENTROPY, _gradient, level=GRADIENT_LEVEL)
+
+
+# ---- lowering (TE): the row statistics in float32 whatever the logits' dtype ----
+
+def _row_statistics(logits):
+    """(rows shape, x(i, c) in float32, the row max, exp(x - row max), the row sum of it),
+    the stages of fast_math's softmax: the exp is materialised, so its block is vectorised
+    (a reduction's body is not) and, computed inside the row loop of compiler/schedule.py's
+    row-fused schedule, it is one row per thread, not a logits-sized buffer."""
+    shape = list(logits.shape)
+    rows, classes = shape[:-1], shape[-1]
+
+    source = logits
+    if logits.dtype != "float32":
+        # 16-bit logits widened in a block of their own (one row per thread in the row-fused
+        # schedule): exp_float32's Let bindings over a bfloat16 load are left in 16 bits by
+        # TVM's BF16ComputeLegalize (measured: every row's sum came out inf)
+        source = te.compute(shape, lambda *i: logits(*i).astype("float32"), name="ce_widened",
+                            attrs={MATERIALIZE: 1})
+
+    def x(index, c):
+        return source[tuple(index) + (c,)]
+
+    k1, k2 = te.reduce_axis((0, classes), "k1"), te.reduce_axis((0, classes), "k2")
+    row_max = te.compute(rows, lambda *i: te.max(x(i, k1), axis=k1), name="ce_row_max")
+    exp = te.compute(shape, lambda *i: exp_float32(x(i[:-1], i[-1]) - row_max(*i[:-1])),
+                     name="ce_shifted_exp", attrs={MATERIALIZE: 1})
+    row_sum = te.compute(rows, lambda *i: te.sum(exp(*i, k2), axis=k2), name="ce_row_expsum")
+    return rows, x, row_max, exp, row_sum
+
+
+def _row_count(rows) -> int:
+    count = 1
+    for d in rows:
+        count *= int(d)
+    return count
+
+
+def _per_row_te(logits, target):
+    """Each row's loss, ``log(sum(exp(x - max))) + max - x[target]``."""
+    rows, x, row_max, _, row_sum = _row_statistics(logits)
+    return te.compute(
+        rows, lambda *i: te.log(row_sum(*i)) + row_max(*i) - x(i, target(*i).astype("int64")),
+        name="ce_per_row")
+
+
+def _backward_te(logits, target, output_grad):
+    rows, _, _, exp, row_sum = _row_statistics(logits)
+    scale = tvm.tirx.const(1.0 / _row_count(rows), "float32")
+
+    def grad(*index):
+        i, c = index[:-1], index[-1]
+        hot = tvm.tirx.Select(c.astype("int64") == target(*i).astype("int64"),
+                              tvm.tirx.const(1.0, "float32"), tvm.tirx.const(0.0, "float32"))
+        value = (exp(*index) / row_sum(*i) - hot) * (output_grad() * scale)
+        return value if logits.dtype == "float32" else value.astype(logits.dtype)
+
+    return te.compute(logits.shape, grad, name="cross_entropy_grad")
+
+
+def _legalize_forward(bb, call):
+    """The rows' losses as one row-fused kernel, then TVM's mean (a reduction to one value
+    compiler/schedule.py already spreads over the cores)."""
+    per_row = bb.emit(bb.call_te(_per_row_te, call.args[0], call.args[1],
+                                 primfunc_name_hint="cross_entropy_rows"))
+    return relax.op.mean(per_row)
+
+
+register_legalize(CROSS_ENTROPY, _legalize_forward)
+register_legalize(CROSS_ENTROPY_GRAD, lambda bb, call: bb.call_te(
+    _backward_te, call.args[0], call.args[1], call.args[2],
+    primfunc_name_hint="cross_entropy_grad"))
+
+
+# ---- the loss reads the head's 16-bit logits ----
+
+def narrow_loss_input(func: relax.Function) -> relax.Function:
+    """``cross_entropy(astype(x, "float32"), t)`` with ``x`` bf16 / fp16 (AutoCast's cast of
+    the forward's output back to float32) becomes ``cross_entropy(x, t)``: the op computes
+    its statistics in float32 itself, so the widened logits are never written and, after
+    autodiff, the logits' gradient is made in the 16-bit dtype the head's matmul backward
+    reads (no float32 gradient narrowed by a cast). The cast stays when anything else reads
+    the float32 logits. ``func``: a forward with its loss appended (AppendLoss's output)."""
+    narrowed = _Narrow().visit_expr(func)
+    return relax.analysis.remove_all_unused(narrowed)
+
+
+_ASTYPE = tvm.ir.Op.get("relax.astype")
+
+
+@mutator
+class _Narrow(PyExprMutator):
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        if not is_cross_entropy(call) or not isinstance(call.args[0], relax.Var):
+            return call
+        cast = self.lookup_binding(call.args[0])
+        while isinstance(cast, relax.Var):  # AppendLoss binds the forward's output to a var
+            cast = self.lookup_binding(cast)
+        if (isinstance(cast, relax.Call) and cast.op == _ASTYPE
+                and str(cast.args[0].ty.dtype) in LOW_DTYPES):
+            return cross_entropy(cast.args[0], call.args[1])
+        return call
