@@ -9,6 +9,7 @@ import types
 
 import numpy as np
 import pytest
+import tvm
 
 import raf_dist
 from raf_dist.proxies import (CLUSTERS, Cluster, Event, Link, MeshSpec, Workload, extract,
@@ -71,6 +72,32 @@ def test_compute_is_the_models_flops_split_by_tp_and_pipeline(transformer):
     assert extract(gpt, MeshSpec(tp=2)).flops(0) == pytest.approx(whole / 2, rel=0.02)
     staged = extract(gpt, MeshSpec(pp=2, microbatches=2))
     assert staged.flops(0) + staged.flops(1) == pytest.approx(whole, rel=0.02)
+
+
+def test_operator_calls_are_counted_per_rank_and_charged_per_call(transformer):
+    """Every operator call of the step is in one compute event (a dp rank makes all of them,
+    whatever the batch split), and the cost model charges op_overhead_us for each: a small
+    model's step is its calls (bench/step_time.py's GPT on an H200 is host-bound)."""
+    from tvm import relax
+
+    from raf_dist.training import build_train_step
+
+    mod, _ = build_train_step(transformer, "cross_entropy", raf_dist.optim.AdamW(lr=1e-3))
+    calls = sum(1 for block in mod["train_step"].body.blocks for b in block.bindings
+                if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op))
+    from raf_dist.proxies.extract import function_events
+
+    assert sum(e.ops for e in function_events(mod["train_step"])) == calls
+    one = extract(transformer, MeshSpec())  # through the step's passes, which add calls
+    assert sum(e.ops for e in one.programs[0]) >= calls
+    dp = extract(transformer, MeshSpec(dp=2))
+    assert sum(e.ops for e in dp.programs[0] if e.kind == "compute") >= calls
+    slow_host = Cluster("t", 8, 1e6, 1e6, Link(0.0, 1e6), Link(0.0, 1e6), op_overhead_us=10.0)
+    ops = sum(e.ops for e in one.programs[0])
+    assert simulate(one, slow_host).iteration_s == pytest.approx(ops * 10e-6, rel=1e-3)
+    # an old cluster file without the key: no host term
+    old = {k: v for k, v in slow_host.to_dict().items() if k != "op_overhead_us"}
+    assert Cluster.from_dict(old).op_overhead_us == 0.0
 
 
 def test_pipeline_programs_pair_every_message(transformer):
@@ -208,3 +235,17 @@ def _args(workload, **kw):
                 embedding_parallel=None, recompute="none", vocab=None, precision="fp32")
     base.update(kw)
     return types.SimpleNamespace(**base)
+
+
+def test_calibrate_measures_this_host_and_its_host_time_per_call(tmp_path):
+    """``python -m raf_dist.proxies calibrate`` (one process: no link to measure) writes a
+    cluster file the simulator loads, with the GEMM and copy rates and the host time per
+    operator call measured (a tiny model's steps: microseconds per call, not zero)."""
+    import subprocess
+
+    out = tmp_path / "here.json"
+    subprocess.run([sys.executable, "-m", "raf_dist.proxies", "calibrate", "--calibration-out",
+                    str(out)], check=True, timeout=300, capture_output=True)
+    cluster = load_cluster(str(out))
+    assert cluster.matmul_tflops > 0 and cluster.memory_GBps > 0
+    assert 0.05 < cluster.op_overhead_us < 1000

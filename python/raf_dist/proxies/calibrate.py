@@ -3,8 +3,12 @@ this machine for the ``cpu-here`` cluster (proxies/simulate.py) and save it
 (~/.cache/raf_dist/cpu-here.json, which ``--cluster cpu-here`` then reads, or FILE, a cluster
 JSON for ``--cluster FILE``). With N ranks on fewer cores it measures N ranks sharing them:
 float32 GEMM rate (numpy's BLAS, 1024^3, best of 5), copy bandwidth (64 MiB, best of 5),
-and raf_dist's allreduce between the ranks: alpha from 4 KiB calls, bus bandwidth from
-64 MiB ones (medians of 20 and 5, between barriers)."""
+raf_dist's allreduce between the ranks: alpha from 4 KiB calls, bus bandwidth from 64 MiB
+ones (medians of 20 and 5, between barriers), and the host time per operator call: every
+rank trains its own copy of a model whose tensors are tiny (no communication; the compute
+is negligible, so a step is its calls: the VM's dispatch, the kernels' entry, the Trainer's
+Python), and the median step divided by the step's operator count as the extraction counts
+them (proxies/extract.py) is what the cost model charges per call."""
 from __future__ import annotations
 
 import json
@@ -24,6 +28,34 @@ def _best(fn, repeats):
         fn()
         times.append(time.perf_counter() - began)
     return min(times)
+
+
+def _op_overhead_us(comm) -> float:
+    """Microseconds of host time per operator call with every rank stepping at once (module
+    docstring): the median over the ranks of each one's median step / its operator count."""
+    import torch
+
+    import raf_dist
+
+    from .extract import MeshSpec, extract
+
+    torch.manual_seed(0)
+    layers = [m for _ in range(8) for m in (torch.nn.Linear(16, 16), torch.nn.GELU())]
+    module = torch.nn.Sequential(torch.nn.LayerNorm(16), *layers, torch.nn.Linear(16, 8))
+    x, y = torch.randn(4, 16), torch.randint(0, 8, (4,))
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    ops = sum(e.ops for e in extract(model, MeshSpec()).programs[0])
+    trainer = raf_dist.Trainer(model, optimizer=raf_dist.optim.AdamW(lr=1e-3))
+    xs, ys = x.numpy(), y.numpy()
+    for _ in range(5):
+        trainer.step(xs, ys)
+    comm.Barrier()
+    times = []
+    for _ in range(30):
+        began = time.perf_counter()
+        trainer.step(xs, ys)
+        times.append(time.perf_counter() - began)
+    return statistics.median(comm.allgather(statistics.median(times) / ops * 1e6))
 
 
 def calibrate(out_path: str = _CALIBRATED) -> int:
@@ -49,6 +81,7 @@ def calibrate(out_path: str = _CALIBRATED) -> int:
             times.append(comm.allreduce(time.perf_counter() - began, op=MPI.MAX))
         return statistics.median(times)
 
+    op_us = _op_overhead_us(comm)
     if n > 1:
         small = allreduce_median(1024, 20)
         big_elements = 16 * 2**20
@@ -60,7 +93,8 @@ def calibrate(out_path: str = _CALIBRATED) -> int:
         link = Link(0.0, 1e6)
     cluster = Cluster("cpu-here", n, round(gemm / 1e12, 4), round(copy / 1e9, 2), link, link,
                       round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-                      f"measured {time.strftime('%Y-%m-%d')} with {n} ranks on this host")
+                      f"measured {time.strftime('%Y-%m-%d')} with {n} ranks on this host",
+                      op_overhead_us=round(op_us, 2))
     if comm.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         with open(out_path, "w") as f:

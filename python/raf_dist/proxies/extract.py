@@ -7,7 +7,8 @@ the same distribution passes the executors apply (AllReduceGradients / ShardZeRO
 buckets and overlap, LowerTensorParallel, LowerEmbeddingExchange) — and walks it in program
 order: every ``raf_dist.ccl.*`` call becomes a collective event (kind, whole-tensor bytes,
 axis, started here / waited there), the work between two of them one compute event (the
-FLOPs of its matmuls and convolutions, the bytes its other operators write). Under
+FLOPs of its matmuls and convolutions, the bytes its other operators write, how many
+operator calls it makes: the host's share of a step, which the cost model charges per call). Under
 pipelining each pp rank's program is its schedule (training/pipeline_schedule.py
 ``rank_actions``: the same action lists the PipelineExecutor runs) with each F / B action
 replaced by its stage's forward / backward events, each SEND / RECV by a message of the
@@ -111,13 +112,14 @@ def function_events(func: relax.Function, what: str = "") -> list[Event]:
     extraction tags every axis."""
     events: list[Event] = []
     pending: dict[Any, int] = {}
-    work = [0, 0]  # flops, bytes written since the last collective
+    work = [0, 0, 0]  # flops, bytes written, operator calls since the last collective
     handles = iter(range(1 << 30))
 
     def flush():
-        if work[0] or work[1]:
-            events.append(Event("compute", flops=work[0], mem_bytes=work[1], what=what))
-            work[0] = work[1] = 0
+        if work[0] or work[1] or work[2]:
+            events.append(Event("compute", flops=work[0], mem_bytes=work[1], ops=work[2],
+                                what=what))
+            work[0] = work[1] = work[2] = 0
 
     for b in _bindings(func):
         symbol, args = packed_call(b.value)
@@ -125,6 +127,7 @@ def function_events(func: relax.Function, what: str = "") -> list[Event]:
             if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op):
                 flops = call_flops(b.value)
                 work[0] += flops
+                work[2] += 1
                 if not flops:
                     work[1] += type_nbytes(b.var.ty)
             continue

@@ -6,7 +6,9 @@ Cluster description (``Cluster``; presets below, or a JSON file with the same ke
 ``gpus_per_node``; ``matmul_tflops`` (the rate dense matmuls reach, not the datasheet peak)
 and ``memory_GBps`` (what the other operators' bytes move at); ``intra`` / ``inter``:
 ``{"alpha_us", "bandwidth_GBps"}`` of a ring step inside a node (NVLink / shared memory) and
-across nodes (InfiniBand / Ethernet), bandwidth per device. A group whose ranks all sit on
+across nodes (InfiniBand / Ethernet), bandwidth per device; ``op_overhead_us``: host time
+per operator call (dispatch between kernels, a GPU's launch), which a small model's step is
+made of. A group whose ranks all sit on
 one node uses ``intra``, any other ``inter`` (the mesh places tp innermost, then dp, then
 pp: DESIGN.md's rank = (pp_i * dp + dp_i) * tp + tp_i, nodes filled in rank order).
 
@@ -44,6 +46,10 @@ class Cluster:
     inter: Link
     device_memory_gb: float = 80.0
     note: str = ""
+    #: host time per operator call of a step (the VM's dispatch and the framework between
+    #: kernels; a GPU's launch): charged on the compute stream, ranks sharing a core pay it
+    #: at their share (what ``calibrate`` measures with N ranks on this host)
+    op_overhead_us: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
@@ -62,12 +68,14 @@ class Cluster:
 #: project's 2-core development machine as ``python -m raf_dist.proxies calibrate``
 #: measured it under ``mpirun -np 2`` on 2026-11-27 (per rank, both ranks busy: numpy float32
 #: GEMM 67 GFLOP/s, copy 13.8 GB/s, raf_dist allreduce alpha 10 us, bus bandwidth 1.9 GB/s);
-#: a saved calibration replaces it.
+#: a saved calibration replaces it. op_overhead_us of the GPU presets: raf_dist's own host
+#: time per operator call on an H200 (bench/RESULTS.md, gpu_check.sh: bench/step_time.py's
+#: GPT, a host-bound step of 5.13 ms for the 1893 operator calls its extraction counts)
 CLUSTERS = {
     "dgx-a100": Cluster("dgx-a100", 8, 250.0, 1600.0, Link(8.0, 230.0), Link(12.0, 20.0), 80.0,
-                        "8x A100-80GB per node, NVSwitch, 8x HDR 200 Gb/s"),
+                        "8x A100-80GB per node, NVSwitch, 8x HDR 200 Gb/s", op_overhead_us=2.7),
     "dgx-h100": Cluster("dgx-h100", 8, 790.0, 3000.0, Link(6.0, 360.0), Link(10.0, 40.0), 80.0,
-                        "8x H100-SXM per node, NVSwitch, 8x NDR 400 Gb/s"),
+                        "8x H100-SXM per node, NVSwitch, 8x NDR 400 Gb/s", op_overhead_us=2.7),
     "cpu-here": Cluster("cpu-here", 2, 0.067, 13.8, Link(10.3, 1.9), Link(10.3, 1.9), 23.5,
                         "this 2-core machine, one rank per core (calibrate, 2026-11-27)"),
 }
@@ -97,7 +105,8 @@ def load_cluster(spec: str) -> Cluster:
 
 def compute_seconds(event: Event, cluster: Cluster) -> float:
     return (event.flops / (cluster.matmul_tflops * 1e12)
-            + event.mem_bytes / (cluster.memory_GBps * 1e9))
+            + event.mem_bytes / (cluster.memory_GBps * 1e9)
+            + event.ops * cluster.op_overhead_us * 1e-6)
 
 
 def group_size(workload: Workload, axis: str) -> int:

@@ -7,8 +7,9 @@ extracts it once from a compiled step (proxies/extract.py) and every replay rank
 so replay processes compile nothing.
 
 Event kinds:
-- ``compute``: ``flops`` (matmul / convolution multiply-adds x 2) and ``mem_bytes`` (bytes
-  the other operators write), timed by a cost model (proxies/cost.py).
+- ``compute``: ``flops`` (matmul / convolution multiply-adds x 2), ``mem_bytes`` (bytes
+  the other operators write) and ``ops`` (operator calls: each is a call the host makes, a
+  kernel launch on a GPU), timed by the cost model (proxies/simulate.py ``compute_seconds``).
 - ``allreduce`` / ``reduce_scatter`` / ``allgather`` / ``alltoall`` over ``axis`` (``"dp"``,
   ``"tp"``, ``"pp"`` or ``"world"``): ``bytes`` is the whole tensor (reduce-scatter's input,
   allgather's output, alltoall's send buffer). ``handle`` >= 0: started here, completed by
@@ -36,6 +37,7 @@ class Event:
     handle: int = -1
     flops: int = 0
     mem_bytes: int = 0
+    ops: int = 0
     peer: int = -1
     tag: int = -1
     what: str = ""  # where it came from, for people reading a listing

@@ -225,6 +225,8 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
          max_simulations: int | None = None) -> list[Choice]:
     """The ranked configurations (module docstring); at most ``max_simulations`` simulated
     (None: as many as ``budget_s`` allows)."""
+    import tvm
+
     from ..proxies import extract, load_cluster, simulate
     from ..runtime.metrics import function_flops
     from ..training import tensor_parallel as tp_lib
@@ -234,6 +236,10 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
     whole = at_rows(global_batch)
     train_flops = 3 * function_flops(whole.forward)
     train_bytes = 3 * _forward_bytes(whole.forward)[0]  # what the other operators move
+    # operator calls of a whole step (forward, ~2x in the backward): each rank makes a
+    # stage's share of them per microbatch, whatever its dp or tp
+    train_ops = 3 * sum(1 for block in whole.forward.body.blocks for b in block.bindings
+                        if isinstance(getattr(b.value, "op", None), tvm.ir.Op))
     n_params = sum(int(np.prod(s)) for s, _ in whole.param_specs())
     # a pipeline stage per single-tensor cut at most (the partitioner's candidates)
     from ..training.pipeline import stage_plan
@@ -268,7 +274,8 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
         link = cluster.intra if mesh.tp * mesh.dp <= cluster.gpus_per_node else cluster.inter
         reduce = (2 * (mesh.dp - 1) / mesh.dp * grads / (link.bandwidth_GBps * 1e9)
                   * (1.5 if mesh.zero == 3 else 1.0))
-        c.step_time_s = compute * (1 + bubble) + reduce
+        host = train_ops / mesh.pp * mesh.microbatches * cluster.op_overhead_us * 1e-6
+        c.step_time_s = (compute + host) * (1 + bubble) + reduce
         c.comm_bytes_per_step = int(2 * grads * (mesh.dp - 1) / mesh.dp)
         c.how = "estimated"
         choices.append((c, mesh))
