@@ -11,12 +11,14 @@ step simulated on this machine's cluster description.
 
 The cluster of an N-rank run is this machine measured with N ranks sharing its cores
 (``mpiexec -n N python -m raf_dist.proxies calibrate``: each rank's GEMM and copy rates while
-the others run theirs, raf_dist's allreduce alpha and bandwidth between them), and the
-model's compute scaled once so that the simulated one-process step (``-n 1`` calibration)
-equals the measured one-process step (the issue's "this machine's measured kernel times
-scaled"); the host time per operator call is the calibration's, measured with N ranks
+the others run theirs, on the threads a Trainer gives it, raf_dist's allreduce alpha and
+bandwidth between them), and the model's compute scaled once so that the simulated
+one-process step equals the measured one-process step, both on one core (``-n 1``
+calibration; every rank of these jobs computes on one thread) (the issue's "this machine's
+measured kernel times scaled"); the host time per operator call is the calibration's, measured with N ranks
 stepping at once, not scaled. Nothing is fitted per mesh. ``--predict-only FILE`` predicts again the meshes a
-previous run measured (its ``--rows-out``).
+previous run measured (its ``--rows-out``; the one-core reference and the calibrations are
+measured again).
 Prints the table, the share of meshes predicted within 20%, whether the fastest predicted of
 the measured meshes (the planner's ranking, which orders by this same simulation, restricted
 to them) is among the two fastest measured, and draws the scatter.
@@ -75,15 +77,19 @@ def side(tp, pp, zero, microbatches, steps):
         harness.report({"ms": ms})
 
 
-def calibrated(n, tmp):
-    """This machine measured with ``n`` ranks sharing its cores (module docstring)."""
+def calibrated(n, tmp, cpu_set=None):
+    """This machine measured with ``n`` ranks sharing its cores (module docstring), on
+    ``cpu_set`` when given."""
+    import os
+    import subprocess
+
     from raf_dist.proxies import load_cluster
 
     path = Path(tmp) / f"cpu-{n}.json"
-    import subprocess
     subprocess.run([harness.mpiexec(), "-n", str(n), sys.executable, "-m", "raf_dist.proxies",
                     "calibrate", "--calibration-out", str(path)], check=True, timeout=600,
-                   cwd=harness.ROOT, stdout=subprocess.DEVNULL)
+                   cwd=harness.ROOT, stdout=subprocess.DEVNULL,
+                   preexec_fn=(lambda: os.sched_setaffinity(0, cpu_set)) if cpu_set else None)
     return load_cluster(str(path))
 
 
@@ -145,14 +151,17 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="raf_dist_pv_")
     ranks = [int(v) for v in a.ranks.split(",")]
+    # the reference: one process on one core, as every rank of the 2-, 4- and 8-rank jobs
+    # computes on one thread (cores / ranks); two threads in one process are a different
+    # kernel efficiency (TVM's pool synchronises every parallel kernel) that no mesh here has
+    one_core = harness.cores(1)
+    one = harness.run_side([sys.executable, __file__, "--side", "--steps", str(a.steps)],
+                           cpu_set=one_core, timeout=900)["ms"] / 1e3
+    rows = []
     if a.predict_only:
         saved = json.loads(Path(a.predict_only).read_text())
-        one, rows = saved["one_process_s"], [r for r in saved["rows"] if r["ranks"] in ranks]
-    else:
-        one = harness.run_side([sys.executable, __file__, "--side", "--steps", str(a.steps)],
-                               timeout=900)["ms"] / 1e3
-        rows = []
-    clusters = {n: calibrated(n, tmp) for n in [1] + ranks}
+        rows = [r for r in saved["rows"] if r["ranks"] in ranks]
+    clusters = {1: calibrated(1, tmp, one_core), **{n: calibrated(n, tmp) for n in ranks}}
     print(f"# {harness.machine()}", flush=True)
     for n, c in clusters.items():
         print(f"# calibrated with {n} rank(s): {json.dumps(c.to_dict())}", flush=True)
@@ -161,7 +170,8 @@ def main():
     single = (1, 1, 1, 0, 1)
     modelled, host = predict(single, clusters[1], 1.0), host_seconds(single, clusters[1])
     scale = (modelled - host) / max(one - host, 1e-9)
-    print(f"# one process: measured {one * 1e3:.1f} ms, cost model {modelled * 1e3:.1f} ms "
+    print(f"# one process on one core: measured {one * 1e3:.1f} ms, cost model "
+          f"{modelled * 1e3:.1f} ms "
           f"(of which {host * 1e3:.1f} ms the host's operator calls) -> this model's compute "
           f"rates x {scale:.3f}", flush=True)
     if not a.predict_only:

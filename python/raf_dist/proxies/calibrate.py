@@ -1,7 +1,8 @@
 """``mpirun -np 2 python -m raf_dist.proxies calibrate [--calibration-out FILE]``: measure
 this machine for the ``cpu-here`` cluster (proxies/simulate.py) and save it
 (~/.cache/raf_dist/cpu-here.json, which ``--cluster cpu-here`` then reads, or FILE, a cluster
-JSON for ``--cluster FILE``). With N ranks on fewer cores it measures N ranks sharing them:
+JSON for ``--cluster FILE``). With N ranks on fewer cores it measures N ranks sharing them,
+each with the compute threads a Trainer would give it (cores / ranks on the host):
 float32 GEMM rate (numpy's BLAS, 1024^3, best of 5), copy bandwidth (64 MiB, best of 5),
 raf_dist's allreduce between the ranks: alpha from 4 KiB calls, bus bandwidth from 64 MiB
 ones (medians of 20 and 5, between barriers), and the host time per operator call: every
@@ -63,8 +64,14 @@ def calibrate(out_path: str = _CALIBRATED) -> int:
 
     from ..distributed import collectives
 
+    from ..distributed import get_communicator
+    from ..runtime.threads import available_cores, set_num_threads
+
     comm = MPI.COMM_WORLD
     n = comm.size
+    # each rank's compute threads as a Trainer sizes them (cores / ranks on this host): the
+    # rates measured are the ones a step of N ranks gets, not N oversubscribed BLAS pools
+    set_num_threads(max(1, available_cores() // max(1, get_communicator().local_size)))
     a = np.random.default_rng(0).standard_normal((1024, 1024), np.float32)
     gemm = 2 * 1024 ** 3 / _best(lambda: a @ a, 5)
     src = np.ones(16 * 2**20, np.float32)
