@@ -169,7 +169,10 @@ def main():
     # time (calibrated, not scaled) equals the measured one-process step
     single = (1, 1, 1, 0, 1)
     modelled, host = predict(single, clusters[1], 1.0), host_seconds(single, clusters[1])
-    scale = (modelled - host) / max(one - host, 1e-9)
+    if one <= host:
+        raise SystemExit(f"the one-process step ({one * 1e3:.1f} ms) is no longer than its "
+                         f"calibrated operator calls ({host * 1e3:.1f} ms): calibrate again")
+    scale = (modelled - host) / (one - host)
     print(f"# one process on one core: measured {one * 1e3:.1f} ms, cost model "
           f"{modelled * 1e3:.1f} ms "
           f"(of which {host * 1e3:.1f} ms the host's operator calls) -> this model's compute "

@@ -16,7 +16,7 @@ from . import env, process_memory
 from .distributed import get_communicator, get_config
 from .model import Model
 from .optim import Optimizer
-from .runtime import available_cores, set_num_threads
+from .runtime import set_num_threads, threads_per_rank
 from .runtime.agreement import agree
 from .runtime.mixed_precision import GRAD_REDUCE_DTYPES, PRECISIONS
 from .runtime.pipeline import PipelineExecutor, check_pipeline_config
@@ -116,7 +116,7 @@ class Trainer:
         # a 16-bit step on the host multiplies in PyTorch's oneDNN, on its own pool
         second_pool = (PRECISIONS[precision] is not None
                        and device_lib.parse(device)[0] != "cuda")
-        set_num_threads(max(1, available_cores() // max(1, comm.local_size)), second_pool)
+        set_num_threads(threads_per_rank(comm.local_size), second_pool)
         executor = PipelineExecutor if plan.pp > 1 else SPMDExecutor
         # pipelining refuses sharded tables (DistConfig.check_supported)
         extra = {} if plan.pp > 1 else {"embedding_plan": embedding_plan}

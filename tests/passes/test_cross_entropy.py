@@ -145,3 +145,17 @@ def test_a_bf16_step_holds_no_float32_logits(tmp_path):
 
     relax.analysis.post_order_visit(mod["train_step"], visit)
     assert logits_like and set(logits_like) == {"bfloat16"}
+
+
+def test_targets_by_row_and_16_bit_weighted_losses_build():
+    """(B*T,) targets of (B, T, C) logits are reshaped to the rows; a target of another size
+    or dtype is refused naming the shape it needs; a weighted loss on 16-bit predictions
+    multiplies its float32 value by the weight (the loss stays float32)."""
+    func, (shape, _) = build_loss("cross_entropy", (2, 3, 5), "float32", target_shape=(6,))
+    assert shape == (6,) and "relax.reshape" in _ops(func)
+    with pytest.raises(ValueError, match=r"shape \(2, 3\)"):
+        build_loss("cross_entropy", (2, 3, 5), "float32", target_shape=(5,))
+    with pytest.raises(ValueError, match="integer class indices"):
+        build_loss("cross_entropy", (2, 5), "float32", target_dtype="float32")
+    weighted, _ = build_loss("cross_entropy", (4, 5), "bfloat16", weighted=True)
+    assert weighted.ret_ty.dtype == "float32"

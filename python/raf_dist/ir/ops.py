@@ -57,6 +57,9 @@ EMBEDDING_ROW_UPDATES = (EMBEDDING_SGD_ROWS, EMBEDDING_ADAGRAD_SUM, EMBEDDING_AD
 #: where each row update takes its ``keep`` flag (0-based, among the call's arguments):
 #: ShardZeRO's guard puts every rank's finite verdict there
 EMBEDDING_ROW_KEEP = {EMBEDDING_SGD_ROWS: 4, EMBEDDING_ADAGRAD_SUM: 3, EMBEDDING_ADAGRAD_ROWS: 6}
+#: the fused cross-entropy and its gradient (training/cross_entropy.py registers them)
+CROSS_ENTROPY = "raf_dist.cross_entropy"
+CROSS_ENTROPY_GRAD = "raf_dist.cross_entropy_grad"
 DROPOUT_MARKER = "raf_dist.dropout"
 MARK_GRADIENT = "raf_dist.mark_gradient"
 
@@ -74,16 +77,20 @@ def gradient(name, level=GRADIENT_LEVEL):
     return wrap
 
 
-def register_op(name, description, gradient=None, infer=None, argument="the tensor"):
-    """Register the one-tensor Relax op ``name`` (pure; type: ``infer(call, ctx)``, default
-    its input's) with ``gradient(var, call, grad, ctx) -> [input gradient]``. Registering
-    again (a module reloaded) returns the op already there."""
+def register_op(name, description, gradient=None, infer=None, argument="the tensor",
+                arguments=None):
+    """Register the Relax op ``name`` (pure; type: ``infer(call, ctx)``, default its first
+    input's) with ``gradient(var, call, grad, ctx) -> [one partial per argument]``: one
+    tensor ``x`` described by ``argument``, or ``arguments`` = [(name, description), ...].
+    Registering again (a module reloaded) returns the op already there."""
     if name in _ir_api.ListOpNames():
         return tvm.ir.Op.get(name)
     _ir_api.RegisterOp(name, description)
     op = tvm.ir.Op.get(name)
-    op.set_num_inputs(1)
-    op.add_argument("x", "Tensor", argument)
+    arguments = arguments or [("x", argument)]
+    op.set_num_inputs(len(arguments))
+    for arg_name, text in arguments:
+        op.add_argument(arg_name, "Tensor", text)
     tvm.ir.register_op_attr(name, "FInferType", infer or (lambda call, ctx: call.args[0].ty))
     tvm.ir.register_op_attr(name, "FPurity", True)
     tvm.ir.register_op_attr(name, "TScriptPrinterName", name)

@@ -18,6 +18,7 @@ import statistics
 import time
 
 import numpy as np
+from tvm.relax.frontend import nn
 
 from .simulate import _CALIBRATED, Cluster, Link
 
@@ -31,23 +32,36 @@ def _best(fn, repeats):
     return min(times)
 
 
+class _TinyMLP(nn.Module):
+    """The calibration's model: a layer norm and 8 linear + GELU layers of width 16, so a
+    step is its operator calls (raf_dist.nn: calibrate needs no torch)."""
+
+    def __init__(self) -> None:
+        self.norm = nn.LayerNorm(16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(8)])
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        x = self.norm(x)
+        for layer in self.layers:
+            x = nn.op.gelu(layer(x))
+        return self.head(x)
+
+
 def _op_overhead_us(comm) -> float:
     """Microseconds of host time per operator call with every rank stepping at once (module
     docstring): the median over the ranks of each one's median step / its operator count."""
-    import torch
-
     import raf_dist
 
     from .extract import MeshSpec, extract
 
-    torch.manual_seed(0)
-    layers = [m for _ in range(8) for m in (torch.nn.Linear(16, 16), torch.nn.GELU())]
-    module = torch.nn.Sequential(torch.nn.LayerNorm(16), *layers, torch.nn.Linear(16, 8))
-    x, y = torch.randn(4, 16), torch.randint(0, 8, (4,))
-    model = raf_dist.frontend.from_pytorch(module, (x,))
+    model = raf_dist.frontend.from_relax_nn(_TinyMLP(), [((4, 16), "float32")])
     ops = sum(e.ops for e in extract(model, MeshSpec()).programs[0])
-    trainer = raf_dist.Trainer(model, optimizer=raf_dist.optim.AdamW(lr=1e-3))
-    xs, ys = x.numpy(), y.numpy()
+    # this rank alone (no data parallelism whatever the config says): no communication
+    trainer = raf_dist.Trainer(model, optimizer=raf_dist.optim.AdamW(lr=1e-3), local=True)
+    rng = np.random.default_rng(comm.rank)
+    xs = rng.standard_normal((4, 16), np.float32)
+    ys = rng.integers(0, 8, (4,))
     for _ in range(5):
         trainer.step(xs, ys)
     comm.Barrier()
@@ -65,13 +79,13 @@ def calibrate(out_path: str = _CALIBRATED) -> int:
     from ..distributed import collectives
 
     from ..distributed import get_communicator
-    from ..runtime.threads import available_cores, set_num_threads
+    from ..runtime.threads import set_num_threads, threads_per_rank
 
     comm = MPI.COMM_WORLD
     n = comm.size
     # each rank's compute threads as a Trainer sizes them (cores / ranks on this host): the
     # rates measured are the ones a step of N ranks gets, not N oversubscribed BLAS pools
-    set_num_threads(max(1, available_cores() // max(1, get_communicator().local_size)))
+    set_num_threads(threads_per_rank(get_communicator().local_size))
     a = np.random.default_rng(0).standard_normal((1024, 1024), np.float32)
     gemm = 2 * 1024 ** 3 / _best(lambda: a @ a, 5)
     src = np.ones(16 * 2**20, np.float32)

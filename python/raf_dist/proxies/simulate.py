@@ -47,8 +47,10 @@ class Cluster:
     device_memory_gb: float = 80.0
     note: str = ""
     #: host time per operator call of a step (the VM's dispatch and the framework between
-    #: kernels; a GPU's launch): charged on the compute stream, ranks sharing a core pay it
-    #: at their share (what ``calibrate`` measures with N ranks on this host)
+    #: kernels; a GPU's launch), added to the call's device time on the compute stream: a
+    #: host that keeps ahead of an asynchronous GPU hides it, so on a device-bound step this
+    #: overestimates by at most the calls' share (2.7 us x calls); ranks sharing a core pay
+    #: it at their share (what ``calibrate`` measures with N ranks on this host)
     op_overhead_us: float = 0.0
 
     @classmethod
@@ -67,7 +69,8 @@ class Cluster:
 #: ring bus bandwidth ~80% of the link's (nccl-tests' busbw on such nodes). cpu-here: this
 #: project's 2-core development machine as ``python -m raf_dist.proxies calibrate``
 #: measured it under ``mpirun -np 2`` on 2026-11-27 (per rank, both ranks busy: numpy float32
-#: GEMM 67 GFLOP/s, copy 13.8 GB/s, raf_dist allreduce alpha 10 us, bus bandwidth 1.9 GB/s);
+#: GEMM 67 GFLOP/s, copy 13.8 GB/s, raf_dist allreduce alpha 10 us, bus bandwidth 1.9 GB/s;
+#: 1.26 us per operator call, measured 2026-11-28);
 #: a saved calibration replaces it. op_overhead_us of the GPU presets: raf_dist's own host
 #: time per operator call on an H200 (bench/RESULTS.md, gpu_check.sh: bench/step_time.py's
 #: GPT, a host-bound step of 5.13 ms for the 1893 operator calls its extraction counts)
@@ -77,7 +80,8 @@ CLUSTERS = {
     "dgx-h100": Cluster("dgx-h100", 8, 790.0, 3000.0, Link(6.0, 360.0), Link(10.0, 40.0), 80.0,
                         "8x H100-SXM per node, NVSwitch, 8x NDR 400 Gb/s", op_overhead_us=2.7),
     "cpu-here": Cluster("cpu-here", 2, 0.067, 13.8, Link(10.3, 1.9), Link(10.3, 1.9), 23.5,
-                        "this 2-core machine, one rank per core (calibrate, 2026-11-27)"),
+                        "this 2-core machine, one rank per core (calibrate, 2026-11-27)",
+                        op_overhead_us=1.26),
 }
 _CALIBRATED = os.path.join(os.path.expanduser("~"), ".cache", "raf_dist", "cpu-here.json")
 

@@ -8,8 +8,10 @@ so replay processes compile nothing.
 
 Event kinds:
 - ``compute``: ``flops`` (matmul / convolution multiply-adds x 2), ``mem_bytes`` (bytes
-  the other operators write) and ``ops`` (operator calls: each is a call the host makes, a
-  kernel launch on a GPU), timed by the cost model (proxies/simulate.py ``compute_seconds``).
+  the other operators write) and ``ops`` (the step's Relax operator calls before fusion,
+  markers and views included: the unit ``calibrate`` measures the host's time per call in,
+  so fusion's ratio is in the calibration), timed by the cost model (proxies/simulate.py
+  ``compute_seconds``).
 - ``allreduce`` / ``reduce_scatter`` / ``allgather`` / ``alltoall`` over ``axis`` (``"dp"``,
   ``"tp"``, ``"pp"`` or ``"world"``): ``bytes`` is the whole tensor (reduce-scatter's input,
   allgather's output, alltoall's send buffer). ``handle`` >= 0: started here, completed by

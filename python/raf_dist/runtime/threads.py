@@ -29,6 +29,12 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def threads_per_rank(local_ranks: int) -> int:
+    """The compute threads of each of ``local_ranks`` ranks on this host: its cores shared
+    out, at least one (module docstring)."""
+    return max(1, available_cores() // max(1, local_ranks))
+
+
 def set_num_threads(num_threads: int, second_pool: bool = False) -> None:
     """Size TVM's pool and numpy's BLAS to ``num_threads``, one pool for both where the BLAS
     allows it (``openblas.set_threads``).

@@ -236,10 +236,13 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
     whole = at_rows(global_batch)
     train_flops = 3 * function_flops(whole.forward)
     train_bytes = 3 * _forward_bytes(whole.forward)[0]  # what the other operators move
-    # operator calls of a whole step (forward, ~2x in the backward): each rank makes a
-    # stage's share of them per microbatch, whatever its dp or tp
+    # operator calls of a step, as the extraction counts them: the forward and ~2x in the
+    # backward per microbatch (a stage's share on each rank, whatever its dp or tp), and the
+    # update once per step, ~10 elementwise calls per parameter tensor (AdamW's moments,
+    # bias corrections and the write)
     train_ops = 3 * sum(1 for block in whole.forward.body.blocks for b in block.bindings
                         if isinstance(getattr(b.value, "op", None), tvm.ir.Op))
+    update_ops = 10 * len(whole.param_names)
     n_params = sum(int(np.prod(s)) for s, _ in whole.param_specs())
     # a pipeline stage per single-tensor cut at most (the partitioner's candidates)
     from ..training.pipeline import stage_plan
@@ -274,7 +277,8 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
         link = cluster.intra if mesh.tp * mesh.dp <= cluster.gpus_per_node else cluster.inter
         reduce = (2 * (mesh.dp - 1) / mesh.dp * grads / (link.bandwidth_GBps * 1e9)
                   * (1.5 if mesh.zero == 3 else 1.0))
-        host = train_ops / mesh.pp * mesh.microbatches * cluster.op_overhead_us * 1e-6
+        host = ((train_ops * mesh.microbatches + update_ops) / mesh.pp
+                * cluster.op_overhead_us * 1e-6)
         c.step_time_s = (compute + host) * (1 + bubble) + reduce
         c.comm_bytes_per_step = int(2 * grads * (mesh.dp - 1) / mesh.dp)
         c.how = "estimated"

@@ -22,43 +22,25 @@ over every row, as ``torch.nn.functional.cross_entropy``'s with no ``ignore_inde
 import tvm
 from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
-from tvm.ir import _ffi_api as _ir_api
 from tvm.relax.op.base import register_gradient
 from tvm.relax.transform.legalize_ops.common import register_legalize
 
 from ..ir.attrs import MATERIALIZE
-from ..ir.ops import GRADIENT_LEVEL
+from ..ir.ops import CROSS_ENTROPY, CROSS_ENTROPY_GRAD, GRADIENT_LEVEL, register_op
 from ..passes.auto_cast import LOW_DTYPES
-from ..passes.fast_math import exp_float32
-
-CROSS_ENTROPY = "raf_dist.cross_entropy"
-CROSS_ENTROPY_GRAD = "raf_dist.cross_entropy_grad"
+from ..passes.fast_math import softmax_stages
 
 
-def _register(name, description, arguments, infer):
-    if name in _ir_api.ListOpNames():  # a module reloaded: the op is already there
-        return tvm.ir.Op.get(name)
-    _ir_api.RegisterOp(name, description)
-    op = tvm.ir.Op.get(name)
-    op.set_num_inputs(len(arguments))
-    for argument, kind, text in arguments:
-        op.add_argument(argument, kind, text)
-    tvm.ir.register_op_attr(name, "FInferType", infer)
-    tvm.ir.register_op_attr(name, "FPurity", True)
-    tvm.ir.register_op_attr(name, "TScriptPrinterName", name)
-    return op
 
-
-_FORWARD = _register(
+_FORWARD = register_op(
     CROSS_ENTROPY, "mean cross-entropy of logits (..., C) against integer targets (...)",
-    [("logits", "Tensor", "the unnormalised scores, classes last"),
-     ("target", "Tensor", "class indices in [0, C)")],
-    lambda call, ctx: relax.TensorType((), "float32"))
-_BACKWARD = _register(
+    arguments=[("logits", "the unnormalised scores, classes last"),
+               ("target", "class indices in [0, C)")],
+    infer=lambda call, ctx: relax.TensorType((), "float32"))
+_BACKWARD = register_op(
     CROSS_ENTROPY_GRAD, "the gradient of raf_dist.cross_entropy with respect to its logits",
-    [("logits", "Tensor", "the forward's logits"), ("target", "Tensor", "the class indices"),
-     ("output_grad", "Tensor", "the loss's gradient (0-d float32)")],
-    lambda call, ctx: call.args[0].ty)
+    arguments=[("logits", "the forward's logits"), ("target", "the class indices"),
+               ("output_grad", "the loss's gradient (0-d float32)")])
 
 
 def cross_entropy(logits: relax.Expr, target: relax.Expr) -> relax.Call:
@@ -80,30 +62,22 @@ register_gradient(CROSS_ENTROPY, _gradient, level=GRADIENT_LEVEL)
 # ---- lowering (TE): the row statistics in float32 whatever the logits' dtype ----
 
 def _row_statistics(logits):
-    """(rows shape, x(i, c) in float32, the row max, exp(x - row max), the row sum of it),
-    the stages of fast_math's softmax: the exp is materialised, so its block is vectorised
-    (a reduction's body is not) and, computed inside the row loop of compiler/schedule.py's
-    row-fused schedule, it is one row per thread, not a logits-sized buffer."""
-    shape = list(logits.shape)
-    rows, classes = shape[:-1], shape[-1]
-
+    """(rows shape, x(i, c) in float32, the row max, exp(x - row max), the row sum of it):
+    fast_math's softmax stages (the exp materialised, so its block is vectorised; in
+    compiler/schedule.py's row-fused schedule it is one row per thread, not a logits-sized
+    buffer) over the logits, or over their float32 widening: exp_float32's Let bindings over
+    a bfloat16 load are left in 16 bits by TVM's BF16ComputeLegalize (measured: every row's
+    sum came out inf), so 16-bit logits are widened in a materialised block of their own."""
     source = logits
     if logits.dtype != "float32":
-        # 16-bit logits widened in a block of their own (one row per thread in the row-fused
-        # schedule): exp_float32's Let bindings over a bfloat16 load are left in 16 bits by
-        # TVM's BF16ComputeLegalize (measured: every row's sum came out inf)
-        source = te.compute(shape, lambda *i: logits(*i).astype("float32"), name="ce_widened",
-                            attrs={MATERIALIZE: 1})
+        source = te.compute(logits.shape, lambda *i: logits(*i).astype("float32"),
+                            name="ce_widened", attrs={MATERIALIZE: 1})
+    row_max, exp, row_sum, _ = softmax_stages(source, -1)
 
     def x(index, c):
         return source[tuple(index) + (c,)]
 
-    k1, k2 = te.reduce_axis((0, classes), "k1"), te.reduce_axis((0, classes), "k2")
-    row_max = te.compute(rows, lambda *i: te.max(x(i, k1), axis=k1), name="ce_row_max")
-    exp = te.compute(shape, lambda *i: exp_float32(x(i[:-1], i[-1]) - row_max(*i[:-1])),
-                     name="ce_shifted_exp", attrs={MATERIALIZE: 1})
-    row_sum = te.compute(rows, lambda *i: te.sum(exp(*i, k2), axis=k2), name="ce_row_expsum")
-    return rows, x, row_max, exp, row_sum
+    return list(logits.shape)[:-1], x, row_max, exp, row_sum
 
 
 def _row_count(rows) -> int:

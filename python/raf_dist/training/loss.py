@@ -36,8 +36,16 @@ def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=Non
         if len(pred_shape) < 2:
             raise ValueError(f"cross_entropy needs predictions of shape (batch, ..., classes), "
                              f"got {pred_shape}")
-        target_shape = pred_shape[:-1] if target_shape is None else tuple(target_shape)
+        target_shape = pred_shape[:-1] if target_shape is None else tuple(
+            int(d) for d in target_shape)
         target_dtype = target_dtype or "int64"
+        if int(np.prod(target_shape)) != int(np.prod(pred_shape[:-1])):
+            raise ValueError(f"cross_entropy targets of shape {target_shape} do not match "
+                             f"predictions of shape {pred_shape}: one class index per row, "
+                             f"shape {pred_shape[:-1]}")
+        if not str(target_dtype).startswith(("int", "uint")):
+            raise ValueError(f"cross_entropy targets must be integer class indices, got "
+                             f"{target_dtype}")
     else:
         target_shape = pred_shape if target_shape is None else tuple(target_shape)
         target_dtype = target_dtype or pred_dtype
@@ -57,13 +65,19 @@ def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=Non
                     flat_target = bb.emit(relax.op.reshape(target, (rows,)))
                 value = _vocab_parallel_cross_entropy(bb, logits, flat_target)
             elif name == "cross_entropy":  # one op, its own backward (cross_entropy.py)
-                value = bb.emit(cross_entropy(pred, target))
+                rows_target = target
+                if tuple(target_shape) != pred_shape[:-1]:  # (B*T,) targets of (B, T, C)
+                    rows_target = bb.emit(relax.op.reshape(target, pred_shape[:-1]))
+                value = bb.emit(cross_entropy(pred, rows_target))  # float32 for any logits
             else:
                 diff = bb.emit(relax.op.subtract(pred, target))
                 squared = bb.emit(relax.op.multiply(diff, diff))
                 value = bb.emit(relax.op.mean(squared))
             if weighted:
-                value = bb.emit(relax.op.multiply(value, arguments[2]))
+                weight = arguments[2]
+                if str(value.ty.dtype) != str(pred_dtype):  # 16-bit predictions' weight
+                    weight = bb.emit(relax.op.astype(weight, value.ty.dtype))
+                value = bb.emit(relax.op.multiply(value, weight))
             out = bb.emit_output(value)
         bb.emit_func_output(out)
     return bb.get()["loss"], (target_shape, target_dtype)
