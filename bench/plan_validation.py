@@ -15,9 +15,9 @@ the others run theirs, on the threads a Trainer gives it, raf_dist's allreduce a
 bandwidth between them), and the model's compute scaled once so that the simulated
 one-process step equals the measured one-process step, both on one core (``-n 1``
 calibration; every rank of these jobs computes on one thread) (the issue's "this machine's
-measured kernel times scaled"); the host time per operator call is the calibration's, measured with N ranks
-stepping at once, not scaled. Nothing is fitted per mesh. ``--predict-only FILE`` predicts again the meshes a
-previous run measured (its ``--rows-out``; the one-core reference and the calibrations are
+measured kernel times scaled"); the host time per operator call is the calibration's,
+measured with N ranks stepping at once, not scaled. Nothing is fitted per mesh.
+``--predict-only FILE`` predicts again the meshes a previous run measured (its ``--rows-out``; the one-core reference and the calibrations are
 measured again).
 Prints the table, the share of meshes predicted within 20%, whether the fastest predicted of
 the measured meshes (the planner's ranking, which orders by this same simulation, restricted

@@ -1,8 +1,8 @@
 """The fused cross-entropy (training/cross_entropy.py): the loss and the logits' gradient
 against PyTorch, in float32 and on bfloat16 logits, through raf_dist's CPU schedule (strict:
-a kernel left serial fails the test; the GPU schedule of its kernels: test_schedule_gpu.py); the loss reading the head's 16-bit
-logits; and a bf16 training step that never holds a float32 copy of the
-logits or of their gradient."""
+a kernel left serial fails the test; the GPU schedule of its kernels: test_schedule_gpu.py);
+the loss reading the head's 16-bit logits; and a bf16 training step that never holds a
+float32 copy of the logits or of their gradient."""
 import numpy as np
 import pytest
 import torch

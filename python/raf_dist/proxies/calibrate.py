@@ -76,9 +76,7 @@ def _op_overhead_us(comm) -> float:
 def calibrate(out_path: str = _CALIBRATED) -> int:
     from mpi4py import MPI
 
-    from ..distributed import collectives
-
-    from ..distributed import get_communicator
+    from ..distributed import collectives, get_communicator
     from ..runtime.threads import set_num_threads, threads_per_rank
 
     comm = MPI.COMM_WORLD

@@ -225,8 +225,7 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
          max_simulations: int | None = None) -> list[Choice]:
     """The ranked configurations (module docstring); at most ``max_simulations`` simulated
     (None: as many as ``budget_s`` allows)."""
-    import tvm
-
+    from ..ir.utils import op_name
     from ..proxies import extract, load_cluster, simulate
     from ..runtime.metrics import function_flops
     from ..training import tensor_parallel as tp_lib
@@ -241,7 +240,7 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
     # update once per step, ~10 elementwise calls per parameter tensor (AdamW's moments,
     # bias corrections and the write)
     train_ops = 3 * sum(1 for block in whole.forward.body.blocks for b in block.bindings
-                        if isinstance(getattr(b.value, "op", None), tvm.ir.Op))
+                        if op_name(b.value))
     update_ops = 10 * len(whole.param_names)
     n_params = sum(int(np.prod(s)) for s, _ in whole.param_specs())
     # a pipeline stage per single-tensor cut at most (the partitioner's candidates)

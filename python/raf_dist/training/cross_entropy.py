@@ -19,6 +19,8 @@ formula; written here as TE, so it is lowered for the CPU and CUDA like any othe
 Targets are checked to lie in [0, C) before a step runs (loss.check_targets), so the mean is
 over every row, as ``torch.nn.functional.cross_entropy``'s with no ``ignore_index`` hit.
 """
+import math
+
 import tvm
 from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -29,8 +31,6 @@ from ..ir.attrs import MATERIALIZE
 from ..ir.ops import CROSS_ENTROPY, CROSS_ENTROPY_GRAD, GRADIENT_LEVEL, register_op
 from ..passes.auto_cast import LOW_DTYPES
 from ..passes.fast_math import softmax_stages
-
-
 
 _FORWARD = register_op(
     CROSS_ENTROPY, "mean cross-entropy of logits (..., C) against integer targets (...)",
@@ -80,13 +80,6 @@ def _row_statistics(logits):
     return list(logits.shape)[:-1], x, row_max, exp, row_sum
 
 
-def _row_count(rows) -> int:
-    count = 1
-    for d in rows:
-        count *= int(d)
-    return count
-
-
 def _per_row_te(logits, target):
     """Each row's loss, ``log(sum(exp(x - max))) + max - x[target]``."""
     rows, x, row_max, _, row_sum = _row_statistics(logits)
@@ -97,7 +90,7 @@ def _per_row_te(logits, target):
 
 def _backward_te(logits, target, output_grad):
     rows, _, _, exp, row_sum = _row_statistics(logits)
-    scale = tvm.tirx.const(1.0 / _row_count(rows), "float32")
+    scale = tvm.tirx.const(1.0 / math.prod(int(d) for d in rows), "float32")
 
     def grad(*index):
         i, c = index[:-1], index[-1]
