@@ -60,6 +60,9 @@ EMBEDDING_ROW_KEEP = {EMBEDDING_SGD_ROWS: 4, EMBEDDING_ADAGRAD_SUM: 3, EMBEDDING
 #: the fused cross-entropy and its gradient (training/cross_entropy.py registers them)
 CROSS_ENTROPY = "raf_dist.cross_entropy"
 CROSS_ENTROPY_GRAD = "raf_dist.cross_entropy_grad"
+#: layer norm's input and scale gradients, one row-wise kernel each (training/layer_norm.py)
+LAYER_NORM_GRAD = "raf_dist.layer_norm_grad"
+LAYER_NORM_GRAD_WEIGHT = "raf_dist.layer_norm_grad_weight"
 DROPOUT_MARKER = "raf_dist.dropout"
 MARK_GRADIENT = "raf_dist.mark_gradient"
 

@@ -14,6 +14,7 @@ from tvm.relax.op.base import register_gradient
 
 from ..ir.ops import GRADIENT_LEVEL as _LEVEL
 from ..ir.ops import gradient as _register
+from . import layer_norm
 
 op = relax.op
 
@@ -167,6 +168,9 @@ def _layer_norm_grad(orig_var, orig_call, output_grad, ctx):
     axes = sorted(int(a) % ndim for a in orig_call.attrs.axes)
     batch_axes = [a for a in range(ndim) if a not in axes]
     eps = float(orig_call.attrs.epsilon)
+    fused = layer_norm.fused_grads(x, gamma, beta, output_grad, axes, eps)
+    if fused is not None:  # trailing axes, static shapes: two row-wise kernels
+        return fused
     mean = ctx.emit(op.mean(x, axes, keepdims=True))
     centered = ctx.emit(op.subtract(x, mean))
     var = ctx.emit(op.mean(op.multiply(centered, centered), axes, keepdims=True))
