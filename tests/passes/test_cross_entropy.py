@@ -70,8 +70,10 @@ def test_float32_loss_and_gradient_match_pytorch(shape, tmp_path):
     assert np.abs(grad.numpy() - ref_grad).max() <= grad_tol
 
 
-def test_bfloat16_logits_give_a_bfloat16_gradient_with_float32_statistics(tmp_path):
-    shape = (128, 512)
+# (16, 64, 512): the rows of bench/step_time.py's GPT, whose loss kernel TVM's compute_at once
+# refused (a data-dependent read of the widened logits), leaving it serial: strict mode fails
+@pytest.mark.parametrize("shape", [(128, 512), (16, 64, 512)])
+def test_bfloat16_logits_give_a_bfloat16_gradient_with_float32_statistics(shape, tmp_path):
     rng = np.random.default_rng(1)
     x = torch.tensor(rng.standard_normal(shape) * 4, dtype=torch.bfloat16)
     t = rng.integers(0, shape[-1], shape[:-1]).astype("int64")

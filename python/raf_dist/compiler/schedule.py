@@ -346,8 +346,10 @@ def schedule_prim_func(func, name="main", strict=False):
     try:
         _schedule_rows(sch)
         return sch.mod["main"]
-    except (_NotRowWise, ScheduleError) as why:
-        # not a fallback: the blocks are scheduled one by one below
+    except (_NotRowWise, ScheduleError, tvm.error.InternalError) as why:
+        # not a fallback: the blocks are scheduled one by one below. (TVM 0.27's compute_at
+        # can fail a check instead of raising ScheduleError: InverseAffineIterMap on a
+        # data-dependent read, the fused loss's target logit before it read the logits)
         logger.debug("ScheduleCPU: kernel %r not row-fused: %s", name,
                      str(why).strip().splitlines()[-1])
     sch = Schedule(inlined)

@@ -81,11 +81,17 @@ def _row_statistics(logits):
 
 
 def _per_row_te(logits, target):
-    """Each row's loss, ``log(sum(exp(x - max))) + max - x[target]``."""
-    rows, x, row_max, _, row_sum = _row_statistics(logits)
+    """Each row's loss, ``log(sum(exp(x - max))) + max - x[target]``. The target's logit is
+    read from ``logits`` itself, not from the widened copy: a data-dependent read of that
+    block gives compute_at a region without bounds (TVM's InverseAffineIterMap fails on
+    some row shapes — (16, 64, 4096) in bf16 — and the whole kernel was left serial)."""
+    rows, _, row_max, _, row_sum = _row_statistics(logits)
+
+    def picked(i):
+        return logits[tuple(i) + (target(*i).astype("int64"),)].astype("float32")
+
     return te.compute(
-        rows, lambda *i: te.log(row_sum(*i)) + row_max(*i) - x(i, target(*i).astype("int64")),
-        name="ce_per_row")
+        rows, lambda *i: te.log(row_sum(*i)) + row_max(*i) - picked(i), name="ce_per_row")
 
 
 def _backward_te(logits, target, output_grad):
