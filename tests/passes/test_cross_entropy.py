@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from tvm import relax
+import tvm_ffi
+from tvm import relax, tirx
 
 from raf_dist.compiler import build
+from raf_dist.compiler.schedule import ScheduleCPU
 from raf_dist.training.cross_entropy import (CROSS_ENTROPY, CROSS_ENTROPY_GRAD, cross_entropy,
                                              narrow_loss_input)
 from raf_dist.training.loss import build_loss
@@ -50,7 +52,9 @@ def test_the_loss_is_one_op_and_its_gradient_one_more():
     assert not {"relax.nn.log_softmax", "relax.grad.nll_loss_backward"} & set(_ops(adjoint))
 
 
-@pytest.mark.parametrize("shape", [(64, 1000), (4, 16, 257)])
+# (32, 1001): a long row the vector lanes do not divide (GPT-2's 50257 classes), padded for
+# the statistics and row-fused (test_odd_long_rows_are_row_fused_kernels)
+@pytest.mark.parametrize("shape", [(64, 1000), (4, 16, 257), (32, 1001)])
 def test_float32_loss_and_gradient_match_pytorch(shape, tmp_path):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(shape) * 4).astype("float32")
@@ -72,7 +76,7 @@ def test_float32_loss_and_gradient_match_pytorch(shape, tmp_path):
 
 # (16, 64, 512): the rows of bench/step_time.py's GPT, whose loss kernel TVM's compute_at once
 # refused (a data-dependent read of the widened logits), leaving it serial: strict mode fails
-@pytest.mark.parametrize("shape", [(128, 512), (16, 64, 512)])
+@pytest.mark.parametrize("shape", [(128, 512), (16, 64, 512), (16, 1001)])
 def test_bfloat16_logits_give_a_bfloat16_gradient_with_float32_statistics(shape, tmp_path):
     rng = np.random.default_rng(1)
     x = torch.tensor(rng.standard_normal(shape) * 4, dtype=torch.bfloat16)
@@ -161,3 +165,35 @@ def test_targets_by_row_and_16_bit_weighted_losses_build():
         build_loss("cross_entropy", (2, 5), "float32", target_dtype="float32")
     weighted, _ = build_loss("cross_entropy", (4, 5), "bfloat16", weighted=True)
     assert weighted.ret_ty.dtype == "float32"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_odd_long_rows_are_row_fused_kernels(dtype):
+    """Rows of 1001 classes: the loss and its gradient each one parallel loop over the rows
+    with every block inside it (their intermediates a row each, not logits-sized), the
+    statistics' reductions in vector lanes over the padded row, the gradient's own row split
+    into vectors (the last predicated)."""
+    func, _ = build_loss("cross_entropy", (64, 1001), dtype)
+    mod = tvm.IRModule({tvm.ir.GlobalVar("main"): func.with_attr("global_symbol", "main")})
+    mod = relax.transform.Gradient("main")(mod)
+    with tvm.target.Target("llvm"):
+        mod = tvm.transform.Sequential([
+            relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FuseOps(), relax.transform.FuseTIR()])(mod)
+    scheduled = ScheduleCPU(strict=True)(mod)
+    kernels = {gv.name_hint: f for gv, f in scheduled.functions_items()
+               if gv.name_hint.startswith("cross_entropy")}
+    assert set(kernels) == {"cross_entropy_rows", "cross_entropy_grad"}
+    for name, kernel in kernels.items():
+        loops = []
+        tvm_ffi.structural_walk(kernel.body, [(tirx.For, loops.append)])
+        parallel = [loop for loop in loops if loop.kind == tirx.ForKind.PARALLEL]
+        assert [int(loop.extent) for loop in parallel] == [64], name
+        inside, everywhere = set(), set()
+        tvm_ffi.structural_walk(parallel[0].body, [(tvm.s_tir.SBlock, lambda b: inside.add(
+            b.name_hint))])
+        tvm_ffi.structural_walk(kernel.body, [(tvm.s_tir.SBlock, lambda b: everywhere.add(
+            b.name_hint))])
+        assert everywhere - {"root"} == inside, name
+        vectorised = [loop for loop in loops if loop.kind == tirx.ForKind.VECTORIZED]
+        assert len(vectorised) >= (5 if name == "cross_entropy_grad" else 4), name

@@ -88,6 +88,19 @@ def _fills_lanes(extent):
     return extent is not None and extent % _VECTOR == 0 and extent >= 2 * _VECTOR
 
 
+#: an output row at least this long that the lanes do not divide still gets the row-fused
+#: schedule, its own loop split into vectors with the last one predicated (a T.where on the
+#: output block, which is never moved: TVM 0.27's compute_at drops a moved block's
+#: predicate). The fused loss's gradient over GPT-2's 50257 classes; its statistics run on a
+#: padded copy (training/cross_entropy.py). Short odd rows (ViT's 65 tokens) stay per block
+_LONG_ROW = 512
+
+
+def _long_row(extent):
+    """A row of at least _LONG_ROW elements that the lanes do not divide."""
+    return extent is not None and extent % _VECTOR != 0 and extent >= _LONG_ROW
+
+
 def _reduces_across_rows(sblock, lead):
     """True when the block reduces over leading axes of a buffer whose last index is the
     innermost data-parallel variable (a column sum such as a bias gradient): its reduction
@@ -283,6 +296,7 @@ def _schedule_rows(sch):
     if len(blocks) < 2:
         raise _NotRowWise("one block")
     out = blocks[-1]
+    out_name = sch.get(out).name_hint
     loops = sch.get_loops(out)
     kinds = [iv.iter_type for iv in sch.get(out).iter_vars]
     if (len(loops) != len(kinds) or len(kinds) < 2
@@ -294,18 +308,21 @@ def _schedule_rows(sch):
     n_rows = math.prod(extents[:-1])
     if n_rows < _MIN_ROWS:
         raise _NotRowWise(f"{n_rows} rows")
-    if extents[-1] % _VECTOR and extents[-1] != 1:
+    if extents[-1] % _VECTOR and extents[-1] != 1 and not _long_row(extents[-1]):
         # rows the vector lanes do not divide (ViT's 65 tokens): no lanes in the fused loop
         # nest, and it measured slower than block by block (ViT's softmax 0.72 ms against
         # 0.61)
         raise _NotRowWise(f"rows of {extents[-1]}, not a multiple of {_VECTOR}")
+    # the kernel's largest block, not its output, decides the pool: a row's loss reads the
+    # whole row to write one value
+    work = max(_work_of_loops(sch.get_loops(block), sch) for block in blocks)
     partials = [_rfactor_lanes(sch, block) for block in blocks[:-1]
                 if _is_row_reduction(sch, block)]
     rows = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
     for block in reversed(sch.get_child_blocks(root)[:-1]):
-        work = _work_of_loops(sch.get_loops(block), sch)
+        block_work = _work_of_loops(sch.get_loops(block), sch)
         sch.compute_at(block, rows, preserve_unit_loops=False)
-        if _work_of_loops(sch.get_loops(block)[1:], sch) * n_rows != work:
+        if _work_of_loops(sch.get_loops(block)[1:], sch) * n_rows != block_work:
             raise _NotRowWise(f"block {sch.get(block).name_hint!r} would be recomputed per row")
     partial_names = {sch.get(block).name_hint for block in partials}
     decompose = []
@@ -317,10 +334,11 @@ def _schedule_rows(sch):
         if len(inner) < 2 or any(iv.iter_type != tvm.tirx.IterVar.DataPar
                                  for iv in sch.get(block).iter_vars):
             continue  # a reduction of the 8 partial results, or one along a short row
-        if _fills_lanes(_extent(inner[-1], sch)):
+        extent = _extent(inner[-1], sch)
+        if _fills_lanes(extent) or (_long_row(extent) and sch.get(block).name_hint == out_name):
             _, lanes = sch.split(inner[-1], [None, _VECTOR])
             sch.vectorize(lanes)
-    if n_rows * extents[-1] >= _MIN_PARALLEL_WORK:
+    if work >= _MIN_PARALLEL_WORK:
         sch.parallel(rows)
     for block, loop in decompose:
         sch.decompose_reduction(block, loop)

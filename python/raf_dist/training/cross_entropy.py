@@ -61,41 +61,62 @@ register_gradient(CROSS_ENTROPY, _gradient, level=GRADIENT_LEVEL)
 
 # ---- lowering (TE): the row statistics in float32 whatever the logits' dtype ----
 
+#: float32 lanes of the CPU schedule's vectors (compiler/schedule.py's _VECTOR)
+_LANES = 8
+
+
 def _row_statistics(logits):
-    """(rows shape, x(i, c) in float32, the row max, exp(x - row max), the row sum of it):
-    fast_math's softmax stages (the exp materialised, so its block is vectorised; in
-    compiler/schedule.py's row-fused schedule it is one row per thread, not a logits-sized
-    buffer) over the logits, or over their float32 widening: exp_float32's Let bindings over
-    a bfloat16 load are left in 16 bits by TVM's BF16ComputeLegalize (measured: every row's
-    sum came out inf), so 16-bit logits are widened in a materialised block of their own."""
+    """(rows shape, the row max, exp(x - row max), the row sum of it): fast_math's softmax
+    stages (the exp materialised, so its block is vectorised; in compiler/schedule.py's
+    row-fused schedule it is one row per thread, not a logits-sized buffer) over the logits,
+    or over a float32 copy of them: exp_float32's Let bindings over a bfloat16 load are left
+    in 16 bits by TVM's BF16ComputeLegalize (measured: every row's sum came out inf), so
+    16-bit logits are widened in a materialised block of their own first.
+
+    A row the vector lanes do not divide (GPT-2's 50257 classes) is widened too, to the next
+    multiple of the lanes, the padding -inf (no effect on the max; exp gives 0 to the sum):
+    the statistics then run on whole vectors in the row-fused schedule. Unpadded, the schedule
+    could not fuse the rows (odd rows are left to per-block schedules), so its reductions were
+    scalar loops over logits-sized intermediates: GPT-2 124M's loss and its gradient took
+    146 + 149 ms of a 1.1 s bf16 step."""
+    columns = int(logits.shape[-1])
+    padded = columns % _LANES != 0 and columns > _LANES
+    width = -(-columns // _LANES) * _LANES if padded else columns
     source = logits
-    if logits.dtype != "float32":
-        source = te.compute(logits.shape, lambda *i: logits(*i).astype("float32"),
-                            name="ce_widened", attrs={MATERIALIZE: 1})
+    if logits.dtype != "float32" or padded:
+        def widened(*index):
+            *row, c = index
+            if not padded:
+                return logits(*index).astype("float32")
+            # clamped: the padding's read stays inside the row, and its value is discarded
+            value = logits[tuple(row) + (te.min(c, columns - 1),)].astype("float32")
+            return tvm.tirx.Select(c < columns, value, tvm.tirx.const(-math.inf, "float32"))
+
+        source = te.compute(list(logits.shape)[:-1] + [width], widened, name="ce_widened",
+                            attrs={MATERIALIZE: 1})
     row_max, exp, row_sum, _ = softmax_stages(source, -1)
-
-    def x(index, c):
-        return source[tuple(index) + (c,)]
-
-    return list(logits.shape)[:-1], x, row_max, exp, row_sum
+    return list(logits.shape)[:-1], row_max, exp, row_sum
 
 
 def _per_row_te(logits, target):
-    """Each row's loss, ``log(sum(exp(x - max))) + max - x[target]``. The target's logit is
-    read from ``logits`` itself, not from the widened copy: a data-dependent read of that
-    block gives compute_at a region without bounds (TVM's InverseAffineIterMap fails on
-    some row shapes — (16, 64, 4096) in bf16 — and the whole kernel was left serial)."""
-    rows, _, row_max, _, row_sum = _row_statistics(logits)
+    """Each row's loss, ``log(sum(exp(x - max))) + max - x[target]``, as (rows..., 1): an
+    output with a unit last axis is row-wise to compiler/schedule.py, so the statistics'
+    blocks are computed one row at a time. The target's logit is read from ``logits``
+    itself, not from the widened copy: a data-dependent read of that block gives compute_at
+    a region without bounds (TVM's InverseAffineIterMap fails on some row shapes — (16, 64,
+    4096) in bf16 — and the whole kernel was left serial)."""
+    rows, row_max, _, row_sum = _row_statistics(logits)
 
-    def picked(i):
-        return logits[tuple(i) + (target(*i).astype("int64"),)].astype("float32")
+    def loss(*index):
+        i = index[:-1]
+        picked = logits[tuple(i) + (target(*i).astype("int64"),)].astype("float32")
+        return te.log(row_sum(*i)) + row_max(*i) - picked
 
-    return te.compute(
-        rows, lambda *i: te.log(row_sum(*i)) + row_max(*i) - picked(i), name="ce_per_row")
+    return te.compute(rows + [1], loss, name="ce_per_row")
 
 
 def _backward_te(logits, target, output_grad):
-    rows, _, _, exp, row_sum = _row_statistics(logits)
+    rows, _, exp, row_sum = _row_statistics(logits)
     scale = tvm.tirx.const(1.0 / math.prod(int(d) for d in rows), "float32")
 
     def grad(*index):
