@@ -166,11 +166,13 @@ def _cross_entropy_kernels(shape, dtype):
     return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
 
 
+# (64, 50257): GPT-2's vocabulary, whose statistics run on a copy padded to whole CPU vectors
+@pytest.mark.parametrize("shape", [(512, 4096), (64, 50257)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_fused_cross_entropy_kernels_are_spread_over_threads(dtype):
+def test_the_fused_cross_entropy_kernels_are_spread_over_threads(dtype, shape):
     """training/cross_entropy.py's two kernels (row statistics, the gradient) through
     ScheduleGPU's rules: one launch each, every row's work over many threads."""
-    kernels = _cross_entropy_kernels((512, 4096), dtype)
+    kernels = _cross_entropy_kernels(shape, dtype)
     assert {"cross_entropy_rows", "cross_entropy_grad"} <= set(kernels)
     for name in ("cross_entropy_rows", "cross_entropy_grad"):
         with CUDA:
@@ -180,4 +182,35 @@ def test_the_fused_cross_entropy_kernels_are_spread_over_threads(dtype):
                    if kind == tirx.ForKind.THREAD_BINDING and tag == "threadIdx.x"]
         # every row's work spread over threads, not one thread per kernel (Fallback's last
         # resort) nor one launch per row
+        assert threads and min(threads) > 1, name
+
+
+def test_layer_norm_backward_kernels_are_spread_over_threads():
+    """training/layer_norm.py's two kernels (dx, dgamma) through ScheduleGPU's rules: one
+    launch each, over many threads."""
+    from raf_dist.ir.ops import LAYER_NORM_GRAD, LAYER_NORM_GRAD_WEIGHT
+    import raf_dist.training.layer_norm  # noqa: F401  (registers the ops' lowering)
+
+    params = [relax.Var("x", relax.TensorType((512, 768), "float32")),
+              relax.Var("gamma", relax.TensorType((768,), "float32")),
+              relax.Var("dy", relax.TensorType((512, 768), "float32"))]
+    attrs = tvm.ir.make_node("ir.DictAttrs", epsilon=1e-5)
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            dx = bb.emit(relax.Call(tvm.ir.Op.get(LAYER_NORM_GRAD), params, attrs=attrs))
+            dgamma = bb.emit(relax.Call(tvm.ir.Op.get(LAYER_NORM_GRAD_WEIGHT),
+                                        [params[0], params[2]], attrs=attrs))
+            out = bb.emit_output(relax.Tuple([dx, dgamma]))
+        bb.emit_func_output(out)
+    with CUDA:
+        mod = relax.transform.LegalizeOps()(bb.get())
+    kernels = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+    assert {"layer_norm_grad", "layer_norm_grad_weight"} <= set(kernels)
+    for name in ("layer_norm_grad", "layer_norm_grad_weight"):
+        with CUDA:
+            scheduled = schedule_gpu_prim_func(kernels[name], CUDA)
+        assert scheduled is not None and launches_once(scheduled), name
+        threads = [extent for kind, extent, tag in _loops(scheduled)
+                   if kind == tirx.ForKind.THREAD_BINDING and tag == "threadIdx.x"]
         assert threads and min(threads) > 1, name
