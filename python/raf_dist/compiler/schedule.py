@@ -38,12 +38,12 @@ from tvm.s_tir import Schedule
 from tvm.s_tir.schedule import ScheduleError
 
 from .. import env
-from ..ir.attrs import MATERIALIZE  # a block kept of its own (passes/fast_math.py)
+from ..ir.attrs import LONG_ROW, MATERIALIZE, VECTOR_LANES
 
 logger = logging.getLogger("raf_dist")
 
 _MIN_PARALLEL_WORK = 1 << 14  # elements: below this, waking the pool costs more than it saves
-_VECTOR = 8  # float32 lanes in an AVX2 register
+_VECTOR = VECTOR_LANES  # float32 lanes in an AVX2 register
 SCHEDULED = "tirx.is_scheduled"  # TVM 0.27's attribute (tir::attr::kIsScheduled)
 
 
@@ -93,7 +93,7 @@ def _fills_lanes(extent):
 #: output block, which is never moved: TVM 0.27's compute_at drops a moved block's
 #: predicate). The fused loss's gradient over GPT-2's 50257 classes; its statistics run on a
 #: padded copy (training/cross_entropy.py). Short odd rows (ViT's 65 tokens) stay per block
-_LONG_ROW = 512
+_LONG_ROW = LONG_ROW
 
 
 def _long_row(extent):

@@ -18,3 +18,9 @@ LOCAL_PARAMS = "raf_dist.local_params"
 # a TIR block annotated with it is never inlined by the CPU schedule (compiler/schedule.py):
 # a value computed once and read many times (passes/fast_math.py)
 MATERIALIZE = "raf_dist.materialize"
+# the CPU schedule's vectors (compiler/schedule.py), which TE kernels written for it shape
+# their rows by: float32 lanes per vector, and the row length from which a row the lanes do
+# not divide still gets vectors (the schedule predicates the last one; the fused loss pads
+# its statistics to whole vectors, training/cross_entropy.py)
+VECTOR_LANES = 8
+LONG_ROW = 512

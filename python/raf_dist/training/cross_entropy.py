@@ -27,7 +27,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.relax.op.base import register_gradient
 from tvm.relax.transform.legalize_ops.common import register_legalize
 
-from ..ir.attrs import MATERIALIZE
+from ..ir.attrs import LONG_ROW, MATERIALIZE, VECTOR_LANES
 from ..ir.ops import CROSS_ENTROPY, CROSS_ENTROPY_GRAD, GRADIENT_LEVEL, register_op
 from ..passes.auto_cast import LOW_DTYPES
 from ..passes.fast_math import softmax_stages
@@ -61,10 +61,6 @@ register_gradient(CROSS_ENTROPY, _gradient, level=GRADIENT_LEVEL)
 
 # ---- lowering (TE): the row statistics in float32 whatever the logits' dtype ----
 
-#: float32 lanes of the CPU schedule's vectors (compiler/schedule.py's _VECTOR)
-_LANES = 8
-
-
 def _row_statistics(logits):
     """(rows shape, the row max, exp(x - row max), the row sum of it): fast_math's softmax
     stages (the exp materialised, so its block is vectorised; in compiler/schedule.py's
@@ -73,15 +69,15 @@ def _row_statistics(logits):
     in 16 bits by TVM's BF16ComputeLegalize (measured: every row's sum came out inf), so
     16-bit logits are widened in a materialised block of their own first.
 
-    A row the vector lanes do not divide (GPT-2's 50257 classes) is widened too, to the next
-    multiple of the lanes, the padding -inf (no effect on the max; exp gives 0 to the sum):
-    the statistics then run on whole vectors in the row-fused schedule. Unpadded, the schedule
-    could not fuse the rows (odd rows are left to per-block schedules), so its reductions were
-    scalar loops over logits-sized intermediates: GPT-2 124M's loss and its gradient took
-    146 + 149 ms of a 1.1 s bf16 step."""
+    A long row the vector lanes do not divide (GPT-2's 50257 classes; LONG_ROW) is widened
+    too, to the next multiple of the lanes, the padding -inf (no effect on the max; exp gives
+    0 to the sum): the statistics then run on whole vectors in the row-fused schedule.
+    Unpadded, the schedule could not fuse the rows (odd rows are left to per-block
+    schedules), so its reductions were scalar loops over logits-sized intermediates: GPT-2
+    124M's loss and its gradient took 146 + 149 ms of a 1.1 s bf16 step."""
     columns = int(logits.shape[-1])
-    padded = columns % _LANES != 0 and columns > _LANES
-    width = -(-columns // _LANES) * _LANES if padded else columns
+    padded = columns % VECTOR_LANES != 0 and columns >= LONG_ROW  # shorter: as they are
+    width = -(-columns // VECTOR_LANES) * VECTOR_LANES if padded else columns
     source = logits
     if logits.dtype != "float32" or padded:
         def widened(*index):
