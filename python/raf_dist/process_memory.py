@@ -292,12 +292,14 @@ def with_total(stats: Dict[str, Any]) -> Dict[str, Any]:
     temporaries (the gradients are among them), compiled code and libraries — what the
     process's RSS grows by from ``import raf_dist`` to training (the measured loads
     included), the user's own tensors aside."""
-    keys = ("param_bytes", "optimizer_state_bytes", "planned_peak_bytes",
+    keys = ("param_bytes", "low_param_bytes", "optimizer_state_bytes", "planned_peak_bytes",
             "compiled_code_bytes", "library_bytes")
     return {**stats, "total_bytes": int(sum(int(stats.get(k, 0)) for k in keys))}
 
 
-REPORT_ROWS = (("parameters", "param_bytes"), ("optimizer state", "optimizer_state_bytes"),
+REPORT_ROWS = (("parameters", "param_bytes"),
+               ("16-bit copies of the parameters (mixed precision)", "low_param_bytes"),
+               ("optimizer state", "optimizer_state_bytes"),
                ("step temporaries (planned; gradients among them)", "planned_peak_bytes"),
                ("compiled code", "compiled_code_bytes"),
                ("libraries loaded (TVM, torch.export)", "library_bytes"))

@@ -14,6 +14,12 @@
  *       copy src into the bucket at `offset`, zero `pad` elements after it;
  *   raf_dist.bucket.empty(like, total, dtype) -> bucket
  *       a new [total] buffer of `dtype` on `like`'s device, contents undefined;
+ *   raf_dist.arena.view(arena, byte_offset, shape, dtype) -> tensor
+ *       a zero-copy tensor of `shape` and `dtype` at `byte_offset` bytes into a planned
+ *       step's arena (a [bytes] uint8 tensor, compiler/share_storage.py), keeping the arena
+ *       alive; byte_offset 0 in the DLTensor, as the bucket's views (TVM's own
+ *       `R.memory.view` sets the DLTensor's byte_offset, which the kernels reject, and
+ *       `ensure_zero_offset` after it would be a second call per tensor and step);
  *   raf_dist.bucket.pack_chunks(t_1, ..., t_k, N, out)
  *       fills `out`, ZeRO's chunk-interleaved [N * S] buffer (DESIGN.md section 3): chunk r
  *       holds rank r's flat padded dim-0 shard (s_i = ceil(n_i / N) elements, zeros past n_i)
@@ -62,6 +68,27 @@ void CheckRange(const ffi::Tensor& bucket, int64_t offset, int64_t numel, int64_
     TVM_FFI_THROW(ValueError) << what << ": offset " << offset
                               << " is not 64-byte aligned; compiled kernels need aligned data";
   }
+}
+
+ffi::Tensor ArenaView(ffi::Tensor arena, int64_t byte_offset, ffi::Shape shape,
+                      ffi::String dtype_name) {
+  const DLDataType dtype = ffi::StringToDLDataType(dtype_name);
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const int64_t bytes = ContiguousNumel(arena, "raf_dist.arena.view") * ElemBytes(arena.dtype());
+  const int64_t size = numel * static_cast<int64_t>(ElemBytes(dtype));
+  if (byte_offset < 0 || numel < 0 || byte_offset + size > bytes) {
+    TVM_FFI_THROW(IndexError) << "raf_dist.arena.view: bytes [" << byte_offset << ", "
+                              << byte_offset + size << ") do not fit an arena of " << bytes
+                              << " bytes";
+  }
+  if (byte_offset % 64 != 0) {
+    TVM_FFI_THROW(ValueError) << "raf_dist.arena.view: offset " << byte_offset
+                              << " is not 64-byte aligned; compiled kernels need aligned data";
+  }
+  DLDevice device = arena.device();
+  return ffi::Tensor::FromNDAlloc(ViewAlloc{std::move(arena), static_cast<size_t>(byte_offset)},
+                                  shape, dtype, device);
 }
 
 ffi::Tensor View(ffi::Tensor bucket, int64_t offset, ffi::Shape shape, int64_t pad) {
@@ -159,6 +186,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def_packed("raf_dist.bucket.pack", Pack)
       .def_packed("raf_dist.bucket.pack_chunks", PackChunks)
       .def("raf_dist.bucket.view", View)
+      .def("raf_dist.arena.view", ArenaView)
       .def("raf_dist.bucket.copy_into",
            [](ffi::Tensor src, ffi::Tensor bucket, int64_t offset, int64_t pad) {
              CopyInto(src, bucket, offset, pad, "raf_dist.bucket.copy_into");

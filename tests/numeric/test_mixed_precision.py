@@ -9,6 +9,7 @@ TOL_FACTOR (measured: 1.5-1.9x, as raf_dist also rounds the elementwise work), s
 is a statement about bf16's rounding on that case, not a constant that one machine happens
 to satisfy. A run that silently stayed in
 float32 is caught separately: its step IR must hold bfloat16 matmuls."""
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -38,10 +39,12 @@ def test_bf16_as_close_to_fp32_as_torch_autocast(name):
     assert all(v.dtype == np.float32 for v in params.values())  # master weights
     assert all(s.dtype == np.float32 for d in trainer.optimizer_state_dict().values()
                for s in d.values())
-    stats = trainer.stats()  # what the rank holds between steps, by dtype: float32 only
+    stats = trainer.stats()  # what the rank holds between steps, by dtype: float32 masters
     assert stats["held_bytes_by_dtype"]["float32"] >= (stats["param_bytes"]
                                                        + stats["optimizer_state_bytes"])
-    assert set(stats["held_bytes_by_dtype"]) <= {"float32", "int64"}, stats
+    # and the weights' bf16 copies the steps read (matrices and kernels: every model here)
+    assert stats["held_bytes_by_dtype"]["bfloat16"] == stats["low_param_bytes"] > 0, stats
+    assert set(stats["held_bytes_by_dtype"]) <= {"float32", "int64", "bfloat16"}, stats
     fp32_losses, fp32_params = torch_reference(name, "adamw", 8, STEPS)
     amp_losses, amp_params = torch_reference(name, "adamw", 8, STEPS, autocast=torch.bfloat16)
     ours = distance(losses, params, fp32_losses, fp32_params)
@@ -52,6 +55,62 @@ def test_bf16_as_close_to_fp32_as_torch_autocast(name):
     # predict computes as the training forward does (bf16), close to float32's outputs
     out = trainer.predict(x.numpy())
     assert out.dtype == np.float32 and out.shape[0] == 8
+
+
+def test_weight_copies_are_arguments_written_by_the_update(monkeypatch):
+    """The bf16 copies of the weight matrices are step arguments (after the buffers), not
+    casts held from the forward to the backward: the step reads them, its update writes the
+    next step's copies in place (each the new parameter rounded to nearest even, as the host
+    rounds), the planned temporaries shrink by about their bytes, and the arithmetic is the
+    casting step's bit for bit (the same rounding, made at the end of the previous step)."""
+    from tvm import relax
+
+    from raf_dist.ir.attrs import LAYOUT_PARAM_OFFSET, UPDATED_ARGUMENTS
+    from raf_dist.runtime import spmd
+
+    module, x, y = make("transformer", 8)
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+
+    def train(copies):
+        monkeypatch.setattr(spmd.SPMDExecutor, "_holds_low_copies", lambda self: copies)
+        trainer = raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), precision="bf16")
+        losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(3)]
+        return trainer, losses
+
+    trainer, losses = train(True)
+    ex = trainer.executor
+    names = ex.signature.param_names
+    copied = [i for i, _ in ex.signature.low_copies]
+    # the matrices the matmuls read; not the embeddings (a float32 lookup) nor the vectors
+    assert [names[i] for i in copied] == ["qkv.weight", "proj.weight", "fc1.weight",
+                                          "fc2.weight", "head.weight"]
+    func = ex.ir["train_step"]
+    args = list(func.params)
+    first_copy = len(args) - len(copied)
+    assert all(str(a.ty.dtype) == "bfloat16" for a in args[first_copy:])
+    assert list(func.attrs[UPDATED_ARGUMENTS])[-len(copied):] == list(range(first_copy,
+                                                                            len(args)))
+    # no cast of a copied parameter is left in the step: the forward and backward read the
+    # arguments (the update's casts are of the new values)
+    first_param = int(func.attrs[LAYOUT_PARAM_OFFSET])
+    copied_vars = {args[first_param + i] for i in copied}
+    casts = [b.var.name for block in func.body.blocks for b in block.bindings
+             if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.astype"
+             and b.value.args[0] in copied_vars]
+    assert casts == [], casts
+    params = trainer.state_dict()
+    for (i, dtype), copy in zip(ex.signature.low_copies, ex._low):
+        expected = params[names[i]].astype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(copy.numpy().view(np.uint16), expected.view(np.uint16))
+    with_copies = trainer.stats()
+
+    casting, cast_losses = train(False)
+    assert not casting.executor.signature.low_copies
+    assert losses == cast_losses
+    for k, v in casting.state_dict().items():
+        np.testing.assert_array_equal(params[k], v, err_msg=k)
+    saved = casting.stats()["planned_peak_bytes"] - with_copies["planned_peak_bytes"]
+    assert saved > 0.5 * with_copies["low_param_bytes"], (saved, with_copies)
 
 
 def test_bad_precision_names_the_allowed_values():

@@ -57,3 +57,28 @@ def test_the_check_finds_a_planner_reusing_in_flight_storage():
             return after
 
     assert inflight_storage_conflicts(Unsafe["main"]) == [("handle", "temp")]
+
+
+def test_the_check_reads_arena_views_by_their_bytes():
+    """In one arena (compiler/share_storage.py) a view on bytes a collective is still
+    reducing is a conflict; a view on other bytes of the same arena is not."""
+    @I.ir_module
+    class Arena:
+        @R.function(pure=False)
+        def main(x: R.Tensor((4,), "float32")):
+            storage = R.memory.alloc_storage(R.shape([256]), 0, R.str("global"), R.dtype("uint8"))
+            arena = R.memory.alloc_tensor(storage, 0, R.shape([256]), R.dtype("uint8"), 0)
+            sent = R.call_packed("raf_dist.arena.view", arena, 64, R.shape([16]), R.str("float32"),
+                                 ty_args=R.Tensor((16,), "float32"))
+            handle = R.call_packed("raf_dist.ccl.allreduce_start", sent, R.str("avg"), 0, sent,
+                                   ty_args=R.Prim("int64"))
+            beside = R.call_packed("raf_dist.arena.view", arena, 128, R.shape([32]),
+                                   R.str("float32"), ty_args=R.Tensor((32,), "float32"))
+            inside = R.call_packed("raf_dist.arena.view", arena, 96, R.shape([8]),
+                                   R.str("bfloat16"), ty_args=R.Tensor((8,), "bfloat16"))
+            _ = R.call_packed("raf_dist.ccl.wait", handle, sent, ty_args=R.Tuple())
+            after = R.call_packed("raf_dist.arena.view", arena, 64, R.shape([16]),
+                                  R.str("float32"), ty_args=R.Tensor((16,), "float32"))
+            return after
+
+    assert inflight_storage_conflicts(Arena["main"]) == [("handle", "inside")]

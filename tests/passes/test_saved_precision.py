@@ -83,3 +83,29 @@ def test_the_values_match_up_to_the_narrowing():
     np.testing.assert_array_equal(after[0], before[0])
     np.testing.assert_array_equal(after[1], before[1])
     assert 0 < np.abs(after[2] - before[2]).max() <= 2 ** -8 * np.abs(before[2]).max()
+
+
+@R.function
+def reshaped_widening(x: R.Tensor((4, 8), "bfloat16")):
+    with R.dataflow():
+        # the forward: gelu_new's power reads its bf16 input widened, then reshaped
+        a = R.add(x, x)
+        a32 = R.astype(a, "float32")
+        r = R.reshape(a32, R.shape([2, 16]))
+        p = R.power(r, R.const(3.0, "float32"))
+        # the backward reads the reshape
+        g = R.multiply(r, p)
+        R.output(p, g)
+    return (p, g)
+
+
+def test_a_reshape_of_a_widened_value_is_read_from_the_16_bit_source():
+    after = save_low_precision(reshaped_widening, 4)
+    bindings = _bindings(after)
+    backward = bindings[4:]
+    read = set().union(*(_free_names(b) for b in backward))
+    assert "r" not in read and "a32" not in read, read  # the float32 values die in the forward
+    by_name = {b.var.name: b for b in bindings}
+    flat = by_name["r_from_low_flat"].value  # x widened again (exact), then reshaped
+    assert flat.op.name == "relax.astype" and flat.args[0].name == "a"
+    assert by_name["r_from_low"].value.op.name == "relax.reshape"

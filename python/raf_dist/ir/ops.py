@@ -65,6 +65,9 @@ LAYER_NORM_GRAD = "raf_dist.layer_norm_grad"
 LAYER_NORM_GRAD_WEIGHT = "raf_dist.layer_norm_grad_weight"
 DROPOUT_MARKER = "raf_dist.dropout"
 MARK_GRADIENT = "raf_dist.mark_gradient"
+#: a planned temporary's tensor at a byte offset into the step's arena (src/ccl/bucket.cc,
+#: compiler/share_storage.py)
+ARENA_VIEW = "raf_dist.arena.view"
 
 #: the level raf_dist registers gradients at: above TVM's own registrations (level 10)
 GRADIENT_LEVEL = 11

@@ -21,12 +21,11 @@ narrowed to the message dtype before it is sent or handed over.
 import time
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
-import ml_dtypes
 import numpy as np
 import tvm
 
 from ..training import batch_size as batching
-from .tensors import nbytes
+from .tensors import nbytes, numpy_dtype
 
 
 class ScheduleRun:
@@ -86,7 +85,7 @@ class ScheduleRun:
                 boundary = a.stage if a.kind == "SEND_F" else a.stage - 1
                 _, dtype = self.sets[self.pieces[a.microbatch]].boundary_specs[boundary]
                 host = value.numpy()  # (a message travels through the host)
-                message = np.ascontiguousarray(host.astype(_numpy_dtype(dtype), copy=False))
+                message = np.ascontiguousarray(host.astype(numpy_dtype(dtype), copy=False))
                 self.boundary_bytes += message.nbytes - nbytes(value)  # kept until the end
                 self.transport.send(message, a.peer, a.kind[-1], boundary, a.microbatch)
             elif a.kind == "F":
@@ -109,7 +108,7 @@ class ScheduleRun:
             specs = self.sets[self.pieces[a.microbatch]].boundary_specs
             boundary = a.stage - 1 if a.kind == "RECV_F" else a.stage
             shape, dtype = specs[boundary]
-            buffer = np.empty(shape, dtype=_numpy_dtype(dtype))
+            buffer = np.empty(shape, dtype=numpy_dtype(dtype))
             request = self.transport.post_recv(buffer, a.peer, a.kind[-1], boundary,
                                                a.microbatch)
             recvs[(a.kind, a.stage, a.microbatch)] = (request, buffer)
@@ -184,7 +183,7 @@ class ScheduleRun:
         float32 input gradient narrowed to the dy a 16-bit stage output takes."""
         if str(tensor.dtype) == dtype:
             return tensor
-        return tvm.runtime.tensor(tensor.numpy().astype(_numpy_dtype(dtype)), self.device)
+        return tvm.runtime.tensor(tensor.numpy().astype(numpy_dtype(dtype)), self.device)
 
     def _deliver(self, kind: str, to_stage: int, m: int, tensor: Any, from_stage: int) -> None:
         """A stage's output for ``to_stage``: handed over when this rank holds it, else kept
@@ -201,7 +200,3 @@ class ScheduleRun:
             self.recorder.add(f"{kind} stage {s} mb {m}", "pipeline", int(began * 1e9),
                               int(ended * 1e9), stage=s, microbatch=m)
 
-
-def _numpy_dtype(dtype: str) -> Any:
-    """numpy's dtype for a tensor dtype name (bfloat16 is ml_dtypes', as TVM's ``numpy()``)."""
-    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)

@@ -43,7 +43,7 @@ from . import state as held
 from .loop import LoopScalars
 from .loss_scale import LossScaler
 from .plan import RunPlan
-from .tensors import bytes_by_dtype, check_array, nbytes, to_device
+from .tensors import bytes_by_dtype, check_array, nbytes, numpy_dtype, to_device
 
 _LOG = logging.getLogger("raf_dist")
 
@@ -309,7 +309,14 @@ class SPMDExecutor(LoopScalars):
                     # plain SGD updates a sharded table's looked-up rows only (on the host:
                     # runtime/embedding_update.py)
                     local_grads=((tuple(self.ep_plan.names), self.world, self._on_host())
-                                 if self.ep_plan is not None else None))
+                                 if self.ep_plan is not None else None),
+                    low_copies=self._holds_low_copies())
+
+    def _holds_low_copies(self):
+        """Whether the steps read 16-bit copies of the weights held between steps and written
+        by the update (build_train_step's ``low_copies``): under mixed precision, not under
+        ZeRO (its sharded update and gathers keep the casts in the step)."""
+        return self.compute_dtype is not None and not self._sharded_update()
 
     def _on_host(self):
         return self._device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
@@ -386,6 +393,15 @@ class SPMDExecutor(LoopScalars):
             self.signature.param_names))
         self._states = [tvm.runtime.tensor(a, self._device) for a in fresh]
         self._buffers = self._init_buffers(model)
+        self._low = self._low_copies()
+
+    def _low_copies(self):
+        """The 16-bit copies of the parameters the step reads and rewrites
+        (signature.low_copies), cast from the parameters on the host: rounded to nearest
+        even, as the step's own cast rounds (so a resumed run reads the bits an uninterrupted
+        one would)."""
+        return [tvm.runtime.tensor(self._params[i].numpy().astype(numpy_dtype(dtype)),
+                                   self._device) for i, dtype in self.signature.low_copies]
 
     def fingerprint(self):
         """(digest, description): what every rank of a job must agree on before the first
@@ -498,13 +514,14 @@ class SPMDExecutor(LoopScalars):
             if variant.kind == "partial":  # gradients and loss added into the accumulators
                 if accumulators is None:
                     accumulators = self._zero_accumulators()
-                out = variant.step_fn(*args, *self._params, *accumulators, *self._buffers)
+                out = variant.step_fn(*args, *self._params, *accumulators, *self._buffers,
+                                      *self._low)
                 n = len(self._params)  # out: (loss so far, *gradient sums, *new buffers)
                 accumulators = [out[1 + i] for i in range(n)] + [out[0]]
                 self._buffers = [out[1 + n + i] for i in range(len(self._buffers))]
                 continue
             out = variant.step_fn(*args, *self._params, *self._states, *hyper_args,
-                                  *(accumulators or ()), *self._buffers)
+                                  *(accumulators or ()), *self._buffers, *self._low)
         if before is not None:
             after = self._traffic()
             self._comm_last_step, self._comm_by_axis = (
@@ -517,6 +534,8 @@ class SPMDExecutor(LoopScalars):
         self._states = [out[1 + n + i] for i in range(len(self._states))]
         first_buffer = 1 + n + len(self._states)
         self._buffers = [out[first_buffer + i] for i in range(len(self._buffers))]
+        first_copy = first_buffer + len(self._buffers)
+        self._low = [out[first_copy + i] for i in range(len(self._low))]
         self._keep_rank0_buffers()
         loss = self._loss_of(out[0])
         self._last_lr = lr
@@ -977,6 +996,7 @@ class SPMDExecutor(LoopScalars):
         self._buffers = [tvm.runtime.tensor(buffers[n], self._device)
                          for n in self.signature.buffer_names]
         self._states = self._pack_states(states)
+        self._low = self._low_copies()
         self.step_count, self.seed = int(meta["step"]), int(meta["seed"])
         self.load_loop_state(meta.get("loop", {}))
         return meta.get("extra")
@@ -1011,9 +1031,12 @@ class SPMDExecutor(LoopScalars):
             # levels 0-1 keep every full gradient until backward ends; 2-3 keep shards
             "grad_bytes": self.layout.grad_bytes(),
             "optimizer_state_bytes": sum(nbytes(s) for s in self._states),
-            # parameters, frozen parameters, buffers and optimizer state held between steps
+            # mixed precision: the 16-bit copies of the weights the steps read (low_copies)
+            "low_param_bytes": sum(nbytes(t) for t in self._low),
+            # parameters, frozen parameters, buffers, optimizer state and the 16-bit copies
+            # held between steps
             "held_bytes_by_dtype": bytes_by_dtype(self._params + self._frozen + self._buffers
-                                                  + list(self._states)),
+                                                  + list(self._states) + self._low),
             "planned_peak_bytes": self._planned_peak(),
             "comm_bytes_last_step": dict(self._comm_last_step),
             # the same bus bytes by mesh axis (with tensor parallelism): {"tp": ..., "dp": ...}

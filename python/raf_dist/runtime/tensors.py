@@ -1,10 +1,16 @@
 """Host arrays in and out of runtime tensors, checked before any work or collective."""
 from typing import Any, Dict, Sequence, Tuple
 
+import ml_dtypes
 import numpy as np
 import tvm
 
 Spec = Tuple[Sequence[int], str]
+
+
+def numpy_dtype(dtype: str) -> Any:
+    """numpy's dtype for a tensor dtype name (bfloat16 is ml_dtypes', as TVM's ``numpy()``)."""
+    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
 
 
 def check_array(array: Any, spec: Spec, what: str,

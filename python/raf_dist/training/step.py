@@ -72,6 +72,10 @@ class TrainStepSignature:
     # the sharded tables updated in place on their looked-up rows: no whole gradient is
     # formed for them (their rows' gradients are the step's temporaries)
     sparse_names: list = dataclasses.field(default_factory=list)
+    # mixed precision with low_copies: [(trained parameter index, dtype)] of the 16-bit
+    # copies the step takes after the buffers and (unless it only accumulates) writes anew
+    # from the updated parameters
+    low_copies: list = dataclasses.field(default_factory=list)
 
     @property
     def num_inputs(self):
@@ -108,7 +112,7 @@ GRAD_UNSCALE = "grad_unscale"
 def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=None,
                      loss_weight=False, tensor_parallel=False, accumulate=None,
                      compute_dtype=None, reduce_dtype=None, loss_scale=False, clip=None,
-                     recompute=None, local_grads=None):
+                     recompute=None, local_grads=None, low_copies=False):
     """Return (IRModule with "train_step", TrainStepSignature).
 
     ``loss_weight``: the step takes a 0-d ``loss_weight`` argument right after the target that
@@ -148,7 +152,15 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     They get no marker (no collective reduces them) and are divided by ``world``, the average
     the allreduce gives the others; the non-finite verdict is then agreed over the dp group.
     ``sparse``: those whose optimizer is plain SGD are updated in place on their looked-up
-    rows only (runtime/embedding_update.py; not with ``accumulate`` or ``loss_scale``)."""
+    rows only (runtime/embedding_update.py; not with ``accumulate`` or ``loss_scale``).
+
+    ``low_copies`` (with ``compute_dtype``): the 16-bit copy of each trained parameter the
+    forward casts is an argument of the step, after the buffers, instead of a cast made in
+    every step and held from the forward to the backward; the update writes the next step's
+    copies from the new parameters (one more store in the optimizer's elementwise kernel, in
+    place: Megatron-LM's and DeepSpeed's bf16 parameters beside float32 main ones). Gradients
+    still reach the float32 parameters: the cast stays in the forward TVM differentiates,
+    and only afterwards does each use of it read the argument (signature.low_copies)."""
     if accumulate not in ACCUMULATE:
         raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
     if nonfinite_guard not in (None, "gradients", "gradients_and_loss"):
@@ -180,6 +192,7 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     adjoint_params = adjoint.params[n_in:n_in + n_all]  # the adjoint's own Var objects
     param_vars = [v for v, t in zip(adjoint_params, trains) if t]
     buffer_vars = list(adjoint.params[n_in + n_all:n_in + n_all + n_buffers])
+    casts = _parameter_casts(adjoint, param_vars) if low_copies and compute_dtype else {}
 
     # frozen parameters are passed like data: after the dropout masks, before the target
     inputs = list(adjoint.params[:n_in]) + [v for v, t in zip(adjoint_params, trains) if not t]
@@ -219,6 +232,11 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
         i: pairs for i in sorted(local)
         if getattr(updaters[i][0], "updates_rows", False)
         for pairs in [_row_gradients(grads[i], value, param_vars[i])] if pairs}
+    # the 16-bit copies held between steps: {cast binding var: argument}, in parameter order
+    low = [(i, var, dtype) for i, (var, dtype) in sorted(casts.items()) if i not in sparse]
+    low_vars = [relax.Var(f"{_ident(trainable[i])}__{dtype}", var.ty) for i, var, dtype in low]
+    params += low_vars
+    read_copy = {var: arg for (_, var, _), arg in zip(low, low_vars)}
 
     def marked(grad, i):
         if i in sparse:  # its rows' gradients feed the update; this one is left unused
@@ -238,7 +256,8 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
 
     with bb.function("train_step", params):
         with bb.dataflow():
-            grads = in_param_dtypes(bb, _emit_backward(bb, adjoint, grads, mark), param_vars)
+            grads = in_param_dtypes(bb, _emit_backward(bb, adjoint, grads, mark, read_copy),
+                                    param_vars)
             if accumulate == "partial":  # added into the accumulators; no update
                 loss_sum = bb.emit(relax.op.add(loss_acc, loss_value))
                 out = bb.emit_output(relax.Tuple([loss_sum, *grads, *new_buffers]))
@@ -249,11 +268,14 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
                 out = _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars,
                                    hyper_vars, new_buffers, nonfinite_guard, tensor_parallel,
                                    clip, across_dp=bool(local) and dp_world > 1,
-                                   sparse_rows=rows)
+                                   sparse_rows=rows, low=[(i, d) for i, _, d in low])
         bb.emit_func_output(out)
     step_mod = bb.get()
     attrs = _layout_attrs(accumulate, len(inputs) + len(targets), n_params, n_states,
-                          len(params), n_buffers)
+                          len(params) - len(low_vars), n_buffers)
+    if low_vars and accumulate != "partial":  # the outputs after the buffers: the new copies
+        attrs[UPDATED_ARGUMENTS] = list(attrs[UPDATED_ARGUMENTS]) + list(
+            range(len(params) - len(low_vars), len(params)))
     if len(set(groups)) > 1:
         attrs[UPDATE_GROUPS] = groups
     if local and accumulate != "partial":
@@ -263,7 +285,8 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
     signature = _signature(model, target_spec, trainable, specs, optimizer, frozen,
                            loss_weight, out_info, hyper_names)
     return step_mod, dataclasses.replace(signature, recompute_ladder=recompute_ladder,
-                                         sparse_names=[trainable[i] for i in sorted(sparse)])
+                                         sparse_names=[trainable[i] for i in sorted(sparse)],
+                                         low_copies=[(i, d) for i, _, d in low])
 
 
 def _training_forward(model, compute_dtype=None):
@@ -341,14 +364,18 @@ def _layout_attrs(accumulate, first, n_params, n_states, n_args, n_buffers):
             + buffers_updated}
 
 
-def _emit_backward(bb, adjoint, grads, mark):
+def _emit_backward(bb, adjoint, grads, mark, read_copy=None):
     """The adjoint's bindings, each gradient passed through ``mark(grad, i)`` the moment it
     is produced (backward order: distribution passes turn markers into collectives);
-    returns the marked gradients in parameter order."""
+    returns the marked gradients in parameter order. ``read_copy`` {a parameter's cast:
+    the argument holding that copy}: the cast's binding reads the argument instead."""
     index = {g: i for i, g in enumerate(grads) if isinstance(g, relax.Var)}
     marked = [None] * len(grads)
+    read_copy = read_copy or {}
     for block in adjoint.body.blocks:
         for binding in block.bindings:
+            if binding.var in read_copy:
+                binding = relax.VarBinding(binding.var, read_copy[binding.var])
             bb.emit_normalized(binding)
             i = index.get(binding.var)
             if i is not None:
@@ -357,6 +384,39 @@ def _emit_backward(bb, adjoint, grads, mark):
         if marked[i] is None:  # not computed by a binding (e.g. a constant zero)
             marked[i] = mark(grad, i)
     return marked
+
+
+_ASTYPE = tvm.ir.Op.get("relax.astype")
+
+
+def _parameter_casts(adjoint, param_vars):
+    """{trained parameter index: (the binding var of its cast to a 16-bit float, dtype)}: the
+    copies AutoCast made of the parameters themselves (one per parameter and dtype; a
+    parameter cast to two 16-bit dtypes, which AutoCast never does, keeps its casts).
+
+    Matrices and kernels only (two axes or more): their copies are the bytes (the forward
+    keeps them for the backward's products), and their casts are kernels of their own that
+    round to nearest even, as the host's cast does. A vector's cast (a bias, a norm's
+    scale) costs nothing held, and FuseOps fuses it into the elementwise kernel reading it,
+    where TVM's bf16 legalisation drops the rounding (the add reads the float32 value);
+    a copy would round it and change the step's arithmetic."""
+    index = {v: i for i, v in enumerate(param_vars)}
+    found, seen = {}, set()
+    for block in adjoint.body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if not (isinstance(value, relax.Call) and value.op.same_as(_ASTYPE)
+                    and value.args[0] in index):
+                continue
+            i, dtype = index[value.args[0]], str(binding.var.ty.dtype)
+            if dtype not in ("bfloat16", "float16") or len(binding.var.ty.shape) < 2:
+                continue
+            if i in seen:  # a second cast of the same parameter: leave both in the step
+                found.pop(i, None)
+                continue
+            seen.add(i)
+            found[i] = (binding.var, dtype)
+    return found
 
 
 def _groups(optimizer, names):
@@ -429,10 +489,11 @@ def _rows_of(bb, pairs, dp_world):
 
 def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_vars,
                  new_buffers, nonfinite_guard, tensor_parallel, clip=None, across_dp=False,
-                 sparse_rows=None):
+                 sparse_rows=None, low=()):
     """The optimizer's update of every parameter (skipped on a non-finite step when guarded;
     ``clip``, a passes.clipping.Clip: the gradients clipped first); returns the step's output
-    tuple (loss or [loss, norm], *params, *states, *buffers). ``across_dp``: the verdict
+    tuple (loss or [loss, norm], *params, *states, *buffers, *16-bit copies of ``low``'s
+    parameters). ``across_dp``: the verdict
     is agreed over the dp group (some gradients are this rank's alone). ``sparse_rows`` {parameter
     index: (ids, rows' gradients)}: those tables updated in place on the looked-up rows only
     (the optimizer's ``emit_row_update``: runtime/embedding_update.py); the non-finite check
@@ -488,7 +549,11 @@ def _emit_update(bb, updaters, grads, loss_value, param_vars, state_vars, hyper_
         loss_value = clipping.with_norm(bb, loss_value, norm)
     if flag is not None:
         loss_value = nonfinite.flag_loss(bb, flag, loss_value)
-    return bb.emit_output(relax.Tuple([loss_value, *new_params, *new_states, *new_buffers]))
+    # the next step's 16-bit copies (``low``: [(parameter index, dtype)]), cast from the new
+    # parameters: FuseOps puts each cast in its parameter's update kernel
+    copies = [bb.emit(relax.op.astype(new_params[i], dtype)) for i, dtype in low]
+    return bb.emit_output(relax.Tuple([loss_value, *new_params, *new_states, *new_buffers,
+                                       *copies]))
 
 
 def _signature(model, target_spec, trainable, specs, optimizer, frozen, loss_weight, out_info,
