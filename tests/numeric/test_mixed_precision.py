@@ -57,17 +57,21 @@ def test_bf16_as_close_to_fp32_as_torch_autocast(name):
     assert out.dtype == np.float32 and out.shape[0] == 8
 
 
-def test_weight_copies_are_arguments_written_by_the_update(monkeypatch):
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_weight_copies_are_arguments_written_by_the_update(monkeypatch, dist_config,
+                                                           microbatches):
     """The bf16 copies of the weight matrices are step arguments (after the buffers), not
     casts held from the forward to the backward: the step reads them, its update writes the
     next step's copies in place (each the new parameter rounded to nearest even, as the host
     rounds), the planned temporaries shrink by about their bytes, and the arithmetic is the
-    casting step's bit for bit (the same rounding, made at the end of the previous step)."""
+    casting step's bit for bit (the same rounding, made at the end of the previous step).
+    With two microbatches the first (accumulating) step reads the same copies."""
     from tvm import relax
 
     from raf_dist.ir.attrs import LAYOUT_PARAM_OFFSET, UPDATED_ARGUMENTS
     from raf_dist.runtime import spmd
 
+    dist_config.num_microbatches = microbatches
     module, x, y = make("transformer", 8)
     model = raf_dist.frontend.from_pytorch(module, (x,))
 
