@@ -166,3 +166,44 @@ def test_openblas_jobs_complete_when_tvm_runs_fewer_tasks(two_threads, monkeypat
     rng = np.random.default_rng(5)
     a = rng.standard_normal((512, 512)).astype(np.float32)
     np.testing.assert_allclose(a @ a, a.astype(np.float64) @ a, rtol=1e-4, atol=1e-2)
+
+
+def test_small_16_bit_products_run_on_one_thread(two_threads, monkeypatch):
+    """A bf16 product below the measured crossover runs on the calling thread alone (waking
+    PyTorch's sleeping OpenMP team costs more than it saves there), equals the float32
+    product of the same operands within bf16's rounding of the output, and leaves the
+    team's size as it was; the crossover itself is a measured, non-negative FLOP count."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("RAF_DIST_LOW_GEMM", "native")
+    monkeypatch.setattr(blas, "_modes", {})
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check_small_products(torch, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_small_products(torch, monkeypatch):
+    import ml_dtypes
+
+    assert blas._one_thread_below(torch, "bfloat16", 2) >= 0
+    seen = []
+    real_matmul = torch.matmul
+
+    def matmul(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real_matmul(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "matmul", matmul)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((64, 32)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((48, 32)).astype(ml_dtypes.bfloat16)
+    out = tvm.runtime.tensor(np.zeros((64, 48), ml_dtypes.bfloat16))
+    for below, threads in ((float("inf"), 1), (0.0, 2)):
+        monkeypatch.setitem(blas._crossovers, ("bfloat16", 2), below)
+        blas.matmul(tvm.runtime.tensor(a), tvm.runtime.tensor(b), False, True, out)
+        assert seen[-1] == threads and torch.get_num_threads() == 2
+        expected = a.astype(np.float32) @ b.astype(np.float32).T
+        np.testing.assert_allclose(out.numpy().astype(np.float32), expected,
+                                   rtol=2 ** -7, atol=2 ** -7 * np.abs(expected).max())
