@@ -22,6 +22,8 @@ the allowed values instead of being read as "off".
   RAF_DIST_LOW_GEMM=widen      bf16 / fp16 matmuls on the host: "native" (oneDNN's 16-bit
                                GEMM) or "widen" (float32 GEMM of widened operands); unset:
                                the faster, measured once per process (runtime/blas.py)
+  RAF_DIST_ONE_THREAD_GEMM_MFLOP=256  16-bit host GEMMs below this run on the calling thread
+                               alone, not PyTorch's sleeping OpenMP team (runtime/blas.py)
   RAF_DIST_CUDA_GEMM=cupy      GPU matmuls through cupy.matmul instead of one direct
                                cuBLAS call each (default "cublas"; runtime/cublas.py)
 
@@ -106,6 +108,22 @@ def library_path() -> "str | None":
 
 
 _DEFAULT_PROFILE_STEPS = 10  # enough to see the first step's warm-up and a few steady ones
+
+
+def one_thread_gemm_flops(default: float) -> float:
+    """RAF_DIST_ONE_THREAD_GEMM_MFLOP: 16-bit host GEMMs below this many MFLOP run on the
+    calling thread alone (runtime/blas.py); 0 sends every GEMM to PyTorch's team."""
+    value = os.environ.get("RAF_DIST_ONE_THREAD_GEMM_MFLOP", "").strip()
+    if not value:
+        return default
+    try:
+        mflop = float(value)
+    except ValueError:
+        mflop = -1.0
+    if not mflop >= 0:
+        raise ValueError(f"RAF_DIST_ONE_THREAD_GEMM_MFLOP={value!r}: give a number of MFLOP "
+                         ">= 0 (0: every 16-bit GEMM on PyTorch's threads), or unset it")
+    return mflop * 1e6
 
 
 def low_gemm() -> "str | None":

@@ -123,3 +123,52 @@ def test_input_gradient_is_one_parallel_loop_over_rows():
 def test_weight_gradient_walks_column_bands_in_parallel():
     kernel = _scheduled_kernel(LAYER_NORM_GRAD_WEIGHT, [("x", (1024, 512)), ("dy", (1024, 512))])
     assert _loops(kernel, tirx.ForKind.PARALLEL)  # the row statistics and the column bands
+
+
+def test_16_bit_inputs_are_read_as_they_are(tmp_path, monkeypatch):
+    """A bf16 step's backward widens x and dy for the ops (reshape(astype(u, float32)));
+    read_16_bit_inputs makes the ops read the bf16 tensors, widening as they load, with
+    float32 results: no widened tensor is left for them, the kernels still schedule
+    strictly, and dx / dgamma / dbeta are the same bits."""
+    import ml_dtypes
+
+    from raf_dist.training.layer_norm import read_16_bit_inputs
+
+    monkeypatch.setenv("RAF_DIST_STRICT_SCHEDULE", "1")
+    shape, rows, cols = (4, 32, 64), 128, 64
+    x16 = relax.Var("x", relax.TensorType(shape, "bfloat16"))
+    gamma = relax.Var("gamma", relax.TensorType((cols,), "float32"))
+    dy16 = relax.Var("dy", relax.TensorType(shape, "bfloat16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x16, gamma, dy16]):
+        with bb.dataflow():
+            xr = bb.emit(op.reshape(bb.emit(op.astype(x16, "float32")), (rows, cols)))
+            dyr = bb.emit(op.reshape(bb.emit(op.astype(dy16, "float32")), (rows, cols)))
+            eps = tvm.ir.make_node("ir.DictAttrs", epsilon=1e-5)
+            dx = bb.emit(relax.Call(tvm.ir.Op.get(LAYER_NORM_GRAD), [xr, gamma, dyr], eps))
+            dg = bb.emit(relax.Call(tvm.ir.Op.get(LAYER_NORM_GRAD_WEIGHT), [xr, dyr], eps))
+            db = bb.emit(op.sum(dyr, axis=[0]))
+            out = bb.emit_output(relax.Tuple([dx, dg, db]))
+        bb.emit_func_output(out)
+    before = bb.get()["main"]
+    after = read_16_bit_inputs(before)
+    calls = [b.value for b in after.body.blocks[0].bindings if isinstance(b.value, relax.Call)
+             and b.value.op.name in (LAYER_NORM_GRAD, LAYER_NORM_GRAD_WEIGHT)]
+    assert len(calls) == 2
+    for call in calls:
+        assert str(call.args[0].ty.dtype) == str(call.args[-1].ty.dtype) == "bfloat16"
+        assert str(call.attrs["out_dtype"]) == "float32" and str(call.ty.dtype) == "float32"
+
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(shape).astype(ml_dtypes.bfloat16),
+            rng.standard_normal(cols).astype("float32"),
+            rng.standard_normal(shape).astype(ml_dtypes.bfloat16)]
+
+    def run(func, name):
+        mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+        vm = relax.VirtualMachine(build.compile_step(mod, cache_dir=tmp_path / name).executable,
+                                  tvm.cpu())
+        return [t.numpy() for t in vm["main"](*(tvm.runtime.tensor(a) for a in args))]
+
+    for got, ref in zip(run(after, "low"), run(before, "widened")):
+        np.testing.assert_array_equal(got, ref)

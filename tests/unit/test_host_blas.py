@@ -169,10 +169,10 @@ def test_openblas_jobs_complete_when_tvm_runs_fewer_tasks(two_threads, monkeypat
 
 
 def test_small_16_bit_products_run_on_one_thread(two_threads, monkeypatch):
-    """A bf16 product below the measured crossover runs on the calling thread alone (waking
-    PyTorch's sleeping OpenMP team costs more than it saves there), equals the float32
-    product of the same operands within bf16's rounding of the output, and leaves the
-    team's size as it was; the crossover itself is a measured, non-negative FLOP count."""
+    """A bf16 product below the threshold runs on the calling thread alone (waking PyTorch's
+    sleeping OpenMP team costs more than it saves there), above it on the team; both equal
+    the float32 product of the same operands within bf16's rounding of the output and leave
+    the team's size as it was. RAF_DIST_ONE_THREAD_GEMM_MFLOP sets the threshold."""
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("RAF_DIST_LOW_GEMM", "native")
     monkeypatch.setattr(blas, "_modes", {})
@@ -187,7 +187,7 @@ def test_small_16_bit_products_run_on_one_thread(two_threads, monkeypatch):
 def _check_small_products(torch, monkeypatch):
     import ml_dtypes
 
-    assert blas._one_thread_below(torch, "bfloat16", 2) >= 0
+    assert blas._one_thread_below(torch, "bfloat16", 2) == blas.ONE_THREAD_GEMM_FLOPS
     seen = []
     real_matmul = torch.matmul
 
@@ -200,8 +200,8 @@ def _check_small_products(torch, monkeypatch):
     a = rng.standard_normal((64, 32)).astype(ml_dtypes.bfloat16)
     b = rng.standard_normal((48, 32)).astype(ml_dtypes.bfloat16)
     out = tvm.runtime.tensor(np.zeros((64, 48), ml_dtypes.bfloat16))
-    for below, threads in ((float("inf"), 1), (0.0, 2)):
-        monkeypatch.setitem(blas._crossovers, ("bfloat16", 2), below)
+    for mflop, threads in (("1e9", 1), ("0", 2)):
+        monkeypatch.setenv("RAF_DIST_ONE_THREAD_GEMM_MFLOP", mflop)
         blas.matmul(tvm.runtime.tensor(a), tvm.runtime.tensor(b), False, True, out)
         assert seen[-1] == threads and torch.get_num_threads() == 2
         expected = a.astype(np.float32) @ b.astype(np.float32).T

@@ -117,7 +117,6 @@ def _wide(tensor, dtype, torch):
 
 
 _modes = {}
-_crossovers = {}  # (dtype, threads): FLOPs (_one_thread_below)
 
 
 def low_gemm_mode(dtype):
@@ -159,49 +158,23 @@ def low_gemm_mode(dtype):
     return _modes[dtype]
 
 
+#: FLOPs (2 x M x N x K) below which a 16-bit GEMM runs on the calling thread alone
+#: (``_matmul_low``); RAF_DIST_ONE_THREAD_GEMM_MFLOP overrides it
+ONE_THREAD_GEMM_FLOPS = 256e6
+
+
 def _one_thread_below(torch, dtype, threads):
     """FLOPs below which a 16-bit GEMM is faster on the calling thread alone than on
-    PyTorch's OpenMP team of ``threads``, measured once per process and team size. raf_dist
-    asks OpenMP's idle threads to sleep (OMP_WAIT_POLICY=PASSIVE: spinning, they took the
-    cores TVM's kernels run on), so every GEMM first wakes them; on this VM that costs
-    ~90 us (a 1024 x 128 x 384 bf16 product: 78 us on one thread, 155 on two; but 686 vs
-    1041 us at 1024 x 512 x 1536), which a small model's GEMMs pay 75 times a step. The
-    crossover is where the difference of the two, measured at two sizes, crosses zero (a
-    line through them)."""
-    key = (dtype, threads)
-    if key not in _crossovers:
-        low = getattr(torch, dtype)
-
-        def best(n, m, k, cols):
-            a, b = torch.randn(m, k).to(low), torch.randn(k, cols).to(low)
-            out = torch.empty(m, cols, dtype=low)
-            torch.set_num_threads(n)
-            try:
-                times = []
-                for _ in range(6):
-                    began = time.perf_counter()
-                    torch.matmul(a, b, out=out)
-                    times.append(time.perf_counter() - began)
-                    time.sleep(0.001)  # the team back asleep, as between a step's GEMMs
-                return min(times[1:])  # the first creates oneDNN's primitive
-            finally:
-                torch.set_num_threads(threads)
-
-        # one thread's time minus the team's, at 134 and 537 MFLOP: where the line crosses 0
-        sizes = ((256, 512, 512), (512, 512, 1024))
-        flops = [2.0 * m * k * n for m, k, n in sizes]
-        gain = [best(1, *size) - best(threads, *size) for size in sizes]
-        slope = (gain[1] - gain[0]) / (flops[1] - flops[0])
-        if gain[0] >= 0:  # the team is faster already at the small size
-            _crossovers[key] = 0.0
-        elif slope <= 0:  # one thread keeps up at any size measured
-            _crossovers[key] = float("inf")
-        else:
-            _crossovers[key] = flops[0] - gain[0] / slope
-        logger.info("raf_dist.blas: %s GEMMs below %.0f MFLOP run on one thread (on %d "
-                    "OpenMP threads, which wake for each: %.0f us slower at %.0f MFLOP)",
-                    dtype, _crossovers[key] / 1e6, threads, -gain[0] * 1e6, flops[0] / 1e6)
-    return _crossovers[key]
+    PyTorch's OpenMP team. raf_dist asks OpenMP's idle threads to sleep
+    (OMP_WAIT_POLICY=PASSIVE: spinning, they took the cores TVM's kernels run on), so every
+    GEMM first wakes them: ~90 us on this VM (a 1024 x 128 x 384 bf16 product: 78 us on one
+    thread, 155 on two; 686 vs 1041 us at 1024 x 512 x 1536), which a small model's GEMMs
+    pay 75 times a step. Measured here, the two lines cross at 230-310 MFLOP; the threshold
+    is a constant, not measured in each process: a measurement flipped between 0 and
+    "always" from one process to the next on this shared host, and the thread count decides
+    oneDNN's summation order, so a run and its resumption must choose alike."""
+    del torch, dtype, threads  # the same rule for every dtype and team
+    return env.one_thread_gemm_flops(ONE_THREAD_GEMM_FLOPS)
 
 
 def _matmul_low_cuda(a, b, trans_a, trans_b, out):

@@ -27,20 +27,30 @@ from tvm.relax.transform.legalize_ops.common import register_legalize
 
 from ..ir.ops import LAYER_NORM_GRAD, LAYER_NORM_GRAD_WEIGHT, register_op
 
+def _out_dtype(call):
+    """The result's dtype: ``out_dtype`` when the op reads 16-bit inputs (read_16_bit_inputs),
+    else the input's."""
+    out = call.attrs["out_dtype"] if "out_dtype" in call.attrs.keys() else None
+    return str(out) if out else str(call.args[0].ty.dtype)
+
+
 _INPUT = register_op(
     LAYER_NORM_GRAD, "the gradient of layer norm over the last axis with respect to its input",
     arguments=[("x", "the forward's input, (rows, C)"), ("gamma", "the scale, (C,)"),
-               ("output_grad", "the gradient of the forward's output, (rows, C)")])
+               ("output_grad", "the gradient of the forward's output, (rows, C)")],
+    infer=lambda call, ctx: relax.TensorType(call.args[0].ty.shape, _out_dtype(call)))
 _WEIGHT = register_op(
     LAYER_NORM_GRAD_WEIGHT, "the gradient of layer norm over the last axis with respect to "
     "its scale: the column sums of output_grad * xhat",
     arguments=[("x", "the forward's input, (rows, C)"),
                ("output_grad", "the gradient of the forward's output, (rows, C)")],
-    infer=lambda call, ctx: relax.TensorType([call.args[0].ty.shape[-1]], call.args[0].ty.dtype))
+    infer=lambda call, ctx: relax.TensorType([call.args[0].ty.shape[-1]], _out_dtype(call)))
 
 
-def _attrs(epsilon):
-    return tvm.ir.make_node("ir.DictAttrs", epsilon=float(epsilon))
+def _attrs(epsilon, out_dtype=None):
+    if out_dtype is None:
+        return tvm.ir.make_node("ir.DictAttrs", epsilon=float(epsilon))
+    return tvm.ir.make_node("ir.DictAttrs", epsilon=float(epsilon), out_dtype=str(out_dtype))
 
 
 def fused_grads(x, gamma, beta, output_grad, axes, epsilon):
@@ -110,7 +120,7 @@ def _square(v):
     return v * v
 
 
-def _grad_input_te(x, gamma, dy, epsilon):
+def _grad_input_te(x, gamma, dy, epsilon, out_dtype):
     rows, columns = x.shape
     acc = _accumulator(x)
     inv_c = tvm.tirx.const(1.0 / int(columns), acc)
@@ -129,12 +139,12 @@ def _grad_input_te(x, gamma, dy, epsilon):
         r = rstd(i)
         xhat = (value(i, c) - mean(i)) * r
         out = r * (g(i, c) - sum_g[i] * inv_c - xhat * (sum_gx[i] * r * inv_c))
-        return out.astype(x.dtype)
+        return out.astype(out_dtype)
 
     return te.compute((rows, columns), grad, name="layer_norm_grad")
 
 
-def _grad_weight_te(x, dy, epsilon):
+def _grad_weight_te(x, dy, epsilon, out_dtype):
     """Each column's sum over the rows, accumulated in float64: the schedule walks the rows
     in order (a column reduction), and a float32 running sum over the 1024 rows of a GPT's
     batch drifts to twice PyTorch's own float32 error (tests/passes/test_layer_norm_grad.py);
@@ -146,13 +156,75 @@ def _grad_weight_te(x, dy, epsilon):
     total = te.compute((columns,), lambda c: te.sum(
         (dy[r, c].astype(_accumulator(x)) * (value(r, c) - mean(r)) * rstd(r)).astype(
             "float64"), axis=r), name="ln_weight_sum")
-    return te.compute((columns,), lambda c: total[c].astype(x.dtype),
+    return te.compute((columns,), lambda c: total[c].astype(out_dtype),
                       name="layer_norm_grad_weight")
 
 
 register_legalize(LAYER_NORM_GRAD, lambda bb, call: bb.call_te(
     _grad_input_te, call.args[0], call.args[1], call.args[2], float(call.attrs["epsilon"]),
-    primfunc_name_hint="layer_norm_grad"))
+    _out_dtype(call), primfunc_name_hint="layer_norm_grad"))
 register_legalize(LAYER_NORM_GRAD_WEIGHT, lambda bb, call: bb.call_te(
     _grad_weight_te, call.args[0], call.args[1], float(call.attrs["epsilon"]),
-    primfunc_name_hint="layer_norm_grad_weight"))
+    _out_dtype(call), primfunc_name_hint="layer_norm_grad_weight"))
+
+
+# ---- mixed precision: the 16-bit tensors read as they are ----
+
+_ASTYPE = tvm.ir.Op.get("relax.astype")
+_RESHAPE = tvm.ir.Op.get("relax.reshape")
+_LOW = ("bfloat16", "float16")
+
+
+def read_16_bit_inputs(func):
+    """``func`` with each layer norm gradient op reading the 16-bit tensors its float32
+    ``x`` and ``output_grad`` were widened from (``reshape(astype(u, "float32"))``, as a
+    bf16 step's backward makes them: passes/saved_precision.py, AutoCast's casts), the
+    widening done as the kernel loads them and the result still float32 (``out_dtype``).
+    Each widened copy was a tensor of its own, read by both ops and beta's column sum: two
+    kernels and two float32 activations' worth of traffic per norm. The same values, bit
+    for bit (widening is exact)."""
+    if len(func.body.blocks) != 1:
+        return func
+    bindings = list(func.body.blocks[0].bindings)
+    value = {b.var: b.value for b in bindings}
+
+    def source(arg):
+        """The 16-bit tensor ``arg`` widens (through one reshape), shaped as ``arg``; None."""
+        inner = value.get(arg)
+        shape = None
+        if isinstance(inner, relax.Call) and inner.op.same_as(_RESHAPE):
+            shape, inner = arg.ty.shape, value.get(inner.args[0])
+        if not (isinstance(inner, relax.Call) and inner.op.same_as(_ASTYPE)
+                and str(arg.ty.dtype) == "float32"
+                and str(inner.args[0].ty.dtype) in _LOW):
+            return None
+        low = inner.args[0]
+        return low if shape is None else relax.op.reshape(low, shape)
+
+    out, changed = [], False
+    for binding in bindings:
+        call = binding.value
+        if (isinstance(call, relax.Call) and (call.op.same_as(_INPUT) or call.op.same_as(_WEIGHT))
+                and "out_dtype" not in call.attrs.keys()):
+            args = list(call.args)
+            data = [0, len(args) - 1]  # x and output_grad (gamma stays as it is)
+            low = {i: source(args[i]) for i in data}
+            if all(low[i] is not None for i in data):
+                for i in data:
+                    var = relax.DataflowVar(f"{binding.var.name}_low{i}",
+                                            relax.TensorType(args[i].ty.shape,
+                                                             low[i].ty.dtype
+                                                             if isinstance(low[i], relax.Var)
+                                                             else low[i].args[0].ty.dtype))
+                    out.append(relax.VarBinding(var, low[i]))
+                    args[i] = var
+                call = relax.Call(call.op, args, _attrs(call.attrs["epsilon"],
+                                                        str(binding.var.ty.dtype)))
+                binding = relax.VarBinding(binding.var, call)
+                changed = True
+        out.append(binding)
+    if not changed:
+        return func
+    body = relax.SeqExpr([relax.DataflowBlock(out)], func.body.body)
+    return relax.BlockBuilder().normalize(
+        relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs))

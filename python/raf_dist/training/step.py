@@ -42,6 +42,7 @@ from ..passes.saved_precision import save_low_precision
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from . import nonfinite
 from .cross_entropy import narrow_loss_input
+from .layer_norm import read_16_bit_inputs
 from .loss import build_loss
 
 
@@ -271,6 +272,8 @@ def build_train_step(model, loss, optimizer, target_spec=None, nonfinite_guard=N
                                    sparse_rows=rows, low=[(i, d) for i, _, d in low])
         bb.emit_func_output(out)
     step_mod = bb.get()
+    if compute_dtype is not None:  # layer norms' gradients read the bf16 tensors as they are
+        step_mod["train_step"] = read_16_bit_inputs(step_mod["train_step"])
     attrs = _layout_attrs(accumulate, len(inputs) + len(targets), n_params, n_states,
                           len(params) - len(low_vars), n_buffers)
     if low_vars and accumulate != "partial":  # the outputs after the buffers: the new copies
