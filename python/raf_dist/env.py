@@ -22,7 +22,7 @@ the allowed values instead of being read as "off".
   RAF_DIST_LOW_GEMM=widen      bf16 / fp16 matmuls on the host: "native" (oneDNN's 16-bit
                                GEMM) or "widen" (float32 GEMM of widened operands); unset:
                                the faster, measured once per process (runtime/blas.py)
-  RAF_DIST_ONE_THREAD_GEMM_MFLOP=256  16-bit host GEMMs below this run on the calling thread
+  RAF_DIST_ONE_THREAD_GEMM_MFLOP=64  16-bit host GEMMs below this run on the calling thread
                                alone, not PyTorch's sleeping OpenMP team (runtime/blas.py)
   RAF_DIST_CUDA_GEMM=cupy      GPU matmuls through cupy.matmul instead of one direct
                                cuBLAS call each (default "cublas"; runtime/cublas.py)

@@ -160,7 +160,7 @@ def low_gemm_mode(dtype):
 
 #: FLOPs (2 x M x N x K) below which a 16-bit GEMM runs on the calling thread alone
 #: (``_matmul_low``); RAF_DIST_ONE_THREAD_GEMM_MFLOP overrides it
-ONE_THREAD_GEMM_FLOPS = 256e6
+ONE_THREAD_GEMM_FLOPS = 64e6
 
 
 def _one_thread_below(torch, dtype, threads):
@@ -169,10 +169,13 @@ def _one_thread_below(torch, dtype, threads):
     (OMP_WAIT_POLICY=PASSIVE: spinning, they took the cores TVM's kernels run on), so every
     GEMM first wakes them: ~90 us on this VM (a 1024 x 128 x 384 bf16 product: 78 us on one
     thread, 155 on two; 686 vs 1041 us at 1024 x 512 x 1536), which a small model's GEMMs
-    pay 75 times a step. Measured here, the two lines cross at 230-310 MFLOP; the threshold
-    is a constant, not measured in each process: a measurement flipped between 0 and
-    "always" from one process to the next on this shared host, and the thread count decides
-    oneDNN's summation order, so a run and its resumption must choose alike."""
+    pay 75 times a step. For one product the two lines cross at 230-310 MFLOP here, but a
+    batched product (the attention's) keeps the team busy: the 23M GPT's 64 x 128 x 64 x 128
+    (134 MFLOP) ran 2% slower a step on one thread, while step_time's GPT kept its gain at
+    64 MFLOP (36.7 -> 33-35 ms; 256: 33-37). The threshold is a constant, not measured in
+    each process: a measurement flipped between 0 and "always" from one process to the next
+    on this shared host, and the thread count decides oneDNN's summation order, so a run
+    and its resumption must choose alike."""
     del torch, dtype, threads  # the same rule for every dtype and team
     return env.one_thread_gemm_flops(ONE_THREAD_GEMM_FLOPS)
 
