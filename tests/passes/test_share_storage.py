@@ -9,7 +9,8 @@ from tvm.script import relax as R
 from raf_dist.compiler.memory import planned_bytes
 from raf_dist.compiler.share_storage import ALIGNMENT, ShareStorageAcrossDtypes, _assign, _offsets
 
-SOURCE = """
+#: TVM's plan of a float32 tensor ``a`` (1024 B) written by f; each test's function continues it
+HEADER = """
 @I.ir_module
 class Planned:
     @R.function(pure=False)
@@ -17,7 +18,9 @@ class Planned:
         s0 = R.memory.alloc_storage(R.shape([1024]), 0, "global", "float32")
         a = R.memory.alloc_tensor(s0, 0, R.shape([256]), "float32")
         _0 = R.call_packed("f", x, a, sinfo_args=[R.Tuple()])
-        a2 = a
+"""
+
+SOURCE = HEADER + """        a2 = a
         s1 = R.memory.alloc_storage(R.shape([512]), 0, "global", "bfloat16")
         b = R.memory.alloc_tensor(s1, 0, R.shape([256]), "bfloat16")
         _1 = R.call_packed("g", a, b, sinfo_args=[R.Tuple()])
@@ -105,15 +108,7 @@ def test_offsets_never_overlap_tensors_alive_together():
         assert arena >= _live_peak(tokens, sizes)
 
 
-ARENA_SOURCE = """
-@I.ir_module
-class Planned:
-    @R.function(pure=False)
-    def main(x: R.Tensor((256,), "float32"), out: R.Tensor((256,), "bfloat16")):
-        s0 = R.memory.alloc_storage(R.shape([1024]), 0, "global", "float32")
-        a = R.memory.alloc_tensor(s0, 0, R.shape([256]), "float32")
-        _0 = R.call_packed("f", x, a, sinfo_args=[R.Tuple()])
-        _1 = R.call_packed("g", a, x, sinfo_args=[R.Tuple()])
+ARENA_SOURCE = HEADER + """        _1 = R.call_packed("g", a, x, sinfo_args=[R.Tuple()])
         s1 = R.memory.alloc_storage(R.shape([512]), 0, "global", "bfloat16")
         b = R.memory.alloc_tensor(s1, 0, R.shape([256]), "bfloat16")
         _2 = R.call_packed("h", x, b, sinfo_args=[R.Tuple()])

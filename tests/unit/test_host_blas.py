@@ -187,7 +187,7 @@ def test_small_16_bit_products_run_on_one_thread(two_threads, monkeypatch):
 def _check_small_products(torch, monkeypatch):
     import ml_dtypes
 
-    assert blas._one_thread_below(torch, "bfloat16", 2) == blas.ONE_THREAD_GEMM_FLOPS
+    assert blas._one_thread_below() == blas.ONE_THREAD_GEMM_FLOPS
     seen = []
     real_matmul = torch.matmul
 

@@ -196,14 +196,14 @@ def _replan(func):
     planned_before = sum(_static_bytes(b.value) for b in bindings if _is(b, _ALLOC_STORAGE))
     if min(sum(block_sizes), arena_bytes) >= planned_before:  # TVM's plan is as small: keep it
         return None
+    # the device index, scope and dtype hint of each tensor's old storage, for its new one
+    storage_args = {b.var: list(b.value.args[1:]) for b in bindings if _is(b, _ALLOC_STORAGE)}
     if arena_bytes < sum(block_sizes):
-        return _in_arena(func, bindings, offset_of, arena_bytes)
+        return _in_arena(func, storage_args, offset_of, arena_bytes)
     first_user = {}
     for binding in bindings:
         if binding.var in block_of:
             first_user.setdefault(block_of[binding.var], binding)
-    # the device index, scope and dtype hint of each tensor's old storage, for its new one
-    storage_args = {b.var: list(b.value.args[1:]) for b in bindings if _is(b, _ALLOC_STORAGE)}
     storage_vars = {block: relax.Var(f"shared_storage{block}", relax.ObjectType())
                     for block in first_user}
 
@@ -220,10 +220,10 @@ def _replan(func):
     return _with_allocations(func, block_of, in_block)
 
 
-def _in_arena(func, bindings, offset_of, arena_bytes):
+def _in_arena(func, storage_args, offset_of, arena_bytes):
     """``func`` with its planned tensors views at ``offset_of`` into one arena of
-    ``arena_bytes``, allocated where the first of them was (module docstring)."""
-    storage_args = {b.var: list(b.value.args[1:]) for b in bindings if _is(b, _ALLOC_STORAGE)}
+    ``arena_bytes``, allocated where the first of them was, on the device and scope of its
+    old storage (``storage_args``: each storage's arguments after its size)."""
     storage = relax.Var("arena_storage", relax.ObjectType())
     arena = relax.Var("arena", relax.TensorType([arena_bytes], "uint8"))
     placed = []

@@ -76,8 +76,7 @@ def _matmul_low(a, b, trans_a, trans_b, out):
         if trans_b:
             tb = tb.transpose(-1, -2)
         threads = torch.get_num_threads()
-        if threads > 1 and 2 * to.numel() * int(ta.shape[-1]) < _one_thread_below(
-                torch, dtype, threads):
+        if threads > 1 and 2 * to.numel() * int(ta.shape[-1]) < _one_thread_below():
             torch.set_num_threads(1)
             try:
                 torch.matmul(ta, tb, out=to)
@@ -163,9 +162,9 @@ def low_gemm_mode(dtype):
 ONE_THREAD_GEMM_FLOPS = 64e6
 
 
-def _one_thread_below(torch, dtype, threads):
+def _one_thread_below():
     """FLOPs below which a 16-bit GEMM is faster on the calling thread alone than on
-    PyTorch's OpenMP team. raf_dist asks OpenMP's idle threads to sleep
+    PyTorch's OpenMP team, whatever the dtype and team size. raf_dist asks OpenMP's idle threads to sleep
     (OMP_WAIT_POLICY=PASSIVE: spinning, they took the cores TVM's kernels run on), so every
     GEMM first wakes them: ~90 us on this VM (a 1024 x 128 x 384 bf16 product: 78 us on one
     thread, 155 on two; 686 vs 1041 us at 1024 x 512 x 1536), which a small model's GEMMs
@@ -176,7 +175,6 @@ def _one_thread_below(torch, dtype, threads):
     each process: a measurement flipped between 0 and "always" from one process to the next
     on this shared host, and the thread count decides oneDNN's summation order, so a run
     and its resumption must choose alike."""
-    del torch, dtype, threads  # the same rule for every dtype and team
     return env.one_thread_gemm_flops(ONE_THREAD_GEMM_FLOPS)
 
 

@@ -26,6 +26,7 @@ from tvm import relax, te
 from tvm.relax.transform.legalize_ops.common import register_legalize
 
 from ..ir.ops import LAYER_NORM_GRAD, LAYER_NORM_GRAD_WEIGHT, register_op
+from ..passes.auto_cast import LOW_DTYPES
 
 def _out_dtype(call):
     """The result's dtype: ``out_dtype`` when the op reads 16-bit inputs (read_16_bit_inputs),
@@ -172,7 +173,6 @@ register_legalize(LAYER_NORM_GRAD_WEIGHT, lambda bb, call: bb.call_te(
 
 _ASTYPE = tvm.ir.Op.get("relax.astype")
 _RESHAPE = tvm.ir.Op.get("relax.reshape")
-_LOW = ("bfloat16", "float16")
 
 
 def read_16_bit_inputs(func):
@@ -189,17 +189,18 @@ def read_16_bit_inputs(func):
     value = {b.var: b.value for b in bindings}
 
     def source(arg):
-        """The 16-bit tensor ``arg`` widens (through one reshape), shaped as ``arg``; None."""
+        """(the 16-bit tensor ``arg`` widens, through one reshape, shaped as ``arg``; its
+        dtype), or None."""
         inner = value.get(arg)
-        shape = None
-        if isinstance(inner, relax.Call) and inner.op.same_as(_RESHAPE):
-            shape, inner = arg.ty.shape, value.get(inner.args[0])
+        reshaped = isinstance(inner, relax.Call) and inner.op.same_as(_RESHAPE)
+        if reshaped:
+            inner = value.get(inner.args[0])
         if not (isinstance(inner, relax.Call) and inner.op.same_as(_ASTYPE)
                 and str(arg.ty.dtype) == "float32"
-                and str(inner.args[0].ty.dtype) in _LOW):
+                and str(inner.args[0].ty.dtype) in LOW_DTYPES):
             return None
         low = inner.args[0]
-        return low if shape is None else relax.op.reshape(low, shape)
+        return (relax.op.reshape(low, arg.ty.shape) if reshaped else low), str(low.ty.dtype)
 
     out, changed = [], False
     for binding in bindings:
@@ -211,12 +212,10 @@ def read_16_bit_inputs(func):
             low = {i: source(args[i]) for i in data}
             if all(low[i] is not None for i in data):
                 for i in data:
+                    expr, dtype = low[i]
                     var = relax.DataflowVar(f"{binding.var.name}_low{i}",
-                                            relax.TensorType(args[i].ty.shape,
-                                                             low[i].ty.dtype
-                                                             if isinstance(low[i], relax.Var)
-                                                             else low[i].args[0].ty.dtype))
-                    out.append(relax.VarBinding(var, low[i]))
+                                            relax.TensorType(args[i].ty.shape, dtype))
+                    out.append(relax.VarBinding(var, expr))
                     args[i] = var
                 call = relax.Call(call.op, args, _attrs(call.attrs["epsilon"],
                                                         str(binding.var.ty.dtype)))

@@ -33,7 +33,7 @@ from ..ir.ops import mark_gradient
 from ..layout.state import state_shape
 from ..optim import group_hyper_name
 from ..passes import clipping
-from ..passes.auto_cast import auto_cast
+from ..passes.auto_cast import LOW_DTYPES, auto_cast
 from ..passes.batch_norm import DecomposeBatchNorm, has_training_batch_norm
 from ..passes.pipeline import strip_stage_markers
 from ..passes.remat import ladder as remat_ladder
@@ -412,7 +412,7 @@ def _parameter_casts(adjoint, param_vars):
                     and value.args[0] in index):
                 continue
             i, dtype = index[value.args[0]], str(binding.var.ty.dtype)
-            if dtype not in ("bfloat16", "float16") or len(binding.var.ty.shape) < 2:
+            if dtype not in LOW_DTYPES or len(binding.var.ty.shape) < 2:
                 continue
             if i in seen:  # a second cast of the same parameter: leave both in the step
                 found.pop(i, None)
