@@ -12,8 +12,20 @@ measured, each the first time it happens after ``import raf_dist``:
 - ``"torch.export"``: the first ``torch.export.export`` (``from_pytorch``): PyTorch's
   dynamo, FX and sympy machinery (~100 MiB).
 
-A library loaded before ``import raf_dist`` is not counted: it is part of the baseline the
-user's process already had. Light on purpose: no TVM import here.
+A library loaded before ``import raf_dist`` is part of the baseline the user's process
+already had; the pages of its files that become resident afterwards (PyTorch's and Python's
+own code run by the capture, torch's convolution kernels run by a step) count, under
+``PRELOADED``. Three more terms are measured, not modelled:
+
+- ``allocator_free_bytes``: the C allocator's free bytes held (glibc's ``mallinfo2``), grown
+  since ``import raf_dist`` — freed by the compiler's IR and the steps' host work, resident,
+  and not given back (the pools PyTorch reports as reserved but not allocated);
+- ``runtime_bytes``: what each executor's first step added beyond its planned temporaries
+  and those free bytes — the thread pools' stacks and per-thread arenas (TVM's, OpenMP's),
+  BLAS's per-thread buffers, oneDNN's scratchpads and primitive caches, MPI's first-collective
+  buffers: the memory of running any step, measured once, around the first.
+
+Light on purpose: no TVM import here.
 """
 from __future__ import annotations
 
@@ -26,11 +38,12 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 _LOADED: Dict[str, int] = {}  # name -> anonymous RSS growth in bytes while it first loaded
 _FILES: Dict[str, Set[str]] = {}  # name -> the files that load mapped (shared libraries)
 _CODE: Set[str] = set()  # paths of the compiled step libraries this process loaded
+_RUNTIME: Dict[str, int] = {}  # executor -> its first step's growth beyond its temporaries
 _LOG = logging.getLogger("raf_dist")
 
 
@@ -101,14 +114,87 @@ def _finish(name: str, start: Tuple[int, Set[str]], add: bool) -> None:
         _FILES.setdefault(name, set()).update(files - start[1])
 
 
+def _file_rss() -> Dict[str, int]:
+    """{file: its mappings' resident bytes} now."""
+    out: Dict[str, int] = {}
+    for _, _, path, sizes in _smaps():
+        if path.startswith("/"):
+            out[path] = out.get(path, 0) + sizes.get("Rss", 0)
+    return out
+
+
+#: library_bytes()'s key for the files mapped before ``import raf_dist`` (PyTorch's, numpy's,
+#: libpython): their pages that became resident since
+PRELOADED = "loaded before raf_dist (pages run since)"
+
+
 def library_bytes() -> Dict[str, int]:
     """{library: bytes} for the loads measured so far: the anonymous memory each load added
     (registries, Python modules, heap) plus the resident pages, now, of the shared libraries
-    it mapped (code pages become resident as they first run, so this is read each time)."""
+    it mapped (code pages become resident as they first run, so this is read each time);
+    and under ``PRELOADED`` the growth of the resident pages of the files already mapped at
+    ``import raf_dist``."""
     with _LOCK:
         names = list(_LOADED)
-    return {name: _LOADED[name] + _resident_file_bytes(_FILES.get(name, set()))
-            for name in names}
+    now = _file_rss()
+    out = {name: _LOADED[name] + sum(now.get(path, 0) for path in _FILES.get(name, set()))
+           for name in names}
+    grown = sum(max(0, now.get(path, 0) - before) for path, before in _BASE_FILES.items())
+    if grown:
+        out[PRELOADED] = grown
+    return out
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (<malloc.h>, glibc >= 2.33)."""
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _mallinfo2() -> Any:
+    try:
+        call = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):  # not glibc, or glibc < 2.33
+        return None
+    call.restype = _MallInfo2
+    return call
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def _allocator_free() -> int:
+    """The C allocator's free bytes held in its arenas (glibc; 0 elsewhere)."""
+    return int(_MALLINFO2().fordblks) if _MALLINFO2 is not None else 0
+
+
+def allocator_free_bytes() -> int:
+    """The C allocator's free bytes held, grown since ``import raf_dist`` or since the last
+    ``return_free_heap`` (after which the free bytes glibc keeps are no longer resident:
+    malloc_trim gives their whole pages back)."""
+    return max(0, _allocator_free() - _FREE_FLOOR[0])
+
+
+@contextlib.contextmanager
+def first_run(key: str, temporaries: Callable[[], int]) -> Iterator[None]:
+    """Measure the block (an executor's first step) under ``key``, once: its anonymous RSS
+    growth less ``temporaries()`` (the planned bytes it allocated) and less the allocator's
+    free bytes it left (``allocator_free_bytes`` counts those)."""
+    if key in _RUNTIME:
+        yield
+        return
+    anon, free = _status_kib("RssAnon") * 1024, _allocator_free()
+    yield
+    grown = _status_kib("RssAnon") * 1024 - anon - max(0, _allocator_free() - free)
+    with _LOCK:
+        _RUNTIME[key] = max(0, grown - int(temporaries()))
+
+
+def runtime_bytes() -> int:
+    """The executors' first steps' growth beyond their planned temporaries (``first_run``)."""
+    with _LOCK:
+        return sum(_RUNTIME.values())
 
 
 @contextlib.contextmanager
@@ -216,7 +302,8 @@ def return_free_heap() -> None:
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
-        pass
+        return
+    _FREE_FLOOR[0] = _allocator_free()
 
 
 def after_compile() -> int:
@@ -269,6 +356,13 @@ def release_compiler_pages() -> int:
     return dropped
 
 
+def compiler_resident_bytes() -> int:
+    """Resident bytes of the compiler's shared libraries now (``COMPILER_LIBRARIES``): in
+    ``library_bytes`` until a Trainer's construction drops them (release_compiler_pages)."""
+    return _resident_file_bytes({path for _, _, path, _ in _smaps()
+                                 if Path(path).name in COMPILER_LIBRARIES})
+
+
 def loaded_code(path: str) -> None:
     """Note a compiled library the process loaded (compiler/build.py)."""
     _CODE.add(str(path))
@@ -282,19 +376,23 @@ def code_bytes() -> int:
 
 
 def overheads() -> Dict[str, int]:
-    """The process's memory that is not tensors, for ``stats()``: ``compiled_code_bytes``
-    and ``library_bytes`` (the measured loads, summed)."""
-    return {"compiled_code_bytes": code_bytes(), "library_bytes": sum(library_bytes().values())}
+    """The process's memory that is not tensors, for ``stats()``: ``compiled_code_bytes``,
+    ``library_bytes`` (the measured loads, summed), ``runtime_bytes`` (the first steps'
+    workspaces) and ``allocator_free_bytes``."""
+    return {"compiled_code_bytes": code_bytes(), "library_bytes": sum(library_bytes().values()),
+            "runtime_bytes": runtime_bytes(), "allocator_free_bytes": allocator_free_bytes()}
 
+
+TOTAL_KEYS = ("param_bytes", "low_param_bytes", "optimizer_state_bytes", "planned_peak_bytes",
+              "compiled_code_bytes", "library_bytes", "runtime_bytes", "allocator_free_bytes")
 
 def with_total(stats: Dict[str, Any]) -> Dict[str, Any]:
     """``stats`` with ``total_bytes``: parameters, optimizer state, the step's planned
-    temporaries (the gradients are among them), compiled code and libraries — what the
-    process's RSS grows by from ``import raf_dist`` to training (the measured loads
-    included), the user's own tensors aside."""
-    keys = ("param_bytes", "low_param_bytes", "optimizer_state_bytes", "planned_peak_bytes",
-            "compiled_code_bytes", "library_bytes")
-    return {**stats, "total_bytes": int(sum(int(stats.get(k, 0)) for k in keys))}
+    temporaries (the gradients are among them), compiled code, libraries, the runtime's
+    first-step workspaces and the allocator's free bytes — what the process's RSS grows by
+    from ``import raf_dist`` to training (the measured loads included), the user's own
+    tensors aside."""
+    return {**stats, "total_bytes": int(sum(int(stats.get(k, 0)) for k in TOTAL_KEYS))}
 
 
 REPORT_ROWS = (("parameters", "param_bytes"),
@@ -302,7 +400,9 @@ REPORT_ROWS = (("parameters", "param_bytes"),
                ("optimizer state", "optimizer_state_bytes"),
                ("step temporaries (planned; gradients among them)", "planned_peak_bytes"),
                ("compiled code", "compiled_code_bytes"),
-               ("libraries loaded (TVM, torch.export)", "library_bytes"))
+               ("libraries loaded (TVM, torch.export, MPI; pages run)", "library_bytes"),
+               ("runtime: threads, BLAS and kernel workspaces", "runtime_bytes"),
+               ("allocator's free bytes held (glibc)", "allocator_free_bytes"))
 
 
 def report(stats: Dict[str, Any], measured_rss: Optional[int] = None,
@@ -323,6 +423,8 @@ def report(stats: Dict[str, Any], measured_rss: Optional[int] = None,
 
 
 _BASELINE = rss_bytes()  # at import raf_dist (this module is imported first)
+_BASE_FILES = _file_rss()  # ~10 ms with PyTorch loaded
+_FREE_FLOOR = [_allocator_free()]  # allocator_free_bytes counts the free bytes above it
 
 
 def baseline_rss() -> int:

@@ -187,9 +187,12 @@ class Trainer:
     def stats(self) -> Dict[str, Any]:
         """What this rank holds between steps (``param_bytes``, ``grad_bytes``,
         ``optimizer_state_bytes``), the step's ``planned_peak_bytes``, the process's
-        ``compiled_code_bytes`` and ``library_bytes`` (TVM and torch.export as loading them
-        grew the RSS: raf_dist.process_memory), their sum ``total_bytes`` (the predicted RSS
-        growth since ``import raf_dist``), the bus bytes it sent in the last step by
+        ``compiled_code_bytes``, ``library_bytes`` (TVM, torch.export and MPI as loading them
+        grew the RSS, and the pages of libraries loaded earlier that ran since),
+        ``runtime_bytes`` (the first step's thread stacks and kernel workspaces) and
+        ``allocator_free_bytes`` (the C allocator's free bytes held), all measured by
+        raf_dist.process_memory; their sum ``total_bytes`` (the predicted RSS growth since
+        ``import raf_dist``), the bus bytes it sent in the last step by
         collective kind (``comm_bytes_last_step``) and what it holds between steps by dtype
         (``held_bytes_by_dtype``: under mixed precision, float32 masters and states)."""
         return self.executor.stats()

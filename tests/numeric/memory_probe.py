@@ -1,7 +1,10 @@
 """One process: capture MODEL, build a Trainer, take 3 steps; print JSON with the RSS growth
 since just before the capture and stats()'s total (tests/numeric/test_process_memory.py).
 
-    python tests/numeric/memory_probe.py wide_mlp|gpt2|resnet
+    python tests/numeric/memory_probe.py wide_mlp|gpt2|resnet [--estimate]
+
+With ``--estimate`` the process captures MODEL and calls ``raf_dist.estimate_memory`` instead
+(no Trainer, no step, no MPI), and prints its figures and its RSS growth.
 """
 import gc
 import json
@@ -49,6 +52,11 @@ def main():
     module, x, y = make(sys.argv[1])
     gc.collect()
     before = process_memory.rss_bytes()  # the user's module and data exist already
+    if "--estimate" in sys.argv:
+        estimate = raf_dist.estimate_memory(raf_dist.frontend.from_pytorch(module, (x,)),
+                                            raf_dist.optim.AdamW(lr=1e-3), 1, 0)
+        print(json.dumps({**estimate, "growth": process_memory.rss_bytes() - before}))
+        return
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                optimizer=raf_dist.optim.AdamW(lr=1e-3))
     construction_peak = process_memory.peak_rss_bytes()  # capture + Trainer

@@ -2,23 +2,17 @@
 
 Each model trains 3 steps in a process of its own (tests/numeric/memory_probe.py: capture,
 Trainer, steps); the RSS growth from just before the capture to after the steps is compared
-with ``stats()["total_bytes"]`` (parameters, optimizer state, planned step temporaries,
-compiled code, and the libraries loading them added: TVM, torch.export, MPI;
-raf_dist/process_memory.py).
+with ``stats()["total_bytes"]``: parameters, optimizer state, planned step temporaries,
+compiled code, the libraries loading them added (TVM, torch.export, MPI, and the pages of
+libraries loaded before raf_dist that ran since), the runtime's first-step workspaces and the
+C allocator's free bytes (raf_dist/process_memory.py).
 
-Measured on this 2-core machine (growth / total, 2026-11-26, before the Trainer dropped the
-compiler's resident pages after construction: both sides fell by those pages since): wide_mlp
-1.06-1.10, gpt2 (transformers) 1.07-1.11, resnet (torchvision) 1.13-1.24, the high ends with the step compiled in the process
-(a cold build cache, as this test session's). 2026-11-28, the step built in a forked process
-(cold and warm alike): wide_mlp 1.13, gpt2 1.13, resnet 1.29 (bench/RESULTS.md says where the
-rest is, phase by phase). Libraries count their anonymous memory at load
-plus their shared objects' resident pages read when stats() is called (code pages become
-resident as they first run). What is not accounted for, ~40-90 MiB whatever the model: the
-compiler's freed heap that glibc cannot return (fragmented by live IR objects), the IR and VM
-objects themselves, the first step's allocator arenas. The bound below (1.4) is therefore a
-check that no large term is missing — before this accounting (no library term, a second copy
-of the weights held by the Model and the torch module kept alive by the capture) the same
-runs gave 1.7-2.0 — not a 10% agreement, which two of the three meet.
+Measured on this 2-core machine (growth / total): 2026-11-28, before the last three terms,
+wide_mlp 1.13, gpt2 1.13, resnet 1.29 (the 10% target missed on all three); 2026-11-29 with
+them, wide_mlp 1.016, gpt2 1.026, resnet 1.037 — the files loaded before raf_dist 19-24 MiB
+(PyTorch's code run by the capture and, for ResNet, by the convolutions), the first step's
+thread stacks and workspaces 15-17 MiB, glibc's free bytes 0-19 MiB. The bound is #31's
+target, 10%, either way.
 """
 import json
 import os
@@ -33,9 +27,9 @@ from raf_dist import process_memory
 PROBE = Path(__file__).resolve().parent / "memory_probe.py"
 
 
-def _probe(name):
-    out = subprocess.run([sys.executable, str(PROBE), name], capture_output=True, text=True,
-                         timeout=600, env=dict(os.environ))
+def _probe(name, *flags):
+    out = subprocess.run([sys.executable, str(PROBE), name, *flags], capture_output=True,
+                         text=True, timeout=600, env=dict(os.environ))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -46,11 +40,24 @@ def test_stats_total_predicts_rss_growth(name):
     growth, total = got["growth"], got["total_bytes"]
     assert set(got["libraries"]) >= {process_memory.COMPILER, "torch.export"}
     # the parts add up, and the total is what the process grew by, within the bound above
-    parts = ("param_bytes", "optimizer_state_bytes", "planned_peak_bytes",
-             "compiled_code_bytes", "library_bytes")
-    assert total == sum(got[k] for k in parts)
+    assert total == sum(got.get(k, 0) for k in process_memory.TOTAL_KEYS)
     assert got["compiled_code_bytes"] > 0 and got["library_bytes"] > 100 * 2**20
-    assert 0.9 * total <= growth <= 1.4 * total, (name, growth / total, got)
+    assert got["runtime_bytes"] > 0  # the first step's thread stacks at least
+    assert 0.9 * total <= growth <= 1.1 * total, (name, growth / total, got)
+    # estimate_memory, called where a user calls it (after capture; no Trainer, no step, no
+    # MPI), predicts the same growth but for what only a run shows: MPI's load and the first
+    # step's workspaces (the run measured them: ~30 MiB together here). Measured 2026-11-29,
+    # estimate / (growth - those): wide_mlp 0.967, gpt2 0.961, resnet 0.909 (a step's
+    # convolutions run torch's code and leave oneDNN's free bytes); estimate / growth 0.89,
+    # 0.91, 0.82. #31's 10% for the estimator is not claimed: the bound is 15% below
+    estimate = _probe(name, "--estimate")
+    assert estimate["runtime_bytes"] == 0  # no step ran in the estimating process
+    seen = growth - got["runtime_bytes"] - got["libraries"].get(process_memory.MPI, 0)
+    assert 0.85 * seen <= estimate["process_bytes"] <= 1.1 * seen, (
+        name, estimate["process_bytes"] / seen, estimate)
+    # the model's tensors and planned temporaries are the run's exactly
+    for key in ("param_bytes", "optimizer_state_bytes", "planned_peak_bytes"):
+        assert estimate[key] == got[key], key
     # after construction the compiler's code is not resident (process_memory
     # release_compiler_pages: 80-90 MiB of libtvm_compiler.so otherwise), and the steps
     # after it did not fault most of it back. What stays: its relocated (private) pages,

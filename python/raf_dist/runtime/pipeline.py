@@ -469,9 +469,11 @@ class PipelineExecutor(LoopScalars):
         Any number of rows per data-parallel rank, at least num_microbatches: the rows split
         into num_microbatches microbatches as evenly as they go (np.array_split's rule), each
         size with its own compiled stages."""
-        if self._profiling is not None and self._profiling.active:
-            return self._profiling.step(self._run_step, self.step_count + 1, x, y)
-        return self._run_step(x, y)
+        # stats()'s runtime_bytes: what the first step adds beyond its planned temporaries
+        with process_memory.first_run(f"{type(self).__name__}@{id(self)}", self._planned_held):
+            if self._profiling is not None and self._profiling.active:
+                return self._profiling.step(self._run_step, self.step_count + 1, x, y)
+            return self._run_step(x, y)
 
     def profile(self, steps: int, path) -> str:
         """As the SPMD executor's: every stage's and the update's VM calls, and each F / B of the
@@ -736,6 +738,12 @@ class PipelineExecutor(LoopScalars):
             **device_lib.memory_stats(self._device),
             **process_memory.overheads(),  # compiled code, libraries loaded
         })
+
+    def _planned_held(self):
+        """The planned temporaries of every machine this rank runs (each stage's and the
+        update's VM keeps its own storage between steps)."""
+        return (sum(st.planned_peak_bytes for ss in self._stage_sets.values()
+                    for st in ss.stages.values()) + self.compiled_update.planned_peak_bytes)
 
     def _modelled_activation_bytes(self):
         """runtime/stage_budget.py's model of this rank's activation memory at the captured

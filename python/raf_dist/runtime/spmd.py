@@ -446,9 +446,11 @@ class SPMDExecutor(LoopScalars):
     def step(self, x, y):
         """One optimizer step on this rank's slice of the global batch; returns the mean loss
         over the global batch (every rank's slice must have the captured shape)."""
-        if self._profiling is not None and self._profiling.active:
-            return self._profiling.step(self._run_step, self.step_count + 1, x, y)
-        return self._run_step(x, y)
+        # stats()'s runtime_bytes: what the first step adds beyond its planned temporaries
+        with process_memory.first_run(f"{type(self).__name__}@{id(self)}", self._planned_peak):
+            if self._profiling is not None and self._profiling.active:
+                return self._profiling.step(self._run_step, self.step_count + 1, x, y)
+            return self._run_step(x, y)
 
     def profile(self, steps: int, path) -> str:
         """Record the next ``steps`` calls to ``step`` — every kernel, BLAS call, collective

@@ -15,7 +15,8 @@ without compiling code: the same figure ``Trainer.stats()["planned_peak_bytes"]`
 the run. Capture the model with the per-rank batch, as the run would.
 Peak = parameters + optimizer state + planned temporaries, as in the ZeRO accounting;
 ``process_bytes`` adds what loading TVM, torch.export and MPI added to this process (measured
-as they loaded: raf_dist.process_memory), the RSS growth a run would show (``+libraries``).
+as they loaded: raf_dist.process_memory; the compiler's code aside, which a run drops after
+construction), the RSS growth a run would show (``+libraries``).
 """
 from __future__ import annotations
 
@@ -83,9 +84,16 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
     out["planned_peak_bytes"] = plan_memory(mod, passes)
     out["peak_bytes"] = out["param_bytes"] + out["optimizer_state_bytes"] + out["planned_peak_bytes"]
     # what loading TVM, torch.export and MPI added to this process (measured when they loaded:
-    # raf_dist.process_memory); a run's process pays the same, plus its compiled code
-    out["library_bytes"] = sum(process_memory.library_bytes().values())
-    out["process_bytes"] = out["peak_bytes"] + out["library_bytes"]
+    # raf_dist.process_memory) as a run holds it: without the compiler's code, which planning
+    # made resident here and a Trainer drops after construction; with the runtime's first-step
+    # workspaces and the allocator's free bytes once a step has run in this process (before
+    # that, 0: ~15-20 MiB each on the tests' models, tests/numeric/test_process_memory.py)
+    out["library_bytes"] = (sum(process_memory.library_bytes().values())
+                            - process_memory.compiler_resident_bytes())
+    out["runtime_bytes"] = process_memory.runtime_bytes()
+    out["allocator_free_bytes"] = process_memory.allocator_free_bytes()
+    out["process_bytes"] = (out["peak_bytes"] + out["library_bytes"] + out["runtime_bytes"]
+                            + out["allocator_free_bytes"])
     return out
 
 

@@ -107,7 +107,8 @@ def main():
     assert metrics["step_time_s"] > 0 and 0 < metrics["mfu"] <= 1, metrics
     stats = walk("stats")()
     for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes", "planned_peak_bytes",
-                "comm_bytes_last_step", "compiled_code_bytes", "library_bytes", "total_bytes",
+                "comm_bytes_last_step", "compiled_code_bytes", "library_bytes", "runtime_bytes",
+                "allocator_free_bytes", "total_bytes",
                 "held_bytes_by_dtype"):
         assert key in stats, (key, stats)
     report = walk("memory_report")(file=io.StringIO())  # the same figures, as a table
