@@ -4,9 +4,11 @@ from ..passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, Max
                       ShardZeRO, StripGradientMarkers)
 from ..passes.auto_cast import AccumulateInFloat32
 from ..passes.embedding_parallel import LowerEmbeddingExchange
+from ..passes.lookup_gradient import AddLookupGradient
 from ..passes.lower_allreduce import LowerAllReduce
 from ..passes.propagate_nan import PropagateNaN
 from ..passes.tp_ops import LowerTensorParallel
+from ..passes.widen_at_use import WidenAtUse
 
 
 def nonfinite_guard(zero_level: int, world_size: int, nonfinite: str = "raise"):
@@ -51,8 +53,8 @@ def step_passes(zero_level: int, world_size: int, bucket_bytes: int, overlap: bo
 
 def function_passes():
     """The passes of any compiled function after its collectives are in place."""
-    return [PropagateNaN(), DispatchToBLAS(), AccumulateInFloat32(), FastGelu(), FastExp(),
-            MaxPoolGradient()]
+    return [AddLookupGradient(), PropagateNaN(), DispatchToBLAS(), AccumulateInFloat32(),
+            FastGelu(), FastExp(), MaxPoolGradient(), WidenAtUse()]
 
 
 def forward_passes(tp_group=None, embedding_group=None):
