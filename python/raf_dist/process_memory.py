@@ -15,11 +15,12 @@ measured, each the first time it happens after ``import raf_dist``:
 A library loaded before ``import raf_dist`` is part of the baseline the user's process
 already had; the pages of its files that become resident afterwards (PyTorch's and Python's
 own code run by the capture, torch's convolution kernels run by a step) count, under
-``PRELOADED``. Three more terms are measured, not modelled:
+``PRELOADED``. Two more terms are measured, not modelled:
 
 - ``allocator_free_bytes``: the C allocator's free bytes held (glibc's ``mallinfo2``), grown
-  since ``import raf_dist`` — freed by the compiler's IR and the steps' host work, resident,
-  and not given back (the pools PyTorch reports as reserved but not allocated);
+  since ``import raf_dist`` or the last ``malloc_trim`` — freed by the compiler's IR and the
+  steps' host work and kept by glibc (its heap's equivalent of the reserved-but-unallocated
+  bytes of PyTorch's CUDA caching allocator);
 - ``runtime_bytes``: what each executor's first step added beyond its planned temporaries
   and those free bytes — the thread pools' stacks and per-thread arenas (TVM's, OpenMP's),
   BLAS's per-thread buffers, oneDNN's scratchpads and primitive caches, MPI's first-collective
@@ -37,13 +38,14 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 _LOADED: Dict[str, int] = {}  # name -> anonymous RSS growth in bytes while it first loaded
 _FILES: Dict[str, Set[str]] = {}  # name -> the files that load mapped (shared libraries)
 _CODE: Set[str] = set()  # paths of the compiled step libraries this process loaded
-_RUNTIME: Dict[str, int] = {}  # executor -> its first step's growth beyond its temporaries
+_RUNTIME: Dict[int, int] = {}  # id(executor) -> its first step's growth beyond its temporaries
 _LOG = logging.getLogger("raf_dist")
 
 
@@ -95,11 +97,18 @@ def _smaps() -> List[Tuple[str, str, str, Dict[str, int]]]:
     return mappings
 
 
+def _file_pages(sizes: Dict[str, int]) -> int:
+    """A file mapping's resident pages that are the file's: its copied-on-write (private)
+    pages are anonymous memory, counted in RssAnon (and so by the loads' measurements)."""
+    return max(0, sizes.get("Rss", 0) - sizes.get("Anonymous", 0))
+
+
 def _resident_file_bytes(paths: Set[str]) -> int:
-    """Resident bytes of the mappings of ``paths`` now (/proc/self/smaps)."""
+    """Resident bytes of the mappings of ``paths`` now (/proc/self/smaps), their private
+    pages aside."""
     if not paths:
         return 0
-    return sum(sizes.get("Rss", 0) for _, _, path, sizes in _smaps() if path in paths)
+    return sum(_file_pages(sizes) for _, _, path, sizes in _smaps() if path in paths)
 
 
 def _start() -> Tuple[int, Set[str]]:
@@ -115,11 +124,14 @@ def _finish(name: str, start: Tuple[int, Set[str]], add: bool) -> None:
 
 
 def _file_rss() -> Dict[str, int]:
-    """{file: its mappings' resident bytes} now."""
+    """{shared library: its mappings' resident file pages} now: the files with an executable
+    mapping (a memory-mapped dataset or checkpoint is the user's data, not a library)."""
+    maps = _smaps()
+    code = {path for _, perms, path, _ in maps if path.startswith("/") and "x" in perms}
     out: Dict[str, int] = {}
-    for _, _, path, sizes in _smaps():
-        if path.startswith("/"):
-            out[path] = out.get(path, 0) + sizes.get("Rss", 0)
+    for _, _, path, sizes in maps:
+        if path in code:
+            out[path] = out.get(path, 0) + _file_pages(sizes)
     return out
 
 
@@ -155,7 +167,7 @@ class _MallInfo2(ctypes.Structure):
 def _mallinfo2() -> Any:
     try:
         call = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):  # not glibc, or glibc < 2.33
+    except (OSError, AttributeError, TypeError):  # not glibc, glibc < 2.33, not POSIX
         return None
     call.restype = _MallInfo2
     return call
@@ -171,24 +183,39 @@ def _allocator_free() -> int:
 
 def allocator_free_bytes() -> int:
     """The C allocator's free bytes held, grown since ``import raf_dist`` or since the last
-    ``return_free_heap`` (after which the free bytes glibc keeps are no longer resident:
-    malloc_trim gives their whole pages back)."""
+    ``return_free_heap`` (malloc_trim gives the whole free pages back, so what was free
+    then is mostly not resident; free chunks smaller than a page and the arenas' untouched
+    tops are counted though not resident: an over-estimate of a few MiB at most here)."""
     return max(0, _allocator_free() - _FREE_FLOOR[0])
 
 
 @contextlib.contextmanager
-def first_run(key: str, temporaries: Callable[[], int]) -> Iterator[None]:
-    """Measure the block (an executor's first step) under ``key``, once: its anonymous RSS
-    growth less ``temporaries()`` (the planned bytes it allocated) and less the allocator's
-    free bytes it left (``allocator_free_bytes`` counts those)."""
+def first_run(owner: Any, temporaries: Callable[[], int]) -> Iterator[None]:
+    """Measure the block (``owner``'s first step) once: its anonymous RSS growth less
+    ``temporaries()`` (the host bytes of the planned temporaries it allocated), less the
+    allocator's free bytes it left (``allocator_free_bytes`` counts those) and less what
+    measured library loads inside it added (``library_bytes`` counts those). A step that
+    raises records nothing (the next one is measured); the entry goes with ``owner``."""
+    key = id(owner)
     if key in _RUNTIME:
         yield
         return
-    anon, free = _status_kib("RssAnon") * 1024, _allocator_free()
+    anon, free, loaded = _status_kib("RssAnon") * 1024, _allocator_free(), _loaded_total()
     yield
-    grown = _status_kib("RssAnon") * 1024 - anon - max(0, _allocator_free() - free)
+    try:
+        grown = (_status_kib("RssAnon") * 1024 - anon - max(0, _allocator_free() - free)
+                 - (_loaded_total() - loaded) - int(temporaries()))
+    except Exception as e:  # noqa: BLE001 - a figure for stats(), never the step's failure
+        _LOG.debug("the first step's runtime memory was not measured: %s", e)
+        return
     with _LOCK:
-        _RUNTIME[key] = max(0, grown - int(temporaries()))
+        _RUNTIME[key] = max(0, grown)
+    weakref.finalize(owner, _RUNTIME.pop, key, None)
+
+
+def _loaded_total() -> int:
+    with _LOCK:
+        return sum(_LOADED.values())
 
 
 def runtime_bytes() -> int:
@@ -354,13 +381,6 @@ def release_compiler_pages() -> int:
                        os.strerror(ctypes.get_errno()))
     _LOG.debug("dropped %.1f MiB of the compiler's resident pages", dropped / 2**20)
     return dropped
-
-
-def compiler_resident_bytes() -> int:
-    """Resident bytes of the compiler's shared libraries now (``COMPILER_LIBRARIES``): in
-    ``library_bytes`` until a Trainer's construction drops them (release_compiler_pages)."""
-    return _resident_file_bytes({path for _, _, path, _ in _smaps()
-                                 if Path(path).name in COMPILER_LIBRARIES})
 
 
 def loaded_code(path: str) -> None:

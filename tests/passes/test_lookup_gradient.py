@@ -143,3 +143,52 @@ def test_gpu_schedule_of_the_kernel(monkeypatch, tmp_path):
         with target:
             assert len(nvcc.compile_cuda(source, target_format="cubin",
                                          compiler=cuda_compiler())) > 1000
+
+
+def test_a_16_bit_table_is_left_alone():
+    """A bf16 table's rows would be added onto the dense gradient in 16 bits one by one, a
+    rounding take_backward + add do not make: left to TVM's two ops."""
+    table = relax.Var("W", relax.TensorType((VOCAB, DIM), "bfloat16"))
+    dense = relax.Var("dW", relax.TensorType((VOCAB, DIM), "bfloat16"))
+    dy = relax.Var("dy", relax.TensorType((TOKENS, DIM), "bfloat16"))
+    ids = relax.Var("ids", relax.TensorType((TOKENS,), "int64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [table, dense, dy, ids]):
+        with bb.dataflow():
+            rows = bb.emit(op.grad.take_backward(dy, table, ids, axis=0))
+            out = bb.emit_output(op.add(dense, rows))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    tvm.ir.assert_structural_equal(AddLookupGradient()(mod), mod)
+
+
+def test_a_tied_step_split_by_overlapped_collectives_stays_well_formed():
+    """Under data parallelism with overlap the backward is split into blocks around the
+    gradients' collectives; the kernel reads only what its block can see (a widening's
+    16-bit source from an earlier block is not folded in), and the step is well formed."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import raf_dist
+    from hf import LogitsOnly, import_transformers
+    from raf_dist.compiler.step_passes import nonfinite_guard, step_passes
+    from raf_dist.training import build_train_step
+
+    transformers = import_transformers()
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    module = LogitsOnly(transformers.GPT2LMHeadModel(config))
+    x = torch.randint(0, 64, (2, 16))
+    for compute_dtype in (None, "bfloat16"):
+        mod, _ = build_train_step(raf_dist.frontend.from_pytorch(module, (x,)), "cross_entropy",
+                                  raf_dist.optim.AdamW(lr=1e-3), compute_dtype=compute_dtype,
+                                  nonfinite_guard=nonfinite_guard(0, 2), loss_weight=True)
+        for p in step_passes(0, 2, 4096, overlap=True):
+            mod = p(mod)
+        assert relax.analysis.check_well_formed(mod), compute_dtype
+        assert len(mod["train_step"].body.blocks) > 1  # the collectives split it
+        assert "take_backward_add" in [gv.name_hint for gv in mod.get_global_vars()]

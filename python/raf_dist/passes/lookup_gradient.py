@@ -8,7 +8,8 @@ distribution passes and AutoCast). Output: every
     t = R.grad.take_backward(dy, W, ids, axis=0)      # dy (n, D), W (V, D), ids (n,)
     g = R.add(a, t)                                   # (or add(t, a)); a of W's type
 
-where ``t`` has no other use becomes ``g = take_backward_add(b, dy, ids)``: ``g[v] = b[v] +
+where ``t`` has no other use, W, ``a`` and ``dy`` are float32 and every variable the kernel
+reads is visible in the add's dataflow block, becomes ``g = take_backward_add(b, dy, ids)``: ``g[v] = b[v] +
 sum of dy[k] over k with ids[k] = v``, with ``b = a``, or ``b = u`` when ``a = astype(u, W's
 dtype)`` is a widened 16-bit value used nowhere else (the cast is done in the kernel's first
 loop).
@@ -22,7 +23,7 @@ mixed precision the LM head's 16-bit gradient is kept until the end of the backw
 of its float32 widening (half the bytes). The arithmetic reassociates: the rows are added
 onto ``b[v]`` one by one, ``(b + r1) + r2``, where the two ops computed ``b + (r1 + r2)``
 (float32 rounding apart, the same sum; PyTorch adds the two gradients as the two ops did). A
-test bounds the difference by the two ops' own distance from the float64 sum.
+test bounds its distance from the float64 sum by twice the two ops' own.
 
 The kernel is take_backward's own (TVM's legalization: a first loop over the table, then the
 accumulation loop over columns and, inside, the ids in order) with the first loop copying
@@ -78,17 +79,36 @@ def _static_2d(ty) -> Optional[tuple]:
         return None
 
 
+def _static_1d(ty) -> Optional[int]:
+    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.ndim != 1:
+        return None
+    try:
+        return int(ty.shape[0])
+    except (TypeError, ValueError):
+        return None
+
+
 @visitor
 class _Uses(PyExprVisitor):
-    """How often each variable is read, and the value bound to each."""
+    """How often each variable is read, the value bound to each, and the dataflow block each
+    block-local variable is defined in."""
 
     def __init__(self):
         super().__init__()
         self.uses: Dict[relax.Var, int] = {}
         self.value: Dict[relax.Var, relax.Expr] = {}
+        self.block: Dict[relax.Var, int] = {}
+        self._blocks = 0
+
+    def visit_dataflow_block_(self, block):
+        self._blocks += 1
+        for binding in block.bindings:
+            self.visit_binding(binding)
 
     def visit_var_binding_(self, binding):
         self.value[binding.var] = binding.value
+        if isinstance(binding.var, relax.DataflowVar):
+            self.block[binding.var] = self._blocks
         self.visit_expr(binding.value)
 
     def visit_var_(self, var):
@@ -105,30 +125,44 @@ class _Rewrite(PyExprMutator):
         self.uses = _Uses()
         self.changed = False
 
+    def _visible(self, var, block):
+        """Whether ``var`` may be read in dataflow block ``block``: a variable outside any
+        dataflow block (a parameter, a block's output) or one defined in that block."""
+        return isinstance(var, relax.Var) and (not isinstance(var, relax.DataflowVar)
+                                               or self.uses.block.get(var) == block)
+
     def _lookup(self, var):
-        """(dy, ids, table type) when ``var`` is a take_backward along axis 0 read once."""
-        call = self.uses.value.get(var) if isinstance(var, relax.Var) else None
+        """(dy, ids, block) when ``var`` is a float32 table's take_backward along axis 0 of
+        static 1-D ids, read once, bound in a dataflow block whose variables dy and ids are."""
+        call = self.uses.value.get(var) if isinstance(var, relax.DataflowVar) else None
         if op_name(call) != _TAKE_BACKWARD or self.uses.uses.get(var, 0) != 1:
             return None
         if call.attrs.axis is None or int(call.attrs.axis) != 0:
             return None
         dy, table, ids = call.args
-        if _static_2d(table.ty) is None or _static_2d(dy.ty) is None \
-                or not isinstance(ids.ty, relax.TensorType) or ids.ty.ndim != 1:
+        table_shape, dy_shape = _static_2d(table.ty), _static_2d(dy.ty)
+        # float32 tables only: with a 16-bit table the rows would be added in 16 bits one by
+        # one, a rounding the two ops do not make
+        if table_shape is None or dy_shape is None or str(table.ty.dtype) != "float32" \
+                or str(dy.ty.dtype) != "float32" or _static_1d(ids.ty) != dy_shape[0]:
             return None
-        return dy, ids, table.ty
+        block = self.uses.block[var]
+        if not (self._visible(dy, block) and self._visible(ids, block)):
+            return None
+        return dy, ids, block
 
-    def _base(self, var, ty):
-        """What the kernel copies for the dense summand ``var``: its 16-bit source when it is a
-        widening read nowhere else, else itself (None: not of the table's type)."""
-        if not isinstance(var, relax.Var) or _static_2d(var.ty) != _static_2d(ty) \
-                or str(var.ty.dtype) != str(ty.dtype):
+    def _base(self, var, block):
+        """What the kernel copies for the dense float32 summand ``var``: its 16-bit source
+        when it is a widening in the same block read nowhere else, else itself (None: not
+        readable in ``block``)."""
+        if not self._visible(var, block):
             return None
         value = self.uses.value.get(var)
-        if op_name(value) == "relax.astype" and self.uses.uses.get(var, 0) == 1:
+        if op_name(value) == "relax.astype" and self.uses.uses.get(var, 0) == 1 \
+                and isinstance(var, relax.DataflowVar):
             source = value.args[0]
-            if isinstance(source, relax.Var) and str(source.ty.dtype) in ("bfloat16", "float16") \
-                    and str(ty.dtype) == "float32":
+            if self._visible(source, block) \
+                    and str(source.ty.dtype) in ("bfloat16", "float16"):
                 return source
         return var
 
@@ -140,12 +174,16 @@ class _Rewrite(PyExprMutator):
             found = self._lookup(lookup)
             if found is None:
                 continue
-            dy, ids, ty = found
-            base = self._base(dense, ty)
-            if base is None or dense.same_as(lookup):
+            dy, ids, block = found
+            if not isinstance(dense, relax.Var) or dense.same_as(lookup) \
+                    or _static_2d(dense.ty) != _static_2d(lookup.ty) \
+                    or str(dense.ty.dtype) != "float32":
+                continue
+            base = self._base(dense, block)
+            if base is None:
                 continue
             self.changed = True
-            return self.builder_.call_te(_take_backward_add_te, base, dy, ids, str(ty.dtype),
+            return self.builder_.call_te(_take_backward_add_te, base, dy, ids, "float32",
                                          primfunc_name_hint="take_backward_add")
         return call
 

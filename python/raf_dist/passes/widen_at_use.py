@@ -14,11 +14,13 @@ gradient before any parameter is updated. On GPT-2 124M in bf16 that is 340 MB o
 gradients at the backward's end, twice the 16-bit ones. Read through a cast fused into each
 reader (the guard's sum, Adam's moment updates), only the 16-bit gradients are kept. Widening
 is exact, so every reader computes the same values as before; the cast runs once per reader
-instead of once (a load and a shift in the readers' own loops).
+instead of once, inside the readers' own loops (for bf16 a load and a shift).
 
-Not rewritten: a widened value read by a collective, a BLAS call, a packed function, the
-function's result or another block (the gradients bucketed for data parallelism or ZeRO
-keep their float32 buckets), or a narrowing. Megatron-LM and DeepSpeed keep float32 ``main_grad``
+Not rewritten: a widened value read by a collective, a BLAS call, a packed function, a
+match_cast, the function's result or another block (the gradients bucketed for data
+parallelism or ZeRO keep their float32 buckets). (A reader that narrows the value again
+is a fused cast like the others.) The pass first canonicalizes the bindings (``w = v``
+aliases), so that an alias's readers count as the value's. Megatron-LM and DeepSpeed keep float32 ``main_grad``
 buffers instead, which this does not need: without microbatches the 16-bit gradient is the
 value (with them, the float32 accumulators are the step's arguments and stay as they are).
 """
@@ -44,7 +46,8 @@ def _widenings(block: relax.DataflowBlock, readers: Dict[relax.Var, List[relax.E
     out = {}
     for binding in block.bindings:
         value = binding.value
-        if op_name(value) != "relax.astype" or not isinstance(binding.var, relax.DataflowVar):
+        if not isinstance(binding, relax.VarBinding) or op_name(value) != "relax.astype" \
+                or not isinstance(binding.var, relax.DataflowVar):
             continue
         source = value.args[0]
         if not isinstance(source, relax.Var) or str(binding.var.ty.dtype) != "float32" \
@@ -63,8 +66,8 @@ def _readers(func: relax.Function) -> Dict[relax.Var, List[relax.Expr]]:
     for block in func.body.blocks:
         for binding in block.bindings:
             value = binding.value
-            if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) \
-                    and not value.ty_args:
+            if isinstance(binding, relax.VarBinding) and isinstance(value, relax.Call) \
+                    and isinstance(value.op, tvm.ir.Op) and not value.ty_args:
                 for arg in value.args:
                     if isinstance(arg, relax.Var):
                         out.setdefault(arg, []).append(value)
@@ -99,8 +102,8 @@ def widen_at_use(func: relax.Function) -> relax.Function:
             if binding.var in widened:
                 continue  # each reader widens for itself
             value = binding.value
-            if isinstance(value, relax.Call) and any(isinstance(a, relax.Var) and a in widened
-                                                     for a in value.args):
+            if isinstance(binding, relax.VarBinding) and isinstance(value, relax.Call) \
+                    and any(isinstance(a, relax.Var) and a in widened for a in value.args):
                 args, fresh = [], {}
                 for arg in value.args:
                     if isinstance(arg, relax.Var) and arg in widened:

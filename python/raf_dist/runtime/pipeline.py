@@ -469,8 +469,10 @@ class PipelineExecutor(LoopScalars):
         Any number of rows per data-parallel rank, at least num_microbatches: the rows split
         into num_microbatches microbatches as evenly as they go (np.array_split's rule), each
         size with its own compiled stages."""
-        # stats()'s runtime_bytes: what the first step adds beyond its planned temporaries
-        with process_memory.first_run(f"{type(self).__name__}@{id(self)}", self._planned_held):
+        # stats()'s runtime_bytes: what the first step adds to the host's memory beyond its
+        # planned temporaries (on a GPU those are the device's)
+        with process_memory.first_run(self, lambda: self._planned_held() if self._device.dlpack_device_type()
+                                      == tvm.cpu(0).dlpack_device_type() else 0):
             if self._profiling is not None and self._profiling.active:
                 return self._profiling.step(self._run_step, self.step_count + 1, x, y)
             return self._run_step(x, y)
@@ -721,9 +723,8 @@ class PipelineExecutor(LoopScalars):
             "grad_bytes": sum(nbytes(self._tensors[n]) for n in self.param_names),
             "optimizer_state_bytes": sum(nbytes(s) for s in self._states),
             "held_bytes_by_dtype": bytes_by_dtype(params + list(self._states)),
-            "planned_peak_bytes": max([st.planned_peak_bytes for ss in self._stage_sets.values()
-                                       for st in ss.stages.values()]
-                                      + [self.compiled_update.planned_peak_bytes]),
+            # every stage's and the update's VM keeps its own storage between steps
+            "planned_peak_bytes": self._planned_held(),
             "comm_bytes_last_step": dict(self._comm_last_step),
             "pipeline": {
                 "stages": list(self.my_stages), "num_stages": self.num_stages,

@@ -16,7 +16,8 @@ the run. Capture the model with the per-rank batch, as the run would.
 Peak = parameters + optimizer state + planned temporaries, as in the ZeRO accounting;
 ``process_bytes`` adds what loading TVM, torch.export and MPI added to this process (measured
 as they loaded: raf_dist.process_memory; the compiler's code aside, which a run drops after
-construction), the RSS growth a run would show (``+libraries``).
+construction), the runtime's first-step workspaces and the allocator's free bytes when
+measured here: the RSS growth a run would show (``+libraries``).
 """
 from __future__ import annotations
 
@@ -84,12 +85,13 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
     out["planned_peak_bytes"] = plan_memory(mod, passes)
     out["peak_bytes"] = out["param_bytes"] + out["optimizer_state_bytes"] + out["planned_peak_bytes"]
     # what loading TVM, torch.export and MPI added to this process (measured when they loaded:
-    # raf_dist.process_memory) as a run holds it: without the compiler's code, which planning
-    # made resident here and a Trainer drops after construction; with the runtime's first-step
-    # workspaces and the allocator's free bytes once a step has run in this process (before
-    # that, 0: ~15-20 MiB each on the tests' models, tests/numeric/test_process_memory.py)
-    out["library_bytes"] = (sum(process_memory.library_bytes().values())
-                            - process_memory.compiler_resident_bytes())
+    # raf_dist.process_memory) as a run holds it: planning made the compiler's code resident
+    # and left its freed heap, which a Trainer lets go after construction (after_compile), so
+    # they are let go here too; with the runtime's first-step workspaces once a step has run
+    # in this process (before that 0: ~15 MiB on the tests' models, which with MPI's load when
+    # MPI has not started here is what this figure cannot see: test_process_memory.py)
+    process_memory.after_compile()
+    out["library_bytes"] = sum(process_memory.library_bytes().values())
     out["runtime_bytes"] = process_memory.runtime_bytes()
     out["allocator_free_bytes"] = process_memory.allocator_free_bytes()
     out["process_bytes"] = (out["peak_bytes"] + out["library_bytes"] + out["runtime_bytes"]
