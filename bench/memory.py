@@ -8,7 +8,8 @@ Models (AdamW, float32, single process): ``gemm_gpt`` (bench/mixed_precision.py'
 GPT2LMHeadModel, default configuration, dropout off, batch 4 x 128). Each side builds the
 model, trains ``--steps`` steps and reports its RSS (VmRSS) and peak RSS (VmHWM); raf_dist's
 side lets the torch module go after capturing it (nothing of raf_dist needs it) and also
-reports stats()["total_bytes"] and the RSS growth since just before the capture. Printed per
+reports stats()["total_bytes"] beside the RSS growth since ``import raf_dist`` (what the total
+predicts) and since just before the capture. Printed per
 model: each side's median RSS and peak over the rounds and the ratio raf_dist / PyTorch
 (median of the per-round ratios [spread]; issue #31's target <= 1.1).
 
@@ -101,6 +102,8 @@ def raf_side(name, steps, cache_dir, zero=0):
     return _largest_rank({"rss": _status("VmRSS"), "peak": _status("VmHWM"),
                           "construction_peak": construction_peak,
                           "growth": _status("VmRSS") - before,
+                          # stats()'s total predicts this one (process_memory.baseline_rss)
+                          "growth_since_import": _status("VmRSS") - process_memory.baseline_rss(),
                           "total_bytes": stats["total_bytes"],
                           "library_bytes": stats["library_bytes"]})
 
@@ -176,8 +179,11 @@ def main():
                   f"{harness.format_ratio([r['peak'] for r in raf], [r['peak'] for r in peer])}")
             print(f"  raf_dist: construction peak {med(raf, 'construction_peak'):.0f} MiB "
                   f"(steady {med(raf, 'rss'):.0f}); RSS growth since capture "
-                  f"{med(raf, 'growth'):.0f} MiB, stats() total {med(raf, 'total_bytes'):.0f} "
-                  f"MiB (libraries {med(raf, 'library_bytes'):.0f})")
+                  f"{med(raf, 'growth'):.0f} MiB; since import raf_dist "
+                  f"{med(raf, 'growth_since_import'):.0f} MiB against stats()'s total "
+                  f"{med(raf, 'total_bytes'):.0f} MiB (libraries "
+                  f"{med(raf, 'library_bytes'):.0f}; the first is net of the torch module the "
+                  "side lets go after the capture)")
 
 
 if __name__ == "__main__":
