@@ -163,10 +163,15 @@ def select(device: str, comm: RankPlace, collective: bool = True) -> tvm.runtime
     return tvm.cuda(index)
 
 
+def is_gpu(dev: tvm.runtime.Device) -> bool:
+    """Whether ``dev`` is a CUDA GPU (else this host's CPU)."""
+    return dev.dlpack_device_type() == tvm.cuda(0).dlpack_device_type()
+
+
 def memory_stats(dev: tvm.runtime.Device) -> dict[str, int]:
     """{"device_memory_used_bytes", "device_memory_total_bytes"} of a GPU (pynvml), or {}
     on the CPU or without pynvml."""
-    if dev.dlpack_device_type() != tvm.cuda(0).dlpack_device_type():
+    if not is_gpu(dev):
         return {}
     nvml = _nvml()
     if nvml is None:
@@ -178,7 +183,7 @@ def memory_stats(dev: tvm.runtime.Device) -> dict[str, int]:
 
 def target_for(dev: tvm.runtime.Device) -> str | tvm.target.Target:
     """The compile target of a device: "cuda" for a GPU, else this host's CPU (host_target)."""
-    return "cuda" if dev.dlpack_device_type() == tvm.cuda(0).dlpack_device_type() else host_target()
+    return "cuda" if is_gpu(dev) else host_target()
 
 
 def host_target() -> str | tvm.target.Target:

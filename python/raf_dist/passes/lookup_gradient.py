@@ -31,7 +31,7 @@ accumulation loop over columns and, inside, the ids in order) with the first loo
 and GPU schedules of the scatter-add (compiler/schedule.py, schedule_gpu.py) apply as they
 are.
 """
-from typing import Dict, Optional
+from typing import Dict
 
 import tvm
 from tvm import relax, te, tirx
@@ -41,6 +41,8 @@ from tvm.script.ir_builder import tirx as T
 from tvm.tirx.script.builder.utils import buffer_proxy
 
 from ..ir.utils import op_name
+from .auto_cast import LOW_DTYPES
+from .tp_layout import static_shape
 
 _TAKE_BACKWARD = "relax.grad.take_backward"
 
@@ -68,24 +70,6 @@ def _take_backward_add_te(base, output_grad, indices, dtype):
                      lambda ins, outs: gen_ir(ins[0], ins[1], ins[2], outs[0]),
                      dtype=dtype, out_buffers=[out_buf], name="take_backward",
                      tag="take_backward")
-
-
-def _static_2d(ty) -> Optional[tuple]:
-    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.ndim != 2:
-        return None
-    try:
-        return tuple(int(d) for d in ty.shape)
-    except (TypeError, ValueError):
-        return None
-
-
-def _static_1d(ty) -> Optional[int]:
-    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.ndim != 1:
-        return None
-    try:
-        return int(ty.shape[0])
-    except (TypeError, ValueError):
-        return None
 
 
 @visitor
@@ -140,11 +124,12 @@ class _Rewrite(PyExprMutator):
         if call.attrs.axis is None or int(call.attrs.axis) != 0:
             return None
         dy, table, ids = call.args
-        table_shape, dy_shape = _static_2d(table.ty), _static_2d(dy.ty)
+        table_shape, dy_shape, ids_shape = static_shape(table), static_shape(dy), static_shape(ids)
         # float32 tables only: with a 16-bit table the rows would be added in 16 bits one by
         # one, a rounding the two ops do not make
-        if table_shape is None or dy_shape is None or str(table.ty.dtype) != "float32" \
-                or str(dy.ty.dtype) != "float32" or _static_1d(ids.ty) != dy_shape[0]:
+        if table_shape is None or len(table_shape) != 2 or dy_shape is None \
+                or len(dy_shape) != 2 or ids_shape != dy_shape[:1] \
+                or str(table.ty.dtype) != "float32" or str(dy.ty.dtype) != "float32":
             return None
         block = self.uses.block[var]
         if not (self._visible(dy, block) and self._visible(ids, block)):
@@ -161,8 +146,7 @@ class _Rewrite(PyExprMutator):
         if op_name(value) == "relax.astype" and self.uses.uses.get(var, 0) == 1 \
                 and isinstance(var, relax.DataflowVar):
             source = value.args[0]
-            if self._visible(source, block) \
-                    and str(source.ty.dtype) in ("bfloat16", "float16"):
+            if self._visible(source, block) and str(source.ty.dtype) in LOW_DTYPES:
                 return source
         return var
 
@@ -176,7 +160,7 @@ class _Rewrite(PyExprMutator):
                 continue
             dy, ids, block = found
             if not isinstance(dense, relax.Var) or dense.same_as(lookup) \
-                    or _static_2d(dense.ty) != _static_2d(lookup.ty) \
+                    or static_shape(dense) != static_shape(lookup) \
                     or str(dense.ty.dtype) != "float32":
                 continue
             base = self._base(dense, block)

@@ -30,8 +30,8 @@ import tvm
 from tvm import relax
 
 from ..ir.utils import op_name
+from .auto_cast import LOW_DTYPES
 
-_LOW = ("bfloat16", "float16")
 #: readers TVM's FuseOps fuses an elementwise cast into (elementwise / broadcast / injective
 #: / reduction operators)
 _FUSES = frozenset("relax." + name for name in (
@@ -51,7 +51,7 @@ def _widenings(block: relax.DataflowBlock, readers: Dict[relax.Var, List[relax.E
             continue
         source = value.args[0]
         if not isinstance(source, relax.Var) or str(binding.var.ty.dtype) != "float32" \
-                or str(getattr(source.ty, "dtype", "")) not in _LOW:
+                or str(getattr(source.ty, "dtype", "")) not in LOW_DTYPES:
             continue
         users = readers.get(binding.var, [])
         if users and all(op_name(u) in _FUSES for u in users):

@@ -448,8 +448,8 @@ class SPMDExecutor(LoopScalars):
         over the global batch (every rank's slice must have the captured shape)."""
         # stats()'s runtime_bytes: what the first step adds to the host's memory beyond its
         # planned temporaries (on a GPU those are the device's)
-        with process_memory.first_run(self, lambda: self._planned_peak() if self._device.dlpack_device_type()
-                                      == tvm.cpu(0).dlpack_device_type() else 0):
+        with process_memory.first_run(
+                self, lambda: 0 if device_lib.is_gpu(self._device) else self._planned_peak()):
             if self._profiling is not None and self._profiling.active:
                 return self._profiling.step(self._run_step, self.step_count + 1, x, y)
             return self._run_step(x, y)
