@@ -194,8 +194,9 @@ def first_run(owner: Any, temporaries: Callable[[], int]) -> Iterator[None]:
     """Measure the block (``owner``'s first step) once: its anonymous RSS growth less
     ``temporaries()`` (the host bytes of the planned temporaries it allocated), less the
     allocator's free bytes it left (``allocator_free_bytes`` counts those) and less what
-    measured library loads inside it added (``library_bytes`` counts those). A step that
-    raises records nothing (the next one is measured); the entry goes with ``owner``."""
+    measured library loads inside it added (``library_bytes`` counts those); then gives the
+    heap the block freed back (``return_free_heap``). A step that raises records nothing
+    (the next one is measured); the entry goes with ``owner``."""
     key = id(owner)
     if key in _RUNTIME:
         yield
@@ -211,6 +212,12 @@ def first_run(owner: Any, temporaries: Callable[[], int]) -> Iterator[None]:
     with _LOCK:
         _RUNTIME[key] = max(0, grown)
     weakref.finalize(owner, _RUNTIME.pop, key, None)
+    # the first step's one-time host work (the VM's and the runtimes' first-call set-up)
+    # frees what glibc, under its dynamic mmap threshold, keeps in the heap for the process's
+    # lifetime: 16-19 MiB on GPT-2 here, given back now, once (a few ms). What the later steps
+    # keep free (the same transient in each: ResNet's convolution buffers) comes back and is
+    # counted by allocator_free_bytes
+    return_free_heap()
 
 
 def _loaded_total() -> int:

@@ -4,7 +4,7 @@ since just before the capture and stats()'s total (tests/numeric/test_process_me
     python tests/numeric/memory_probe.py wide_mlp|gpt2|resnet [--estimate]
 
 With ``--estimate`` the process captures MODEL and calls ``raf_dist.estimate_memory`` instead
-(no Trainer, no step, no MPI), and prints its figures and its RSS growth.
+(no Trainer, no step; MPI loaded, not started), and prints its figures and its RSS growth.
 """
 import gc
 import json
@@ -55,7 +55,8 @@ def main():
     if "--estimate" in sys.argv:
         estimate = raf_dist.estimate_memory(raf_dist.frontend.from_pytorch(module, (x,)),
                                             raf_dist.optim.AdamW(lr=1e-3), 1, 0)
-        print(json.dumps({**estimate, "growth": process_memory.rss_bytes() - before}))
+        print(json.dumps({**estimate, "growth": process_memory.rss_bytes() - before,
+                          "libraries": process_memory.library_bytes()}))
         return
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                optimizer=raf_dist.optim.AdamW(lr=1e-3))

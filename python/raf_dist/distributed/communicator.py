@@ -325,6 +325,14 @@ def get_communicator():
         return _COMM
 
 
+def load_mpi() -> None:
+    """Load the MPI library as starting the world does (mpi4py's import initialises MPI; no
+    communicator, no collective), measured under ``process_memory.MPI``: what
+    ``estimate_memory`` adds for a run's MPI without starting one."""
+    with process_memory.measuring(process_memory.MPI):
+        from mpi4py import MPI  # noqa: F401  (the import is the load)
+
+
 def _start_world(timeout):
     """MPI started (mpi4py's import initialises it), the native runtime loaded, and the world
     communicator (get_communicator)."""

@@ -59,6 +59,7 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
     from ..compiler import plan_memory
     from ..optim import Optimizer
     from ..compiler.step_passes import nonfinite_guard, step_passes
+    from ..distributed.communicator import load_mpi
     from ..training import build_train_step
 
     if zero_opt_level not in (0, 1, 2, 3):
@@ -87,9 +88,11 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
     # what loading TVM, torch.export and MPI added to this process (measured when they loaded:
     # raf_dist.process_memory) as a run holds it: planning made the compiler's code resident
     # and left its freed heap, which a Trainer lets go after construction (after_compile), so
-    # they are let go here too; with the runtime's first-step workspaces once a step has run
-    # in this process (before that 0: ~15 MiB on the tests' models, which with MPI's load when
-    # MPI has not started here is what this figure cannot see: test_process_memory.py)
+    # they are let go here too; MPI is loaded (not started) as the run's Trainer loads it.
+    # With the runtime's first-step workspaces once a step has run in this process (before
+    # that 0: ~15 MiB on the tests' models, which is what this figure cannot see with the
+    # steps' transient host buffers: test_process_memory.py)
+    load_mpi()
     process_memory.after_compile()
     out["library_bytes"] = sum(process_memory.library_bytes().values())
     out["runtime_bytes"] = process_memory.runtime_bytes()
