@@ -56,6 +56,44 @@ def test_a_pipeline_rank_holds_its_boundary_messages():
         assert boundary_bytes(rows, [0, 1, 2], rank, 4, 3) == walked, rank
 
 
+def test_a_budget_recomputes_only_the_stages_that_need_it():
+    """Under pipelining where no recomputation does not fit, the planner offers what
+    activation_memory_budget_mb makes the Trainer choose: each rank raises its stage one
+    level at a time until it fits. On GPT-2 (12 layers over 4 stages, 4 or 8 microbatches,
+    1.4 GB per device: none 1.54-1.66 GB, selective 1.16-1.21) the first stage, which holds
+    the most microbatches, recomputes and the others do not; every level is needed (one
+    level less on any stage and its rank does not fit), and the row is extracted per stage."""
+    from raf_dist.layout import stage_rank
+    from raf_dist.proxies.extract import MeshSpec
+    from raf_dist.tools.plan import _load, stage_info
+
+    limit = 1.4
+    ranked = plan("gpt2", 4, limit, 8, seq=64, cluster_spec="dgx-a100", budget_s=1e9,
+                  max_simulations=0)
+    budget = [c for c in ranked if c.recompute == "budget"]
+    assert budget and all(c.pp > 1 and c.fits for c in budget)
+    at_rows, _ = _load("gpt2", 64)
+    for c in budget:
+        uniform = {r.recompute: r for r in ranked if (r.dp, r.tp, r.pp, r.zero, r.microbatches)
+                   == (c.dp, c.tp, c.pp, c.zero, c.microbatches) and not r.stage_recompute}
+        assert not uniform["none"].fits and len(set(c.stage_recompute)) > 1
+        assert c.memory_per_device_gb <= limit
+        piece = at_rows(8 // (c.dp * c.microbatches)).without_values()
+        stages = stage_info(piece, c.pp)
+        for s, level in enumerate(c.stage_recompute):
+            if level == "none":
+                continue
+            lower = list(c.stage_recompute)
+            lower[s] = {"selective": "none", "full": "selective"}[level]
+            owner = stage_rank(s, c.pp)
+            mine = memory_bytes(piece, MeshSpec(dp=c.dp, pp=c.pp, zero=c.zero,
+                                                microbatches=c.microbatches), "fp32", stages,
+                                lower)
+            assert mine > limit * 2**30, (c, s, owner)
+        assert c.activation_memory_budget_mb > 0
+    assert budget[0].stage_recompute[0] != "none" and budget[0].stage_recompute[-1] == "none"
+
+
 def test_configurations_that_do_not_fit_are_marked():
     tight = plan("gpt2", 2, 0.5, 4, seq=64, cluster_spec="dgx-a100", max_simulations=1)
     assert any(not c.fits for c in tight)

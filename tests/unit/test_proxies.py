@@ -114,6 +114,21 @@ def test_pipeline_programs_pair_every_message(transformer):
     assert result.iteration_s > 0 and 0 < result.bubble < 1
 
 
+def test_per_stage_recomputation_extracts_each_stage_at_its_level(transformer):
+    """MeshSpec.stage_recompute (what activation_memory_budget_mb chooses per stage): each
+    pp rank runs its stage's events of the uniform level it was given, F and B alike."""
+    def events(w, r):
+        return [(e.kind, e.flops, e.bytes, e.ops) for e in w.programs[r]]
+
+    mixed = extract(transformer, MeshSpec(pp=2, microbatches=2, stage_recompute=("full", "none")))
+    full = extract(transformer, MeshSpec(pp=2, microbatches=2, recompute="full"))
+    none = extract(transformer, MeshSpec(pp=2, microbatches=2))
+    assert events(mixed, 0) == events(full, 0) and events(mixed, 1) == events(none, 1)
+    assert events(full, 0) != events(none, 0)  # the levels differ where they apply
+    with pytest.raises(ValueError, match="2 pipeline stages"):
+        extract(transformer, MeshSpec(pp=2, microbatches=2, stage_recompute=("full",) * 3))
+
+
 def test_gpt2_preset_sends_the_cpp_proxys_messages():
     args = _args("gpt2", layers=8, stages=4, microbatches=2)
     w, spcl = build_workload(args, 8)
@@ -217,6 +232,10 @@ def test_mesh_spec_refuses_what_the_trainer_refuses():
         MeshSpec(dp=2, pp=2, embedding_parallel="table")
     MeshSpec(dp=2, zero=3, embedding_parallel="table")  # the dense layers under ZeRO
     MeshSpec(dp=2, tp=2, embedding_parallel="table")  # the MLPs split, the tables whole
+    with pytest.raises(ValueError, match="per pipeline stage"):
+        MeshSpec(dp=2, stage_recompute=("full",))
+    with pytest.raises(ValueError, match="per pipeline stage"):
+        MeshSpec(pp=2, stage_recompute=("full", "some"))
 
 
 def test_simulate_cli_prints_the_side_by_side_and_the_prediction(capsys):

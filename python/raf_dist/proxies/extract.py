@@ -60,6 +60,9 @@ class MeshSpec:
     embedding_parallel: str = "none"
     stages_per_rank: int = 1
     recompute: str = "none"  # activation_checkpointing: "none", "full", "selective"
+    #: under pipelining, each stage's level instead of ``recompute`` (what the Trainer's
+    #: activation_memory_budget_mb chooses per stage: runtime/stage_budget.py); () = uniform
+    stage_recompute: tuple = ()
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "microbatches", "stages_per_rank"):
@@ -82,6 +85,11 @@ class MeshSpec:
         if self.recompute not in ("none", "full", "selective"):
             raise ValueError(f"recompute must be 'none', 'full' or 'selective', got "
                              f"{self.recompute!r}")
+        if self.stage_recompute and (self.pp == 1 or any(
+                lv not in ("none", "full", "selective") for lv in self.stage_recompute)):
+            raise ValueError("stage_recompute takes one of 'none', 'full', 'selective' per "
+                             f"pipeline stage (pp > 1), got {self.stage_recompute!r} with "
+                             f"pp={self.pp}")
         if self.embedding_parallel != "none" and self.pp > 1:
             raise ValueError("sharded embedding tables compose with data and tensor "
                              "parallelism and ZeRO, not pipelining (as the Trainer)")
@@ -268,6 +276,9 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
     funcs = split_forward(plan)
     frozen = list(piece.frozen_params)
     boundary = [type_nbytes(f.output_type) for f in funcs]
+    if mesh.stage_recompute and len(mesh.stage_recompute) != S:
+        raise ValueError(f"stage_recompute has {len(mesh.stage_recompute)} levels for {S} "
+                         "pipeline stages")
     passes = [LowerTensorParallel(AXIS_GROUPS["tp"])] if mesh.tp > 1 else []
     stage_events = []
     seen: dict[tuple, dict[str, list[Event]]] = {}
@@ -276,9 +287,10 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
         # stages) has the same events: build and differentiate each distinct stage once
         # (the first stage has no input gradient, the last the loss; frozen parameters get
         # no gradient)
+        level = mesh.stage_recompute[s] if mesh.stage_recompute else mesh.recompute
         key = (tvm_ffi.structural_hash(f.function.without_attr("global_symbol"),
                                        map_free_vars=True), s == 0, s == S - 1,
-               tuple(f.buffers_written), tuple(n in frozen for n in f.param_names))
+               tuple(f.buffers_written), tuple(n in frozen for n in f.param_names), level)
         if key in seen:
             stage_events.append({k: [dataclasses.replace(e, what=f"{k}{s}") for e in v]
                                  for k, v in seen[key].items()})
@@ -287,11 +299,11 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
             s, s == S - 1, f.function, f.mask_indices, f.param_names, frozen, loss,
             vocab_parallel=getattr(piece, "output_split_classes", 0) > 1,
             buffer_names=f.buffer_names, buffers_written=f.buffers_written,
-            selective=mesh.recompute == "selective")
+            selective=level == "selective")
         mod = apply_passes(fns.mod, passes)
         # with activation checkpointing a stage saves nothing in F and runs its forward
         # again inside B (PipelineExecutor: forward_only, then recompute)
-        full = mesh.recompute == "full"
+        full = level == "full"
         seen[key] = {
             "F": function_events(mod["forward_only" if full else "forward"], f"F{s}"),
             "B": function_events(mod["recompute" if full else "backward"], f"B{s}")}

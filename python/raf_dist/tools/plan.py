@@ -3,7 +3,9 @@
 [--json]``.
 
 For every dp x tp x pp that divides N (tp within a node and dividing the model's heads), ZeRO
-level, microbatch count and recomputation policy the Trainer accepts:
+level, microbatch count and recomputation policy the Trainer accepts (under pipelining also
+``activation_memory_budget_mb``'s per-stage choice, a ``budget`` row, where no recomputation
+does not fit: ``stage_levels``):
 
 - memory per device: the model states this rank holds (raf_dist.layout's StateLayout: the
   same padded shards the Trainer holds, for the parameters of its tp piece and pipeline
@@ -54,6 +56,10 @@ class Choice:
     step_time_s: float = math.inf
     comm_bytes_per_step: int = 0
     how: str = ""
+    #: recompute "budget" (pp > 1): each stage's level, as the Trainer's
+    #: activation_memory_budget_mb chooses them, and the budget to set (MB per device)
+    stage_recompute: list[str] | None = None
+    activation_memory_budget_mb: float | None = None
 
     def row(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -161,33 +167,82 @@ def boundary_bytes(stages: Sequence[tuple[Any, ...]], owners: Sequence[int], ran
     return held
 
 
-def memory_bytes(piece: Any, mesh: Any, precision: str,
-                 stages: list[tuple[Any, ...]] | None = None) -> float:
-    """Per device, the most any pp rank holds (module docstring); ``stages``: stage_info."""
-    from ..layout import stage_rank
+def _model_states(piece: Any, mesh: Any, stages: Sequence[tuple[Any, ...]],
+                  owners: Sequence[int], rank: int) -> int:
+    """Parameters, gradients and AdamW's state pp rank ``rank`` holds (raf_dist.layout)."""
     from .estimate_memory import model_state_bytes
 
     specs = dict(zip(piece.param_names, piece.param_specs()))
+    names = [n for (ns, *_), o in zip(stages, owners) if o == rank for n in ns]
+    numels = [int(np.prod(specs[n][0])) for n in names]
+    states = model_state_bytes(numels, mesh.dp, mesh.zero, STATES_PER_PARAM)
+    return states["param_bytes"] + states["grad_bytes"] + states["optimizer_state_bytes"]
+
+
+def _activations(mesh: Any, precision: str, stages: Sequence[tuple[Any, ...]],
+                 owners: Sequence[int], rank: int, levels: Sequence[str]) -> float:
+    """The activations and boundary messages pp rank ``rank`` holds at its peak, its stages
+    recomputing at ``levels`` (one per stage)."""
+    act = 0.0
+    for (_, every, matmul, inp, blocks, cuts), o, level in zip(stages, owners, levels):
+        if o != rank:
+            continue
+        in_flight = min(mesh.pp - rank, mesh.microbatches) if mesh.pp > 1 else 1
+        act += activation_bytes(every, matmul, inp, blocks, cuts, level, mesh.pp > 1,
+                                in_flight)
+    if mesh.pp > 1:
+        act += boundary_bytes(stages, owners, rank, mesh.microbatches, mesh.pp)
+    return act * (0.5 if precision == "16-bit" else 1.0)
+
+
+def memory_bytes(piece: Any, mesh: Any, precision: str,
+                 stages: list[tuple[Any, ...]] | None = None,
+                 levels: Sequence[str] | None = None) -> float:
+    """Per device, the most any pp rank holds (module docstring); ``stages``: stage_info;
+    ``levels``: each stage's recomputation (default ``mesh.recompute`` for all)."""
+    from ..layout import stage_rank
+
     stages = stages if stages is not None else stage_info(piece, mesh.pp)
     owners = [stage_rank(s, mesh.pp) for s in range(len(stages))]
-    act_scale = 0.5 if precision == "16-bit" else 1.0
-    worst = 0.0
+    levels = list(levels) if levels is not None else [mesh.recompute] * len(stages)
+    return max(_model_states(piece, mesh, stages, owners, r)
+               + _activations(mesh, precision, stages, owners, r, levels)
+               for r in range(mesh.pp))
+
+
+#: a stage's recomputation levels in the order the Trainer's budget raises them
+#: (runtime/stage_budget.LEVELS)
+_LEVELS = ("none", "selective", "full")
+
+
+def stage_levels(piece: Any, mesh: Any, precision: str, stages: list[tuple[Any, ...]],
+                 limit_bytes: float) -> tuple[list[str], float | None]:
+    """What ``activation_memory_budget_mb`` makes the Trainer choose under pipelining, on
+    this model of the memory: each pp rank raises one of its stages one level at a time
+    (none -> selective -> full), the raise that lowers the rank's peak most first (ties: the
+    earlier stage), until its states and activations fit ``limit_bytes``
+    (runtime/stage_budget.choose, on the Trainer's own model). Returns the levels and the
+    budget to set in MB (the device memory less the largest rank's model states: the one
+    value every rank is given), or None when some rank does not fit even at "full"."""
+    from ..layout import stage_rank
+
+    owners = [stage_rank(s, mesh.pp) for s in range(len(stages))]
+    levels = ["none"] * len(stages)
+    states = [_model_states(piece, mesh, stages, owners, r) for r in range(mesh.pp)]
     for r in range(mesh.pp):
-        names = [n for (ns, *_), o in zip(stages, owners) if o == r for n in ns]
-        numels = [int(np.prod(specs[n][0])) for n in names]
-        states = model_state_bytes(numels, mesh.dp, mesh.zero, STATES_PER_PARAM)
-        held = states["param_bytes"] + states["grad_bytes"] + states["optimizer_state_bytes"]
-        act = 0.0
-        for (_, every, matmul, inp, blocks, cuts), o in zip(stages, owners):
-            if o != r:
-                continue
-            in_flight = min(mesh.pp - r, mesh.microbatches) if mesh.pp > 1 else 1
-            act += activation_bytes(every, matmul, inp, blocks, cuts, mesh.recompute,
-                                    mesh.pp > 1, in_flight)
-        if mesh.pp > 1:
-            act += boundary_bytes(stages, owners, r, mesh.microbatches, mesh.pp)
-        worst = max(worst, held + act * act_scale)
-    return worst
+        mine = [s for s, o in enumerate(owners) if o == r]
+        while states[r] + _activations(mesh, precision, stages, owners, r, levels) > limit_bytes:
+            raises = []
+            for s in mine:
+                if levels[s] != "full":
+                    trial = list(levels)
+                    trial[s] = _LEVELS[_LEVELS.index(levels[s]) + 1]
+                    raises.append((_activations(mesh, precision, stages, owners, r, trial), s,
+                                   trial))
+            if not raises:
+                return levels, None
+            levels = min(raises, key=lambda x: x[:2])[2]
+    return levels, (limit_bytes - max(states)) / 2**20
 
 
 def candidates(devices: int, gpus_per_node: int, heads: int | None, global_batch: int,
@@ -248,6 +303,24 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
 
     layers = len(stage_plan(whole, 1, 1).graph.cut_points()) + 1
     choices, pieces, infos = [], {}, {}
+
+    def estimate(c: Choice, mesh: Any, levels: Sequence[str]) -> None:
+        """The quick estimate (module docstring); the slowest stage's recomputation bounds a
+        pipeline's time."""
+        extra = max({"none": 0.0, "selective": 0.3, "full": 1.0}[lv] for lv in levels)
+        compute = (train_flops / (cluster.matmul_tflops * 1e12)
+                   + train_bytes / (cluster.memory_GBps * 1e9)) * (1 + extra / 3) / devices
+        bubble = (mesh.pp - 1) / mesh.microbatches if mesh.pp > 1 else 0.0
+        grads = 4 * n_params / (mesh.tp * mesh.pp)
+        link = cluster.intra if mesh.tp * mesh.dp <= cluster.gpus_per_node else cluster.inter
+        reduce = (2 * (mesh.dp - 1) / mesh.dp * grads / (link.bandwidth_GBps * 1e9)
+                  * (1.5 if mesh.zero == 3 else 1.0))
+        host = ((train_ops * mesh.microbatches + update_ops) / mesh.pp
+                * cluster.op_overhead_us * 1e-6)
+        c.step_time_s = (compute + host) * (1 + bubble) + reduce
+        c.comm_bytes_per_step = int(2 * grads * (mesh.dp - 1) / mesh.dp)
+        c.how = "estimated"
+
     for mesh in candidates(devices, cluster.gpus_per_node, heads, global_batch, layers):
         rows = global_batch // (mesh.dp * mesh.microbatches)
         c = Choice(mesh.dp, mesh.tp, mesh.pp, mesh.zero, mesh.microbatches, mesh.recompute)
@@ -268,20 +341,21 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
             choices.append((c, mesh))
             continue
         c.fits = c.memory_per_device_gb <= device_memory_gb
-        extra = {"none": 0.0, "selective": 0.3, "full": 1.0}[mesh.recompute]
-        compute = (train_flops / (cluster.matmul_tflops * 1e12)
-                   + train_bytes / (cluster.memory_GBps * 1e9)) * (1 + extra / 3) / devices
-        bubble = (mesh.pp - 1) / mesh.microbatches if mesh.pp > 1 else 0.0
-        grads = 4 * n_params / (mesh.tp * mesh.pp)
-        link = cluster.intra if mesh.tp * mesh.dp <= cluster.gpus_per_node else cluster.inter
-        reduce = (2 * (mesh.dp - 1) / mesh.dp * grads / (link.bandwidth_GBps * 1e9)
-                  * (1.5 if mesh.zero == 3 else 1.0))
-        host = ((train_ops * mesh.microbatches + update_ops) / mesh.pp
-                * cluster.op_overhead_us * 1e-6)
-        c.step_time_s = (compute + host) * (1 + bubble) + reduce
-        c.comm_bytes_per_step = int(2 * grads * (mesh.dp - 1) / mesh.dp)
-        c.how = "estimated"
+        estimate(c, mesh, [mesh.recompute])
         choices.append((c, mesh))
+        if mesh.pp > 1 and mesh.recompute == "none" and not c.fits:
+            # activation_memory_budget_mb: each stage recomputes only as much as its rank
+            # needs to fit (a later stage holds fewer microbatches in flight)
+            levels, budget_mb = stage_levels(pieces[key], mesh, precision,
+                                             infos[(key, mesh.pp)], device_memory_gb * 2**30)
+            if budget_mb is not None and len(set(levels)) > 1:  # else a uniform row's twin
+                b = dataclasses.replace(c, recompute="budget", stage_recompute=levels,
+                                        activation_memory_budget_mb=round(budget_mb, 1))
+                b.memory_per_device_gb = memory_bytes(pieces[key], mesh, precision,
+                                                      infos[(key, mesh.pp)], levels) / 2**30
+                b.fits = b.memory_per_device_gb <= device_memory_gb
+                estimate(b, mesh, levels)
+                choices.append((b, dataclasses.replace(mesh, stage_recompute=tuple(levels))))
     # simulated in estimate order, but each mesh shape's best first: the estimate leaves out
     # the tp collectives and the overlap, so every (dp, tp, pp) gets a simulated row early
     fitting = sorted([x for x in choices if x[0].fits], key=lambda x: x[0].step_time_s)
@@ -318,11 +392,20 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
         c.how = "simulated"
         if log:
             log(f"simulated dp{mesh.dp} tp{mesh.tp} pp{mesh.pp} zero{mesh.zero} "
-                f"M{mesh.microbatches} {mesh.recompute}: {c.step_time_s:.4g} s")
+                f"M{mesh.microbatches} {_recompute_label(c)}: {c.step_time_s:.4g} s")
     ranked = [c for c, _ in choices]
     ranked.sort(key=lambda c: (not c.fits, c.how != "simulated", c.how.startswith("refused"),
                                c.step_time_s))
     return ranked
+
+
+def _recompute_label(c: Choice) -> str:
+    """The recompute column: the policy, or a budget's levels per stage and its value."""
+    if not c.stage_recompute:
+        return c.recompute
+    short = {"none": "n", "selective": "s", "full": "f"}
+    return (f"budget {c.activation_memory_budget_mb:g} MB "
+            f"({','.join(short[lv] for lv in c.stage_recompute)})")
 
 
 def table(choices: Sequence[Choice], top: int) -> str:
@@ -331,7 +414,7 @@ def table(choices: Sequence[Choice], top: int) -> str:
     lines = [head]
     for i, c in enumerate(choices[:top]):
         lines.append([str(i + 1), str(c.dp), str(c.tp), str(c.pp), str(c.zero),
-                      str(c.microbatches), c.recompute, f"{c.step_time_s:.4g}",
+                      str(c.microbatches), _recompute_label(c), f"{c.step_time_s:.4g}",
                       f"{c.memory_per_device_gb:.2f}", "yes" if c.fits else "NO",
                       f"{c.comm_bytes_per_step / 2**30:.2f}", c.how])
     widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
