@@ -12,10 +12,12 @@ step simulated on this machine's cluster description.
 The cluster of an N-rank run is this machine measured with N ranks sharing its cores
 (``mpiexec -n N python -m raf_dist.proxies calibrate``: each rank's GEMM and copy rates while
 the others run theirs, on the threads a Trainer gives it, raf_dist's allreduce alpha and
-bandwidth between them), and the model's compute scaled once so that the simulated
+bandwidth between them), and the model's compute scaled so that the simulated
 one-process step equals the measured one-process step, both on one core (``-n 1``
 calibration; every rank of these jobs computes on one thread) (the issue's "this machine's
-measured kernel times scaled"); the host time per operator call is the calibration's,
+measured kernel times scaled"); that one-process step is measured again just before each
+mesh and the mesh predicted with its scale (this shared host's speed drifts by tens of
+percent within minutes); the host time per operator call is the calibration's,
 measured with N ranks stepping at once, not scaled. Nothing is fitted per mesh.
 ``--predict-only FILE`` predicts again the meshes a previous run measured (its ``--rows-out``; the one-core reference and the calibrations are
 measured again).
@@ -155,8 +157,12 @@ def main():
     # computes on one thread (cores / ranks); two threads in one process are a different
     # kernel efficiency (TVM's pool synchronises every parallel kernel) that no mesh here has
     one_core = harness.cores(1)
-    one = harness.run_side([sys.executable, __file__, "--side", "--steps", str(a.steps)],
-                           cpu_set=one_core, timeout=900)["ms"] / 1e3
+
+    def reference():
+        return harness.run_side([sys.executable, __file__, "--side", "--steps", str(a.steps)],
+                                cpu_set=one_core, timeout=900)["ms"] / 1e3
+
+    one = reference()
     rows = []
     if a.predict_only:
         saved = json.loads(Path(a.predict_only).read_text())
@@ -172,7 +178,14 @@ def main():
     if one <= host:
         raise SystemExit(f"the one-process step ({one * 1e3:.1f} ms) is no longer than its "
                          f"calibrated operator calls ({host * 1e3:.1f} ms): calibrate again")
-    scale = (modelled - host) / (one - host)
+    def scale_for(reference_s):
+        if reference_s <= host:
+            raise SystemExit(f"the one-process step ({reference_s * 1e3:.1f} ms) is no longer "
+                             f"than its calibrated operator calls ({host * 1e3:.1f} ms): "
+                             "calibrate again")
+        return (modelled - host) / (reference_s - host)
+
+    scale = scale_for(one)
     print(f"# one process on one core: measured {one * 1e3:.1f} ms, cost model "
           f"{modelled * 1e3:.1f} ms "
           f"(of which {host * 1e3:.1f} ms the host's operator calls) -> this model's compute "
@@ -181,18 +194,25 @@ def main():
         for n in ranks:
             for mesh in meshes(n):
                 dp, tp, pp, zero, m = mesh
+                # the one-core reference again, just before the mesh: this shared host's
+                # speed drifts (the same reference measured 112.5 and 69.5 ms 25 minutes
+                # apart, 2026-11-29), and the mesh is predicted at the speed of its moment
+                ref = reference()
                 measured = harness.run_side(
                     [harness.mpiexec(), "-n", str(n), sys.executable, __file__, "--side",
                      "--tp", str(tp), "--pp", str(pp), "--zero", str(zero), "--microbatches",
                      str(m), "--steps", str(a.steps)], timeout=900)["ms"] / 1e3
                 rows.append({"ranks": n, "dp": dp, "tp": tp, "pp": pp, "zero": zero,
-                             "microbatches": m, "measured_ms": measured * 1e3})
+                             "microbatches": m, "measured_ms": measured * 1e3,
+                             "reference_ms": ref * 1e3})
                 print(f"# N={n} dp{dp} tp{tp} pp{pp} zero{zero} M{m}: measured "
-                      f"{measured * 1e3:.1f} ms", flush=True)
+                      f"{measured * 1e3:.1f} ms (one core just before: {ref * 1e3:.1f} ms)",
+                      flush=True)
         Path(a.rows_out).write_text(json.dumps({"one_process_s": one, "rows": rows}))
     for r in rows:
         mesh = (r["dp"], r["tp"], r["pp"], r["zero"], r["microbatches"])
-        r["predicted_ms"] = predict(mesh, clusters[r["ranks"]], scale) * 1e3
+        row_scale = scale_for(r["reference_ms"] / 1e3) if "reference_ms" in r else scale
+        r["predicted_ms"] = predict(mesh, clusters[r["ranks"]], row_scale) * 1e3
     print("ranks  dp  tp  pp  zero   M  measured ms  predicted ms  error")
     for r in rows:
         err = r["predicted_ms"] / r["measured_ms"] - 1

@@ -268,3 +268,29 @@ def test_calibrate_measures_this_host_and_its_host_time_per_call(tmp_path):
     cluster = load_cluster(str(out))
     assert cluster.matmul_tflops > 0 and cluster.memory_GBps > 0
     assert 0.05 < cluster.op_overhead_us < 1000
+
+
+def test_calibration_rates_are_taken_over_one_window_every_rank_starts_together():
+    """calibrate's rates: each rank counts its calls over a window that begins when the last
+    rank reaches the barrier (so every rank's work overlaps every other's), the first call
+    (set-up) left out. Here: a call of 20 ms, a 0.3 s window -> at most 50 calls per second
+    (one that counted the set-up call would give ~53; a window begun before the others
+    arrived, 0.2 s earlier, ~30)."""
+    import time
+
+    from raf_dist.proxies.calibrate import _window_rate
+
+    events = []
+
+    class Comm:
+        def Barrier(self):  # the other ranks arrive 0.2 s after this one
+            events.append("barrier")
+            time.sleep(0.2)
+
+    def call():
+        events.append("call")
+        time.sleep(0.02)
+
+    rate = _window_rate(Comm(), call, 0.3)
+    assert events[:2] == ["call", "barrier"]  # the set-up call, then the common start
+    assert 40 < rate <= 1 / 0.02  # a sleep overshoots by well under 5 ms

@@ -2,14 +2,18 @@
 this machine for the ``cpu-here`` cluster (proxies/simulate.py) and save it
 (~/.cache/raf_dist/cpu-here.json, which ``--cluster cpu-here`` then reads, or FILE, a cluster
 JSON for ``--cluster FILE``). With N ranks on fewer cores it measures N ranks sharing them,
-each with the compute threads a Trainer would give it (cores / ranks on the host):
-float32 GEMM rate (numpy's BLAS, 1024^3, best of 5), copy bandwidth (64 MiB, best of 5),
-raf_dist's allreduce between the ranks: alpha from 4 KiB calls, bus bandwidth from 64 MiB
-ones (medians of 20 and 5, between barriers), and the host time per operator call: every
-rank trains its own copy of a model whose tensors are tiny (no communication; the compute
-is negligible, so a step is its calls: the VM's dispatch, the kernels' entry, the Trainer's
-Python), and the median step divided by the step's operator count as the extraction counts
-them (proxies/extract.py) is what the cost model charges per call."""
+each with the compute threads a Trainer would give it (cores / ranks on the host). Every
+compute figure is a rate over a fixed window that all ranks start together after a barrier
+(``_window_rate``), so each rank's work runs while every other rank runs its own, as in a
+step: float32 GEMM rate (numpy's BLAS, 1024^3), copy bandwidth (64 MiB), and the host time
+per operator call: every rank trains its own copy of a model whose tensors are tiny (no
+communication; the compute is negligible, so a step is its calls: the VM's dispatch, the
+kernels' entry, the Trainer's Python), its step time over the window divided by the step's
+operator count as the extraction counts them (proxies/extract.py). (A best-of-5 without
+the common window, as before 2026-11-29, let ranks measure while others were still
+importing: with 8 ranks on 2 cores, 47 GFLOP/s and 3.8 GB/s per rank against 30.5 and 2.3
+over a common window.) raf_dist's allreduce between the ranks: alpha from 4 KiB calls, bus
+bandwidth from 64 MiB ones (medians of 20 and 5, between barriers)."""
 from __future__ import annotations
 
 import json
@@ -23,13 +27,23 @@ from tvm.relax.frontend import nn
 from .simulate import _CALIBRATED, Cluster, Link
 
 
-def _best(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
+#: seconds of each measurement window (every rank busy through it)
+WINDOW_S = 2.0
+
+
+def _window_rate(comm, fn, seconds: float = WINDOW_S) -> float:
+    """Calls of ``fn`` per second on this rank over a ``seconds`` window that every rank of
+    ``comm`` starts together (one call first, outside it: first-call set-up)."""
+    fn()
+    comm.Barrier()
+    began = time.perf_counter()
+    calls = 0
+    while True:
         fn()
-        times.append(time.perf_counter() - began)
-    return min(times)
+        calls += 1
+        elapsed = time.perf_counter() - began
+        if elapsed >= seconds:
+            return calls / elapsed
 
 
 class _TinyMLP(nn.Module):
@@ -64,13 +78,8 @@ def _op_overhead_us(comm) -> float:
     ys = rng.integers(0, 8, (4,))
     for _ in range(5):
         trainer.step(xs, ys)
-    comm.Barrier()
-    times = []
-    for _ in range(30):
-        began = time.perf_counter()
-        trainer.step(xs, ys)
-        times.append(time.perf_counter() - began)
-    return statistics.median(comm.allgather(statistics.median(times) / ops * 1e6))
+    steps_per_s = _window_rate(comm, lambda: trainer.step(xs, ys), 1.5 * WINDOW_S)
+    return statistics.median(comm.allgather(1e6 / steps_per_s / ops))
 
 
 def calibrate(out_path: str = _CALIBRATED) -> int:
@@ -85,10 +94,12 @@ def calibrate(out_path: str = _CALIBRATED) -> int:
     # rates measured are the ones a step of N ranks gets, not N oversubscribed BLAS pools
     set_num_threads(threads_per_rank(get_communicator().local_size))
     a = np.random.default_rng(0).standard_normal((1024, 1024), np.float32)
-    gemm = 2 * 1024 ** 3 / _best(lambda: a @ a, 5)
+    # the median rank's rates (each rank's over the common window: module docstring)
+    gemm = statistics.median(comm.allgather(2 * 1024 ** 3 * _window_rate(comm, lambda: a @ a)))
     src = np.ones(16 * 2**20, np.float32)
     dst = np.empty_like(src)
-    copy = 2 * src.nbytes / _best(lambda: np.copyto(dst, src), 5)  # read + write
+    copy = statistics.median(comm.allgather(  # read + write
+        2 * src.nbytes * _window_rate(comm, lambda: np.copyto(dst, src))))
 
     def allreduce_median(elements, repeats):
         x = np.ones(elements, np.float32)
