@@ -29,13 +29,14 @@ all-"full" cannot meet is a ValueError naming the smallest peak it reached. Each
 for its own stages; the dp ranks of one pp rank hold the same stages and choose alike, and the
 choice changes no message between stages (the schedule and the boundaries are the same).
 """
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 import tvm
 
 from ..distributed.communicator import raised_on_every_rank
 
 LEVELS = (False, "selective", "full")
+_Bytes = TypeVar("_Bytes", int, float)
 
 
 #: one point of a rank's schedule: ({stage: microbatches whose saved values it holds},
@@ -120,7 +121,6 @@ def choose(stages: Sequence[int], timeline: Sequence[Point],
     """({stage: False | "selective" | "full"}, modelled peak): the least recomputation, per
     stage, whose modelled peak fits ``budget_bytes``. ``measure(stage, level)`` gives that
     stage's (saved bytes per microbatch, planned temporaries) at ``level``."""
-    levels = {s: 0 for s in stages}
     seen: Dict[Tuple[Tuple[int, int], ...], int] = {}
 
     def peak(lv):
@@ -131,12 +131,9 @@ def choose(stages: Sequence[int], timeline: Sequence[Point],
                                       {s: g[1] for s, g in got.items()}, update_temps)
         return seen[key]
 
-    current = peak(levels)
-    while current > budget_bytes:
-        steps = [(peak({**levels, s: levels[s] + 1}), s) for s in stages
-                 if levels[s] + 1 < len(LEVELS)]
-        if not steps:
-            raise ValueError(
+    chosen, current = raise_levels(stages, peak, budget_bytes)
+    if chosen is None:
+        raise ValueError(
                 f"activation_memory_budget_mb={budget_bytes / 2**20:g}: this pipeline rank's "
                 f"stages {list(stages)} cannot fit; the smallest modelled activation memory "
                 f"is {min(seen.values()) / 2**20:.3g} MB (saved values of the microbatches in "
@@ -144,9 +141,26 @@ def choose(stages: Sequence[int], timeline: Sequence[Point],
                 "or the update's; every stage recomputing "
                 f"\"full\"); none {seen[tuple(sorted((s, 0) for s in stages))] / 2**20:.3g} "
                 "MB. Raise the budget, use more microbatches of fewer rows, or more stages")
+    return {s: LEVELS[i] for s, i in chosen.items()}, current
+
+
+def raise_levels(stages: Sequence[int], peak: Callable[[Dict[int, int]], _Bytes],
+                 budget_bytes: float) -> Tuple[Optional[Dict[int, int]], _Bytes]:
+    """The search ``choose`` makes (and tools/plan.py's on its own memory model): every stage
+    at ``LEVELS[0]``, then, while ``peak(levels)`` exceeds ``budget_bytes``, one stage one
+    level up, the raise with the lowest peak first (ties: the earlier stage). Returns
+    ({stage: index into LEVELS}, its peak), or (None, the last peak) when every stage is at
+    the top and the peak still exceeds the budget."""
+    levels = {s: 0 for s in stages}
+    current = peak(levels)
+    while current > budget_bytes:
+        steps = [(peak({**levels, s: levels[s] + 1}), s) for s in stages
+                 if levels[s] + 1 < len(LEVELS)]
+        if not steps:
+            return None, current
         current, stage = min(steps)
         levels[stage] += 1
-    return {s: LEVELS[i] for s, i in levels.items()}, current
+    return levels, current
 
 
 def saved_bytes(functions, level) -> int:

@@ -210,11 +210,6 @@ def memory_bytes(piece: Any, mesh: Any, precision: str,
                for r in range(mesh.pp))
 
 
-#: a stage's recomputation levels in the order the Trainer's budget raises them
-#: (runtime/stage_budget.LEVELS)
-_LEVELS = ("none", "selective", "full")
-
-
 def stage_levels(piece: Any, mesh: Any, precision: str, stages: list[tuple[Any, ...]],
                  limit_bytes: float) -> tuple[list[str], float | None]:
     """What ``activation_memory_budget_mb`` makes the Trainer choose under pipelining, on
@@ -225,23 +220,25 @@ def stage_levels(piece: Any, mesh: Any, precision: str, stages: list[tuple[Any, 
     budget to set in MB (the device memory less the largest rank's model states: the one
     value every rank is given), or None when some rank does not fit even at "full"."""
     from ..layout import stage_rank
+    from ..runtime.stage_budget import LEVELS, raise_levels
 
+    names = [str(level) if level else "none" for level in LEVELS]  # False is "none" here
     owners = [stage_rank(s, mesh.pp) for s in range(len(stages))]
     levels = ["none"] * len(stages)
     states = [_model_states(piece, mesh, stages, owners, r) for r in range(mesh.pp)]
     for r in range(mesh.pp):
-        mine = [s for s, o in enumerate(owners) if o == r]
-        while states[r] + _activations(mesh, precision, stages, owners, r, levels) > limit_bytes:
-            raises = []
-            for s in mine:
-                if levels[s] != "full":
-                    trial = list(levels)
-                    trial[s] = _LEVELS[_LEVELS.index(levels[s]) + 1]
-                    raises.append((_activations(mesh, precision, stages, owners, r, trial), s,
-                                   trial))
-            if not raises:
-                return levels, None
-            levels = min(raises, key=lambda x: x[:2])[2]
+        def peak(trial: dict[int, int], r: int = r) -> float:
+            named = list(levels)
+            for s, i in trial.items():
+                named[s] = names[i]
+            return states[r] + _activations(mesh, precision, stages, owners, r, named)
+
+        chosen, _ = raise_levels([s for s, o in enumerate(owners) if o == r], peak,
+                                 limit_bytes)
+        if chosen is None:
+            return levels, None
+        for s, i in chosen.items():
+            levels[s] = names[i]
     return levels, (limit_bytes - max(states)) / 2**20
 
 
