@@ -1,6 +1,8 @@
 """Host BLAS on TVM's thread pool (runtime/openblas.py, src/blas/batched_gemm.cc): TVM's pool
 really has the threads set_num_threads asks for, numpy's OpenBLAS runs its parallel jobs there,
 and a batch of small products spread over the pool equals numpy's matmul in every layout."""
+import os
+
 import numpy as np
 import pytest
 import tvm
@@ -207,3 +209,21 @@ def _check_small_products(torch, monkeypatch):
         expected = a.astype(np.float32) @ b.astype(np.float32).T
         np.testing.assert_allclose(out.numpy().astype(np.float32), expected,
                                    rtol=2 ** -7, atol=2 ** -7 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("user_value", [None, "7"])
+def test_a_second_pool_makes_tvm_workers_spin_briefly(two_threads, monkeypatch, user_value):
+    """With a second pool on the cores (a 16-bit step's GEMMs on PyTorch's OpenMP team), TVM's
+    idle workers spin SECOND_POOL_SPIN_COUNT yielding rounds (not 0, not TVM's 300000: the
+    measurement is in runtime/threads.py); a count the user set wins."""
+    from raf_dist.runtime import threads
+
+    monkeypatch.setenv("TVM_THREAD_POOL_SPIN_COUNT", "placeholder")  # restored afterwards
+    monkeypatch.delenv("TVM_THREAD_POOL_SPIN_COUNT")
+    if user_value is not None:
+        monkeypatch.setenv("TVM_THREAD_POOL_SPIN_COUNT", user_value)
+    set_num_threads(2, second_pool=True)
+    expected = user_value or str(threads.SECOND_POOL_SPIN_COUNT)
+    assert expected != "0" and threads.SECOND_POOL_SPIN_COUNT < 300000
+    assert tvm.get_global_func("runtime.NumThreads")() == 2
+    assert os.environ["TVM_THREAD_POOL_SPIN_COUNT"] == expected

@@ -35,6 +35,19 @@ def threads_per_rank(local_ranks: int) -> int:
     return max(1, available_cores() // max(1, local_ranks))
 
 
+#: Rounds an idle TVM worker spins before it sleeps when a second pool (PyTorch's OpenMP team,
+#: asleep when idle) runs the 16-bit GEMMs on the same cores. Each round is a
+#: ``sched_yield`` (tvm/src/runtime/thread_pool.cc, ``SpscTaskQueue::Pop``), so a spinning
+#: worker gives its core to a GEMM thread that wakes, yet is awake for the next parallel
+#: kernel: without spinning every parallel kernel first wakes a sleeping worker. Measured on
+#: bench/mixed_precision.py's bf16 GPT (2-core Xeon with AMX, medians of 10 steps, alternating
+#: runs): 0 rounds 41.8-43.7 ms, 1000: 35.5-38.0, 3000: 33.2-36.3, 5000: 34.4-34.5,
+#: 10000: 35.4-38.2, TVM's 300000: 36.8-38.9; the 23M GEMM GPT 286 ms at 0, 254-273 at 3000.
+#: (With libgomp's team spinning too, as before raf_dist asked it to sleep, both pools took
+#: turns: 173 ms.) float32 steps keep TVM's default (44-45 ms either way).
+SECOND_POOL_SPIN_COUNT = 3000
+
+
 def set_num_threads(num_threads: int, second_pool: bool = False) -> None:
     """Size TVM's pool and numpy's BLAS to ``num_threads``, one pool for both where the BLAS
     allows it (``openblas.set_threads``).
@@ -46,21 +59,21 @@ def set_num_threads(num_threads: int, second_pool: bool = False) -> None:
     ``TVMBackendParallelLaunch``). So ``TVM_NUM_THREADS`` is set first; until it was, every
     kernel here ran on one thread (the GPT step 51 -> 42 ms with it and the shared pool).
 
-    Idle TVM workers spin for a while before they sleep (TVM's default), as an OpenMP pool
-    does, when the BLAS runs its jobs on that pool; else they sleep at once
+    Idle TVM workers spin for a while before they sleep (TVM's default, 300000 rounds), as an
+    OpenMP pool does, when the BLAS runs its jobs on that pool; else they sleep at once
     (TVM_THREAD_POOL_SPIN_COUNT=0): spinning next to the BLAS's own spinning threads took the
-    GPT step from 52 to 120 ms. They also sleep at once when ``second_pool``: another runtime's
-    pool will compute on the same cores (a 16-bit step's GEMMs in PyTorch's oneDNN, on its
-    OpenMP team, runtime/blas.py): the bf16 GPT step of bench/mixed_precision.py took 173 ms
-    with both pools spinning, 49 ms with TVM's asleep (and 37 with OpenMP's too, which
-    ``raf_dist`` asks for when it is imported before torch). TVM reads the count when its
-    pool first runs, so this holds for the process. A value the user set wins in every
-    case. Threads are not bound
+    GPT step from 52 to 120 ms. When ``second_pool`` — another runtime's pool computes on the
+    same cores (a 16-bit step's GEMMs in PyTorch's oneDNN, on its OpenMP team, runtime/blas.py;
+    ``raf_dist`` asks that team to sleep when idle) — they spin ``SECOND_POOL_SPIN_COUNT``
+    rounds (see there). TVM reads the count when its pool first runs, so this holds for the
+    process. A value the user set wins in every case. Threads are not bound
     to cores (TVM_BIND_THREADS=0 unless the user set it; see the module docstring), and the
     calling thread's affinity is restored in any case, so the process keeps every core it had.
     """
     num_threads = max(1, int(num_threads))
-    if second_pool or not openblas.can_share_pool():
+    if second_pool:
+        os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SECOND_POOL_SPIN_COUNT))
+    elif not openblas.can_share_pool():
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
     # TVM reads this each time it (re)configures its pool, also lazily at the first parallel
     # kernel, so it must stay in the environment rather than be set around one call
