@@ -213,9 +213,10 @@ def _check_small_products(torch, monkeypatch):
 
 @pytest.mark.parametrize("user_value", [None, "7"])
 def test_a_second_pool_makes_tvm_workers_spin_briefly(two_threads, monkeypatch, user_value):
-    """With a second pool on the cores (a 16-bit step's GEMMs on PyTorch's OpenMP team), TVM's
-    idle workers spin SECOND_POOL_SPIN_COUNT yielding rounds (not 0, not TVM's 300000: the
-    measurement is in runtime/threads.py); a count the user set wins."""
+    """With a second pool on the cores (a 16-bit step's GEMMs on PyTorch's OpenMP team),
+    set_num_threads asks TVM's idle workers for SECOND_POOL_SPIN_COUNT yielding rounds (not 0,
+    not TVM's 300000: the measurement is in runtime/threads.py) through the variable TVM reads
+    when its pool first runs; a count the user set wins."""
     from raf_dist.runtime import threads
 
     monkeypatch.setenv("TVM_THREAD_POOL_SPIN_COUNT", "placeholder")  # restored afterwards

@@ -41,8 +41,9 @@ def threads_per_rank(local_ranks: int) -> int:
 #: worker gives its core to a GEMM thread that wakes, yet is awake for the next parallel
 #: kernel: without spinning every parallel kernel first wakes a sleeping worker. Measured on
 #: bench/mixed_precision.py's bf16 GPT (2-core Xeon with AMX, medians of 10 steps, alternating
-#: runs): 0 rounds 41.8-43.7 ms, 1000: 35.5-38.0, 3000: 33.2-36.3, 5000: 34.4-34.5,
-#: 10000: 35.4-38.2, TVM's 300000: 36.8-38.9; the 23M GEMM GPT 286 ms at 0, 254-273 at 3000.
+#: runs): 0 rounds 40.1-46.3 ms, 1000: 35.5-38.0, 3000: 32.0-36.3, 5000: 34.4-34.5,
+#: 10000: 32.1-38.2, 100000: 36.1, TVM's 300000: 36.8-38.9; the 23M GEMM GPT 286 ms at 0,
+#: 254-273 at 3000.
 #: (With libgomp's team spinning too, as before raf_dist asked it to sleep, both pools took
 #: turns: 173 ms.) float32 steps keep TVM's default (44-45 ms either way).
 SECOND_POOL_SPIN_COUNT = 3000
