@@ -134,13 +134,13 @@ def choose(stages: Sequence[int], timeline: Sequence[Point],
     chosen, current = raise_levels(stages, peak, budget_bytes)
     if chosen is None:
         raise ValueError(
-                f"activation_memory_budget_mb={budget_bytes / 2**20:g}: this pipeline rank's "
-                f"stages {list(stages)} cannot fit; the smallest modelled activation memory "
-                f"is {min(seen.values()) / 2**20:.3g} MB (saved values of the microbatches in "
-                "flight, the boundary messages held and the stages' planned temporaries, "
-                "or the update's; every stage recomputing "
-                f"\"full\"); none {seen[tuple(sorted((s, 0) for s in stages))] / 2**20:.3g} "
-                "MB. Raise the budget, use more microbatches of fewer rows, or more stages")
+            f"activation_memory_budget_mb={budget_bytes / 2**20:g}: this pipeline rank's "
+            f"stages {list(stages)} cannot fit; the smallest modelled activation memory "
+            f"is {min(seen.values()) / 2**20:.3g} MB (saved values of the microbatches in "
+            "flight, the boundary messages held and the stages' planned temporaries, "
+            "or the update's; every stage recomputing "
+            f"\"full\"); none {seen[tuple(sorted((s, 0) for s in stages))] / 2**20:.3g} "
+            "MB. Raise the budget, use more microbatches of fewer rows, or more stages")
     return {s: LEVELS[i] for s, i in chosen.items()}, current
 
 
