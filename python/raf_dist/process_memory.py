@@ -201,11 +201,10 @@ def first_run(owner: Any, temporaries: Callable[[], int]) -> Iterator[None]:
     if key in _RUNTIME:
         yield
         return
-    anon, free, loaded = _status_kib("RssAnon") * 1024, _allocator_free(), _loaded_total()
+    start = _runtime_start()
     yield
     try:
-        grown = (_status_kib("RssAnon") * 1024 - anon - max(0, _allocator_free() - free)
-                 - (_loaded_total() - loaded) - int(temporaries()))
+        grown = _runtime_growth(start) - int(temporaries())
     except Exception as e:  # noqa: BLE001 - a figure for stats(), never the step's failure
         _LOG.debug("the first step's runtime memory was not measured: %s", e)
         return
@@ -218,6 +217,30 @@ def first_run(owner: Any, temporaries: Callable[[], int]) -> Iterator[None]:
     # keep free (the same transient in each: ResNet's convolution buffers) comes back and is
     # counted by allocator_free_bytes
     return_free_heap()
+
+
+def _runtime_start() -> Tuple[int, int, int]:
+    return _status_kib("RssAnon") * 1024, _allocator_free(), _loaded_total()
+
+
+def _runtime_growth(start: Tuple[int, int, int]) -> int:
+    """Anonymous RSS growth since ``start`` (``_runtime_start``) less the allocator's free
+    bytes and the measured library loads it includes."""
+    anon, free, loaded = start
+    return (_status_kib("RssAnon") * 1024 - anon - max(0, _allocator_free() - free)
+            - (_loaded_total() - loaded))
+
+
+def runtime_growth_of(block: Callable[[], Any]) -> int:
+    """What ``first_run`` would record for ``block`` (with no planned temporaries), without
+    recording it for any owner; then the heap ``block`` freed is given back, as after a
+    run's first step. tools/estimate_memory measures the step's host kernels with it
+    (runtime/host_kernels.py)."""
+    start = _runtime_start()
+    block()
+    grown = max(0, _runtime_growth(start))
+    return_free_heap()
+    return grown
 
 
 def _loaded_total() -> int:

@@ -46,18 +46,17 @@ def test_stats_total_predicts_rss_growth(name):
     assert got["runtime_bytes"] > 0  # the first step's thread stacks at least
     assert 0.9 * total <= growth <= 1.1 * total, (name, growth / total, got)
     # estimate_memory, called where a user calls it (after capture; no Trainer, no step;
-    # MPI loaded, not started), predicts the same growth but for what only a run shows: what
-    # the steps leave (their first run's workspaces, the allocator's free bytes after them).
-    # Measured 2026-11-29 (MPI's load and the trim after the first step added), estimate /
-    # (growth - those): wide_mlp 0.98, gpt2 0.94, resnet 0.91 (a ResNet step runs torch's
-    # convolution code, whose pages the estimate cannot see); estimate / growth 0.93, 0.91,
-    # 0.81. #31's 10% for the estimator is not claimed: the bound is 15% below
+    # MPI loaded, not started), predicts the same growth: the step's host kernels (BLAS
+    # GEMMs, the convolutions' im2col) run once at the step's shapes in its process, for
+    # what they keep (runtime_bytes) and leave free (allocator_free_bytes), as a run's steps
+    # do (runtime/host_kernels.py). Measured 2026-11-29, estimate / growth: wide_mlp 0.95,
+    # gpt2 0.94, resnet 0.92 (0.93, 0.91, 0.81 before the host kernels were run; what is
+    # left is what stats() also misses: resnet's growth / total is 1.07). #31's bound: 10%
     estimate = _probe(name, "--estimate")
-    assert estimate["runtime_bytes"] == 0  # no step ran in the estimating process
+    assert estimate["runtime_bytes"] > 0  # the host kernels' own buffers, measured
     assert process_memory.MPI in estimate["libraries"], estimate  # loaded as the run loads it
-    seen = growth - got["runtime_bytes"] - got["allocator_free_bytes"]
-    assert 0.85 * seen <= estimate["process_bytes"] <= 1.1 * seen, (
-        name, estimate["process_bytes"] / seen, estimate)
+    assert 0.9 * growth <= estimate["process_bytes"] <= 1.1 * growth, (
+        name, estimate["process_bytes"] / growth, estimate)
     # the model's tensors and planned temporaries are the run's exactly
     for key in ("param_bytes", "optimizer_state_bytes", "planned_peak_bytes"):
         assert estimate[key] == got[key], key

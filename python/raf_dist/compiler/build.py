@@ -194,10 +194,15 @@ def apply_passes(mod, passes):
     return mod
 
 
+def planned_module(mod, passes=(), target="llvm"):
+    """``mod`` after ``passes`` and the pipeline up to memory planning, without building."""
+    return _plan(apply_passes(mod, passes), make_target(target))
+
+
 def plan_memory(mod, passes=(), target="llvm"):
     """Bytes of the step's planned temporaries (what ``CompiledStep.planned_peak_bytes``
     reports) without building: the passes, then the pipeline up to memory planning."""
-    return planned_bytes(_plan(apply_passes(mod, passes), make_target(target)))
+    return planned_bytes(planned_module(mod, passes, target))
 
 
 def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):

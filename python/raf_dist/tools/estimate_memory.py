@@ -16,8 +16,15 @@ the run. Capture the model with the per-rank batch, as the run would.
 Peak = parameters + optimizer state + planned temporaries, as in the ZeRO accounting;
 ``process_bytes`` adds what loading TVM, torch.export and MPI added to this process (measured
 as they loaded: raf_dist.process_memory; the compiler's code aside, which a run drops after
-construction), the runtime's first-step workspaces and the allocator's free bytes when
-measured here: the RSS growth a run would show (``+libraries``).
+construction), what the step's host kernels keep for themselves (BLAS packing buffers, the
+thread pool: ``runtime_bytes``) and what their transients leave in the C allocator's free heap
+(the convolutions' im2col copies: ``allocator_free_bytes``): the RSS growth a run would show
+(``+libraries``). Those two are measured, not modelled: the step's BLAS and convolution calls
+run once here at the step's shapes on zero operands held outside the C heap
+(runtime/host_kernels.py), with the threads a rank of the run gets (``ranks_per_host`` ranks
+on its host; default ``world_size``; a process whose threads a Trainer or an earlier estimate
+set keeps them). So the estimating process briefly holds the largest call's operands, and
+takes a few kernel runs' time.
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ from .. import process_memory
 from ..layout import state_layout
 
 if TYPE_CHECKING:
+    import tvm
+
     from ..model import Model
     from ..optim import Optimizer
 
@@ -52,11 +61,13 @@ def model_state_bytes(numels: Sequence[int], world_size: int, zero_opt_level: in
 
 def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_opt_level: int,
                     bucket_size_mb: float = 25.0, loss: str = "cross_entropy",
-                    overlap_comm: bool = True) -> dict[str, int]:
+                    overlap_comm: bool = True,
+                    ranks_per_host: int | None = None) -> dict[str, int]:
     """Bytes per rank for ``model`` (a captured :class:`raf_dist.Model`) trained with
     ``optimizer`` on ``world_size`` ranks at ``zero_opt_level``: the model states plus
     ``planned_peak_bytes`` from TVM's memory planner and their sum ``peak_bytes``."""
-    from ..compiler import plan_memory
+    from ..compiler import planned_bytes
+    from ..compiler.build import planned_module
     from ..optim import Optimizer
     from ..compiler.step_passes import nonfinite_guard, step_passes
     from ..distributed.communicator import load_mpi
@@ -66,6 +77,11 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
         raise ValueError(f"zero_opt_level must be 0, 1, 2 or 3, got {zero_opt_level!r}")
     if int(world_size) < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    if ranks_per_host is not None and (isinstance(ranks_per_host, bool)
+                                       or not isinstance(ranks_per_host, int)
+                                       or ranks_per_host < 1):
+        raise ValueError(f"ranks_per_host must be an int >= 1 (the run's ranks on each host; "
+                         f"default: world_size), got {ranks_per_host!r}")
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a raf_dist.optim optimizer, got {optimizer!r}")
     # the step the Trainer builds, with its default non-finite check (and, on several ranks,
@@ -83,23 +99,44 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
             row_states=signature.row_states).state_bytes()
     passes = step_passes(zero_opt_level, int(world_size), max(1, int(bucket_size_mb * 2**20)),
                          overlap=overlap_comm)
-    out["planned_peak_bytes"] = plan_memory(mod, passes)
+    planned = planned_module(mod, passes)
+    out["planned_peak_bytes"] = planned_bytes(planned)
     out["peak_bytes"] = out["param_bytes"] + out["optimizer_state_bytes"] + out["planned_peak_bytes"]
     # what loading TVM, torch.export and MPI added to this process (measured when they loaded:
     # raf_dist.process_memory) as a run holds it: planning made the compiler's code resident
     # and left its freed heap, which a Trainer lets go after construction (after_compile), so
     # they are let go here too; MPI is loaded (not started) as the run's Trainer loads it.
-    # With the runtime's first-step workspaces once a step has run in this process (before
-    # that 0: ~15 MiB on the tests' models, which is what this figure cannot see with the
-    # steps' transient host buffers: test_process_memory.py)
     load_mpi()
     process_memory.after_compile()
+    # what the step's host kernels outside the planner (BLAS GEMMs, the convolutions' im2col)
+    # take for themselves, measured as a run's first step measures it: they run once here at
+    # the step's shapes on zero operands, on the threads a rank of this run would have
+    # (runtime/host_kernels.py), then once more to leave the transients a later step leaves
+    # in the allocator's free heap
+    out["runtime_bytes"] = process_memory.runtime_bytes() + _host_kernel_bytes(
+        planned, ranks_per_host or int(world_size))
     out["library_bytes"] = sum(process_memory.library_bytes().values())
-    out["runtime_bytes"] = process_memory.runtime_bytes()
     out["allocator_free_bytes"] = process_memory.allocator_free_bytes()
     out["process_bytes"] = (out["peak_bytes"] + out["library_bytes"] + out["runtime_bytes"]
                             + out["allocator_free_bytes"])
     return out
+
+
+def _host_kernel_bytes(planned: "tvm.IRModule", ranks_per_host: int) -> int:
+    """The host kernels' own memory (module docstring; runtime/host_kernels.py), under the
+    thread count a Trainer of ``ranks_per_host`` ranks per host sets (once set, by a Trainer
+    or an earlier estimate, the process's pool is kept: it is made once)."""
+    from ..runtime import host_kernels
+    from ..runtime.threads import configured_threads, set_num_threads, threads_per_rank
+
+    calls = host_kernels.host_calls(planned)
+    if not calls:
+        return 0
+    if configured_threads() is None:
+        set_num_threads(threads_per_rank(ranks_per_host))
+    grown = process_memory.runtime_growth_of(lambda: host_kernels.run_once(calls))
+    host_kernels.run_once(calls)
+    return grown
 
 
 def _fmt(nbytes: float | None) -> str:

@@ -1,0 +1,131 @@
+"""The step's host kernels that run outside TVM's memory planner (``raf_dist.blas.*``: numpy's
+OpenBLAS, PyTorch's oneDNN for 16-bit GEMMs), listed from a planned step and run once at the
+step's shapes, so that what they take for themselves can be measured before any step runs.
+
+What these libraries hold after a step is their own policy, not the step's: OpenBLAS touches
+a part of each thread's packing buffer (a 32 / 64 MiB mapping it keeps for the process) that
+depends on the GEMM shapes and its blocking for the CPU; the convolutions' im2col, padding and
+col2im copies are numpy temporaries that glibc, under its dynamic mmap threshold, keeps as free
+heap between steps (ResNet-10 at batch 64: 16 MiB); TVM's pool, whose workers run the GEMMs'
+jobs, starts its threads on the first parallel call. Modelling each from its library's
+internals per CPU would be a copy of those internals that goes stale with them, so
+``tools/estimate_memory`` measures them instead, the way ``process_memory.first_run`` measures
+a run's first step: each call once on operands of the step's shapes and dtypes, which live in
+anonymous mappings of their own (never in the C heap, so they leave the allocator's state as
+they found it, and their pages are given back whole). Operands are zero pages: the kernels'
+memory does not depend on the values.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Sequence, Tuple
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax
+from tvm.ir.prim.expr import IntImm
+
+logger = logging.getLogger("raf_dist")
+
+#: the packed functions of runtime/blas.py (registered when raf_dist.runtime is imported)
+PREFIX = "raf_dist.blas."
+
+
+@dataclass(frozen=True)
+class HostCall:
+    """One call of a host kernel: its packed function and its arguments, tensors as
+    ``("tensor", shape, dtype)``, shapes as tuples, the rest as they are (ints, strings)."""
+
+    symbol: str
+    args: Tuple[Any, ...]
+
+    def tensor_bytes(self) -> int:
+        return sum(_nbytes(a[1], a[2]) for a in self.args if _is_tensor(a))
+
+
+def _is_tensor(arg: Any) -> bool:
+    return isinstance(arg, tuple) and len(arg) == 3 and arg[0] == "tensor"
+
+
+def _nbytes(shape: Sequence[int], dtype: str) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * tvm.DataType(dtype).bits // 8
+
+
+def _argument(arg: relax.Expr) -> Any:
+    """The static description of one argument; None when it is not static."""
+    if isinstance(arg, relax.ShapeExpr):
+        values = [v.value if isinstance(v, IntImm) else None for v in arg.values]
+        return None if None in values else tuple(int(v) for v in values)
+    if isinstance(arg, IntImm):  # relax.prim_value(int)
+        return int(arg.value)
+    if isinstance(arg, tvm.ir.StringImm):
+        return str(arg.value)
+    ty = getattr(arg, "ty", None)
+    if isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr):
+        shape = _argument(ty.shape)
+        return None if shape is None else ("tensor", shape, str(ty.dtype))
+    return None
+
+
+def host_calls(mod: tvm.IRModule) -> List[HostCall]:
+    """The distinct host-kernel calls of ``mod`` (a step after memory planning, where they are
+    ``R.call_packed("raf_dist.blas.*", ..., out)``), in order of first appearance. Calls
+    whose shapes are not static are left out (and logged)."""
+    seen: dict = {}
+
+    def visit(expr: relax.Expr) -> None:
+        if not (isinstance(expr, relax.Call) and isinstance(expr.op, relax.ExternFunc)):
+            return
+        symbol = str(expr.op.global_symbol)
+        if not symbol.startswith(PREFIX):
+            return
+        args = tuple(_argument(a) for a in expr.args)
+        if any(a is None for a in args):
+            logger.debug("host kernel %s with dynamic arguments not measured", symbol)
+            return
+        seen.setdefault((symbol, args), HostCall(symbol, args))
+
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def _zero_tensor(shape: Sequence[int], dtype: str) -> Iterator[Any]:
+    """A TVM tensor of ``shape`` and ``dtype`` on its own anonymous mapping (zero pages),
+    unmapped on exit."""
+    nbytes = max(1, _nbytes(shape, dtype))
+    buf = mmap.mmap(-1, nbytes)
+    try:
+        bits = tvm.DataType(dtype).bits
+        # numpy has no 16-bit float DLPack type: a same-width integer view, retyped in TVM
+        raw = np.frombuffer(buf, dtype=f"uint{bits}", count=nbytes * 8 // bits)
+        tensor = tvm_ffi.from_dlpack(raw.reshape(tuple(shape)))
+        if str(tensor.dtype) != dtype:
+            tensor = tensor._create_view(tuple(shape), dtype)
+        yield tensor
+        del tensor, raw
+    finally:
+        try:
+            buf.close()
+        except BufferError:  # a view outlived the call (a kernel kept it): the GC unmaps it
+            logger.debug("a host kernel kept a view of its operand")
+
+
+def run_once(calls: Sequence[HostCall]) -> None:
+    """Each call once, through its registered packed function, on zero operands (module
+    docstring); the operands' pages are unmapped after each call."""
+    from . import blas  # noqa: F401  (registers the raf_dist.blas.* functions)
+
+    for call in calls:
+        func = tvm_ffi.get_global_func(call.symbol)
+        with contextlib.ExitStack() as stack:
+            args = [stack.enter_context(_zero_tensor(a[1], a[2])) if _is_tensor(a)
+                    else tvm_ffi.Shape(a) if isinstance(a, tuple) else a for a in call.args]
+            func(*args)
+            del args
