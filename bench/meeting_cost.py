@@ -19,10 +19,7 @@ and its ratio to the chunk.
 """
 import argparse
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
@@ -31,38 +28,14 @@ import harness  # noqa: E402
 def side(sizes, seconds):
     from mpi4py import MPI
 
-    from raf_dist.distributed import collectives, get_communicator
+    from raf_dist.distributed import get_communicator
+    from raf_dist.proxies.calibrate import meeting_times
     from raf_dist.runtime.threads import set_num_threads, threads_per_rank
 
     comm = MPI.COMM_WORLD
     set_num_threads(threads_per_rank(get_communicator().local_size))
-    flag = np.ones(1024, np.float32)
-    rows = []
-    for size in sizes:
-        a = np.random.default_rng(0).standard_normal((size, size), np.float32)
-
-        def chunk():
-            for _ in range(8):
-                a @ a
-
-        best = {}
-        for mode in ("compute", "meet", "compute", "meet"):
-            began = time.perf_counter()
-            chunk()
-            # every rank runs the same number of iterations (a count decided per rank would
-            # leave some ranks in an allreduce the others never call)
-            one = comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
-            iterations = max(5, int(seconds / max(one, 1e-6)))
-            comm.Barrier()
-            began = time.perf_counter()
-            for _ in range(iterations):
-                chunk()
-                if mode == "meet":
-                    collectives.allreduce(flag, "sum", flag)
-            per = comm.allreduce((time.perf_counter() - began) / iterations, op=MPI.MAX)
-            best[mode] = min(best.get(mode, per), per)
-        rows.append({"size": size, "compute_ms": best["compute"] * 1e3,
-                     "meet_ms": best["meet"] * 1e3})
+    rows = [{"size": size, "compute_ms": compute * 1e3, "meet_ms": meet * 1e3}
+            for size, (compute, meet) in zip(sizes, meeting_times(comm, sizes, seconds))]
     if comm.rank == 0:
         harness.report({"ranks": comm.size, "rows": rows})
 

@@ -21,6 +21,10 @@ def test_async_overlap_lifetime_and_counters(nprocs):
     assert_ranks_ok(check_mpi("ccl_async.py", nprocs), nprocs)
 
 
+def test_a_bucket_of_tensors_reduce_scattered_and_gathered():
+    assert_ranks_ok(check_mpi("ccl_parts.py", 3), 3)
+
+
 def test_collectives_from_compiled_relax():
     assert_ranks_ok(check_mpi("ccl_relax.py", 2), 2)
 

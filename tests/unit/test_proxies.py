@@ -3,6 +3,7 @@ against what the step must send, the presets' message sizes against the C++ prox
 simulator's alpha-beta arithmetic. The extraction equal to a real 8-rank step's recorded
 collectives is tests/distributed/test_pipeline.py's dp2 x pp2 x tp2 case; the replay under
 mpirun is tests/distributed/test_proxies.py."""
+import dataclasses
 import json
 import sys
 import types
@@ -203,6 +204,39 @@ def test_simulated_collectives_follow_the_alpha_beta_model():
                       [[Event("recv", bytes=4, axis="pp", peer=1, tag=0)], []])
     with pytest.raises(ValueError, match="wait for messages no rank sends"):
         simulate(orphan, cluster)
+
+
+def test_a_meeting_after_compute_costs_a_share_of_it_up_to_the_cap():
+    """Ranks sharing cores (Cluster.meeting_ratio / meeting_cap_us): a collective or a
+    pipeline message met after W seconds of compute costs min(ratio x W, cap) beyond its
+    alpha-beta time; the compute is counted from the rank's previous meeting; a group of
+    one rank meets no one; a dedicated-device cluster (0, 0) is the plain model."""
+    shared = Cluster("t", 4, 1.0, 1.0, Link(0.0, 1e9), Link(0.0, 1e9), meeting_ratio=0.5,
+                     meeting_cap_us=3e5)  # cap 0.3 s
+
+    def one(events, dp=4, pp=1, cluster=shared):
+        programs = events if pp > 1 else [events]
+        return simulate(Workload("t", dp, 1, pp, 0, 1, "1f1b", programs), cluster)
+
+    def compute(seconds):
+        return Event("compute", flops=int(seconds * 10**12))
+
+    reduce = Event("allreduce", bytes=4, axis="dp")
+    assert one([compute(0.2), reduce]).iteration_s == pytest.approx(0.2 + 0.1)
+    assert one([compute(2.0), reduce]).iteration_s == pytest.approx(2.0 + 0.3)  # capped
+    # 1 s, a meeting, 0.4 s, a meeting: each after its own compute
+    twice = one([compute(1.0), reduce, compute(0.4), reduce])
+    assert twice.iteration_s == pytest.approx(1.0 + 0.3 + 0.4 + 0.2)
+    assert twice.per_rank[0]["meeting_s"] == pytest.approx(0.5)
+    assert one([compute(1.0), reduce], dp=1).iteration_s == pytest.approx(1.0)
+    plain = dataclasses.replace(shared, meeting_ratio=0.0, meeting_cap_us=0.0)
+    assert one([compute(1.0), reduce], cluster=plain).iteration_s == pytest.approx(1.0)
+    # a pipeline message arrives late by the sender's share; the receiver's own compute
+    # before the receive is not charged again
+    piped = one([[compute(0.2), Event("send", bytes=4, axis="pp", peer=1, tag=0)],
+                 [Event("recv", bytes=4, axis="pp", peer=0, tag=0)]], dp=1, pp=2)
+    assert piped.iteration_s == pytest.approx(0.2 + 0.1)
+    assert CLUSTERS["dgx-h100"].meeting_ratio == 0.0  # dedicated devices
 
 
 def test_cosmoflow_description_and_clusters(tmp_path):

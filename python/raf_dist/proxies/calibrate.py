@@ -13,7 +13,9 @@ operator count as the extraction counts them (proxies/extract.py). (A best-of-5 
 the common window, as before 2026-11-29, let ranks measure while others were still
 importing: with 8 ranks on 2 cores, 47 GFLOP/s and 3.8 GB/s per rank against 30.5 and 2.3
 over a common window.) raf_dist's allreduce between the ranks: alpha from 4 KiB calls, bus
-bandwidth from 64 MiB ones (medians of 20 and 5, between barriers)."""
+bandwidth from 64 MiB ones (medians of 20 and 5, between barriers); and what a collective
+met from compute costs beyond that (``_meeting``: with more ranks than cores, the members
+arrive late by a part of the compute before it)."""
 from __future__ import annotations
 
 import json
@@ -82,6 +84,59 @@ def _op_overhead_us(comm) -> float:
     return statistics.median(comm.allgather(1e6 / steps_per_s / ops))
 
 
+#: the compute chunks a meeting is measured after: 8 float32 GEMMs of each size (short and
+#: long against a scheduler's turn once ranks share cores: ~1.4 and ~28 ms with 8 ranks on 2)
+MEETING_GEMM_SIZES = (128, 384)
+
+
+def meeting_times(comm, sizes=MEETING_GEMM_SIZES, seconds: float = 1.0) -> list:
+    """``[(compute_s, with_allreduce_s)]`` per size: every rank repeats a chunk of 8 float32
+    GEMMs of SIZE^3 alone and then followed by a 4 KiB raf_dist allreduce, the same number
+    of times (fixed from a first timed chunk, the slowest rank's), the slowest rank's time per
+    iteration, best of two each, alternating (bench/meeting_cost.py prints the table)."""
+    from mpi4py import MPI
+
+    from ..distributed import collectives
+
+    flag = np.ones(1024, np.float32)
+    out = []
+    for size in sizes:
+        a = np.random.default_rng(0).standard_normal((size, size), np.float32)
+
+        def chunk(a=a):
+            for _ in range(8):
+                a @ a
+
+        best: dict = {}
+        for mode in ("compute", "meet", "compute", "meet"):
+            began = time.perf_counter()
+            chunk()
+            # every rank runs the same number of iterations (a count per rank would leave some
+            # ranks in an allreduce the others never call)
+            one = comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
+            iterations = max(5, int(seconds / max(one, 1e-6)))
+            comm.Barrier()
+            began = time.perf_counter()
+            for _ in range(iterations):
+                chunk()
+                if mode == "meet":
+                    collectives.allreduce(flag, "sum", flag)
+            per = comm.allreduce((time.perf_counter() - began) / iterations, op=MPI.MAX)
+            best[mode] = min(best.get(mode, per), per)
+        out.append((best["compute"], best["meet"]))
+    return out
+
+
+def _meeting(comm) -> tuple[float, float]:
+    """``(meeting_ratio, meeting_cap_us)`` of ``Cluster`` (proxies/simulate.py) from
+    ``meeting_times``: a meeting's cost is the chunk with the allreduce less the chunk alone;
+    the ratio is the short chunk's cost over its length (the cap does not bind there), the cap
+    the largest cost seen."""
+    costs = [(compute, max(0.0, meet - compute)) for compute, meet in meeting_times(comm)]
+    short, cost = costs[0]
+    return cost / short, max(c for _, c in costs) * 1e6
+
+
 def calibrate(out_path: str = _CALIBRATED) -> int:
     from mpi4py import MPI
 
@@ -119,12 +174,15 @@ def calibrate(out_path: str = _CALIBRATED) -> int:
         alpha = small / (2 * (n - 1))
         bus = 2 * (n - 1) / n * big_elements * 4 / max(big - 2 * (n - 1) * alpha, 1e-9)
         link = Link(round(alpha * 1e6, 2), round(bus / 1e9, 3))
-    else:  # one process: its compute rates only (no link to measure)
+        meeting_ratio, meeting_cap_us = _meeting(comm)
+    else:  # one process: its compute rates only (no link to measure, no one to meet)
         link = Link(0.0, 1e6)
+        meeting_ratio, meeting_cap_us = 0.0, 0.0
     cluster = Cluster("cpu-here", n, round(gemm / 1e12, 4), round(copy / 1e9, 2), link, link,
                       round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
                       f"measured {time.strftime('%Y-%m-%d')} with {n} ranks on this host",
-                      op_overhead_us=round(op_us, 2))
+                      op_overhead_us=round(op_us, 2), meeting_ratio=round(meeting_ratio, 4),
+                      meeting_cap_us=round(meeting_cap_us, 1))
     if comm.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         with open(out_path, "w") as f:

@@ -12,6 +12,10 @@ made of. A group whose ranks all sit on
 one node uses ``intra``, any other ``inter`` (the mesh places tp innermost, then dp, then
 pp: DESIGN.md's rank = (pp_i * dp + dp_i) * tp + tp_i, nodes filled in rank order).
 
+Ranks that share cores (more ranks than cores, as when testing here) come to each meeting
+late by a part of the compute before it (``meeting_ratio``, ``meeting_cap_us``; 0 for
+dedicated devices).
+
 Collective times are the ring algorithms' (as NCCL's and MPICH's large-message paths):
 allreduce 2(n-1) alpha + 2(n-1)/n S/B, reduce-scatter / allgather / all-to-all
 (n-1) alpha + (n-1)/n S/B, a pipeline message alpha + S/B. Each rank has one compute stream
@@ -52,6 +56,15 @@ class Cluster:
     #: overestimates by at most the calls' share (2.7 us x calls); ranks sharing a core pay
     #: it at their share (what ``calibrate`` measures with N ranks on this host)
     op_overhead_us: float = 0.0
+    #: ranks sharing cores (more ranks than cores on a host): the members of a collective or
+    #: of a pipeline message come to it from compute that the scheduler gave each a different
+    #: share of, so the last arrives late by a part of the compute since its previous meeting:
+    #: a meeting after W seconds of compute costs min(meeting_ratio x W, meeting_cap_us) more
+    #: than its alpha-beta time. 0 on dedicated devices (every preset but a calibrated
+    #: cpu-here); ``calibrate`` measures both by starting collectives from compute chunks of
+    #: two lengths (bench/meeting_cost.py's loop)
+    meeting_ratio: float = 0.0
+    meeting_cap_us: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
@@ -70,7 +83,8 @@ class Cluster:
 #: project's 2-core development machine as ``python -m raf_dist.proxies calibrate``
 #: measured it under ``mpirun -np 2`` on 2026-11-27 (per rank, both ranks busy: numpy float32
 #: GEMM 67 GFLOP/s, copy 13.8 GB/s, raf_dist allreduce alpha 10 us, bus bandwidth 1.9 GB/s;
-#: 1.26 us per operator call, measured 2026-11-28);
+#: 1.26 us per operator call, measured 2026-11-28; a 4 KiB allreduce met from 2.0 ms of
+#: compute 0.11 x that later, at most 0.2 ms: meeting_ratio / meeting_cap_us, 2026-11-29);
 #: a saved calibration replaces it. op_overhead_us of the GPU presets: raf_dist's own host
 #: time per operator call on an H200 (bench/RESULTS.md, gpu_check.sh: bench/step_time.py's
 #: GPT, a host-bound step of 5.13 ms for the 1893 operator calls its extraction counts)
@@ -81,7 +95,7 @@ CLUSTERS = {
                         "8x H100-SXM per node, NVSwitch, 8x NDR 400 Gb/s", op_overhead_us=2.7),
     "cpu-here": Cluster("cpu-here", 2, 0.067, 13.8, Link(10.3, 1.9), Link(10.3, 1.9), 23.5,
                         "this 2-core machine, one rank per core (calibrate, 2026-11-27)",
-                        op_overhead_us=1.26),
+                        op_overhead_us=1.26, meeting_ratio=0.11, meeting_cap_us=200.0),
 }
 _CALIBRATED = os.path.join(os.path.expanduser("~"), ".cache", "raf_dist", "cpu-here.json")
 
@@ -111,6 +125,12 @@ def compute_seconds(event: Event, cluster: Cluster) -> float:
     return (event.flops / (cluster.matmul_tflops * 1e12)
             + event.mem_bytes / (cluster.memory_GBps * 1e9)
             + event.ops * cluster.op_overhead_us * 1e-6)
+
+
+def meeting_seconds(compute_since_s: float, cluster: Cluster) -> float:
+    """What a meeting (a collective, a pipeline receive) costs beyond its alpha-beta time
+    after ``compute_since_s`` of compute since the rank's previous one (``Cluster``)."""
+    return min(cluster.meeting_ratio * compute_since_s, cluster.meeting_cap_us * 1e-6)
 
 
 def group_size(workload: Workload, axis: str) -> int:
@@ -154,7 +174,9 @@ def comm_seconds(event: Event, workload: Workload, cluster: Cluster, rank: int =
 class Simulation:
     """Per pp rank: iteration time, compute, collective busy time (``comm_s``), the part of it
     compute did not hide (``exposed_s``), the time spent waiting for the neighbouring stages'
-    messages (``pipeline_wait_s``: bubble and transfer); per kind count, bytes and time."""
+    messages (``pipeline_wait_s``: bubble and transfer), the meetings' lateness among those
+    (``meeting_s``: ranks sharing cores, ``Cluster.meeting_ratio``); per kind count, bytes
+    and time."""
     iteration_s: float
     per_rank: list[dict[str, float]]
     by_kind: dict[str, dict[str, float]]
@@ -175,8 +197,9 @@ def simulate(workload: Workload, cluster: Cluster) -> Simulation:
     handles: list[dict[int, float]] = [{} for _ in range(P)]
     arrivals: dict[tuple[int, int, int], float] = {}  # (src, dst, tag) -> arrival time
     # exposed_s: waited on collectives; pipeline_wait_s: waited on the previous / next stage
-    stats = [{"compute_s": 0.0, "comm_s": 0.0, "exposed_s": 0.0, "pipeline_wait_s": 0.0}
-             for _ in range(P)]
+    stats = [{"compute_s": 0.0, "comm_s": 0.0, "exposed_s": 0.0, "pipeline_wait_s": 0.0,
+              "meeting_s": 0.0} for _ in range(P)]
+    since = [0.0] * P  # compute since the rank's previous meeting (Cluster.meeting_ratio)
     by_kind: dict[str, dict[str, float]] = {}
     progressed = True
     while progressed:
@@ -193,6 +216,7 @@ def simulate(workload: Workload, cluster: Cluster) -> Simulation:
                     dt = compute_seconds(e, cluster)
                     clock[r] += dt
                     stats[r]["compute_s"] += dt
+                    since[r] += dt
                     continue
                 if e.kind == "wait":
                     done = handles[r].pop(e.handle)
@@ -200,6 +224,13 @@ def simulate(workload: Workload, cluster: Cluster) -> Simulation:
                     clock[r] = max(clock[r], done)
                     continue
                 dt = comm_seconds(e, workload, cluster, r)
+                if e.kind == "recv":  # the sender's lateness is in the message's arrival
+                    since[r] = 0.0
+                elif e.kind == "send" or group_size(workload, e.axis or "pp") > 1:
+                    late = meeting_seconds(since[r], cluster)
+                    dt += late
+                    stats[r]["meeting_s"] += late
+                    since[r] = 0.0
                 if r == 0 or e.kind in ("send", "recv"):
                     row = by_kind.setdefault(e.kind, {"count": 0, "bytes": 0, "seconds": 0.0})
                     row["count"] += 1
