@@ -231,11 +231,17 @@ def test_a_meeting_after_compute_costs_a_share_of_it_up_to_the_cap():
     assert one([compute(1.0), reduce], dp=1).iteration_s == pytest.approx(1.0)
     plain = dataclasses.replace(shared, meeting_ratio=0.0, meeting_cap_us=0.0)
     assert one([compute(1.0), reduce], cluster=plain).iteration_s == pytest.approx(1.0)
-    # a pipeline message arrives late by the sender's share; the receiver's own compute
-    # before the receive is not charged again
+    # a pipeline message arrives late by the sender's share; the receive is the receiver's
+    # meeting: its compute before it is not charged to its next collective
     piped = one([[compute(0.2), Event("send", bytes=4, axis="pp", peer=1, tag=0)],
-                 [Event("recv", bytes=4, axis="pp", peer=0, tag=0)]], dp=1, pp=2)
-    assert piped.iteration_s == pytest.approx(0.2 + 0.1)
+                 [compute(0.1), Event("recv", bytes=4, axis="pp", peer=0, tag=0),
+                  compute(0.2), Event("allreduce", bytes=4, axis="pp")]], dp=1, pp=2)
+    assert piped.per_rank[1]["iteration_s"] == pytest.approx(0.2 + 0.1 + 0.2 + 0.1)
+    # a started collective's lateness is on the communication stream: compute hides it
+    hidden = one([compute(0.4), Event("allreduce", bytes=4, axis="dp", handle=0),
+                  compute(0.5), Event("wait", handle=0)])
+    assert hidden.iteration_s == pytest.approx(0.9)  # its 0.2 s late, under 0.5 s of compute
+    assert hidden.per_rank[0]["meeting_s"] == pytest.approx(0.2)
     assert CLUSTERS["dgx-h100"].meeting_ratio == 0.0  # dedicated devices
 
 
@@ -302,6 +308,7 @@ def test_calibrate_measures_this_host_and_its_host_time_per_call(tmp_path):
     cluster = load_cluster(str(out))
     assert cluster.matmul_tflops > 0 and cluster.memory_GBps > 0
     assert 0.05 < cluster.op_overhead_us < 1000
+    assert cluster.meeting_ratio == cluster.meeting_cap_us == 0.0  # no one to meet
 
 
 def test_calibration_rates_are_taken_over_one_window_every_rank_starts_together():

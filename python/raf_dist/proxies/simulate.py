@@ -83,8 +83,9 @@ class Cluster:
 #: project's 2-core development machine as ``python -m raf_dist.proxies calibrate``
 #: measured it under ``mpirun -np 2`` on 2026-11-27 (per rank, both ranks busy: numpy float32
 #: GEMM 67 GFLOP/s, copy 13.8 GB/s, raf_dist allreduce alpha 10 us, bus bandwidth 1.9 GB/s;
-#: 1.26 us per operator call, measured 2026-11-28; a 4 KiB allreduce met from 2.0 ms of
-#: compute 0.11 x that later, at most 0.2 ms: meeting_ratio / meeting_cap_us, 2026-11-29);
+#: 1.26 us per operator call, measured 2026-11-28; a 4 KiB allreduce met from compute
+#: costs 0.11 x the compute before it, at most 0.2 ms more: meeting_ratio / meeting_cap_us,
+#: 2026-11-29);
 #: a saved calibration replaces it. op_overhead_us of the GPU presets: raf_dist's own host
 #: time per operator call on an H200 (bench/RESULTS.md, gpu_check.sh: bench/step_time.py's
 #: GPT, a host-bound step of 5.13 ms for the 1893 operator calls its extraction counts)
@@ -128,8 +129,10 @@ def compute_seconds(event: Event, cluster: Cluster) -> float:
 
 
 def meeting_seconds(compute_since_s: float, cluster: Cluster) -> float:
-    """What a meeting (a collective, a pipeline receive) costs beyond its alpha-beta time
-    after ``compute_since_s`` of compute since the rank's previous one (``Cluster``)."""
+    """What a meeting costs beyond its alpha-beta time after ``compute_since_s`` of compute
+    since the rank's previous one (``Cluster``): a collective of more than one rank, or a
+    pipeline message, charged at its sender (its receiver's compute before the receive is
+    hidden behind the wait for it)."""
     return min(cluster.meeting_ratio * compute_since_s, cluster.meeting_cap_us * 1e-6)
 
 
@@ -174,9 +177,10 @@ def comm_seconds(event: Event, workload: Workload, cluster: Cluster, rank: int =
 class Simulation:
     """Per pp rank: iteration time, compute, collective busy time (``comm_s``), the part of it
     compute did not hide (``exposed_s``), the time spent waiting for the neighbouring stages'
-    messages (``pipeline_wait_s``: bubble and transfer), the meetings' lateness among those
-    (``meeting_s``: ranks sharing cores, ``Cluster.meeting_ratio``); per kind count, bytes
-    and time."""
+    messages (``pipeline_wait_s``: bubble and transfer), the lateness charged to its
+    meetings (``meeting_s``, ranks sharing cores: ``Cluster.meeting_ratio``; inside
+    ``comm_s`` for its collectives, in the arrival of the messages it sends); per kind
+    count, bytes and time."""
     iteration_s: float
     per_rank: list[dict[str, float]]
     by_kind: dict[str, dict[str, float]]

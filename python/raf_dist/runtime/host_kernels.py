@@ -9,17 +9,25 @@ col2im copies are numpy temporaries that glibc, under its dynamic mmap threshold
 heap between steps (ResNet-10 at batch 64: 16 MiB); TVM's pool, whose workers run the GEMMs'
 jobs, starts its threads on the first parallel call. Modelling each from its library's
 internals per CPU would be a copy of those internals that goes stale with them, so
-``tools/estimate_memory`` measures them instead, the way ``process_memory.first_run`` measures
-a run's first step: each call once on operands of the step's shapes and dtypes, which live in
+``tools/estimate_memory`` measures them instead (``measure``), the way
+``process_memory.first_run`` measures a run's first step, in a child process of its own (the
+thread pool a rank of the run would have is made there, and nothing of it stays in the
+caller): each call once on operands of the step's shapes and dtypes, which live in private
 anonymous mappings of their own (never in the C heap, so they leave the allocator's state as
-they found it, and their pages are given back whole). Operands are zero pages: the kernels'
-memory does not depend on the values.
+they found it, and their pages go back whole when unmapped). The operands are zero pages,
+read without being copied: the kernels' memory does not depend on the values.
+
+    python -m raf_dist.runtime.host_kernels < calls.json   (what ``measure`` runs)
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import mmap
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Sequence, Tuple
 
@@ -97,24 +105,25 @@ def host_calls(mod: tvm.IRModule) -> List[HostCall]:
 
 @contextlib.contextmanager
 def _zero_tensor(shape: Sequence[int], dtype: str) -> Iterator[Any]:
-    """A TVM tensor of ``shape`` and ``dtype`` on its own anonymous mapping (zero pages),
-    unmapped on exit."""
+    """A TVM tensor of ``shape`` and ``dtype`` on a private anonymous mapping of its own
+    (zero pages until written), unmapped on exit."""
     nbytes = max(1, _nbytes(shape, dtype))
-    buf = mmap.mmap(-1, nbytes)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = tensor = None
     try:
         bits = tvm.DataType(dtype).bits
-        # numpy has no 16-bit float DLPack type: a same-width integer view, retyped in TVM
+        # the bytes as an unsigned integer array (numpy exports no bfloat16), retyped in TVM
         raw = np.frombuffer(buf, dtype=f"uint{bits}", count=nbytes * 8 // bits)
         tensor = tvm_ffi.from_dlpack(raw.reshape(tuple(shape)))
         if str(tensor.dtype) != dtype:
             tensor = tensor._create_view(tuple(shape), dtype)
         yield tensor
-        del tensor, raw
     finally:
+        raw = tensor = None
         try:
             buf.close()
         except BufferError:  # a view outlived the call (a kernel kept it): the GC unmaps it
-            logger.debug("a host kernel kept a view of its operand")
+            logger.debug("an operand of a host kernel is still referenced")
 
 
 def run_once(calls: Sequence[HostCall]) -> None:
@@ -129,3 +138,52 @@ def run_once(calls: Sequence[HostCall]) -> None:
                     else tvm_ffi.Shape(a) if isinstance(a, tuple) else a for a in call.args]
             func(*args)
             del args
+
+
+def _to_json(arg: Any) -> Any:
+    return list(_to_json(a) for a in arg) if isinstance(arg, tuple) else arg
+
+
+def _from_json(arg: Any) -> Any:
+    return tuple(_from_json(a) for a in arg) if isinstance(arg, list) else arg
+
+
+def measure(calls: Sequence[HostCall], threads: int, timeout_s: float = 600.0) -> dict:
+    """What ``calls`` keep and leave, measured in a child process with ``threads`` compute
+    threads (``runtime.threads.set_num_threads``, as a Trainer sets them): ``runtime_bytes``,
+    their first run's anonymous growth beyond the allocator's free bytes (what
+    ``process_memory.first_run`` records for a step), then, after the heap is given back as
+    after a run's first step, ``allocator_free_bytes`` a second run leaves free. Both 0 when
+    there are no calls or the child fails (logged: an estimate, never an error)."""
+    if not calls:
+        return {"runtime_bytes": 0, "allocator_free_bytes": 0}
+    payload = json.dumps({"threads": int(threads), "calls": [
+        [c.symbol, _to_json(c.args)] for c in calls]})
+    try:
+        done = subprocess.run([sys.executable, "-m", "raf_dist.runtime.host_kernels"],
+                              input=payload, capture_output=True, text=True,
+                              timeout=timeout_s, env=dict(os.environ), check=False)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip()[-2000:])
+        return {k: int(v) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    except (OSError, RuntimeError, ValueError, IndexError, subprocess.TimeoutExpired) as e:
+        logger.warning("the step's host kernels were not measured (their memory is left out "
+                       "of the estimate): %s", e)
+        return {"runtime_bytes": 0, "allocator_free_bytes": 0}
+
+
+def _main() -> None:
+    from .. import process_memory
+    from .threads import set_num_threads
+
+    request = json.loads(sys.stdin.read())
+    calls = [HostCall(symbol, _from_json(args)) for symbol, args in request["calls"]]
+    set_num_threads(request["threads"])
+    runtime = process_memory.runtime_growth_of(lambda: run_once(calls))
+    run_once(calls)  # what a later step leaves in the allocator's free heap
+    print(json.dumps({"runtime_bytes": runtime,
+                      "allocator_free_bytes": process_memory.allocator_free_bytes()}))
+
+
+if __name__ == "__main__":
+    _main()

@@ -10,8 +10,6 @@ whatever CPU set the process was given (by the launcher, a container, ``taskset`
 one host avoid oversubscription by thread count (cores / local ranks), not by pinning; the
 alternative — disjoint core sets per local rank — measured no faster (bench/RESULTS.md).
 """
-from __future__ import annotations
-
 import logging
 import os
 
@@ -98,15 +96,6 @@ def set_num_threads(num_threads: int, second_pool: bool = False) -> None:
         os.sched_setaffinity(0, affinity)
     threadpoolctl.threadpool_limits(limits=pool, user_api="blas")
     openblas.set_threads(pool)
-    _CONFIGURED[:] = [pool]
-
-
-_CONFIGURED: list = []  # [threads] once set_num_threads ran in this process
-
-
-def configured_threads() -> int | None:
-    """The thread count ``set_num_threads`` last set in this process; None before."""
-    return _CONFIGURED[0] if _CONFIGURED else None
 
 
 def _affinity():

@@ -20,11 +20,10 @@ construction), what the step's host kernels keep for themselves (BLAS packing bu
 thread pool: ``runtime_bytes``) and what their transients leave in the C allocator's free heap
 (the convolutions' im2col copies: ``allocator_free_bytes``): the RSS growth a run would show
 (``+libraries``). Those two are measured, not modelled: the step's BLAS and convolution calls
-run once here at the step's shapes on zero operands held outside the C heap
-(runtime/host_kernels.py), with the threads a rank of the run gets (``ranks_per_host`` ranks
-on its host; default ``world_size``; a process whose threads a Trainer or an earlier estimate
-set keeps them). So the estimating process briefly holds the largest call's operands, and
-takes a few kernel runs' time.
+run twice at the step's shapes on zero operands, in a child process with the threads a rank
+of the run gets (``ranks_per_host`` ranks on its host; default ``world_size``), which the
+caller's process does not keep (runtime/host_kernels.py). That child briefly holds the
+largest call's output and takes a few kernel runs' time (2-6 s on the tests' models).
 """
 from __future__ import annotations
 
@@ -39,8 +38,6 @@ from .. import process_memory
 from ..layout import state_layout
 
 if TYPE_CHECKING:
-    import tvm
-
     from ..model import Model
     from ..optim import Optimizer
 
@@ -65,7 +62,10 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
                     ranks_per_host: int | None = None) -> dict[str, int]:
     """Bytes per rank for ``model`` (a captured :class:`raf_dist.Model`) trained with
     ``optimizer`` on ``world_size`` ranks at ``zero_opt_level``: the model states plus
-    ``planned_peak_bytes`` from TVM's memory planner and their sum ``peak_bytes``."""
+    ``planned_peak_bytes`` from TVM's memory planner and their sum ``peak_bytes``; with
+    ``process_bytes`` the RSS growth a run would show (module docstring), its host kernels
+    measured with the threads of ``ranks_per_host`` ranks on a host (default
+    ``world_size``)."""
     from ..compiler import planned_bytes
     from ..compiler.build import planned_module
     from ..optim import Optimizer
@@ -109,34 +109,22 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
     load_mpi()
     process_memory.after_compile()
     # what the step's host kernels outside the planner (BLAS GEMMs, the convolutions' im2col)
-    # take for themselves, measured as a run's first step measures it: they run once here at
-    # the step's shapes on zero operands, on the threads a rank of this run would have
-    # (runtime/host_kernels.py), then once more to leave the transients a later step leaves
-    # in the allocator's free heap
-    out["runtime_bytes"] = process_memory.runtime_bytes() + _host_kernel_bytes(
-        planned, ranks_per_host or int(world_size))
+    # keep and leave free, measured as a run's first and later steps show them: each runs at
+    # the step's shapes on zero operands, in a child process with the threads a rank of this
+    # run gets (runtime/host_kernels.py); a Trainer or a step already in this process adds
+    # its own measured terms
+    from ..runtime import host_kernels
+    from ..runtime.threads import threads_per_rank
+
+    kernels = host_kernels.measure(host_kernels.host_calls(planned),
+                                   threads_per_rank(ranks_per_host or int(world_size)))
     out["library_bytes"] = sum(process_memory.library_bytes().values())
-    out["allocator_free_bytes"] = process_memory.allocator_free_bytes()
+    out["runtime_bytes"] = process_memory.runtime_bytes() + kernels["runtime_bytes"]
+    out["allocator_free_bytes"] = (process_memory.allocator_free_bytes()
+                                   + kernels["allocator_free_bytes"])
     out["process_bytes"] = (out["peak_bytes"] + out["library_bytes"] + out["runtime_bytes"]
                             + out["allocator_free_bytes"])
     return out
-
-
-def _host_kernel_bytes(planned: "tvm.IRModule", ranks_per_host: int) -> int:
-    """The host kernels' own memory (module docstring; runtime/host_kernels.py), under the
-    thread count a Trainer of ``ranks_per_host`` ranks per host sets (once set, by a Trainer
-    or an earlier estimate, the process's pool is kept: it is made once)."""
-    from ..runtime import host_kernels
-    from ..runtime.threads import configured_threads, set_num_threads, threads_per_rank
-
-    calls = host_kernels.host_calls(planned)
-    if not calls:
-        return 0
-    if configured_threads() is None:
-        set_num_threads(threads_per_rank(ranks_per_host))
-    grown = process_memory.runtime_growth_of(lambda: host_kernels.run_once(calls))
-    host_kernels.run_once(calls)
-    return grown
 
 
 def _fmt(nbytes: float | None) -> str:

@@ -9,8 +9,8 @@ import tvm_ffi
 
 from raf_dist import distributed as dist
 
-# 1: below the ranks; 5, 7, 1000, 3: not divisible by 3 or 4 (or by neither); 1_200_001
-# float64: 9.6 MB among small ones
+# 1: fewer elements than ranks; 5, 7, 64 (at 3 ranks), 1_200_001 (9.6 MB of float64, among
+# small ones), 1000: not divisible by 3; 3: divisible
 SIZES = (5, 1, 7, 64, 1_200_001, 1000, 3)
 
 
@@ -21,8 +21,8 @@ def main():
     reduced = [sum(r + 1 for r in range(n)) * np.arange(s, dtype=np.float64) + n * i
                for i, s in enumerate(SIZES)]
     shards = [-(-s // n) for s in SIZES]
-    expected = np.concatenate([np.pad(r[rank * c:(rank + 1) * c], (0, c - len(r[rank * c:(rank + 1) * c])))
-                               for r, c in zip(reduced, shards)])
+    mine = [r[rank * c:(rank + 1) * c] for r, c in zip(reduced, shards)]
+    expected = np.concatenate([np.pad(m, (0, c - len(m))) for m, c in zip(mine, shards)])
     out = tvm.runtime.tensor(np.full(sum(shards), -1.0))
     reduce_scatter = tvm_ffi.get_global_func("raf_dist.ccl.reduce_scatter")
     reduce_scatter(*[tvm.runtime.tensor(t) for t in full], "sum", 0, out)
