@@ -14,7 +14,7 @@ time moves by tens of percent between runs: the CPU time says whether the work d
 temporaries (``stats()["planned_peak_bytes"]``) and their ratio, and the process's peak RSS
 (VmHWM) after the timed steps.
 
-    python bench/remat.py --budget-mb 600 [--model gemm_gpt]
+    python bench/remat.py --budget-mb 600 [--model gemm_gpt] [--policies selective,full]
 
 instead finds, for each policy, the largest batch (even) whose planned temporaries fit the
 budget (TVM's memory planner on the step, nothing run), then trains each policy at its batch
@@ -54,7 +54,8 @@ def make_at(name, batch=None):
     import torch
 
     gen = torch.Generator().manual_seed(2)
-    vocab = SHAPES[name][0]["vocab"]
+    kwargs = SHAPES[name][0]  # None for the transformers 124M models: their config says
+    vocab = kwargs["vocab"] if kwargs else module.model.config.vocab_size
     return (module, torch.randint(0, vocab, (batch,) + tuple(x.shape[1:]), generator=gen),
             torch.randint(0, vocab, (batch,) + tuple(y.shape[1:]), generator=gen))
 
@@ -120,6 +121,9 @@ def main():
     parser.add_argument("--budget-mb", type=float, default=None,
                         help="instead: the largest batch each policy fits in this many MB of "
                              "planned temporaries, and its samples/s")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="with --budget-mb: the fixed policies searched and trained besides "
+                             "none (comma-separated; default all; the budget side always runs)")
     parser.add_argument("--side", choices=[*POLICIES, "budget"], help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
@@ -169,11 +173,14 @@ def batch_at_budget(args):
           f"{'samples/s x none [spread]':>26s}")
     with tempfile.TemporaryDirectory() as cache_dir:
         for name in names:
-            batches = {p: largest_batch(name, p, budget, SHAPES[name][1]) for p in POLICIES}
+            # none's batch is the reference: it is always searched
+            policies = ["none"] + [p for p in POLICIES if p != "none"
+                                   and p in args.policies.split(",")]
+            batches = {p: largest_batch(name, p, budget, SHAPES[name][1]) for p in policies}
             common = [sys.executable, __file__, "--model", name, "--steps", str(args.steps),
                       "--cache-dir", cache_dir]
             sides = {p: common + ["--side", p, "--batch", str(batches[p])]
-                     for p in POLICIES if batches[p]}
+                     for p in policies if batches[p]}
             if batches["none"]:  # the target's batch, twice none's, at the compiler's choice
                 batches["budget"] = 2 * batches["none"]
                 sides["budget"] = common + ["--side", "budget", "--batch",
@@ -181,7 +188,7 @@ def batch_at_budget(args):
                                             str(args.budget_mb)]
             res = harness.alternate(sides, args.rounds, cpu_set)
             rate = {p: [r["rows"] / r["ms"] * 1e3 for r in v] for p, v in res.items()}
-            for p in [*POLICIES, "budget"]:
+            for p in [*policies, "budget"]:
                 if p == "budget" and p not in batches:
                     continue
                 if not batches[p]:
