@@ -35,7 +35,8 @@ import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
-from tvm.ir.prim.expr import IntImm
+
+from ..compiler.memory import nbytes
 
 logger = logging.getLogger("raf_dist")
 
@@ -60,15 +61,15 @@ def _is_tensor(arg: Any) -> bool:
 
 
 def _nbytes(shape: Sequence[int], dtype: str) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * tvm.DataType(dtype).bits // 8
+    return nbytes(int(np.prod(shape, dtype=np.int64)), dtype)
 
 
 def _argument(arg: relax.Expr) -> Any:
     """The static description of one argument; None when it is not static."""
     if isinstance(arg, relax.ShapeExpr):
-        values = [v.value if isinstance(v, IntImm) else None for v in arg.values]
+        values = [v.value if isinstance(v, tvm.tirx.IntImm) else None for v in arg.values]
         return None if None in values else tuple(int(v) for v in values)
-    if isinstance(arg, IntImm):  # relax.prim_value(int)
+    if isinstance(arg, tvm.tirx.IntImm):  # relax.prim_value(int)
         return int(arg.value)
     if isinstance(arg, tvm.ir.StringImm):
         return str(arg.value)
@@ -107,13 +108,13 @@ def host_calls(mod: tvm.IRModule) -> List[HostCall]:
 def _zero_tensor(shape: Sequence[int], dtype: str) -> Iterator[Any]:
     """A TVM tensor of ``shape`` and ``dtype`` on a private anonymous mapping of its own
     (zero pages until written), unmapped on exit."""
-    nbytes = max(1, _nbytes(shape, dtype))
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    size = max(1, _nbytes(shape, dtype))
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = tensor = None
     try:
         bits = tvm.DataType(dtype).bits
         # the bytes as an unsigned integer array (numpy exports no bfloat16), retyped in TVM
-        raw = np.frombuffer(buf, dtype=f"uint{bits}", count=nbytes * 8 // bits)
+        raw = np.frombuffer(buf, dtype=f"uint{bits}", count=size * 8 // bits)
         tensor = tvm_ffi.from_dlpack(raw.reshape(tuple(shape)))
         if str(tensor.dtype) != dtype:
             tensor = tensor._create_view(tuple(shape), dtype)
@@ -140,10 +141,6 @@ def run_once(calls: Sequence[HostCall]) -> None:
             del args
 
 
-def _to_json(arg: Any) -> Any:
-    return list(_to_json(a) for a in arg) if isinstance(arg, tuple) else arg
-
-
 def _from_json(arg: Any) -> Any:
     return tuple(_from_json(a) for a in arg) if isinstance(arg, list) else arg
 
@@ -157,8 +154,8 @@ def measure(calls: Sequence[HostCall], threads: int, timeout_s: float = 600.0) -
     there are no calls or the child fails (logged: an estimate, never an error)."""
     if not calls:
         return {"runtime_bytes": 0, "allocator_free_bytes": 0}
-    payload = json.dumps({"threads": int(threads), "calls": [
-        [c.symbol, _to_json(c.args)] for c in calls]})
+    # JSON writes the arguments' tuples as lists; the child turns them back (_from_json)
+    payload = json.dumps({"threads": int(threads), "calls": [[c.symbol, c.args] for c in calls]})
     try:
         done = subprocess.run([sys.executable, "-m", "raf_dist.runtime.host_kernels"],
                               input=payload, capture_output=True, text=True,
