@@ -44,13 +44,17 @@ def test_gpt2_proxy_replays_the_cpp_proxys_messages(ranks, layers, stages):
     assert calls and float(calls.group(1)) > 0
 
 
-@pytest.mark.parametrize("ranks", [4, pytest.param(32, marks=pytest.mark.slow)])
-def test_dlrm_proxy_replays_its_alltoalls(ranks):
-    out = check_mpi("proxy_run.py", ranks, "dlrm", *ARGS, timeout=600)
+@pytest.mark.parametrize("ranks,zero", [(4, 0), (4, 2),
+                                        pytest.param(32, 0, marks=pytest.mark.slow)])
+def test_dlrm_proxy_replays_its_alltoalls(ranks, zero):
+    out = check_mpi("proxy_run.py", ranks, "dlrm", "--zero", zero, *ARGS, timeout=600)
     _replayed(out)
     assert re.search(r"alltoall\s+[\d.]+\s+[\d.]+", out), out
     if ranks == 4:  # the seeds' configuration: 262,144 floats of rows on the owner
         assert 262_144 in _floats(out, "ours pp0:")
+    if zero:  # the MLPs' bucket reduce-scattered and gathered as the step does: per tensor
+        for kind in ("reduce_scatter", "allgather"):
+            assert re.search(rf"^{kind}\s+1\.0\s+2\.97\s", out, re.M), (kind, out)
 
 
 @pytest.mark.parametrize("ranks", [8, pytest.param(32, marks=pytest.mark.slow)])

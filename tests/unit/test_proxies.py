@@ -59,6 +59,12 @@ def test_zero_extraction_shards_every_gradient_and_gathers_every_parameter(trans
     else:  # gathered for the forward, and those the backward reads again for it
         assert _param_bytes(transformer) < totals["allgather"]["bytes"] < 2 * _param_bytes(
             transformer)
+    # a bucket's reduce-scatter is one runtime call per gradient (Event.parts): every
+    # parameter tensor once, at its size, so the simulator charges each call's latency
+    events = extract(transformer, MeshSpec(dp=2, zero=zero)).programs[0]
+    parts = sorted(p for e in events if e.kind == "reduce_scatter" for p in (e.parts or [e.bytes]))
+    assert parts == sorted(int(np.prod(s)) * 4 for s, _ in transformer.param_specs())
+    assert all(e.calls == len(e.parts) > 1 for e in events if e.kind == "allgather")
 
 
 def test_compute_is_the_models_flops_split_by_tp_and_pipeline(transformer):
@@ -195,6 +201,11 @@ def test_simulated_collectives_follow_the_alpha_beta_model():
     assert blocking == pytest.approx(2 * 3 * 10e-6 + 2 * 3 / 4 * 1.0)
     inter = one([Event("allreduce", bytes=S, axis="dp")], dp=8).iteration_s  # 8 > 4 per node
     assert inter == pytest.approx(2 * 7 * 100e-6 + 2 * 7 / 8 * 10.0)
+    # a bucket of 3 tensors is 3 calls: 3 rings' latency, the bucket's bytes once
+    bucket = one([Event("reduce_scatter", bytes=S, axis="dp", parts=[S // 2, S // 4, S // 4])])
+    assert bucket.iteration_s == pytest.approx(3 * 3 * 10e-6 + 3 / 4 * 1.0)
+    with pytest.raises(ValueError, match="must add up to its bytes"):
+        Event("allgather", bytes=S, axis="dp", parts=[S // 2])
     # started before 3 s of compute, waited after it: hidden
     hidden = one([Event("allreduce", bytes=S, axis="dp", handle=0),
                   Event("compute", flops=3 * 10**12), Event("wait", handle=0)])

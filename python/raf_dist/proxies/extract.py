@@ -147,12 +147,15 @@ def function_events(func: relax.Function, what: str = "") -> list[Event]:
         kind = op[:-len("_start")] if op.endswith("_start") else op
         if kind not in COLLECTIVES:
             continue  # local copies (local_shard) and the like
+        parts: list[int] = []  # a bucket's tensors, one runtime call each (Event.parts)
         if kind == "allreduce":
             group, nbytes = args[2], type_nbytes(args[0].ty)
-        elif kind == "reduce_scatter":
-            group, nbytes = args[-2], sum(type_nbytes(t.ty) for t in args[:-3])
-        elif kind == "allgather":
-            group, nbytes = args[1], sum(type_nbytes(t.ty) for t in args[2:])
+        elif kind in ("reduce_scatter", "allgather"):
+            tensors = args[:-3] if kind == "reduce_scatter" else args[2:]
+            group = args[-2] if kind == "reduce_scatter" else args[1]
+            parts = [type_nbytes(t.ty) for t in tensors]
+            nbytes = sum(parts)
+            parts = parts if len(parts) > 1 else []
         else:
             group, nbytes = args[-2], type_nbytes(args[0].ty)
         group = int(group.value)
@@ -164,7 +167,7 @@ def function_events(func: relax.Function, what: str = "") -> list[Event]:
         if handle >= 0:
             pending[b.var] = handle
         events.append(Event(kind, bytes=nbytes, axis=_AXIS_OF[group], handle=handle,
-                            what=what))
+                            what=what, parts=parts))
     flush()
     if pending:
         raise ValueError(f"{what or 'the function'} starts {len(pending)} collective(s) it "

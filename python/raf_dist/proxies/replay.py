@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _native
 from .simulate import Cluster, compute_seconds
 from .workload import Workload
 
@@ -65,10 +66,42 @@ class _Buffers:
         return have[:elements]
 
 
-def _collective(kind: str, nbytes: int, group: int, size: int, buffers: _Buffers,
-                async_op: bool, handle_key: str):
-    """Run (or start) one collective of ``nbytes`` on ``group``; chunked past the cap."""
+def _bucket(kind: str, parts: list[int], group: int, size: int, buffers: _Buffers,
+            async_op: bool, handle_key: str):
+    """A bucket's reduce-scatter / allgather as the step runs it (``Event.parts``): one
+    native call over the bucket's tensors, which the runtime runs as one collective per
+    tensor into / from their padded shards. None when the bucket is past the cap (the
+    caller then runs it flat, in chunks)."""
     from ..distributed import collectives as C
+
+    counts = [-(-max(b, 4) // 4) for b in parts]
+    shards = [-(-c // size) for c in counts]
+    if sum(counts) > buffers.cap:
+        return None, False
+    full = buffers.get(handle_key + "s", sum(counts))
+    shard = buffers.get(handle_key + "r", sum(shards))
+    offsets = np.cumsum([0] + counts)
+    tensors = [C._as_tensor(full[a:b], "part") for a, b in zip(offsets[:-1], offsets[1:])]
+    name = kind + ("_start" if async_op else "")
+    if kind == "reduce_scatter":
+        args = (*tensors, "sum", group, C._as_tensor(shard, "shard"))
+    else:
+        args = (C._as_tensor(shard, "shard"), group, *tensors)
+    handle = _native.func(name)(*args)
+    return (C.Handle(handle, None, (full, shard, tensors), kind) if async_op else None), True
+
+
+def _collective(kind: str, nbytes: int, group: int, size: int, buffers: _Buffers,
+                async_op: bool, handle_key: str, parts: list[int] | None = None):
+    """Run (or start) one collective of ``nbytes`` on ``group``; chunked past the cap. A
+    bucket's reduce-scatter / allgather (``parts``) runs as the step's, one call per tensor,
+    when it fits the cap."""
+    from ..distributed import collectives as C
+
+    if parts and kind in ("reduce_scatter", "allgather"):
+        handle, ran = _bucket(kind, parts, group, size, buffers, async_op, handle_key)
+        if ran:
+            return handle
 
     elements = -(-max(nbytes, 4) // 4)
     elements = -(-elements // size) * size  # whole blocks per rank
@@ -166,7 +199,7 @@ def replay(workload: Workload, cluster: Cluster, iters: int = 20, warmup: int = 
             else:
                 group, size = groups[e.axis]
                 h = _collective(e.kind, e.bytes, group, size, buffers, e.handle >= 0,
-                                f"h{e.handle}")
+                                f"h{e.handle}", e.parts)
                 if e.handle >= 0:
                     handles[e.handle] = h
             if timed:

@@ -18,7 +18,8 @@ dedicated devices).
 
 Collective times are the ring algorithms' (as NCCL's and MPICH's large-message paths):
 allreduce 2(n-1) alpha + 2(n-1)/n S/B, reduce-scatter / allgather / all-to-all
-(n-1) alpha + (n-1)/n S/B, a pipeline message alpha + S/B. Each rank has one compute stream
+(n-1) alpha + (n-1)/n S/B, a pipeline message alpha + S/B; a bucket's reduce-scatter or
+allgather of k tensors (ZeRO's) is k runtime calls, k (n-1) alpha + (n-1)/n S/B. Each rank has one compute stream
 and one communication stream: a started collective runs on the communication stream while
 compute goes on, a wait joins them, a blocking collective joins them first. The ranks of one
 dp / tp group run the same program, so one rank per pipeline stage is simulated: GPT-3 on
@@ -167,10 +168,12 @@ def comm_seconds(event: Event, workload: Workload, cluster: Cluster, rank: int =
         return alpha + event.bytes / beta
     if n == 1:
         return 0.0
+    # a bucket's reduce-scatter / allgather is one runtime call per tensor (Event.parts),
+    # each paying its ring's latency
     ring = (n - 1) / n * event.bytes / beta
     if event.kind == "allreduce":
-        return 2 * (n - 1) * alpha + 2 * ring
-    return (n - 1) * alpha + ring
+        return 2 * (n - 1) * alpha * event.calls + 2 * ring
+    return (n - 1) * alpha * event.calls + ring
 
 
 @dataclasses.dataclass

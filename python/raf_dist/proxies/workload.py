@@ -43,12 +43,21 @@ class Event:
     peer: int = -1
     tag: int = -1
     what: str = ""  # where it came from, for people reading a listing
+    parts: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown event kind {self.kind!r}; expected one of {KINDS}")
         if self.kind in COLLECTIVES and self.axis not in AXES:
             raise ValueError(f"a {self.kind} needs an axis in {AXES}, got {self.axis!r}")
+        if self.parts and sum(self.parts) != self.bytes:
+            raise ValueError(f"a {self.kind}'s parts ({sum(self.parts)} bytes) must add up to "
+                             f"its bytes ({self.bytes})")
+
+    @property
+    def calls(self) -> int:
+        """The native runtime's calls for this event (one per tensor of a bucket)."""
+        return max(1, len(self.parts))
 
     def to_dict(self) -> dict[str, Any]:
         defaults = Event("compute")
@@ -115,6 +124,7 @@ class Workload:
             e = dataclasses.replace(e)
             if e.bytes > 8:
                 e.bytes //= 2
+                e.parts = [b // 2 for b in e.parts]  # float32 tensors: multiples of 4
             e.mem_bytes //= 2
             return e
 
