@@ -91,7 +91,7 @@ class ExpectedLevel3Serial:
     def train_step(x: R.Tensor((3,), dtype="float32"), w1: R.Tensor((2,), dtype="float32"), w2: R.Tensor((1,), dtype="float32"), bucket0__state0: R.Tensor((3,), dtype="float32"), lr: R.Tensor((), dtype="float32")) -> R.Tuple(R.Tensor((), dtype="float32"), R.Tensor((2,), dtype="float32"), R.Tensor((1,), dtype="float32"), R.Tensor((3,), dtype="float32")):
         R.func_attr({"raf_dist.num_params": 2, "raf_dist.param_offset": 1, "raf_dist.states_per_param": 1, "raf_dist.updated_arguments": [1, 2, 3], "raf_dist.zero_level": 3})
         with R.dataflow():
-            forward_gather0_shards: R.Tensor((3,), dtype="float32") = R.concat((w1, w2), axis=0)
+            forward_gather0_shards = R.call_dps_packed("raf_dist.bucket.concat", (w1, w2), out_ty=R.Tensor((3,), dtype="float32"))
             forward_gather0_full0: R.Tensor((3,), dtype="float32") = R.builtin.alloc_tensor(R.shape([3]), R.dtype("float32"), 0, R.str("global"))
             forward_gather0_full1: R.Tensor((1,), dtype="float32") = R.builtin.alloc_tensor(R.shape([1]), R.dtype("float32"), 0, R.str("global"))
             R.output(forward_gather0_shards, forward_gather0_full0, forward_gather0_full1)
@@ -110,7 +110,7 @@ class ExpectedLevel3Serial:
             R.output(g1, grad_shard0)
         R.call_packed("raf_dist.ccl.reduce_scatter", g2, g1, R.str("avg"), 0, grad_shard0, ty_args=(R.Tuple,))
         with R.dataflow():
-            param_shards0: R.Tensor((3,), dtype="float32") = R.concat((w2, w1), axis=0)
+            param_shards0 = R.call_dps_packed("raf_dist.bucket.concat", (w2, w1), out_ty=R.Tensor((3,), dtype="float32"))
             lv11_b0: R.Tensor((3,), dtype="float32") = R.multiply(bucket0__state0, R.const(0.89999997615814209, "float32"))
             b2_b0: R.Tensor((3,), dtype="float32") = R.add(lv11_b0, grad_shard0)
             lv13_b0: R.Tensor((3,), dtype="float32") = R.multiply(b2_b0, lr)
@@ -322,7 +322,8 @@ def test_level3_regathers_only_what_backward_reads():
     assert not any(n.startswith("backward_gather1") for n in names)  # ...and no second
     gathered = [b for block in func.body.blocks for b in block.bindings
                 if b.var.name == "backward_gather0_shards"]
-    concat_args = {a.name for a in gathered[0].value.args[0].fields}
+    # raf_dist.bucket.concat(shards..., out): one copy per tensor into the bucket's shard
+    concat_args = {a.name for a in gathered[0].value.args[1].fields}
     assert concat_args == {"p_layers_1_weight", "p_layers_2_weight"}
 
 
@@ -435,3 +436,20 @@ def test_step_without_layout_attributes_is_rejected():
     with pytest.raises(ValueError, match="layout attributes"):
         ShardZeRO(1, 2, 1000)(tvm.IRModule(
             {"train_step": Before["train_step"].without_attr("raf_dist.param_offset")}))
+
+
+def test_native_concat_copies_shards_at_any_offset_and_checks_sizes():
+    """raf_dist.bucket.concat, ZeRO-3's shards into a bucket's flat shard (src/ccl/bucket.cc):
+    element offsets that are no multiple of 64 bytes (1, 5, 7 floats), sizes checked."""
+    raf_dist._native.load()
+    concat = tvm_ffi.get_global_func("raf_dist.bucket.concat")
+    parts = [np.arange(n, dtype=np.float32) + 100 * i for i, n in enumerate((1, 5, 7))]
+    out = tvm.runtime.tensor(np.full(13, -1.0, np.float32))
+    concat(*[tvm.runtime.tensor(p) for p in parts], out)
+    np.testing.assert_array_equal(out.numpy(), np.concatenate(parts))
+    with pytest.raises(ValueError, match="hold 6 elements, the output 13"):
+        concat(*[tvm.runtime.tensor(p) for p in parts[:2]], out)
+    with pytest.raises(ValueError, match="more than the 13 elements"):
+        concat(*[tvm.runtime.tensor(p) for p in parts + parts], out)
+    with pytest.raises(TypeError, match="differs in dtype"):
+        concat(tvm.runtime.tensor(np.zeros(13, np.float64)), out)

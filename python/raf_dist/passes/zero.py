@@ -129,7 +129,15 @@ class _Emitter:
                 for i, key in enumerate(bucket.keys)]
 
     def concat_shards(self, name: str, shards: Sequence[relax.Var]) -> relax.Var:
-        return shards[0] if len(shards) == 1 else self.bind(name, relax.op.concat(shards, axis=0))
+        """Per-parameter 1-D shards into one flat buffer: by one copy per tensor
+        (``raf_dist.bucket.concat``, src/ccl/bucket.cc), not TVM's ``concat``, whose kernel
+        walks a k-way select chain per element (6 ms for 54 shards, 1.9 MB, on this CPU)."""
+        if len(shards) == 1:
+            return shards[0]
+        ty = shards[0].ty
+        total = sum(int(s.ty.shape[0]) for s in shards)
+        return self.bind(name, relax.call_dps_packed(
+            "raf_dist.bucket.concat", list(shards), relax.TensorType([total], ty.dtype)))
 
     def start(self, kind: str, name: str, sends: Sequence[relax.Expr],
               outs: Sequence[relax.Expr]) -> Handle:
