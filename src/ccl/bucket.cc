@@ -200,7 +200,8 @@ void Concat(ffi::PackedArgs args, ffi::Any*) {
       TVM_FFI_THROW(ValueError) << "raf_dist.bucket.concat: the inputs hold more than the "
                                 << total << " elements of the output";
     }
-    if (t.dtype() != out.dtype() || t.device().device_type != out.device().device_type) {
+    if (t.dtype() != out.dtype() || t.device().device_type != out.device().device_type ||
+        t.device().device_id != out.device().device_id) {
       TVM_FFI_THROW(TypeError) << "raf_dist.bucket.concat: tensor " << i
                                << " differs in dtype or device from the output";
     }

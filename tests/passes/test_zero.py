@@ -110,7 +110,7 @@ class ExpectedLevel3Serial:
             R.output(g1, grad_shard0)
         R.call_packed("raf_dist.ccl.reduce_scatter", g2, g1, R.str("avg"), 0, grad_shard0, ty_args=(R.Tuple,))
         with R.dataflow():
-            param_shards0 = R.call_dps_packed("raf_dist.bucket.concat", (w2, w1), out_ty=R.Tensor((3,), dtype="float32"))
+            param_shards0: R.Tensor((3,), dtype="float32") = R.concat((w2, w1), axis=0)
             lv11_b0: R.Tensor((3,), dtype="float32") = R.multiply(bucket0__state0, R.const(0.89999997615814209, "float32"))
             b2_b0: R.Tensor((3,), dtype="float32") = R.add(lv11_b0, grad_shard0)
             lv13_b0: R.Tensor((3,), dtype="float32") = R.multiply(b2_b0, lr)

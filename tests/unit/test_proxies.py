@@ -206,6 +206,12 @@ def test_simulated_collectives_follow_the_alpha_beta_model():
     assert bucket.iteration_s == pytest.approx(3 * 3 * 10e-6 + 3 / 4 * 1.0)
     with pytest.raises(ValueError, match="must add up to its bytes"):
         Event("allgather", bytes=S, axis="dp", parts=[S // 2])
+    # as 16-bit (Workload.in_16_bit): each tensor halved, the bucket their sum, and the
+    # workload still valid through JSON (what every replay rank reads)
+    w = Workload("t", 4, 1, 1, 2, 1, "1f1b",
+                 [[Event("reduce_scatter", bytes=18, axis="dp", parts=[6, 12])]]).in_16_bit()
+    e = Workload.from_json(w.to_json()).programs[0][0]
+    assert (e.bytes, e.parts, e.calls) == (9, [3, 6], 2)
     # started before 3 s of compute, waited after it: hidden
     hidden = one([Event("allreduce", bytes=S, axis="dp", handle=0),
                   Event("compute", flops=3 * 10**12), Event("wait", handle=0)])

@@ -128,12 +128,18 @@ class _Emitter:
         return [self.bind(f"{name}_shard{key}", relax.TupleGetItem(parts, i), dataflow)
                 for i, key in enumerate(bucket.keys)]
 
-    def concat_shards(self, name: str, shards: Sequence[relax.Var]) -> relax.Var:
-        """Per-parameter 1-D shards into one flat buffer: by one copy per tensor
-        (``raf_dist.bucket.concat``, src/ccl/bucket.cc), not TVM's ``concat``, whose kernel
-        walks a k-way select chain per element (6 ms for 54 shards, 1.9 MB, on this CPU)."""
+    def concat_shards(self, name: str, shards: Sequence[relax.Var], copy: bool = False
+                      ) -> relax.Var:
+        """Per-parameter 1-D shards into one flat buffer. ``copy``: by one copy per tensor
+        (``raf_dist.bucket.concat``, src/ccl/bucket.cc) for a buffer a collective reads, where
+        TVM's ``concat`` kernel walks a k-way select chain per element (6 ms for 54 shards,
+        1.9 MB, on this CPU); else TVM's ``concat``, which the update's elementwise chain fuses
+        with (the kernel reads the shards where they are: no [S] copy beside the update's
+        buffers, which ZeRO-3's memory is about, at the chain's cost in time)."""
         if len(shards) == 1:
             return shards[0]
+        if not copy:
+            return self.bind(name, relax.op.concat(shards, axis=0))
         ty = shards[0].ty
         total = sum(int(s.ty.shape[0]) for s in shards)
         return self.bind(name, relax.call_dps_packed(
@@ -447,7 +453,7 @@ class _Emitter:
         if bucket.dtype != str(shards[0].ty.dtype):  # a 16-bit gather: each shard cast first
             shards = [self.bind(f"{name}_low{k}", relax.op.astype(shard, bucket.dtype))
                       for k, shard in zip(bucket.keys, shards)]
-        packed = self.concat_shards(f"{name}_shards", shards)
+        packed = self.concat_shards(f"{name}_shards", shards, copy=True)
         # every parameter gathered straight into a full buffer of its own shape, which the
         # forward (backward) then reads: no [N*S] gathered bucket to unpack by copies
         outs = [self.bind(f"{name}_full{k}", relax.op.builtin.alloc_tensor(

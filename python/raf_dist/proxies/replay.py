@@ -78,8 +78,11 @@ def _bucket(kind: str, parts: list[int], group: int, size: int, buffers: _Buffer
     shards = [-(-c // size) for c in counts]
     if sum(counts) > buffers.cap:
         return None, False
-    full = buffers.get(handle_key + "s", sum(counts))
-    shard = buffers.get(handle_key + "r", sum(shards))
+    # a started bucket keeps its buffers until its wait; blocking ones share theirs (as the
+    # flat path's)
+    key = handle_key if async_op else "blocking"
+    full = buffers.get(key + "s", sum(counts))
+    shard = buffers.get(key + "r", sum(shards))
     offsets = np.cumsum([0] + counts)
     tensors = [C._as_tensor(full[a:b], "part") for a, b in zip(offsets[:-1], offsets[1:])]
     name = kind + ("_start" if async_op else "")

@@ -124,7 +124,9 @@ class Workload:
             e = dataclasses.replace(e)
             if e.bytes > 8:
                 e.bytes //= 2
-                e.parts = [b // 2 for b in e.parts]  # float32 tensors: multiples of 4
+                if e.parts:  # each tensor halved; their sum stays the bucket's bytes
+                    e.parts = [b // 2 for b in e.parts]
+                    e.bytes = sum(e.parts)
             e.mem_bytes //= 2
             return e
 
