@@ -30,8 +30,8 @@
  *       same shards without this [N * S] copy.
  *   raf_dist.bucket.concat(t_1, ..., t_k, out)
  *       fills `out` with t_1's elements, then t_2's, ... (contiguous, one dtype and device):
- *       ZeRO-3's per-parameter shards into a bucket's flat [S] shard (for its update and its
- *       allgathers), one copy per tensor. Destination-passing. TVM's `concat` of k tensors
+ *       ZeRO-3's per-parameter shards into a bucket's flat [S] send buffer for its
+ *       allgathers, one copy per tensor. Destination-passing. TVM's `concat` of k tensors
  *       legalises to one kernel whose every element walks a k-way select chain: 6 ms for the
  *       54 shards (1.9 MB) of bench/step_time.py's GPT on this CPU, where these copies take
  *       a few hundredths of that.

@@ -66,18 +66,20 @@ class _Buffers:
         return have[:elements]
 
 
+def _floats(nbytes: int) -> int:
+    """float32 elements of a message of ``nbytes`` (at least one)."""
+    return -(-max(nbytes, 4) // 4)
+
+
 def _bucket(kind: str, parts: list[int], group: int, size: int, buffers: _Buffers,
             async_op: bool, handle_key: str):
     """A bucket's reduce-scatter / allgather as the step runs it (``Event.parts``): one
     native call over the bucket's tensors, which the runtime runs as one collective per
-    tensor into / from their padded shards. None when the bucket is past the cap (the
-    caller then runs it flat, in chunks)."""
+    tensor into / from their padded shards. The caller checks that the bucket fits the cap."""
     from ..distributed import collectives as C
 
-    counts = [-(-max(b, 4) // 4) for b in parts]
+    counts = [_floats(b) for b in parts]
     shards = [-(-c // size) for c in counts]
-    if sum(counts) > buffers.cap:
-        return None, False
     # a started bucket keeps its buffers until its wait; blocking ones share theirs (as the
     # flat path's)
     key = handle_key if async_op else "blocking"
@@ -91,7 +93,7 @@ def _bucket(kind: str, parts: list[int], group: int, size: int, buffers: _Buffer
     else:
         args = (C._as_tensor(shard, "shard"), group, *tensors)
     handle = _native.func(name)(*args)
-    return (C.Handle(handle, None, (full, shard, tensors), kind) if async_op else None), True
+    return C.Handle(handle, None, (full, shard, tensors), kind) if async_op else None
 
 
 def _collective(kind: str, nbytes: int, group: int, size: int, buffers: _Buffers,
@@ -101,12 +103,11 @@ def _collective(kind: str, nbytes: int, group: int, size: int, buffers: _Buffers
     when it fits the cap."""
     from ..distributed import collectives as C
 
-    if parts and kind in ("reduce_scatter", "allgather"):
-        handle, ran = _bucket(kind, parts, group, size, buffers, async_op, handle_key)
-        if ran:
-            return handle
+    if (parts and kind in ("reduce_scatter", "allgather")
+            and sum(_floats(b) for b in parts) <= buffers.cap):
+        return _bucket(kind, parts, group, size, buffers, async_op, handle_key)
 
-    elements = -(-max(nbytes, 4) // 4)
+    elements = _floats(nbytes)
     elements = -(-elements // size) * size  # whole blocks per rank
     chunk = max(size, buffers.cap // size * size)
     pending = []

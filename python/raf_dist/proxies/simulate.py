@@ -19,11 +19,11 @@ dedicated devices).
 Collective times are the ring algorithms' (as NCCL's and MPICH's large-message paths):
 allreduce 2(n-1) alpha + 2(n-1)/n S/B, reduce-scatter / allgather / all-to-all
 (n-1) alpha + (n-1)/n S/B, a pipeline message alpha + S/B; a bucket's reduce-scatter or
-allgather of k tensors (ZeRO's) is k runtime calls, k (n-1) alpha + (n-1)/n S/B. Each rank has one compute stream
-and one communication stream: a started collective runs on the communication stream while
-compute goes on, a wait joins them, a blocking collective joins them first. The ranks of one
-dp / tp group run the same program, so one rank per pipeline stage is simulated: GPT-3 on
-1024 ranks is 96 programs, answered in seconds.
+allgather of k tensors (ZeRO's) is k runtime calls, k (n-1) alpha + (n-1)/n S/B. Each rank
+has one compute stream and one communication stream: a started collective runs on the
+communication stream while compute goes on, a wait joins them, a blocking collective joins
+them first. The ranks of one dp / tp group run the same program, so one rank per pipeline
+stage is simulated: GPT-3 on 1024 ranks is 96 programs, answered in seconds.
 """
 from __future__ import annotations
 
