@@ -22,6 +22,13 @@ rank stepping the same number of times:
 Prints per N the slowest rank's milliseconds per iteration of each, and the excess of
 ``+grad`` over ``alone`` + ``grad``: the part of a step that neither its compute under sharing
 nor its collective between barriers accounts for.
+
+``--arrivals`` instead runs the dp N step itself (the Trainer under data parallelism, as
+bench/plan_validation.py's dp mesh) and prints, for every collective of a step in order (the
+Trainer's rows allgather, then the VM's ``raf_dist.ccl.*`` calls: a VM instrument that records
+only those), when the ranks enter and leave it: the earliest, median and latest rank, in ms
+from the step's first start, medians over the measured steps. Each rank's wall clock
+(``time.time``) is the common time base: one host.
 """
 import argparse
 import os
@@ -99,15 +106,91 @@ def side(steps, batch=None):
         harness.report({k: v * 1e3 if isinstance(v, float) else v for k, v in row.items()})
 
 
+def arrivals(steps):
+    """The ``--arrivals`` side (module docstring)."""
+    import statistics
+
+    import raf_dist
+    from raf_dist import distributed as dist
+    from step_time import make
+
+    comm = dist.get_communicator()
+    dp = comm.size
+    dist.get_config().update({"enable_data_parallel": dp > 1})
+    module, x, y = make("gpt")
+    rows = slice(comm.rank * GLOBAL_BATCH // dp, (comm.rank + 1) * GLOBAL_BATCH // dp)
+    trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x[rows],)),
+                               optimizer=raf_dist.optim.AdamW(lr=1e-3))
+    xs, ys = x[rows].numpy(), y[rows].numpy()
+    for _ in range(3):
+        trainer.step(xs, ys)
+    marks = []  # (what, "in" / "out", wall time)
+
+    def instrument(func, symbol, before_run, ret_value, *args):
+        if str(symbol).startswith("raf_dist.ccl."):
+            marks.append((str(symbol).rsplit(".", 1)[-1], "in" if before_run else "out",
+                          time.time()))
+        return 0
+
+    executor = trainer.executor
+    for vm in executor._vms:
+        vm.set_instrument(instrument)
+    rows_per_rank = executor._rows_per_rank
+
+    def timed_rows(*args, **kwargs):
+        marks.append(("rows allgather", "in", time.time()))
+        try:
+            return rows_per_rank(*args, **kwargs)
+        finally:
+            marks.append(("rows allgather", "out", time.time()))
+
+    executor._rows_per_rank = timed_rows
+    per_step = []
+    for _ in range(steps):
+        del marks[:]
+        marks.append(("step", "in", time.time()))
+        trainer.step(xs, ys)
+        marks.append(("step", "out", time.time()))
+        per_step.append(list(marks))
+    gathered = comm.mpi_comm.gather(per_step)
+    if comm.rank == 0:
+        table = {}
+        for s in range(steps):
+            ranks = [g[s] for g in gathered]
+            base = min(r[0][2] for r in ranks)
+            for i, (what, side_, _) in enumerate(ranks[0]):
+                times = sorted((r[i][2] - base) * 1e3 for r in ranks)
+                table.setdefault((i, what, side_), []).append(
+                    (times[0], statistics.median(times), times[-1]))
+        harness.report({"ranks": dp, "rows": [
+            [what, side_] + [statistics.median(t[j] for t in v) for j in range(3)]
+            for (i, what, side_), v in sorted(table.items())]})
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--side", action="store_true")
     p.add_argument("--ranks", default="2,4,8")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, help="per-rank batch (default: 16 / ranks)")
+    p.add_argument("--arrivals", action="store_true",
+                   help="the dp N step's collectives: when the ranks enter and leave them")
     a = p.parse_args()
     if a.side:
-        side(a.steps, a.batch)
+        if a.arrivals:
+            arrivals(a.steps)
+        else:
+            side(a.steps, a.batch)
+        return
+    if a.arrivals:
+        for n in (int(r) for r in a.ranks.split(",")):
+            got = harness.run_side([harness.mpiexec(), "-n", str(n), sys.executable, __file__,
+                                    "--side", "--arrivals", "--steps", str(a.steps)],
+                                   timeout=900)
+            print(f"# dp {n}: ms from the step's first start (medians over {a.steps} steps): "
+                  "earliest / median / latest rank")
+            for what, side_, first, median, last in got["rows"]:
+                print(f"{n:>3} {what:>20} {side_:>3} {first:8.1f} {median:8.1f} {last:8.1f}")
         return
     print(f"# {harness.machine()}; bench/step_time.py's GPT, global batch {GLOBAL_BATCH}, "
           "each rank its own copy; ms per iteration, slowest rank")
