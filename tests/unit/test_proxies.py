@@ -223,10 +223,10 @@ def test_simulated_collectives_follow_the_alpha_beta_model():
         simulate(orphan, cluster)
 
 
-def test_a_meeting_after_compute_costs_a_share_of_it_up_to_the_cap():
+def test_a_meeting_after_compute_costs_a_share_of_it_up_to_a_cap():
     """Ranks sharing cores (Cluster.meeting_ratio / meeting_cap_us): a collective or a
     pipeline message met after W seconds of compute costs min(ratio x W, cap) beyond its
-    alpha-beta time; the compute is counted from the rank's previous meeting; a group of
+    alpha-beta time (ratio x W without a cap); the compute is counted from the rank's previous meeting; a group of
     one rank meets no one; a dedicated-device cluster (0, 0) is the plain model."""
     shared = Cluster("t", 4, 1.0, 1.0, Link(0.0, 1e9), Link(0.0, 1e9), meeting_ratio=0.5,
                      meeting_cap_us=3e5)  # cap 0.3 s
@@ -260,6 +260,9 @@ def test_a_meeting_after_compute_costs_a_share_of_it_up_to_the_cap():
     assert hidden.iteration_s == pytest.approx(0.9)  # its 0.2 s late, under 0.5 s of compute
     assert hidden.per_rank[0]["meeting_s"] == pytest.approx(0.2)
     assert CLUSTERS["dgx-h100"].meeting_ratio == 0.0  # dedicated devices
+    # no cap (calibrated with more ranks than cores): the lateness grows with the compute
+    uncapped = dataclasses.replace(shared, meeting_cap_us=0.0)
+    assert one([compute(2.0), reduce], cluster=uncapped).iteration_s == pytest.approx(3.0)
 
 
 def test_cosmoflow_description_and_clusters(tmp_path):

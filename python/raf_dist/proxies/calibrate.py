@@ -127,21 +127,22 @@ def meeting_times(comm, sizes=MEETING_GEMM_SIZES, seconds: float = 1.0) -> list:
     return out
 
 
-def _meeting(comm) -> tuple[float, float]:
+def _meeting(comm, shared: bool) -> tuple[float, float]:
     """``(meeting_ratio, meeting_cap_us)`` of ``Cluster`` (proxies/simulate.py) from
     ``meeting_times``: a meeting's cost is the chunk with the allreduce less the chunk alone;
     the ratio is the short chunk's cost over its length (the cap does not bind there), the cap
-    the largest cost seen."""
+    the largest cost seen, none (0) when the ranks outnumber the host's cores (``shared``:
+    ``Cluster.meeting_cap_us`` says why)."""
     costs = [(compute, max(0.0, meet - compute)) for compute, meet in meeting_times(comm)]
     short, cost = costs[0]
-    return cost / short, max(c for _, c in costs) * 1e6
+    return cost / short, 0.0 if shared else max(c for _, c in costs) * 1e6
 
 
 def calibrate(out_path: str = _CALIBRATED) -> int:
     from mpi4py import MPI
 
     from ..distributed import collectives, get_communicator
-    from ..runtime.threads import set_num_threads, threads_per_rank
+    from ..runtime.threads import available_cores, set_num_threads, threads_per_rank
 
     comm = MPI.COMM_WORLD
     n = comm.size
@@ -174,7 +175,8 @@ def calibrate(out_path: str = _CALIBRATED) -> int:
         alpha = small / (2 * (n - 1))
         bus = 2 * (n - 1) / n * big_elements * 4 / max(big - 2 * (n - 1) * alpha, 1e-9)
         link = Link(round(alpha * 1e6, 2), round(bus / 1e9, 3))
-        meeting_ratio, meeting_cap_us = _meeting(comm)
+        meeting_ratio, meeting_cap_us = _meeting(
+            comm, get_communicator().local_size > available_cores())
     else:  # one process: its compute rates only (no link to measure, no one to meet)
         link = Link(0.0, 1e6)
         meeting_ratio, meeting_cap_us = 0.0, 0.0

@@ -12,9 +12,9 @@ made of. A group whose ranks all sit on
 one node uses ``intra``, any other ``inter`` (the mesh places tp innermost, then dp, then
 pp: DESIGN.md's rank = (pp_i * dp + dp_i) * tp + tp_i, nodes filled in rank order).
 
-Ranks that share cores (more ranks than cores, as when testing here) come to each meeting
-late by a part of the compute before it (``meeting_ratio``, ``meeting_cap_us``; 0 for
-dedicated devices).
+Ranks that share cores (as when testing here) come to each meeting late by a part of the
+compute before it (``meeting_ratio``, capped at ``meeting_cap_us`` while each rank has a core
+of its own; 0 for dedicated devices).
 
 Collective times are the ring algorithms' (as NCCL's and MPICH's large-message paths):
 allreduce 2(n-1) alpha + 2(n-1)/n S/B, reduce-scatter / allgather / all-to-all
@@ -57,13 +57,18 @@ class Cluster:
     #: overestimates by at most the calls' share (2.7 us x calls); ranks sharing a core pay
     #: it at their share (what ``calibrate`` measures with N ranks on this host)
     op_overhead_us: float = 0.0
-    #: ranks sharing cores (more ranks than cores on a host): the members of a collective or
-    #: of a pipeline message come to it from compute that the scheduler gave each a different
-    #: share of, so the last arrives late by a part of the compute since its previous meeting:
-    #: a meeting after W seconds of compute costs min(meeting_ratio x W, meeting_cap_us) more
-    #: than its alpha-beta time. 0 on dedicated devices (every preset but a calibrated
-    #: cpu-here); ``calibrate`` measures both by starting collectives from compute chunks of
-    #: two lengths (bench/meeting_cost.py's loop)
+    #: the members of a collective or of a pipeline message come to it from compute that the
+    #: host's scheduler gave each a different share of, so the last arrives late by a part of
+    #: the compute since its previous meeting: a meeting after W seconds of compute costs
+    #: meeting_ratio x W more than its alpha-beta time, at most meeting_cap_us where that is
+    #: not 0. Both 0 on dedicated devices (every preset but a calibrated cpu-here).
+    #: ``calibrate`` measures the ratio by starting collectives from short compute chunks
+    #: (bench/meeting_cost.py's loop), and the cap from long ones while every rank has a core
+    #: of its own; with more ranks than cores it sets no cap: the lateness then grows with the
+    #: compute (bench/RESULTS.md, "The oversubscribed dp step taken apart": the latest rank
+    #: reached a dp step's gradient allreduce 0.33-0.43 x the phase after the median with 8
+    #: ranks on 2 cores, 0.2 x with 4, the calibrated ratios 0.45 and 0.25), which the long
+    #: chunks' loop, bounded at 3 ms there, does not show
     meeting_ratio: float = 0.0
     meeting_cap_us: float = 0.0
 
@@ -134,7 +139,8 @@ def meeting_seconds(compute_since_s: float, cluster: Cluster) -> float:
     since the rank's previous one (``Cluster``): a collective of more than one rank, or a
     pipeline message, charged at its sender (its receiver's compute before the receive is
     hidden behind the wait for it)."""
-    return min(cluster.meeting_ratio * compute_since_s, cluster.meeting_cap_us * 1e-6)
+    late = cluster.meeting_ratio * compute_since_s
+    return min(late, cluster.meeting_cap_us * 1e-6) if cluster.meeting_cap_us > 0 else late
 
 
 def group_size(workload: Workload, axis: str) -> int:
