@@ -18,6 +18,7 @@ met from compute costs beyond that (``_meeting``: with more ranks than cores, th
 arrive late by a part of the compute before it)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -138,6 +139,38 @@ def _meeting(comm, shared: bool) -> tuple[float, float]:
     return cost / short, 0.0 if shared else max(c for _, c in costs) * 1e6
 
 
+def _meeting_us(comm, cluster: Cluster) -> float:
+    """``Cluster.meeting_us``: the tiny model's step under tensor parallelism over every rank
+    (its compute negligible, so a step is its operator calls and its allreduces), its rate
+    over a common window, less that step simulated on ``cluster`` (every other term
+    calibrated), over the step's collectives; the median rank's."""
+    import raf_dist
+    from raf_dist import distributed as dist
+
+    from .extract import MeshSpec, extract
+    from .simulate import simulate
+    from .workload import COLLECTIVES
+
+    model = raf_dist.frontend.from_relax_nn(_TinyMLP(), [((4, 16), "float32")])
+    workload = extract(model, MeshSpec(tp=comm.size))
+    meetings = sum(1 for e in workload.programs[0] if e.kind in COLLECTIVES)
+    config = dist.get_config()
+    saved = (config.tensor_parallel_size, config.enable_data_parallel)
+    config.update({"tensor_parallel_size": comm.size, "enable_data_parallel": False})
+    try:
+        trainer = raf_dist.Trainer(model, optimizer=raf_dist.optim.AdamW(lr=1e-3))
+    finally:
+        config.update({"tensor_parallel_size": saved[0], "enable_data_parallel": saved[1]})
+    rng = np.random.default_rng(0)  # every rank the same rows (tensor parallelism)
+    xs = rng.standard_normal((4, 16), np.float32)
+    ys = rng.integers(0, 8, (4,))
+    for _ in range(5):
+        trainer.step(xs, ys)
+    step_s = 1.0 / _window_rate(comm, lambda: trainer.step(xs, ys), 1.5 * WINDOW_S)
+    missing = (step_s - simulate(workload, cluster).iteration_s) / max(1, meetings)
+    return max(0.0, statistics.median(comm.allgather(missing))) * 1e6
+
+
 def calibrate(out_path: str = _CALIBRATED) -> int:
     from mpi4py import MPI
 
@@ -185,6 +218,8 @@ def calibrate(out_path: str = _CALIBRATED) -> int:
                       f"measured {time.strftime('%Y-%m-%d')} with {n} ranks on this host",
                       op_overhead_us=round(op_us, 2), meeting_ratio=round(meeting_ratio, 4),
                       meeting_cap_us=round(meeting_cap_us, 1))
+    if n > 1:
+        cluster = dataclasses.replace(cluster, meeting_us=round(_meeting_us(comm, cluster), 1))
     if comm.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         with open(out_path, "w") as f:

@@ -14,7 +14,8 @@ pp: DESIGN.md's rank = (pp_i * dp + dp_i) * tp + tp_i, nodes filled in rank orde
 
 Ranks that share cores (as when testing here) come to each meeting late by a part of the
 compute before it (``meeting_ratio``, capped at ``meeting_cap_us`` while each rank has a core
-of its own; 0 for dedicated devices).
+of its own), and each collective costs them a fixed host time besides (``meeting_us``); all 0
+for dedicated devices.
 
 Collective times are the ring algorithms' (as NCCL's and MPICH's large-message paths):
 allreduce 2(n-1) alpha + 2(n-1)/n S/B, reduce-scatter / allgather / all-to-all
@@ -71,6 +72,13 @@ class Cluster:
     #: chunks' loop, bounded at 3 ms there, does not show
     meeting_ratio: float = 0.0
     meeting_cap_us: float = 0.0
+    #: host time each collective of more than one rank costs beyond all of the above (ranks
+    #: sharing cores: the caller handing the call to its communication thread and taking the
+    #: result back, each a turn on a core the other ranks' threads hold; the members leaving
+    #: it at different times): ``calibrate`` measures it as what a step made of allreduces
+    #: and operator calls (a tiny model under tensor parallelism over every rank) takes beyond
+    #: its simulation, over its collectives. 0 on dedicated devices
+    meeting_us: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
@@ -241,6 +249,8 @@ def simulate(workload: Workload, cluster: Cluster) -> Simulation:
                     since[r] = 0.0
                 elif e.kind == "send" or group_size(workload, e.axis or "pp") > 1:
                     late = meeting_seconds(since[r], cluster)
+                    if e.kind != "send":
+                        late += cluster.meeting_us * 1e-6
                     dt += late
                     stats[r]["meeting_s"] += late
                     since[r] = 0.0
