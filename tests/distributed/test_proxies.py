@@ -70,3 +70,23 @@ def test_proxy_refuses_a_world_it_cannot_split():
 
     rc, out, _ = run_mpi("proxy_run.py", 3, "gpt2", *ARGS, timeout=300)
     assert rc != 0 and "do not split into tp 1 x pp 4" in out
+
+
+@pytest.mark.slow
+def test_calibrate_with_ranks_sharing_the_cores(tmp_path):
+    """``mpirun -np 4 python -m raf_dist.proxies calibrate``: the link between the ranks, the
+    lateness of a meeting (no cap once the ranks outnumber the cores) and the host time per
+    collective (the tiny model's tensor-parallel step against its simulation) are measured
+    and written where ``--cluster FILE`` reads them."""
+    import os
+
+    from raf_dist.proxies import load_cluster
+
+    out = tmp_path / "four.json"
+    check_mpi("proxy_run.py", 4, "calibrate", "--calibration-out", str(out), timeout=600)
+    cluster = load_cluster(str(out))
+    assert cluster.gpus_per_node == 4
+    assert cluster.intra.alpha_us > 0 and cluster.intra.bandwidth_GBps > 0
+    assert cluster.meeting_ratio >= 0 and cluster.meeting_us >= 0
+    if 4 > len(os.sched_getaffinity(0)):  # the ranks share the cores: no cap
+        assert cluster.meeting_cap_us == 0, cluster

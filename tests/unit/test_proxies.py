@@ -263,6 +263,14 @@ def test_a_meeting_after_compute_costs_a_share_of_it_up_to_a_cap():
     # no cap (calibrated with more ranks than cores): the lateness grows with the compute
     uncapped = dataclasses.replace(shared, meeting_cap_us=0.0)
     assert one([compute(2.0), reduce], cluster=uncapped).iteration_s == pytest.approx(3.0)
+    # a fixed host time per collective of more than one rank, none per pipeline message
+    fixed = dataclasses.replace(shared, meeting_us=5e4)  # 0.05 s
+    assert one([compute(0.2), reduce], cluster=fixed).iteration_s == pytest.approx(0.35)
+    assert one([compute(1.0), reduce], dp=1, cluster=fixed).iteration_s == pytest.approx(1.0)
+    piped_fixed = one([[compute(0.2), Event("send", bytes=4, axis="pp", peer=1, tag=0)],
+                       [Event("recv", bytes=4, axis="pp", peer=0, tag=0)]], dp=1, pp=2,
+                      cluster=fixed)
+    assert piped_fixed.iteration_s == pytest.approx(0.2 + 0.1)
 
 
 def test_cosmoflow_description_and_clusters(tmp_path):
@@ -328,7 +336,7 @@ def test_calibrate_measures_this_host_and_its_host_time_per_call(tmp_path):
     cluster = load_cluster(str(out))
     assert cluster.matmul_tflops > 0 and cluster.memory_GBps > 0
     assert 0.05 < cluster.op_overhead_us < 1000
-    assert cluster.meeting_ratio == cluster.meeting_cap_us == 0.0  # no one to meet
+    assert cluster.meeting_ratio == cluster.meeting_cap_us == cluster.meeting_us == 0.0
 
 
 def test_calibration_rates_are_taken_over_one_window_every_rank_starts_together():

@@ -141,9 +141,9 @@ def _meeting(comm, shared: bool) -> tuple[float, float]:
 
 def _meeting_us(comm, cluster: Cluster) -> float:
     """``Cluster.meeting_us``: the tiny model's step under tensor parallelism over every rank
-    (its compute negligible, so a step is its operator calls and its allreduces), its rate
-    over a common window, less that step simulated on ``cluster`` (every other term
-    calibrated), over the step's collectives; the median rank's."""
+    (its compute negligible, so a step is its operator calls and its allreduces), the slowest
+    rank's mean over ~3 s of steps, less that step simulated on ``cluster`` (every other term
+    calibrated), over the step's collectives."""
     import raf_dist
     from raf_dist import distributed as dist
 
@@ -166,9 +166,22 @@ def _meeting_us(comm, cluster: Cluster) -> float:
     ys = rng.integers(0, 8, (4,))
     for _ in range(5):
         trainer.step(xs, ys)
-    step_s = 1.0 / _window_rate(comm, lambda: trainer.step(xs, ys), 1.5 * WINDOW_S)
+    # the same number of steps on every rank (each step meets the others: a rank counting its
+    # own window would wait forever in a step the others never take), the slowest rank's mean
+    from mpi4py import MPI
+
+    comm.Barrier()
+    began = time.perf_counter()
+    trainer.step(xs, ys)
+    one = comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
+    steps = max(5, int(1.5 * WINDOW_S / max(one, 1e-6)))
+    comm.Barrier()
+    began = time.perf_counter()
+    for _ in range(steps):
+        trainer.step(xs, ys)
+    step_s = comm.allreduce((time.perf_counter() - began) / steps, op=MPI.MAX)
     missing = (step_s - simulate(workload, cluster).iteration_s) / max(1, meetings)
-    return max(0.0, statistics.median(comm.allgather(missing))) * 1e6
+    return max(0.0, missing) * 1e6
 
 
 def calibrate(out_path: str = _CALIBRATED) -> int:
