@@ -15,7 +15,9 @@ importing: with 8 ranks on 2 cores, 47 GFLOP/s and 3.8 GB/s per rank against 30.
 over a common window.) raf_dist's allreduce between the ranks: alpha from 4 KiB calls, bus
 bandwidth from 64 MiB ones (medians of 20 and 5, between barriers); and what a collective
 met from compute costs beyond that (``_meeting``: with more ranks than cores, the members
-arrive late by a part of the compute before it)."""
+arrive late by a part of the compute before it; no cap then), and the host time each
+collective costs beyond everything else (``_meeting_us``: the tiny model's tensor-parallel
+step against its simulation)."""
 from __future__ import annotations
 
 import dataclasses
@@ -139,30 +141,45 @@ def _meeting(comm, shared: bool) -> tuple[float, float]:
     return cost / short, 0.0 if shared else max(c for _, c in costs) * 1e6
 
 
+#: the width of calibrate's tiny model, which tensor parallelism over the ranks must divide
+_TINY_WIDTH = 16
+
+
 def _meeting_us(comm, cluster: Cluster) -> float:
     """``Cluster.meeting_us``: the tiny model's step under tensor parallelism over every rank
     (its compute negligible, so a step is its operator calls and its allreduces), the slowest
     rank's mean over ~3 s of steps, less that step simulated on ``cluster`` (every other term
-    calibrated), over the step's collectives."""
+    calibrated), over the step's collectives of more than one rank. 0 where the ranks do not
+    divide the model's width (its layers would stay whole: no collective to measure)."""
     import raf_dist
     from raf_dist import distributed as dist
 
+    from ..runtime.plan import PARALLELISM_FIELDS
     from .extract import MeshSpec, extract
-    from .simulate import simulate
+    from .simulate import group_size, simulate
     from .workload import COLLECTIVES
 
-    model = raf_dist.frontend.from_relax_nn(_TinyMLP(), [((4, 16), "float32")])
+    if _TINY_WIDTH % comm.size:
+        return 0.0
+    model = raf_dist.frontend.from_relax_nn(_TinyMLP(), [((4, _TINY_WIDTH), "float32")])
     workload = extract(model, MeshSpec(tp=comm.size))
-    meetings = sum(1 for e in workload.programs[0] if e.kind in COLLECTIVES)
+    meetings = sum(1 for e in workload.programs[0]
+                   if e.kind in COLLECTIVES and group_size(workload, e.axis or "pp") > 1)
+    if not meetings:
+        return 0.0
+    # the calibration's own parallelism (every other field as a lone rank's), the user's
+    # config back afterwards whatever happens
     config = dist.get_config()
-    saved = (config.tensor_parallel_size, config.enable_data_parallel)
-    config.update({"tensor_parallel_size": comm.size, "enable_data_parallel": False})
+    saved = {k: getattr(config, k) for k in PARALLELISM_FIELDS}
     try:
+        config.update({"enable_data_parallel": False, "zero_opt_level": 0,
+                       "embedding_parallel": "none", "pipeline_parallel_size": 1,
+                       "tensor_parallel_size": comm.size})
         trainer = raf_dist.Trainer(model, optimizer=raf_dist.optim.AdamW(lr=1e-3))
     finally:
-        config.update({"tensor_parallel_size": saved[0], "enable_data_parallel": saved[1]})
+        config.update(saved)
     rng = np.random.default_rng(0)  # every rank the same rows (tensor parallelism)
-    xs = rng.standard_normal((4, 16), np.float32)
+    xs = rng.standard_normal((4, _TINY_WIDTH), np.float32)
     ys = rng.integers(0, 8, (4,))
     for _ in range(5):
         trainer.step(xs, ys)
@@ -180,7 +197,7 @@ def _meeting_us(comm, cluster: Cluster) -> float:
     for _ in range(steps):
         trainer.step(xs, ys)
     step_s = comm.allreduce((time.perf_counter() - began) / steps, op=MPI.MAX)
-    missing = (step_s - simulate(workload, cluster).iteration_s) / max(1, meetings)
+    missing = (step_s - simulate(workload, cluster).iteration_s) / meetings
     return max(0.0, missing) * 1e6
 
 

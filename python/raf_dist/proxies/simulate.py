@@ -72,12 +72,15 @@ class Cluster:
     #: chunks' loop, bounded at 3 ms there, does not show
     meeting_ratio: float = 0.0
     meeting_cap_us: float = 0.0
-    #: host time each collective of more than one rank costs beyond all of the above (ranks
-    #: sharing cores: the caller handing the call to its communication thread and taking the
-    #: result back, each a turn on a core the other ranks' threads hold; the members leaving
-    #: it at different times): ``calibrate`` measures it as what a step made of allreduces
-    #: and operator calls (a tiny model under tensor parallelism over every rank) takes beyond
-    #: its simulation, over its collectives. 0 on dedicated devices
+    #: time each collective of more than one rank takes beyond all of the above, added to its
+    #: duration on whichever stream runs it (ranks sharing cores: the call handed to the
+    #: communication thread and the result taken back, each a turn on a core other ranks'
+    #: threads hold; the members leaving it at different times): ``calibrate`` measures it as
+    #: what a step made of allreduces and operator calls (a tiny model under tensor
+    #: parallelism over every rank) takes beyond its simulation, per collective. Once per
+    #: collective event, as a bucket of k tensors is one hand-off (its k MPI calls run on the
+    #: communication thread in one go); not on pipeline messages (isend / irecv, polled
+    #: there: no caller hands a call over and waits). 0 on dedicated devices
     meeting_us: float = 0.0
 
     @classmethod
@@ -195,7 +198,8 @@ class Simulation:
     """Per pp rank: iteration time, compute, collective busy time (``comm_s``), the part of it
     compute did not hide (``exposed_s``), the time spent waiting for the neighbouring stages'
     messages (``pipeline_wait_s``: bubble and transfer), the lateness charged to its
-    meetings (``meeting_s``, ranks sharing cores: ``Cluster.meeting_ratio``; inside
+    meetings (``meeting_s``, ranks sharing cores: ``Cluster.meeting_ratio`` and
+    ``meeting_us``; inside
     ``comm_s`` for its collectives, in the arrival of the messages it sends); per kind
     count, bytes and time."""
     iteration_s: float
