@@ -226,8 +226,9 @@ def test_simulated_collectives_follow_the_alpha_beta_model():
 def test_a_meeting_after_compute_costs_a_share_of_it_up_to_a_cap():
     """Ranks sharing cores (Cluster.meeting_ratio / meeting_cap_us): a collective or a
     pipeline message met after W seconds of compute costs min(ratio x W, cap) beyond its
-    alpha-beta time (ratio x W without a cap); the compute is counted from the rank's previous meeting; a group of
-    one rank meets no one; a dedicated-device cluster (0, 0) is the plain model."""
+    alpha-beta time (ratio x W without a cap); the compute is counted from the rank's
+    previous meeting; a group of one rank meets no one; a dedicated-device cluster (0, 0) is
+    the plain model."""
     shared = Cluster("t", 4, 1.0, 1.0, Link(0.0, 1e9), Link(0.0, 1e9), meeting_ratio=0.5,
                      meeting_cap_us=3e5)  # cap 0.3 s
 

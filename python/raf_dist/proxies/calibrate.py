@@ -92,13 +92,29 @@ def _op_overhead_us(comm) -> float:
 MEETING_GEMM_SIZES = (128, 384)
 
 
+def _lockstep_seconds(comm, body, seconds: float, probe=None) -> float:
+    """The slowest rank's mean seconds per call of ``body``, called the same number of times
+    on every rank after a barrier: as many as fit ``seconds`` by one timed call of ``probe``
+    (default ``body``; the slowest rank's), at least 5. A count per rank would leave some
+    ranks in a collective the others never call."""
+    from mpi4py import MPI
+
+    began = time.perf_counter()
+    (probe or body)()
+    one = comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
+    iterations = max(5, int(seconds / max(one, 1e-6)))
+    comm.Barrier()
+    began = time.perf_counter()
+    for _ in range(iterations):
+        body()
+    return comm.allreduce((time.perf_counter() - began) / iterations, op=MPI.MAX)
+
+
 def meeting_times(comm, sizes=MEETING_GEMM_SIZES, seconds: float = 1.0) -> list:
     """``[(compute_s, with_allreduce_s)]`` per size: every rank repeats a chunk of 8 float32
     GEMMs of SIZE^3 alone and then followed by a 4 KiB raf_dist allreduce, the same number
     of times (fixed from a first timed chunk, the slowest rank's), the slowest rank's time per
     iteration, best of two each, alternating (bench/meeting_cost.py prints the table)."""
-    from mpi4py import MPI
-
     from ..distributed import collectives
 
     flag = np.ones(1024, np.float32)
@@ -110,21 +126,14 @@ def meeting_times(comm, sizes=MEETING_GEMM_SIZES, seconds: float = 1.0) -> list:
             for _ in range(8):
                 a @ a
 
+        def meet(chunk=chunk):
+            chunk()
+            collectives.allreduce(flag, "sum", flag)
+
         best: dict = {}
         for mode in ("compute", "meet", "compute", "meet"):
-            began = time.perf_counter()
-            chunk()
-            # every rank runs the same number of iterations (a count per rank would leave some
-            # ranks in an allreduce the others never call)
-            one = comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
-            iterations = max(5, int(seconds / max(one, 1e-6)))
-            comm.Barrier()
-            began = time.perf_counter()
-            for _ in range(iterations):
-                chunk()
-                if mode == "meet":
-                    collectives.allreduce(flag, "sum", flag)
-            per = comm.allreduce((time.perf_counter() - began) / iterations, op=MPI.MAX)
+            per = _lockstep_seconds(comm, chunk if mode == "compute" else meet, seconds,
+                                    probe=chunk)
             best[mode] = min(best.get(mode, per), per)
         out.append((best["compute"], best["meet"]))
     return out
@@ -136,7 +145,10 @@ def _meeting(comm, shared: bool) -> tuple[float, float]:
     the ratio is the short chunk's cost over its length (the cap does not bind there), the cap
     the largest cost seen, none (0) when the ranks outnumber the host's cores (``shared``:
     ``Cluster.meeting_cap_us`` says why)."""
-    costs = [(compute, max(0.0, meet - compute)) for compute, meet in meeting_times(comm)]
+    # the long chunk serves the cap alone: not measured where there is none
+    sizes = MEETING_GEMM_SIZES[:1] if shared else MEETING_GEMM_SIZES
+    costs = [(compute, max(0.0, meet - compute))
+             for compute, meet in meeting_times(comm, sizes)]
     short, cost = costs[0]
     return cost / short, 0.0 if shared else max(c for _, c in costs) * 1e6
 
@@ -148,9 +160,10 @@ _TINY_WIDTH = 16
 def _meeting_us(comm, cluster: Cluster) -> float:
     """``Cluster.meeting_us``: the tiny model's step under tensor parallelism over every rank
     (its compute negligible, so a step is its operator calls and its allreduces), the slowest
-    rank's mean over ~3 s of steps, less that step simulated on ``cluster`` (every other term
-    calibrated), over the step's collectives of more than one rank. 0 where the ranks do not
-    divide the model's width (its layers would stay whole: no collective to measure)."""
+    rank's mean over ~3 s of steps (``_lockstep_seconds``), less that step simulated on
+    ``cluster`` (every other term calibrated), over the step's collectives of more than one
+    rank. 0 where the ranks do not divide the model's width (its layers would stay whole: no
+    collective to measure)."""
     import raf_dist
     from raf_dist import distributed as dist
 
@@ -183,20 +196,8 @@ def _meeting_us(comm, cluster: Cluster) -> float:
     ys = rng.integers(0, 8, (4,))
     for _ in range(5):
         trainer.step(xs, ys)
-    # the same number of steps on every rank (each step meets the others: a rank counting its
-    # own window would wait forever in a step the others never take), the slowest rank's mean
-    from mpi4py import MPI
-
-    comm.Barrier()
-    began = time.perf_counter()
-    trainer.step(xs, ys)
-    one = comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
-    steps = max(5, int(1.5 * WINDOW_S / max(one, 1e-6)))
-    comm.Barrier()
-    began = time.perf_counter()
-    for _ in range(steps):
-        trainer.step(xs, ys)
-    step_s = comm.allreduce((time.perf_counter() - began) / steps, op=MPI.MAX)
+    # each step meets the other ranks: the same number of steps on every rank
+    step_s = _lockstep_seconds(comm, lambda: trainer.step(xs, ys), 1.5 * WINDOW_S)
     missing = (step_s - simulate(workload, cluster).iteration_s) / meetings
     return max(0.0, missing) * 1e6
 
