@@ -83,6 +83,12 @@ def mpiexec() -> str:
     return str(venv) if venv.exists() else "mpiexec"
 
 
+#: hydra's (and Open MPI's) flag binding each rank to one core, round-robin: with more ranks
+#: than cores, unbound ranks' steps swung 2x from job to job here (bench/RESULTS.md, "Steady
+#: steps"); a cluster's launcher binds a rank to its device's cores the same way
+BIND = ["--bind-to", "core"]
+
+
 def cores(count: int | None) -> set[int] | None:
     """The first ``count`` cores of the driver's affinity mask (None: all of them)."""
     mine = sorted(os.sched_getaffinity(0))

@@ -1,13 +1,17 @@
 """The planner's predictions against measured steps on this machine (issue #33's proof).
 
-    .venv/bin/python bench/plan_validation.py [--ranks 2,4,8] [--steps 6] [--png out.png]
+    .venv/bin/python bench/plan_validation.py [--ranks 2,4,8] [--steps 30] [--warmup 15]
+        [--png out.png]
 
 Model: bench/step_time.py's GPT (4 layers, d 128, 4 heads, seq 64, vocab 512), global batch
 16, AdamW. For every mesh of 2, 4 and 8 ranks (dp, tp, pp and their products; ZeRO 0-3 on
 the pure dp meshes; 2 x pp microbatches under pipelining) one ``mpiexec -n N`` job trains it
-(the median of ``--steps`` steps after 2 warm-up steps, rank 0's clock: every step ends in
-the loss allreduce) and the driver predicts it: raf_dist.proxies' extraction of that mesh's
-step simulated on this machine's cluster description.
+(``--bind``: each rank bound to one core, the calibrations too; ``harness.BIND``): the
+median of ``--steps`` steps after ``--warmup`` steps, rank 0's clock (every step ends in the
+loss allreduce; with more ranks than cores a job's first ~15 steps run 10-30% slower than
+its later ones, bench/RESULTS.md "Steady steps", which the default warm-up passes). The
+driver predicts it: raf_dist.proxies' extraction of that mesh's step simulated on this
+machine's cluster description.
 
 The cluster of an N-rank run is this machine measured with N ranks sharing its cores
 (``mpiexec -n N python -m raf_dist.proxies calibrate``: each rank's GEMM and copy rates while
@@ -19,11 +23,12 @@ measured kernel times scaled"); that one-process step is measured again just bef
 mesh and the mesh predicted with its scale (this shared host's speed drifts by tens of
 percent within minutes); the host time per operator call is the calibration's,
 measured with N ranks stepping at once, not scaled. Nothing is fitted per mesh.
-``--predict-only FILE`` predicts again the meshes a previous run measured (its ``--rows-out``; the one-core reference and the calibrations are
-measured again).
-Prints the table, the share of meshes predicted within 20%, whether the fastest predicted of
-the measured meshes (the planner's ranking, which orders by this same simulation, restricted
-to them) is among the two fastest measured, and draws the scatter.
+``--predict-only FILE`` predicts again the meshes a previous run measured (its
+``--rows-out``; the one-core reference and the calibrations are measured again).
+Prints the table, the share of meshes predicted within 20%, whether the planner's first
+choice among the measured meshes (ranked as raf_dist.tools.plan ranks: by this simulation,
+every mesh at the run's first reference speed, at equal time the smaller footprint) is
+among the two fastest measured, and draws the scatter.
 """
 import argparse
 import dataclasses
@@ -57,7 +62,7 @@ def meshes(n):
     return out
 
 
-def side(tp, pp, zero, microbatches, steps):
+def side(tp, pp, zero, microbatches, steps, warmup):
     """One mesh on this job's ranks: prints rank 0's median step."""
     import raf_dist
     from raf_dist import distributed as dist
@@ -74,22 +79,23 @@ def side(tp, pp, zero, microbatches, steps):
     trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x[rows],)),
                                optimizer=raf_dist.optim.AdamW(lr=1e-3))
     xs, ys = x[rows].numpy(), y[rows].numpy()
-    ms = harness.median_ms(lambda: trainer.step(xs, ys), steps, warmup=2)
+    ms = harness.median_ms(lambda: trainer.step(xs, ys), steps, warmup=warmup)
     if comm.rank == 0:
         harness.report({"ms": ms})
 
 
-def calibrated(n, tmp, cpu_set=None):
+def calibrated(n, tmp, cpu_set=None, bind=()):
     """This machine measured with ``n`` ranks sharing its cores (module docstring), on
-    ``cpu_set`` when given."""
+    ``cpu_set`` when given, with the launcher's ``bind`` flags."""
     import os
     import subprocess
 
     from raf_dist.proxies import load_cluster
 
     path = Path(tmp) / f"cpu-{n}.json"
-    subprocess.run([harness.mpiexec(), "-n", str(n), sys.executable, "-m", "raf_dist.proxies",
-                    "calibrate", "--calibration-out", str(path)], check=True, timeout=600,
+    subprocess.run([harness.mpiexec(), *bind, "-n", str(n), sys.executable, "-m",
+                    "raf_dist.proxies", "calibrate", "--calibration-out", str(path)],
+                   check=True, timeout=600,
                    cwd=harness.ROOT, stdout=subprocess.DEVNULL,
                    preexec_fn=(lambda: os.sched_setaffinity(0, cpu_set)) if cpu_set else None)
     return load_cluster(str(path))
@@ -140,14 +146,17 @@ def main():
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--zero", type=int, default=0)
     p.add_argument("--microbatches", type=int, default=1)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--ranks", default="2,4,8")
     p.add_argument("--png", default=str(harness.BENCH / "plan_validation.png"))
     p.add_argument("--rows-out", default="/tmp/plan_validation_rows.json")
     p.add_argument("--predict-only", help="a previous run's --rows-out: predict again")
+    p.add_argument("--bind", action="store_true",
+                   help="bind each rank to one core (jobs and calibrations): harness.BIND")
     a = p.parse_args()
     if a.side:
-        side(a.tp, a.pp, a.zero, a.microbatches, a.steps)
+        side(a.tp, a.pp, a.zero, a.microbatches, a.steps, a.warmup)
         return
     import tempfile
 
@@ -159,15 +168,19 @@ def main():
     one_core = harness.cores(1)
 
     def reference():
-        return harness.run_side([sys.executable, __file__, "--side", "--steps", str(a.steps)],
-                                cpu_set=one_core, timeout=900)["ms"] / 1e3
+        return harness.run_side([sys.executable, __file__, "--side", "--steps", str(a.steps),
+                                 "--warmup", str(a.warmup)], cpu_set=one_core,
+                                timeout=900)["ms"] / 1e3
 
     one = reference()
     rows = []
     if a.predict_only:
         saved = json.loads(Path(a.predict_only).read_text())
         rows = [r for r in saved["rows"] if r["ranks"] in ranks]
-    clusters = {1: calibrated(1, tmp, one_core), **{n: calibrated(n, tmp) for n in ranks}}
+        a.bind = saved.get("bind", False)  # calibrated as those jobs ran
+    bind = harness.BIND if a.bind else []
+    clusters = {1: calibrated(1, tmp, one_core),
+                **{n: calibrated(n, tmp, bind=bind) for n in ranks}}
     print(f"# {harness.machine()}", flush=True)
     for n, c in clusters.items():
         print(f"# calibrated with {n} rank(s): {json.dumps(c.to_dict())}", flush=True)
@@ -197,20 +210,26 @@ def main():
                 # apart, 2026-11-29), and the mesh is predicted at the speed of its moment
                 ref = reference()
                 measured = harness.run_side(
-                    [harness.mpiexec(), "-n", str(n), sys.executable, __file__, "--side",
+                    [harness.mpiexec(), *bind, "-n", str(n), sys.executable, __file__,
+                     "--side",
                      "--tp", str(tp), "--pp", str(pp), "--zero", str(zero), "--microbatches",
-                     str(m), "--steps", str(a.steps)], timeout=900)["ms"] / 1e3
+                     str(m), "--steps", str(a.steps), "--warmup", str(a.warmup)],
+                    timeout=900)["ms"] / 1e3
                 rows.append({"ranks": n, "dp": dp, "tp": tp, "pp": pp, "zero": zero,
                              "microbatches": m, "measured_ms": measured * 1e3,
                              "reference_ms": ref * 1e3})
                 print(f"# N={n} dp{dp} tp{tp} pp{pp} zero{zero} M{m}: measured "
                       f"{measured * 1e3:.1f} ms (one core just before: {ref * 1e3:.1f} ms)",
                       flush=True)
-        Path(a.rows_out).write_text(json.dumps({"one_process_s": one, "rows": rows}))
+        Path(a.rows_out).write_text(json.dumps({"one_process_s": one, "bind": a.bind,
+                                                "rows": rows}))
     for r in rows:
         mesh = (r["dp"], r["tp"], r["pp"], r["zero"], r["microbatches"])
         row_scale = scale_for(r["reference_ms"] / 1e3) if "reference_ms" in r else scale
         r["predicted_ms"] = predict(mesh, clusters[r["ranks"]], row_scale) * 1e3
+        # the planner's view: every mesh at one speed of the host (the run's first
+        # reference), as it ranks them under one cluster description
+        r["planned_ms"] = predict(mesh, clusters[r["ranks"]], scale) * 1e3
     print("ranks  dp  tp  pp  zero   M  measured ms  predicted ms  error")
     for r in rows:
         err = r["predicted_ms"] / r["measured_ms"] - 1
@@ -221,7 +240,9 @@ def main():
     print(f"within 20%: {sum(within)} of {len(rows)}")
     for n in sorted({r["ranks"] for r in rows}):
         mine = [r for r in rows if r["ranks"] == n]
-        first = min(mine, key=lambda r: r["predicted_ms"])
+        # as raf_dist.tools.plan ranks: by simulated time, at equal time the smaller
+        # footprint (here: the higher ZeRO level of one mesh; ZeRO-1 and -2 run one step)
+        first = min(mine, key=lambda r: (round(r["planned_ms"], 6), -r["zero"]))
         fastest = sorted(mine, key=lambda r: r["measured_ms"])[:2]
         names = ", ".join(_name(r) for r in fastest)
         median = statistics.median(r["measured_ms"] for r in mine)

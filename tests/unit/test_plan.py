@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from raf_dist.tools.plan import boundary_bytes, main, memory_bytes, plan
+from raf_dist.tools.plan import Choice, boundary_bytes, main, memory_bytes, plan, rank_key
 
 KEYS = {"dp", "tp", "pp", "zero", "microbatches", "recompute", "step_time_s",
         "memory_per_device_gb", "comm_bytes_per_step"}
@@ -27,6 +27,15 @@ def test_plan_ranks_simulated_configurations_that_fit_first(ranked):
     assert {(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1)} <= shapes  # every mesh considered
     for c in ranked:
         assert c.dp * c.tp * c.pp == 4 and 8 % (c.dp * c.microbatches) == 0
+
+
+def test_equal_times_rank_the_smaller_footprint_first():
+    def choice(zero, memory, step, how="simulated"):
+        return Choice(4, 1, 1, zero, 1, "none", memory, True, step, how=how)
+
+    rows = [choice(1, 2.0, 0.5), choice(3, 1.0, 0.6), choice(2, 1.5, 0.5),
+            choice(0, 0.5, 0.1, how="estimated")]
+    assert [c.zero for c in sorted(rows, key=rank_key)] == [2, 1, 3, 0]
 
 
 def test_memory_follows_the_layout_zero_and_recomputation(ranked):

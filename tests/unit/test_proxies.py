@@ -364,3 +364,24 @@ def test_calibration_rates_are_taken_over_one_window_every_rank_starts_together(
     rate = _window_rate(Comm(), call, 0.3)
     assert events[:2] == ["call", "barrier"]  # the set-up call, then the common start
     assert 40 < rate <= 1 / 0.02  # a sleep overshoots by well under 5 ms
+
+
+@pytest.mark.parametrize("masks, floating", [
+    ([[0, 1]] * 4, True),  # 4 ranks left to the scheduler on 2 cores
+    ([[0], [1], [0], [1]], False),  # bound round robin (--bind-to core): each keeps its share
+    ([[0, 1]] * 2, False),  # a core per rank
+    ([[0]], False),
+])
+def test_calibrate_tells_ranks_floating_on_shared_cores_from_bound_ones(masks, floating):
+    """The meeting cap is dropped only where this host's ranks outnumber their cores and the
+    scheduler places them (proxies/calibrate.py); another host's ranks do not count."""
+    import socket
+
+    from raf_dist.proxies.calibrate import _ranks_float_on_shared_cores
+
+    class Comm:
+        def allgather(self, mine):
+            return ([(socket.gethostname(), m) for m in masks]
+                    + [("another-host", [0]), ("another-host", [0])])
+
+    assert _ranks_float_on_shared_cores(Comm()) is floating

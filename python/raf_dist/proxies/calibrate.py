@@ -143,8 +143,8 @@ def _meeting(comm, shared: bool) -> tuple[float, float]:
     """``(meeting_ratio, meeting_cap_us)`` of ``Cluster`` (proxies/simulate.py) from
     ``meeting_times``: a meeting's cost is the chunk with the allreduce less the chunk alone;
     the ratio is the short chunk's cost over its length (the cap does not bind there), the cap
-    the largest cost seen, none (0) when the ranks outnumber the host's cores (``shared``:
-    ``Cluster.meeting_cap_us`` says why)."""
+    the largest cost seen, none (0) when the ranks outnumber the host's cores unbound
+    (``shared``, ``_ranks_float_on_shared_cores``; ``Cluster.meeting_cap_us`` says why)."""
     # the long chunk serves the cap alone: not measured where there is none
     sizes = MEETING_GEMM_SIZES[:1] if shared else MEETING_GEMM_SIZES
     costs = [(compute, max(0.0, meet - compute))
@@ -160,7 +160,8 @@ _TINY_WIDTH = 16
 def _meeting_us(comm, cluster: Cluster) -> float:
     """``Cluster.meeting_us``: the tiny model's step under tensor parallelism over every rank
     (its compute negligible, so a step is its operator calls and its allreduces), the slowest
-    rank's mean over ~3 s of steps (``_lockstep_seconds``), less that step simulated on
+    rank's mean per window, the median of three 1 s windows after a discarded one
+    (``_lockstep_seconds``), less that step simulated on
     ``cluster`` (every other term calibrated), over the step's collectives of more than one
     rank. 0 where the ranks do not divide the model's width (its layers would stay whole: no
     collective to measure)."""
@@ -196,17 +197,38 @@ def _meeting_us(comm, cluster: Cluster) -> float:
     ys = rng.integers(0, 8, (4,))
     for _ in range(5):
         trainer.step(xs, ys)
-    # each step meets the other ranks: the same number of steps on every rank
-    step_s = _lockstep_seconds(comm, lambda: trainer.step(xs, ys), 1.5 * WINDOW_S)
+    # each step meets the other ranks: the same number of steps on every rank; a first window
+    # discarded (ranks sharing cores step slower until the scheduler settles), then the median
+    # of three (bench/RESULTS.md, "Steady steps": one window of one job swung 2x)
+    step = lambda: trainer.step(xs, ys)  # noqa: E731
+    _lockstep_seconds(comm, step, WINDOW_S / 2)
+    step_s = statistics.median(_lockstep_seconds(comm, step, WINDOW_S / 2) for _ in range(3))
     missing = (step_s - simulate(workload, cluster).iteration_s) / meetings
     return max(0.0, missing) * 1e6
+
+
+def _ranks_float_on_shared_cores(comm) -> bool:
+    """Whether this host's ranks outnumber the cores they may run on together (the union of
+    their affinity masks) with none bound to a part of them. Bound ranks (a launcher's
+    ``--bind-to core``: each a mask of one core, round robin) keep their share of their own
+    core, so a meeting's lateness after long compute stays bounded and the long chunks'
+    cap is kept; ranks left to the scheduler drift apart with the compute (no cap:
+    ``Cluster.meeting_cap_us``). A rank's own mask alone cannot tell: bound, it is one core
+    whatever the others have."""
+    import socket
+
+    host = socket.gethostname()
+    masks = [set(m) for h, m in comm.allgather((host, sorted(os.sched_getaffinity(0))))
+             if h == host]
+    cores = set().union(*masks)
+    return len(masks) > len(cores) and all(m == cores for m in masks)
 
 
 def calibrate(out_path: str = _CALIBRATED) -> int:
     from mpi4py import MPI
 
     from ..distributed import collectives, get_communicator
-    from ..runtime.threads import available_cores, set_num_threads, threads_per_rank
+    from ..runtime.threads import set_num_threads, threads_per_rank
 
     comm = MPI.COMM_WORLD
     n = comm.size
@@ -239,8 +261,7 @@ def calibrate(out_path: str = _CALIBRATED) -> int:
         alpha = small / (2 * (n - 1))
         bus = 2 * (n - 1) / n * big_elements * 4 / max(big - 2 * (n - 1) * alpha, 1e-9)
         link = Link(round(alpha * 1e6, 2), round(bus / 1e9, 3))
-        meeting_ratio, meeting_cap_us = _meeting(
-            comm, get_communicator().local_size > available_cores())
+        meeting_ratio, meeting_cap_us = _meeting(comm, _ranks_float_on_shared_cores(comm))
     else:  # one process: its compute rates only (no link to measure, no one to meet)
         link = Link(0.0, 1e6)
         meeting_ratio, meeting_cap_us = 0.0, 0.0
