@@ -83,7 +83,8 @@ def mpiexec() -> str:
     return str(venv) if venv.exists() else "mpiexec"
 
 
-#: hydra's (and Open MPI's) flag binding each rank to one core, round-robin: with more ranks
+#: hydra's flag binding each rank to one core, round-robin (Open MPI's needs
+#: ``--bind-to core:overload-allowed`` with more ranks than cores): with more ranks
 #: than cores, unbound ranks' steps swung 2x from job to job here (bench/RESULTS.md, "Steady
 #: steps"); a cluster's launcher binds a rank to its device's cores the same way
 BIND = ["--bind-to", "core"]

@@ -173,11 +173,13 @@ def main():
                                 timeout=900)["ms"] / 1e3
 
     one = reference()
+    first_one = one  # the speed the planner's ranking is taken at: the run's first reference
     rows = []
     if a.predict_only:
         saved = json.loads(Path(a.predict_only).read_text())
         rows = [r for r in saved["rows"] if r["ranks"] in ranks]
-        a.bind = saved.get("bind", False)  # calibrated as those jobs ran
+        first_one = saved["one_process_s"]
+        a.bind = saved.get("bind", a.bind)  # calibrated as those jobs ran
     bind = harness.BIND if a.bind else []
     clusters = {1: calibrated(1, tmp, one_core),
                 **{n: calibrated(n, tmp, bind=bind) for n in ranks}}
@@ -229,13 +231,13 @@ def main():
         r["predicted_ms"] = predict(mesh, clusters[r["ranks"]], row_scale) * 1e3
         # the planner's view: every mesh at one speed of the host (the run's first
         # reference), as it ranks them under one cluster description
-        r["planned_ms"] = predict(mesh, clusters[r["ranks"]], scale) * 1e3
-    print("ranks  dp  tp  pp  zero   M  measured ms  predicted ms  error")
+        r["planned_ms"] = predict(mesh, clusters[r["ranks"]], scale_for(first_one)) * 1e3
+    print("ranks  dp  tp  pp  zero   M  measured ms  predicted ms   error  planned ms")
     for r in rows:
         err = r["predicted_ms"] / r["measured_ms"] - 1
         print(f"{r['ranks']:>5} {r['dp']:>3} {r['tp']:>3} {r['pp']:>3} {r['zero']:>5} "
               f"{r['microbatches']:>3} {r['measured_ms']:>12.1f} {r['predicted_ms']:>13.1f} "
-              f"{err:>+6.0%}")
+              f"{err:>+7.1%} {r['planned_ms']:>11.1f}")
     within = [abs(r["predicted_ms"] / r["measured_ms"] - 1) <= 0.2 for r in rows]
     print(f"within 20%: {sum(within)} of {len(rows)}")
     for n in sorted({r["ranks"] for r in rows}):

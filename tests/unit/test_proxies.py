@@ -366,15 +366,17 @@ def test_calibration_rates_are_taken_over_one_window_every_rank_starts_together(
     assert 40 < rate <= 1 / 0.02  # a sleep overshoots by well under 5 ms
 
 
-@pytest.mark.parametrize("masks, floating", [
-    ([[0, 1]] * 4, True),  # 4 ranks left to the scheduler on 2 cores
-    ([[0], [1], [0], [1]], False),  # bound round robin (--bind-to core): each keeps its share
-    ([[0, 1]] * 2, False),  # a core per rank
-    ([[0]], False),
+@pytest.mark.parametrize("masks, others, floating", [
+    ([[0, 1]] * 4, [], True),  # 4 ranks left to the scheduler on 2 cores
+    ([[0], [1], [0], [1]], [], False),  # bound round robin (--bind-to core): each keeps its share
+    ([[0, 1]] * 2, [], False),  # a core per rank
+    ([[0]], [[0], [1], [0], [1]], False),  # another host's ranks bound: still none floats
+    ([[0, 1]] * 2, [[0, 1]] * 3, True),  # another host's float: every rank answers the same
 ])
-def test_calibrate_tells_ranks_floating_on_shared_cores_from_bound_ones(masks, floating):
-    """The meeting cap is dropped only where this host's ranks outnumber their cores and the
-    scheduler places them (proxies/calibrate.py); another host's ranks do not count."""
+def test_calibrate_tells_ranks_floating_on_shared_cores_from_bound_ones(masks, others, floating):
+    """The meeting cap is dropped only where a host's ranks outnumber their cores and the
+    scheduler places them (proxies/calibrate.py); every rank decides from the same gathered
+    list, whichever host it is on (the answer sets how many collectives follow)."""
     import socket
 
     from raf_dist.proxies.calibrate import _ranks_float_on_shared_cores
@@ -382,6 +384,6 @@ def test_calibrate_tells_ranks_floating_on_shared_cores_from_bound_ones(masks, f
     class Comm:
         def allgather(self, mine):
             return ([(socket.gethostname(), m) for m in masks]
-                    + [("another-host", [0]), ("another-host", [0])])
+                    + [("another-host", m) for m in others])
 
     assert _ranks_float_on_shared_cores(Comm()) is floating

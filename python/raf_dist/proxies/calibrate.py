@@ -15,7 +15,8 @@ importing: with 8 ranks on 2 cores, 47 GFLOP/s and 3.8 GB/s per rank against 30.
 over a common window.) raf_dist's allreduce between the ranks: alpha from 4 KiB calls, bus
 bandwidth from 64 MiB ones (medians of 20 and 5, between barriers); and what a collective
 met from compute costs beyond that (``_meeting``: with more ranks than cores, the members
-arrive late by a part of the compute before it; no cap then), and the host time each
+arrive late by a part of the compute before it; no cap where the scheduler places them,
+``_ranks_float_on_shared_cores``), and the host time each
 collective costs beyond everything else (``_meeting_us``: the tiny model's tensor-parallel
 step against its simulation)."""
 from __future__ import annotations
@@ -208,20 +209,24 @@ def _meeting_us(comm, cluster: Cluster) -> float:
 
 
 def _ranks_float_on_shared_cores(comm) -> bool:
-    """Whether this host's ranks outnumber the cores they may run on together (the union of
-    their affinity masks) with none bound to a part of them. Bound ranks (a launcher's
+    """Whether on some host the ranks outnumber the cores they may run on together (the union
+    of their affinity masks) with none bound to a part of them. Bound ranks (a launcher's
     ``--bind-to core``: each a mask of one core, round robin) keep their share of their own
     core, so a meeting's lateness after long compute stays bounded and the long chunks'
     cap is kept; ranks left to the scheduler drift apart with the compute (no cap:
     ``Cluster.meeting_cap_us``). A rank's own mask alone cannot tell: bound, it is one core
-    whatever the others have."""
+    whatever the others have. Every rank decides from the same gathered list (the answer
+    sets how many collectives ``_meeting`` runs)."""
     import socket
 
-    host = socket.gethostname()
-    masks = [set(m) for h, m in comm.allgather((host, sorted(os.sched_getaffinity(0))))
-             if h == host]
-    cores = set().union(*masks)
-    return len(masks) > len(cores) and all(m == cores for m in masks)
+    hosts: dict[str, list[set[int]]] = {}
+    for host, mask in comm.allgather((socket.gethostname(), sorted(os.sched_getaffinity(0)))):
+        hosts.setdefault(host, []).append(set(mask))
+    for masks in hosts.values():
+        cores = set().union(*masks)
+        if len(masks) > len(cores) and all(m == cores for m in masks):
+            return True
+    return False
 
 
 def calibrate(out_path: str = _CALIBRATED) -> int:

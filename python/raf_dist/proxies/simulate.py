@@ -14,8 +14,8 @@ pp: DESIGN.md's rank = (pp_i * dp + dp_i) * tp + tp_i, nodes filled in rank orde
 
 Ranks that share cores (as when testing here) come to each meeting late by a part of the
 compute before it (``meeting_ratio``, capped at ``meeting_cap_us`` while each rank has a core
-of its own), and each collective costs them a fixed host time besides (``meeting_us``); all 0
-for dedicated devices.
+of its own or is bound to one), and each collective costs them a fixed host time besides
+(``meeting_us``); all 0 for dedicated devices.
 
 Collective times are the ring algorithms' (as NCCL's and MPICH's large-message paths):
 allreduce 2(n-1) alpha + 2(n-1)/n S/B, reduce-scatter / allgather / all-to-all
@@ -65,7 +65,8 @@ class Cluster:
     #: not 0. Both 0 on dedicated devices (every preset but a calibrated cpu-here).
     #: ``calibrate`` measures the ratio by starting collectives from short compute chunks
     #: (bench/meeting_cost.py's loop), and the cap from long ones while every rank has a core
-    #: of its own; with more ranks than cores it sets no cap: the lateness then grows with the
+    #: of its own or is bound to one (``--bind-to core``); with more ranks than cores left to
+    #: the scheduler it sets no cap: the lateness then grows with the
     #: compute (bench/RESULTS.md, "The oversubscribed dp step taken apart": the latest rank
     #: reached a dp step's gradient allreduce 0.33-0.43 x the phase after the median with 8
     #: ranks on 2 cores, 0.2 x with 4, the calibrated ratios 0.45 and 0.25), which the long

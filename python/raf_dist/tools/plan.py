@@ -66,9 +66,10 @@ class Choice:
 
 
 def rank_key(c: Choice) -> tuple[bool, bool, bool, float, float]:
-    """The table's order: configurations that fit first, simulated before estimated, by step
-    time, and at equal time the smaller footprint (where ZeRO-1 and ZeRO-2 run the same step,
-    its gradients held whole or sharded, the one a user would choose)."""
+    """The table's order: configurations that fit first, simulated before estimated (and
+    refused ones last), by step time, and at equal time the smaller footprint (where ZeRO-1
+    and ZeRO-2 run the same step, its gradients held whole or sharded, the one a user would
+    choose)."""
     return (not c.fits, c.how != "simulated", c.how.startswith("refused"), c.step_time_s,
             c.memory_per_device_gb)
 
@@ -363,8 +364,7 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
                 choices.append((b, dataclasses.replace(mesh, stage_recompute=tuple(levels))))
     # simulated in estimate order, but each mesh shape's best first: the estimate leaves out
     # the tp collectives and the overlap, so every (dp, tp, pp) gets a simulated row early
-    fitting = sorted([x for x in choices if x[0].fits],
-                     key=lambda x: (x[0].step_time_s, x[0].memory_per_device_gb))
+    fitting = sorted([x for x in choices if x[0].fits], key=lambda x: x[0].step_time_s)
     shapes: dict[tuple[int, int, int], int] = {}
     for c, _ in fitting:
         shapes.setdefault((c.dp, c.tp, c.pp), len(shapes))
