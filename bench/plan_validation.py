@@ -225,13 +225,14 @@ def main():
                       flush=True)
         Path(a.rows_out).write_text(json.dumps({"one_process_s": one, "bind": a.bind,
                                                 "rows": rows}))
+    # the planner's view: every mesh at one speed of the host (the run's first reference), as
+    # it ranks them under one cluster description
+    plan_scale = scale_for(first_one)
     for r in rows:
         mesh = (r["dp"], r["tp"], r["pp"], r["zero"], r["microbatches"])
         row_scale = scale_for(r["reference_ms"] / 1e3) if "reference_ms" in r else scale
         r["predicted_ms"] = predict(mesh, clusters[r["ranks"]], row_scale) * 1e3
-        # the planner's view: every mesh at one speed of the host (the run's first
-        # reference), as it ranks them under one cluster description
-        r["planned_ms"] = predict(mesh, clusters[r["ranks"]], scale_for(first_one)) * 1e3
+        r["planned_ms"] = predict(mesh, clusters[r["ranks"]], plan_scale) * 1e3
     print("ranks  dp  tp  pp  zero   M  measured ms  predicted ms   error  planned ms")
     for r in rows:
         err = r["predicted_ms"] / r["measured_ms"] - 1
