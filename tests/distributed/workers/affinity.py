@@ -34,10 +34,16 @@ thread.join()
 
 
 def thread_cpus():
-    """Cpus_allowed_list of every thread of this process (TVM's workers, MPI's, ours)."""
+    """Cpus_allowed_list of every thread of this process (TVM's workers, MPI's, ours). A thread
+    may end between the listing and the read (seen in CI: a short-lived helper thread); a
+    thread that no longer exists cannot be pinned, so it is left out."""
     cpus = {}
     for status in Path("/proc/self/task").glob("*/status"):
-        for line in status.read_text().splitlines():
+        try:
+            text = status.read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for line in text.splitlines():
             if line.startswith("Cpus_allowed_list:"):
                 cpus[status.parent.name] = line.split(":", 1)[1].strip()
     return cpus
