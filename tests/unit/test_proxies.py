@@ -107,6 +107,81 @@ def test_operator_calls_are_counted_per_rank_and_charged_per_call(transformer):
     assert Cluster.from_dict(old).op_overhead_us == 0.0
 
 
+def test_compute_events_name_the_matmuls_the_blas_runs(transformer):
+    """Every float32 matmul of a step is in its compute event's ``gemms`` under the shapes and
+    transpose flags DispatchToBLAS hands raf_dist.blas.matmul (the shapes calibrate measures:
+    Cluster.gemm_efficiency), and their FLOPs are the event's."""
+    from collections import Counter
+
+    from tvm import relax
+
+    from raf_dist.passes.dispatch_blas import BLAS_MATMUL, DispatchToBLAS
+    from raf_dist.proxies.extract import function_events
+    from raf_dist.proxies.workload import gemm_flops, gemm_key
+    from raf_dist.training import build_train_step
+
+    mod, _ = build_train_step(transformer, "cross_entropy", raf_dist.optim.AdamW(lr=1e-3))
+    events = [e for e in function_events(mod["train_step"]) if e.kind == "compute"]
+    extracted = Counter()
+    for e in events:
+        extracted.update(e.gemms)
+        assert sum(n * gemm_flops(k) for k, n in e.gemms.items()) == e.flops
+    dispatched = Counter()
+    for block in DispatchToBLAS()(mod)["train_step"].body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if (isinstance(v, relax.Call) and v.op.name == "relax.call_dps_packed"
+                    and v.args[0].global_symbol == BLAS_MATMUL):
+                a, bb, ta, tb = v.args[1].fields
+                dispatched[gemm_key(a.ty.shape.values, bb.ty.shape.values, ta.value,
+                                    tb.value)] += 1
+    assert extracted == dispatched and len(extracted) > 3
+    assert any(k.endswith(("01", "10")) for k in extracted)  # autodiff's transposes, folded
+    # 16-bit matmuls are not the shapes measured in float32: they run at the matmul rate
+    half = Workload("t", 1, 1, 1, 0, 1, "1f1b", [events]).in_16_bit()
+    assert all(not e.gemms for e in half.programs[0])
+
+
+@pytest.mark.parametrize("a,b,ta,tb", [
+    ((256, 128), (512, 128), 0, 1), ((128, 256), (128, 64), 1, 0),
+    ((16, 64, 32), (16, 32, 64), 0, 0), ((2, 1, 8, 4), (3, 4, 5), 0, 0),
+    ((16, 64, 128), (128, 512), 0, 0)])
+def test_gemm_key_flops_and_bytes_follow_numpy(a, b, ta, tb):
+    from raf_dist.proxies.workload import gemm_bytes, gemm_flops, gemm_key, parse_gemm_key
+
+    key = gemm_key(a, b, ta, tb)
+    assert parse_gemm_key(key) == (list(a), list(b), bool(ta), bool(tb))
+    lhs, rhs = np.zeros(a, np.float32), np.zeros(b, np.float32)
+    lhs = np.swapaxes(lhs, -1, -2) if ta else lhs
+    rhs = np.swapaxes(rhs, -1, -2) if tb else rhs
+    out = np.matmul(lhs, rhs)
+    assert gemm_flops(key) == 2 * out.size * lhs.shape[-1]
+    assert gemm_bytes(key) == lhs.nbytes + rhs.nbytes + out.nbytes
+
+
+def test_measured_matmul_shapes_run_at_their_own_rate_and_traffic():
+    """A shape in Cluster.gemm_efficiency costs its FLOPs at matmul_tflops x its efficiency
+    plus its operands' and result's bytes at memory_GBps; any other matmul FLOPs at
+    matmul_tflops (the presets: no table)."""
+    from raf_dist.proxies.simulate import compute_seconds
+    from raf_dist.proxies.workload import gemm_bytes, gemm_flops
+
+    key, other = "256x128,512x128,01", "64x64,64x64,00"
+    e = Event("compute", flops=3 * gemm_flops(key) + gemm_flops(other), mem_bytes=1000, ops=7,
+              gemms={key: 3, other: 1})
+    base = Cluster("t", 1, 0.1, 20.0, Link(0.0, 1e6), Link(0.0, 1e6), op_overhead_us=2.0)
+    flat = e.flops / 0.1e12 + 1000 / 20e9 + 7 * 2e-6
+    assert compute_seconds(e, base) == pytest.approx(flat)
+    table = dataclasses.replace(base, gemm_efficiency={key: 0.5})
+    assert compute_seconds(e, table) == pytest.approx(
+        3 * (gemm_flops(key) / 0.05e12 + gemm_bytes(key) / 20e9) + gemm_flops(other) / 0.1e12
+        + 1000 / 20e9 + 7 * 2e-6)
+    # the table travels with the cluster's JSON, and the workload's with its events
+    assert Cluster.from_dict(json.loads(json.dumps(table.to_dict()))) == table
+    w = Workload("t", 1, 1, 1, 0, 1, "1f1b", [[e]])
+    assert Workload.from_json(w.to_json()).programs[0][0].gemms == {key: 3, other: 1}
+
+
 def test_pipeline_programs_pair_every_message(transformer):
     w = extract(transformer, MeshSpec(pp=2, microbatches=4))
     boundary = 8 // 4 * 4 * 32 * 4  # rows per microbatch x 4 x hidden x float32 (the
@@ -332,12 +407,26 @@ def test_calibrate_measures_this_host_and_its_host_time_per_call(tmp_path):
     import subprocess
 
     out = tmp_path / "here.json"
+    shapes = tmp_path / "shapes.json"
+    keys = ["256x128,512x128,01", "16x64x32,16x32x64,00"]  # a step's: 2-D, and batched heads
+    shapes.write_text(json.dumps(keys))
     subprocess.run([sys.executable, "-m", "raf_dist.proxies", "calibrate", "--calibration-out",
-                    str(out)], check=True, timeout=300, capture_output=True)
+                    str(out), "--gemm-shapes", str(shapes)], check=True, timeout=300,
+                   capture_output=True)
     cluster = load_cluster(str(out))
     assert cluster.matmul_tflops > 0 and cluster.memory_GBps > 0
     assert 0.05 < cluster.op_overhead_us < 1000
     assert cluster.meeting_ratio == cluster.meeting_cap_us == cluster.meeting_us == 0.0
+    # each shape's rate against the 1024^3 matmul's (a small matmul is not 100x slower,
+    # nor faster than a few times it: a timing, not a placeholder)
+    assert sorted(cluster.gemm_efficiency) == sorted(keys)
+    assert all(0.02 < v < 5 for v in cluster.gemm_efficiency.values())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"not": "a list"}))
+    refused = subprocess.run([sys.executable, "-m", "raf_dist.proxies", "calibrate",
+                              "--calibration-out", str(out), "--gemm-shapes", str(bad)],
+                             timeout=300, capture_output=True, text=True)
+    assert refused.returncode != 0 and "expected a JSON list" in refused.stderr
 
 
 def test_calibration_rates_are_taken_over_one_window_every_rank_starts_together():

@@ -34,7 +34,26 @@ _BLAS_DTYPES = ("float32", "float64")
 _MATMUL_DTYPES = _BLAS_DTYPES + ("bfloat16", "float16")
 
 
-def _is_last_two_swap(call):
+def blas_operands(call, bound):
+    """(a, trans_a, b, trans_b) as ``raf_dist.blas.matmul`` gets ``call``'s operands: a
+    ``permute_dims`` swapping the last two axes (``bound(var)``: the value a variable is
+    bound to) folded into a flag; None when the matmul stays TVM's."""
+    a, b = call.args
+    out = call.ty
+    if (a.ty.dtype not in _MATMUL_DTYPES or a.ty.dtype != b.ty.dtype
+            or out.dtype != a.ty.dtype or a.ty.ndim < 2 or b.ty.ndim < 2):
+        return None
+
+    def fold(operand):
+        value = bound(operand) if isinstance(operand, relax.Var) else None
+        if isinstance(value, relax.Call) and value.op == _PERMUTE and is_last_two_swap(value):
+            return value.args[0], 1
+        return operand, 0
+
+    return (*fold(a), *fold(b))
+
+
+def is_last_two_swap(call):
     ndim = call.args[0].ty.ndim
     if call.attrs.axes is None:
         return ndim == 2  # default permutation reverses all axes
@@ -47,30 +66,19 @@ class _Rewriter(PyExprMutator):
     def __init__(self, mod):
         super().__init__(mod)
 
-    def _fold_transpose(self, operand):
-        if isinstance(operand, relax.Var):
-            bound = self.lookup_binding(operand)
-            if isinstance(bound, relax.Call) and bound.op == _PERMUTE and _is_last_two_swap(bound):
-                return bound.args[0], 1
-        return operand, 0
-
     def visit_call_(self, call):
         call = super().visit_call_(call)
         if call.op in (_CONV2D, _CONV2D_TRANSPOSE):
             return self._conv(call)
         if call.op != _MATMUL:
             return call
-        a, b = call.args
-        out = call.ty
-        if (a.ty.dtype not in _MATMUL_DTYPES or a.ty.dtype != b.ty.dtype
-                or out.dtype != a.ty.dtype or a.ty.ndim < 2
-                or b.ty.ndim < 2):
+        operands = blas_operands(call, self.lookup_binding)
+        if operands is None:
             return call
-        a, trans_a = self._fold_transpose(a)
-        b, trans_b = self._fold_transpose(b)
+        a, trans_a, b, trans_b = operands
         return relax.call_dps_packed(
-            BLAS_MATMUL, relax.Tuple([a, b, relax.prim_value(trans_a), relax.prim_value(trans_b)]), out)
-
+            BLAS_MATMUL, relax.Tuple([a, b, relax.prim_value(trans_a), relax.prim_value(trans_b)]),
+            call.ty)
 
     def _conv(self, call):
         data, weight = call.args

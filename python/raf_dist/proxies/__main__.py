@@ -14,7 +14,7 @@ import sys
 import time
 
 from .presets import PRESETS, WORKLOADS, cosmoflow_workload
-from .simulate import CLUSTERS, load_cluster, simulate
+from .simulate import _CALIBRATED, CLUSTERS, load_cluster, simulate
 from .workload import Workload
 
 
@@ -54,6 +54,9 @@ def _parser():
     p.add_argument("--json", action="store_true", help="the report as JSON")
     p.add_argument("--calibration-out", help="calibrate: where to write the cluster JSON "
                                              "(default: cpu-here's saved calibration)")
+    p.add_argument("--gemm-shapes", help="calibrate: a JSON list of matmul shapes (gemm_key, "
+                                         "as a workload's compute events list them) whose "
+                                         "rates to measure too (Cluster.gemm_efficiency)")
     return p
 
 
@@ -165,7 +168,14 @@ def main(argv=None) -> int:
     if args.workload == "calibrate":
         from .calibrate import calibrate
 
-        return calibrate(args.calibration_out) if args.calibration_out else calibrate()
+        keys = ()
+        if args.gemm_shapes:
+            with open(args.gemm_shapes) as f:
+                keys = json.load(f)
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise SystemExit(f"--gemm-shapes {args.gemm_shapes}: expected a JSON list of "
+                                 'matmul shapes such as "256x128,512x128,01"')
+        return calibrate(args.calibration_out or _CALIBRATED, keys)
     cluster = load_cluster(args.cluster)
     if args.simulate:
         if not args.world:

@@ -18,7 +18,8 @@ met from compute costs beyond that (``_meeting``: with more ranks than cores, th
 arrive late by a part of the compute before it; no cap where the scheduler places them,
 ``_ranks_float_on_shared_cores``), and the host time each
 collective costs beyond everything else (``_meeting_us``: the tiny model's tensor-parallel
-step against its simulation)."""
+step against its simulation). With ``--gemm-shapes FILE`` (a JSON list of ``gemm_key``s) the
+rate of each of those matmuls against the 1024^3 one (``gemm_efficiency``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -208,6 +209,52 @@ def _meeting_us(comm, cluster: Cluster) -> float:
     return max(0.0, missing) * 1e6
 
 
+def _seconds_per_call(fn, budget_s: float) -> float:
+    """Median seconds of one ``fn()`` over five runs of as many calls as fit a fifth of
+    ``budget_s`` (one call first: first-call set-up)."""
+    began = time.perf_counter()
+    fn()
+    one = max(time.perf_counter() - began, 1e-7)
+    calls = max(1, int(budget_s / 5 / one))
+    runs = []
+    for _ in range(5):
+        began = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - began) / calls)
+    return statistics.median(runs)
+
+
+def gemm_efficiency(keys, budget_s: float = 0.05) -> dict:
+    """{gemm_key: this shape's float32 matmul rate / the rate of a 1024^3 one}, each run as
+    a step runs it: ``raf_dist.blas.matmul`` (numpy's BLAS; a batch of small matrices spread
+    by ``openblas.batched_matmul``) on runtime tensors of those shapes, transposes as flags
+    (``Cluster.gemm_efficiency``). ~``budget_s`` per shape on this process's threads; the
+    1024^3 reference is measured the same way, just before."""
+    import tvm
+
+    from ..runtime import blas
+    from .workload import gemm_flops, parse_gemm_key
+
+    rng = np.random.default_rng(0)
+
+    def matmul_rate(a_shape, b_shape, trans_a, trans_b, flops):
+        a, b = (tvm.runtime.tensor(rng.standard_normal(s, np.float32)) for s in (a_shape, b_shape))
+        lhs = np.swapaxes(a.numpy(), -1, -2) if trans_a else a.numpy()
+        rhs = np.swapaxes(b.numpy(), -1, -2) if trans_b else b.numpy()
+        out = tvm.runtime.tensor(np.empty(np.matmul(lhs, rhs).shape, np.float32))
+        return flops / _seconds_per_call(lambda: blas.matmul(a, b, trans_a, trans_b, out),
+                                         budget_s)
+
+    reference = matmul_rate([1024, 1024], [1024, 1024], False, False, 2 * 1024 ** 3)
+    out = {}
+    for key in sorted(set(keys)):
+        a_shape, b_shape, trans_a, trans_b = parse_gemm_key(key)
+        out[key] = round(matmul_rate(a_shape, b_shape, trans_a, trans_b, gemm_flops(key))
+                         / reference, 4)
+    return out
+
+
 def _ranks_float_on_shared_cores(comm) -> bool:
     """Whether on some host the ranks outnumber the cores they may run on together (the union
     of their affinity masks) with none bound to a part of them. Bound ranks (a launcher's
@@ -229,7 +276,11 @@ def _ranks_float_on_shared_cores(comm) -> bool:
     return False
 
 
-def calibrate(out_path: str = _CALIBRATED) -> int:
+def calibrate(out_path: str = _CALIBRATED, gemm_keys=()) -> int:
+    """Measure this host with this job's ranks (module docstring) and save the cluster to
+    ``out_path``; ``gemm_keys``: matmul shapes (``gemm_key``, a workload's ``Event.gemms``)
+    whose rates to measure too (``Cluster.gemm_efficiency``; the median over the ranks,
+    every rank measuring at once)."""
     from mpi4py import MPI
 
     from ..distributed import collectives, get_communicator
@@ -277,6 +328,12 @@ def calibrate(out_path: str = _CALIBRATED) -> int:
                       meeting_cap_us=round(meeting_cap_us, 1))
     if n > 1:
         cluster = dataclasses.replace(cluster, meeting_us=round(_meeting_us(comm, cluster), 1))
+    if gemm_keys:
+        comm.Barrier()
+        mine = gemm_efficiency(gemm_keys)
+        every = comm.allgather(mine)
+        cluster = dataclasses.replace(cluster, gemm_efficiency={
+            key: statistics.median(e[key] for e in every) for key in mine})
     if comm.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         with open(out_path, "w") as f:

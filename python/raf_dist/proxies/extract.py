@@ -34,9 +34,10 @@ from ..compiler.build import apply_passes
 from ..compiler.inplace_buckets import packed_call
 from ..compiler.step_passes import function_passes, nonfinite_guard, step_passes
 from ..ir.utils import tensor_nbytes
+from ..passes.dispatch_blas import blas_operands
 from ..runtime.metrics import call_flops
 from ..training import pipeline_schedule as schedules
-from .workload import COLLECTIVES, Event, Workload
+from .workload import COLLECTIVES, Event, Workload, gemm_key
 
 #: the process-group ids the extraction's passes are given, one per mesh axis (never run:
 #: they only tag each collective with its axis)
@@ -44,6 +45,7 @@ AXIS_GROUPS = {"dp": 1001, "tp": 1002, "pp": 1003}
 _AXIS_OF = {g: a for a, g in AXIS_GROUPS.items()}
 _AXIS_OF[0] = "world"
 _PREFIX = "raf_dist.ccl."
+_MATMUL = tvm.ir.Op.get("relax.matmul")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,15 +123,19 @@ def function_events(func: relax.Function, what: str = "") -> list[Event]:
     events: list[Event] = []
     pending: dict[Any, int] = {}
     work = [0, 0, 0]  # flops, bytes written, operator calls since the last collective
+    gemms: dict[str, int] = {}  # and the float32 matmuls among the flops (Event.gemms)
     handles = iter(range(1 << 30))
+    bindings = _bindings(func)
+    bound = {b.var: b.value for b in bindings}
 
     def flush():
         if work[0] or work[1] or work[2]:
             events.append(Event("compute", flops=work[0], mem_bytes=work[1], ops=work[2],
-                                what=what))
+                                what=what, gemms=dict(gemms)))
             work[0] = work[1] = work[2] = 0
+            gemms.clear()
 
-    for b in _bindings(func):
+    for b in bindings:
         symbol, args = packed_call(b.value)
         if symbol is None or not symbol.startswith(_PREFIX):
             if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op):
@@ -138,6 +144,10 @@ def function_events(func: relax.Function, what: str = "") -> list[Event]:
                 work[2] += 1
                 if not flops:
                     work[1] += type_nbytes(b.var.ty)
+                elif b.value.op == _MATMUL and b.value.ty.dtype == "float32":
+                    key = _gemm_key(b.value, bound)
+                    if key is not None:
+                        gemms[key] = gemms.get(key, 0) + 1
             continue
         op = symbol[len(_PREFIX):]
         if op == "wait":
@@ -173,6 +183,17 @@ def function_events(func: relax.Function, what: str = "") -> list[Event]:
         raise ValueError(f"{what or 'the function'} starts {len(pending)} collective(s) it "
                          "never waits for")
     return events
+
+
+def _gemm_key(call: relax.Call, bound: dict) -> str | None:
+    """The ``gemm_key`` of a matmul as DispatchToBLAS hands it to the BLAS (None: it does
+    not)."""
+    operands = blas_operands(call, bound.get)
+    if operands is None:
+        return None
+    a, trans_a, b, trans_b = operands
+    shapes = [[int(d) for d in x.ty.shape.values] for x in (a, b)]
+    return gemm_key(shapes[0], shapes[1], bool(trans_a), bool(trans_b))
 
 
 def _renumber(events: list[Event], start: int) -> tuple[list[Event], int]:

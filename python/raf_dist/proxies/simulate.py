@@ -33,7 +33,7 @@ import json
 import os
 from typing import Any
 
-from .workload import COLLECTIVES, Event, Workload
+from .workload import COLLECTIVES, Event, Workload, gemm_bytes, gemm_flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +83,15 @@ class Cluster:
     #: communication thread in one go); not on pipeline messages (isend / irecv, polled
     #: there: no caller hands a call over and waits). 0 on dedicated devices
     meeting_us: float = 0.0
+    #: {gemm_key: rate of that float32 matmul / the rate of matmul_tflops' 1024^3 one}, as
+    #: this host's BLAS runs them warm in a loop (``calibrate --gemm-shapes``). A step's
+    #: matmuls are small next to 1024^3 and their rate depends on the shape (a pipeline's
+    #: microbatch or a tensor-parallel slice runs smaller ones than the whole step), which one
+    #: matmul rate cannot follow; and in a step each meets its operands out of cache (written
+    #: by the kernels before it): a measured shape costs its flops at its own rate plus its
+    #: operands' and result's bytes at ``memory_GBps`` (bench/RESULTS.md, "Matmuls by
+    #: shape"). A matmul whose shape is not in it runs at matmul_tflops. Empty on the presets
+    gemm_efficiency: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
@@ -141,9 +150,16 @@ def load_cluster(spec: str) -> Cluster:
 
 
 def compute_seconds(event: Event, cluster: Cluster) -> float:
-    return (event.flops / (cluster.matmul_tflops * 1e12)
-            + event.mem_bytes / (cluster.memory_GBps * 1e9)
-            + event.ops * cluster.op_overhead_us * 1e-6)
+    rate, bandwidth = cluster.matmul_tflops * 1e12, cluster.memory_GBps * 1e9
+    matmul = event.flops / rate
+    if cluster.gemm_efficiency:  # the measured shapes at their own rates (Cluster)
+        for key, calls in event.gemms.items():
+            efficiency = cluster.gemm_efficiency.get(key)
+            if efficiency:
+                flops = gemm_flops(key)
+                matmul += calls * (flops / rate * (1 / efficiency - 1)
+                                   + gemm_bytes(key) / bandwidth)
+    return (matmul + event.mem_bytes / bandwidth + event.ops * cluster.op_overhead_us * 1e-6)
 
 
 def meeting_seconds(compute_since_s: float, cluster: Cluster) -> float:

@@ -24,11 +24,49 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
+
+import numpy as np
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "alltoall")
 KINDS = ("compute", *COLLECTIVES, "send", "recv", "wait")
 AXES = ("dp", "tp", "pp", "world")
+
+
+def gemm_key(a_shape, b_shape, trans_a: bool, trans_b: bool) -> str:
+    """The name of one BLAS matmul: its operands' shapes as stored and whether each is
+    read transposed (DispatchToBLAS folds a swap of the last two axes into a flag), e.g.
+    ``"256x128,512x128,01"``: ``a @ b.T`` of a 256 x 128 and a 512 x 128."""
+    return (f"{'x'.join(str(int(d)) for d in a_shape)},"
+            f"{'x'.join(str(int(d)) for d in b_shape)},{int(trans_a)}{int(trans_b)}")
+
+
+def parse_gemm_key(key: str) -> tuple[list[int], list[int], bool, bool]:
+    """(a shape, b shape, trans_a, trans_b) of a ``gemm_key``."""
+    a, b, flags = key.split(",")
+    return ([int(d) for d in a.split("x")], [int(d) for d in b.split("x")], flags[0] == "1",
+            flags[1] == "1")
+
+
+def gemm_bytes(key: str) -> int:
+    """Bytes one call of the float32 matmul ``key`` reads and writes: its operands and its
+    result."""
+    a, b, trans_a, trans_b = parse_gemm_key(key)
+    m = a[-1] if trans_a else a[-2]
+    n = b[-2] if trans_b else b[-1]
+    batch = math.prod(np.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2])))
+    return 4 * (math.prod(a) + math.prod(b) + batch * m * n)
+
+
+def gemm_flops(key: str) -> int:
+    """Multiply-add FLOPs (x2) of one call of the matmul ``key`` (batch dimensions broadcast,
+    as numpy's matmul)."""
+    a, b, trans_a, trans_b = parse_gemm_key(key)
+    m, k = (a[-1], a[-2]) if trans_a else (a[-2], a[-1])
+    n = b[-2] if trans_b else b[-1]
+    batch = math.prod(np.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2])))
+    return 2 * batch * m * n * k
 
 
 @dataclasses.dataclass
@@ -44,6 +82,8 @@ class Event:
     tag: int = -1
     what: str = ""  # where it came from, for people reading a listing
     parts: list[int] = dataclasses.field(default_factory=list)
+    #: compute: {gemm_key: calls} of its float32 matmuls (module docstring)
+    gemms: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -128,6 +168,7 @@ class Workload:
                     e.parts = [b // 2 for b in e.parts]
                     e.bytes = sum(e.parts)
             e.mem_bytes //= 2
+            e.gemms = {}  # the measured shapes are float32's: 16-bit matmuls at the rate
             return e
 
         return dataclasses.replace(self, programs=[[half(e) for e in p] for p in self.programs],
