@@ -12,6 +12,7 @@ the callee:
 
   kernel      a PrimFunc TVM generated (fused elementwise, reductions, the optimizer)
   blas        raf_dist.blas.* (numpy / CuPy matmul and convolution); args: operand shapes
+              (a matmul's transpose flags too)
   collective  raf_dist.ccl.* — a blocking collective, the *start* of an asynchronous one and
               its *wait*; args: bytes of the full (unsharded) buffer, element count, dtype
   vm          the VM's own builtins (allocation, shape checks, tuples)
@@ -78,9 +79,14 @@ def _tensor_args(args: Iterable[Any]) -> list[tuple[tuple[int, ...], str]]:
 
 def _call_args(symbol: str, kind: str, args: Iterable[Any]) -> dict[str, Any]:
     """What a trace event's ``args`` say about a BLAS call or a collective."""
+    args = list(args)
     tensors = _tensor_args(args)
     if kind == "blas":
-        return {"shapes": [list(shape) for shape, _ in tensors]}
+        out: dict[str, Any] = {"shapes": [list(shape) for shape, _ in tensors]}
+        if symbol.endswith(".matmul"):  # (a, b, trans_a, trans_b, out): the flags too
+            out["trans"] = [int(a) for a in args
+                            if isinstance(a, (bool, int, np.integer))][:2]
+        return out
     if kind == "collective" and tensors:
         # the largest buffer is the full one: the input of allreduce / reduce_scatter, the
         # output of allgather, the bucket a wait completes

@@ -39,6 +39,10 @@ def test_profile_records_steps_kernels_and_blas_then_stops(tmp_path):
     assert "take_backward" in {e["name"] for e in kernels}  # the embedding gradient
     assert blas and all(e["name"] == "raf_dist.blas.matmul" and len(e["args"]["shapes"]) == 3
                         for e in blas)
+    # with each call's transpose flags, as the extraction names the shape (Event.gemms):
+    # the backward's folded transposes among them
+    assert all(e["args"]["trans"] in ([0, 0], [0, 1], [1, 0], [1, 1]) for e in blas)
+    assert any(1 in e["args"]["trans"] for e in blas)
     for e in kernels + blas:  # every call lies inside one of the recorded steps
         assert any(s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"]
                    for s in steps), e

@@ -175,6 +175,13 @@ def main(argv=None) -> int:
             if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
                 raise SystemExit(f"--gemm-shapes {args.gemm_shapes}: expected a JSON list of "
                                  'matmul shapes such as "256x128,512x128,01"')
+            from .workload import parse_gemm_key
+
+            for key in keys:  # every key checked before any rank measures anything
+                try:
+                    parse_gemm_key(key)
+                except ValueError as e:
+                    raise SystemExit(f"--gemm-shapes {args.gemm_shapes}: {e}") from None
         return calibrate(args.calibration_out or _CALIBRATED, keys)
     cluster = load_cluster(args.cluster)
     if args.simulate:

@@ -250,8 +250,8 @@ def gemm_efficiency(keys, budget_s: float = 0.05) -> dict:
     out = {}
     for key in sorted(set(keys)):
         a_shape, b_shape, trans_a, trans_b = parse_gemm_key(key)
-        out[key] = round(matmul_rate(a_shape, b_shape, trans_a, trans_b, gemm_flops(key))
-                         / reference, 4)
+        ratio = matmul_rate(a_shape, b_shape, trans_a, trans_b, gemm_flops(key)) / reference
+        out[key] = float(f"{ratio:.4g}")
     return out
 
 
@@ -279,8 +279,8 @@ def _ranks_float_on_shared_cores(comm) -> bool:
 def calibrate(out_path: str = _CALIBRATED, gemm_keys=()) -> int:
     """Measure this host with this job's ranks (module docstring) and save the cluster to
     ``out_path``; ``gemm_keys``: matmul shapes (``gemm_key``, a workload's ``Event.gemms``)
-    whose rates to measure too (``Cluster.gemm_efficiency``; the median over the ranks,
-    every rank measuring at once)."""
+    whose rates to measure too (``Cluster.gemm_efficiency``; the median over the ranks, each
+    measuring its own from a common barrier on, so the others run theirs meanwhile)."""
     from mpi4py import MPI
 
     from ..distributed import collectives, get_communicator

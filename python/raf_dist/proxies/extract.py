@@ -35,7 +35,7 @@ from ..compiler.inplace_buckets import packed_call
 from ..compiler.step_passes import function_passes, nonfinite_guard, step_passes
 from ..ir.utils import tensor_nbytes
 from ..passes.dispatch_blas import blas_operands
-from ..runtime.metrics import call_flops
+from ..runtime.metrics import call_flops, static_shape
 from ..training import pipeline_schedule as schedules
 from .workload import COLLECTIVES, Event, Workload, gemm_key
 
@@ -192,7 +192,9 @@ def _gemm_key(call: relax.Call, bound: dict) -> str | None:
     if operands is None:
         return None
     a, trans_a, b, trans_b = operands
-    shapes = [[int(d) for d in x.ty.shape.values] for x in (a, b)]
+    shapes = [static_shape(x) for x in (a, b)]
+    if shapes[0] is None or shapes[1] is None:  # a symbolic dimension: not a measured shape
+        return None
     return gemm_key(shapes[0], shapes[1], bool(trans_a), bool(trans_b))
 
 

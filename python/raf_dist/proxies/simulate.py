@@ -4,7 +4,8 @@ collectives followed event by event.
 
 Cluster description (``Cluster``; presets below, or a JSON file with the same keys):
 ``gpus_per_node``; ``matmul_tflops`` (the rate dense matmuls reach, not the datasheet peak)
-and ``memory_GBps`` (what the other operators' bytes move at); ``intra`` / ``inter``:
+and ``memory_GBps`` (what the other operators' bytes move at, and a measured matmul's
+operands: ``gemm_efficiency``); ``intra`` / ``inter``:
 ``{"alpha_us", "bandwidth_GBps"}`` of a ring step inside a node (NVLink / shared memory) and
 across nodes (InfiniBand / Ethernet), bandwidth per device; ``op_overhead_us``: host time
 per operator call (dispatch between kernels, a GPU's launch), which a small model's step is
@@ -91,7 +92,7 @@ class Cluster:
     #: by the kernels before it): a measured shape costs its flops at its own rate plus its
     #: operands' and result's bytes at ``memory_GBps`` (bench/RESULTS.md, "Matmuls by
     #: shape"). A matmul whose shape is not in it runs at matmul_tflops. Empty on the presets
-    gemm_efficiency: dict = dataclasses.field(default_factory=dict)
+    gemm_efficiency: dict = dataclasses.field(default_factory=dict, hash=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
@@ -155,7 +156,7 @@ def compute_seconds(event: Event, cluster: Cluster) -> float:
     if cluster.gemm_efficiency:  # the measured shapes at their own rates (Cluster)
         for key, calls in event.gemms.items():
             efficiency = cluster.gemm_efficiency.get(key)
-            if efficiency:
+            if efficiency is not None:
                 flops = gemm_flops(key)
                 matmul += calls * (flops / rate * (1 / efficiency - 1)
                                    + gemm_bytes(key) / bandwidth)

@@ -23,6 +23,7 @@ Event kinds:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from typing import Any
@@ -43,12 +44,22 @@ def gemm_key(a_shape, b_shape, trans_a: bool, trans_b: bool) -> str:
 
 
 def parse_gemm_key(key: str) -> tuple[list[int], list[int], bool, bool]:
-    """(a shape, b shape, trans_a, trans_b) of a ``gemm_key``."""
-    a, b, flags = key.split(",")
-    return ([int(d) for d in a.split("x")], [int(d) for d in b.split("x")], flags[0] == "1",
-            flags[1] == "1")
+    """(a shape, b shape, trans_a, trans_b) of a ``gemm_key``; ValueError naming the key and
+    the expected form when it is not one."""
+    try:
+        a, b, flags = key.split(",")
+        shapes = [int(d) for d in a.split("x")], [int(d) for d in b.split("x")]
+        if len(flags) != 2 or set(flags) - {"0", "1"} or min(map(len, shapes)) < 2:
+            raise ValueError
+        np.broadcast_shapes(tuple(shapes[0][:-2]), tuple(shapes[1][:-2]))
+    except ValueError:
+        raise ValueError(f"{key!r} is not a matmul shape: expected 'AxB,CxD,tt' (each operand's "
+                         "shape, at least 2-D, batch dimensions broadcastable, then a 0/1 "
+                         "transpose flag for each), e.g. '256x128,512x128,01'") from None
+    return shapes[0], shapes[1], flags[0] == "1", flags[1] == "1"
 
 
+@functools.lru_cache(maxsize=None)
 def gemm_bytes(key: str) -> int:
     """Bytes one call of the float32 matmul ``key`` reads and writes: its operands and its
     result."""
@@ -59,6 +70,7 @@ def gemm_bytes(key: str) -> int:
     return 4 * (math.prod(a) + math.prod(b) + batch * m * n)
 
 
+@functools.lru_cache(maxsize=None)
 def gemm_flops(key: str) -> int:
     """Multiply-add FLOPs (x2) of one call of the matmul ``key`` (batch dimensions broadcast,
     as numpy's matmul)."""

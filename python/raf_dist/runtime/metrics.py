@@ -50,7 +50,8 @@ def call_flops(expr: relax.Expr) -> int:
     return 0
 
 
-def _shape(expr: relax.Expr) -> Optional[List[int]]:
+def static_shape(expr: relax.Expr) -> Optional[List[int]]:
+    """The static shape of ``expr``'s type; None when it has none or a symbolic dimension."""
     shape = getattr(expr.ty, "shape", None)
     if shape is None:
         return None
@@ -61,7 +62,7 @@ def _shape(expr: relax.Expr) -> Optional[List[int]]:
 
 
 def _matmul_flops(call: relax.Call) -> int:
-    lhs, out = _shape(call.args[0]), _shape(call)
+    lhs, out = static_shape(call.args[0]), static_shape(call)
     if lhs is None or out is None or not lhs:
         return 0
     return 2 * int(np.prod(out, dtype=np.int64)) * lhs[-1]
@@ -72,7 +73,8 @@ def _conv_flops(call: relax.Call, transpose: bool) -> int:
     a convolution does (output elements) x (kernel's I extent) x (kernel window) MACs, a
     transposed one (input elements) x (kernel's O extent) x (kernel window); the kernel's I
     (O) extent is already the channels of one group."""
-    data, weight, out = _shape(call.args[0]), _shape(call.args[1]), _shape(call)
+    data, weight, out = (static_shape(call.args[0]), static_shape(call.args[1]),
+                         static_shape(call))
     if data is None or weight is None or out is None:
         return 0
     layout = str(call.attrs.kernel_layout)

@@ -312,7 +312,8 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
 
     def estimate(c: Choice, mesh: Any, levels: Sequence[str]) -> None:
         """The quick estimate (module docstring); the slowest stage's recomputation bounds a
-        pipeline's time."""
+        pipeline's time. Every matmul at ``matmul_tflops``: a calibrated cluster's measured
+        shapes (``Cluster.gemm_efficiency``) count in the simulation that follows."""
         extra = max({"none": 0.0, "selective": 0.3, "full": 1.0}[lv] for lv in levels)
         compute = (train_flops / (cluster.matmul_tflops * 1e12)
                    + train_bytes / (cluster.memory_GBps * 1e9)) * (1 + extra / 3) / devices
