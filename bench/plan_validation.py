@@ -1,7 +1,7 @@
 """The planner's predictions against measured steps on this machine (issue #33's proof).
 
-    .venv/bin/python bench/plan_validation.py [--ranks 2,4,8] [--repeats 3] [--steps 30]
-        [--warmup 15] [--no-bind] [--png out.png]
+    .venv/bin/python bench/plan_validation.py [--ranks 2,4,8] [--repeats 3]
+        [--calibrations 3] [--steps 30] [--warmup 15] [--no-bind] [--png out.png]
 
 Model: bench/step_time.py's GPT (4 layers, d 128, 4 heads, seq 64, vocab 512), global batch
 16, AdamW. For every mesh of 2, 4 and 8 ranks (dp, tp, pp and their products; ZeRO 0-3 on
@@ -18,7 +18,8 @@ step simulated on this machine's cluster description.
 The cluster of an N-rank run is this machine measured with N ranks sharing its cores
 (``mpiexec -n N python -m raf_dist.proxies calibrate``: each rank's GEMM and copy rates while
 the others run theirs, on the threads a Trainer gives it, raf_dist's allreduce alpha and
-bandwidth between them), every matmul shape of the meshes' steps measured alone on one core
+bandwidth between them; the field-by-field median of ``--calibrations`` of them, as one
+calibration's lateness cap and host time per collective swing 2-3x), every matmul shape of the meshes' steps measured alone on one core
 against the 1024^3 GEMM (``calibrate --gemm-shapes``: ``Cluster.gemm_efficiency``, which
 each N-rank cluster shares), and the model's compute scaled so that the simulated
 one-process step equals the measured one-process step, both on one core (``-n 1``
