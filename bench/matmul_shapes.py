@@ -60,23 +60,6 @@ def calls_by_shape(trace_path):
     return calls
 
 
-def measure_shapes(keys, out_path):
-    """The cost model's inputs on one core: calibrate (one process) with these shapes."""
-    import os
-    import subprocess
-
-    from raf_dist.proxies import load_cluster
-
-    shapes = Path(out_path).with_suffix(".shapes.json")
-    shapes.write_text(json.dumps(sorted(keys)))
-    one_core = harness.cores(1)
-    subprocess.run([sys.executable, "-m", "raf_dist.proxies", "calibrate", "--calibration-out",
-                    str(out_path), "--gemm-shapes", str(shapes)], check=True, timeout=600,
-                   cwd=harness.ROOT, stdout=subprocess.DEVNULL,
-                   preexec_fn=lambda: os.sched_setaffinity(0, one_core))
-    return load_cluster(str(out_path))
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--side", action="store_true")
@@ -88,7 +71,12 @@ def main():
     if a.side:
         side(a.batch, a.steps, a.out)
         return
-    from raf_dist.proxies.workload import gemm_bytes, gemm_flops
+    import dataclasses
+
+    from plan_validation import calibrated
+    from raf_dist.proxies import Event
+    from raf_dist.proxies.simulate import compute_seconds
+    from raf_dist.proxies.workload import gemm_flops
 
     tmp = tempfile.mkdtemp(prefix="raf_dist_mm_")
     one_core = harness.cores(1)
@@ -98,8 +86,9 @@ def main():
             [sys.executable, __file__, "--side", "--batch", str(batch), "--steps", str(a.steps),
              "--out", str(Path(tmp) / f"b{batch}")], cpu_set=one_core, timeout=900)["trace"]
     calls = {batch: calls_by_shape(path) for batch, path in traces.items()}
-    cluster = measure_shapes({k for c in calls.values() for k in c}, Path(tmp) / "cpu-1.json")
-    rate, bandwidth = cluster.matmul_tflops * 1e12, cluster.memory_GBps * 1e9
+    # the cost model's inputs on that core: calibrate (one process) with these shapes
+    cluster = calibrated(1, tmp, one_core, gemm_keys={k for c in calls.values() for k in c})
+    one_rate = dataclasses.replace(cluster, gemm_efficiency={})
     print(f"# {harness.machine()}; one process on one core; 1024^3 GEMM "
           f"{cluster.matmul_tflops * 1e3:.1f} GFLOP/s, copy {cluster.memory_GBps:.1f} GB/s")
     for batch, mine in calls.items():
@@ -107,10 +96,10 @@ def main():
               "model us  (warm rate)  one rate us")
         totals = [0.0, 0.0, 0.0]
         for key, times in sorted(mine.items(), key=lambda kv: -sum(kv[1])):
-            flops = gemm_flops(key)
+            # one call as the simulator charges it, with and without the shapes' rates
+            call = Event("compute", flops=gemm_flops(key), gemms={key: 1})
+            model, flat = compute_seconds(call, cluster), compute_seconds(call, one_rate)
             efficiency = cluster.gemm_efficiency[key]
-            model = flops / (rate * efficiency) + gemm_bytes(key) / bandwidth
-            flat = flops / rate
             totals[0] += sum(times) / a.steps
             totals[1] += len(times) / a.steps * model
             totals[2] += len(times) / a.steps * flat

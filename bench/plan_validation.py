@@ -19,9 +19,9 @@ The cluster of an N-rank run is this machine measured with N ranks sharing its c
 (``mpiexec -n N python -m raf_dist.proxies calibrate``: each rank's GEMM and copy rates while
 the others run theirs, on the threads a Trainer gives it, raf_dist's allreduce alpha and
 bandwidth between them; the field-by-field median of ``--calibrations`` of them, as one
-calibration's lateness cap and host time per collective swing 2-3x), every matmul shape of the meshes' steps measured alone on one core
-against the 1024^3 GEMM (``calibrate --gemm-shapes``: ``Cluster.gemm_efficiency``, which
-each N-rank cluster shares), and the model's compute scaled so that the simulated
+calibration's lateness cap and host time per collective swing 2-3x), every matmul shape of
+the meshes' steps measured alone on one core against the 1024^3 GEMM (``calibrate
+--gemm-shapes``: ``Cluster.gemm_efficiency``, which each N-rank cluster shares), and the model's compute scaled so that the simulated
 one-process step equals the measured one-process step, both on one core (``-n 1``
 calibration; every rank of these jobs computes on one thread) (the issue's "this machine's
 measured kernel times scaled"); that one-process step is measured again just before each
@@ -263,15 +263,14 @@ def main():
     flat = {n: dataclasses.replace(c, gemm_efficiency={}) for n, c in clusters.items()}
     flat_modelled = predict(single, flat[1], 1.0)
 
-    def flat_scale_for(reference_s):
-        return (flat_modelled - host) / (reference_s - host)
-
-    def scale_for(reference_s):
+    def scale_for(reference_s, modelled_s=modelled):
+        """The compute rates' factor making the one-process step ``modelled_s`` (this model's,
+        or the one-rate model's) last ``reference_s``."""
         if reference_s <= host:
             raise SystemExit(f"the one-process step ({reference_s * 1e3:.1f} ms) is no longer "
                              f"than its calibrated operator calls ({host * 1e3:.1f} ms): "
                              "calibrate again")
-        return (modelled - host) / (reference_s - host)
+        return (modelled_s - host) / (reference_s - host)
 
     scale = scale_for(one)
     print(f"# one process on one core: measured {one * 1e3:.1f} ms, cost model "
@@ -313,8 +312,8 @@ def main():
         row_scale = scale_for(r["reference_ms"] / 1e3) if "reference_ms" in r else scale
         r["predicted_ms"] = predict(mesh, clusters[r["ranks"]], row_scale) * 1e3
         r["planned_ms"] = predict(mesh, clusters[r["ranks"]], plan_scale) * 1e3
-        r["one_rate_ms"] = predict(mesh, flat[r["ranks"]], flat_scale_for(
-            r.get("reference_ms", one * 1e3) / 1e3)) * 1e3
+        r["one_rate_ms"] = predict(mesh, flat[r["ranks"]], scale_for(
+            r.get("reference_ms", one * 1e3) / 1e3, flat_modelled)) * 1e3
     print("ranks  dp  tp  pp  zero   M  measured ms (jobs' range)  predicted ms   error  "
           "planned ms | one matmul rate: predicted  error")
     for r in rows:

@@ -60,24 +60,26 @@ def parse_gemm_key(key: str) -> tuple[list[int], list[int], bool, bool]:
 
 
 @functools.lru_cache(maxsize=None)
-def gemm_bytes(key: str) -> int:
-    """Bytes one call of the float32 matmul ``key`` reads and writes: its operands and its
-    result."""
-    a, b, trans_a, trans_b = parse_gemm_key(key)
-    m = a[-1] if trans_a else a[-2]
-    n = b[-2] if trans_b else b[-1]
-    batch = math.prod(np.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2])))
-    return 4 * (math.prod(a) + math.prod(b) + batch * m * n)
-
-
-@functools.lru_cache(maxsize=None)
-def gemm_flops(key: str) -> int:
-    """Multiply-add FLOPs (x2) of one call of the matmul ``key`` (batch dimensions broadcast,
-    as numpy's matmul)."""
+def _gemm_dims(key: str) -> tuple[int, int, int, int, int]:
+    """(batch, m, n, k, elements of a and b) of the matmul ``key``: the batch dimensions
+    broadcast, as numpy's matmul."""
     a, b, trans_a, trans_b = parse_gemm_key(key)
     m, k = (a[-1], a[-2]) if trans_a else (a[-2], a[-1])
     n = b[-2] if trans_b else b[-1]
     batch = math.prod(np.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2])))
+    return batch, m, n, k, math.prod(a) + math.prod(b)
+
+
+def gemm_bytes(key: str) -> int:
+    """Bytes one call of the float32 matmul ``key`` reads and writes: its operands and its
+    result."""
+    batch, m, n, _, operands = _gemm_dims(key)
+    return 4 * (operands + batch * m * n)
+
+
+def gemm_flops(key: str) -> int:
+    """Multiply-add FLOPs (x2) of one call of the matmul ``key``."""
+    batch, m, n, k, _ = _gemm_dims(key)
     return 2 * batch * m * n * k
 
 
