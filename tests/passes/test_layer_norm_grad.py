@@ -78,9 +78,8 @@ def test_gradients_within_pytorchs_own_float32_spread(shape, axes, tmp_path):
         assert np.abs(got.numpy() - ref).max() <= 2 * spread + 1e-7
 
 
-def _scheduled_kernel(op_name, args):
-    """The one PrimFunc of main(*args) = op(*args), legalised and fused as the step's
-    pipeline does, then ScheduleCPU (strict)."""
+def _op_module(op_name, args):
+    """main(*args) = op(*args), float32 (name, shape) arguments."""
     params = [relax.Var(name, relax.TensorType(shape, "float32")) for name, shape in args]
     bb = relax.BlockBuilder()
     with bb.function("main", params):
@@ -89,10 +88,16 @@ def _scheduled_kernel(op_name, args):
                 tvm.ir.Op.get(op_name), params,
                 attrs=tvm.ir.make_node("ir.DictAttrs", epsilon=1e-5))))
         bb.emit_func_output(out)
+    return bb.get()
+
+
+def _scheduled_kernel(op_name, args):
+    """The one PrimFunc of main(*args) = op(*args), legalised and fused as the step's
+    pipeline does, then ScheduleCPU (strict)."""
     with tvm.target.Target("llvm"):
         lowered = tvm.transform.Sequential([
             relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
-            relax.transform.FuseOps(), relax.transform.FuseTIR()])(bb.get())
+            relax.transform.FuseOps(), relax.transform.FuseTIR()])(_op_module(op_name, args))
     scheduled = ScheduleCPU(strict=True)(lowered)
     (kernel,) = [f for _, f in scheduled.functions_items() if isinstance(f, tirx.PrimFunc)]
     return kernel
@@ -172,3 +177,59 @@ def test_16_bit_inputs_are_read_as_they_are(tmp_path, monkeypatch):
 
     for got, ref in zip(run(after, "low"), run(before, "widened")):
         np.testing.assert_array_equal(got, ref)
+
+
+def _weight_gradient_module(rows, cols):
+    return _op_module(LAYER_NORM_GRAD_WEIGHT, [("x", (rows, cols)), ("dy", (rows, cols))])
+
+
+def test_gpu_weight_gradient_spreads_over_blocks():
+    """On a GPU the weight gradient is two kernels, each launched on many blocks: the one
+    reduction over every row that the host's lowering is got a single block of threads from dlight
+    (0.77-1.3 ms a call on an H200, 37-44% of the GPT steps' time: bench/RESULTS.md). Only
+    the schedule is checked here (no GPU needed)."""
+    from raf_dist.compiler.schedule_gpu import ScheduleGPU
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    with target, tvm.transform.PassContext(opt_level=3):
+        lowered = tvm.transform.Sequential([
+            relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FuseOps(), relax.transform.FuseTIR(), ScheduleGPU()])(
+                _weight_gradient_module(1024, 512))
+    kernels = [f for _, f in lowered.functions_items() if isinstance(f, tirx.PrimFunc)]
+    assert len(kernels) == 2
+    for kernel in kernels:
+        blocks = 1
+        found = []
+        tvm_ffi.structural_walk(kernel.body, [(tirx.For, lambda loop: found.append(
+            int(loop.extent)) if loop.thread_binding is not None
+            and str(loop.thread_binding.thread_tag).startswith("blockIdx") else None)])
+        for extent in found:
+            blocks *= extent
+        assert blocks >= 32, kernel
+
+
+def test_gpu_weight_gradient_lowering_as_pytorch(tmp_path):
+    """The GPU's lowering (legalised under a CUDA target, then built and run here) gives
+    gamma's gradient within PyTorch's own float32-vs-float64 spread x2, as the host's does."""
+    rng = np.random.default_rng(5)
+    rows, cols = 1024, 128
+    x = (rng.standard_normal((rows, cols)) * 4 + 2).astype("float32")
+    dy = rng.standard_normal((rows, cols)).astype("float32")
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm"):
+        mod = relax.transform.LegalizeOps()(_weight_gradient_module(rows, cols))
+    assert {gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)} \
+        == {"layer_norm_xhat_dy", "layer_norm_grad_weight"}  # the GPU's two kernels
+    vm = relax.VirtualMachine(build.compile_step(mod, cache_dir=tmp_path).executable, tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(dy)).numpy()
+
+    def torch_grad(dtype):
+        tx = torch.tensor(x, dtype=dtype)
+        gamma = torch.ones(cols, dtype=dtype, requires_grad=True)
+        (torch.nn.functional.layer_norm(tx, [cols], gamma, eps=1e-5)
+         * torch.tensor(dy, dtype=dtype)).sum().backward()
+        return gamma.grad.double().numpy()
+
+    exact = torch_grad(torch.float64)
+    spread = np.abs(torch_grad(torch.float32) - exact).max()
+    assert np.abs(got - exact).max() <= 2 * spread + 1e-7

@@ -164,9 +164,44 @@ def _grad_weight_te(x, dy, epsilon, out_dtype):
 register_legalize(LAYER_NORM_GRAD, lambda bb, call: bb.call_te(
     _grad_input_te, call.args[0], call.args[1], call.args[2], float(call.attrs["epsilon"]),
     _out_dtype(call), primfunc_name_hint="layer_norm_grad"))
-register_legalize(LAYER_NORM_GRAD_WEIGHT, lambda bb, call: bb.call_te(
-    _grad_weight_te, call.args[0], call.args[1], float(call.attrs["epsilon"]),
-    _out_dtype(call), primfunc_name_hint="layer_norm_grad_weight"))
+def _xhat_dy_te(x, dy, epsilon):
+    """``dy * xhat`` (rows, C) in the accumulator's dtype: gamma's gradient before its column
+    sums (the GPU's lowering of the weight gradient)."""
+    value, mean, rstd = _row_stats(x, epsilon)
+    return te.compute(x.shape, lambda i, c: dy[i, c].astype(_accumulator(x))
+                      * (value(i, c) - mean(i)) * rstd(i), name="layer_norm_xhat_dy")
+
+
+def _column_sums_te(products, out_dtype):
+    """Each column's sum over the rows, added in float64 (as ``_grad_weight_te``)."""
+    rows, columns = products.shape
+    r = te.reduce_axis((0, rows), name="r")
+    total = te.compute((columns,), lambda c: te.sum(products[r, c].astype("float64"), axis=r),
+                       name="ln_weight_sum")
+    return te.compute((columns,), lambda c: total[c].astype(out_dtype),
+                      name="layer_norm_grad_weight")
+
+
+def _legalize_grad_weight(bb, call):
+    """On the host, one kernel (``_grad_weight_te``: each row read into cache once, the
+    columns' sums walked in row order). On a GPU that kernel is one reduction over all rows
+    for only C outputs: dlight's GeneralReduction gives it a single block of threads (0.77 ms
+    a call for (1024, 128) rows on an H200, 1.3 ms for (2048, 512): 37-44% of the GPT steps'
+    time, bench/RESULTS.md), so there it is two kernels, as the input's gradient's row
+    kernel (a block per row) and the column sums (a reduction over the rows that dlight
+    spreads over blocks of columns), the sums still in float64."""
+    x, dy, epsilon = call.args[0], call.args[1], float(call.attrs["epsilon"])
+    target = tvm.target.Target.current(allow_none=True)
+    if target is None or target.kind.name != "cuda":
+        return bb.call_te(_grad_weight_te, x, dy, epsilon, _out_dtype(call),
+                          primfunc_name_hint="layer_norm_grad_weight")
+    products = bb.emit(bb.call_te(_xhat_dy_te, x, dy, epsilon,
+                                  primfunc_name_hint="layer_norm_xhat_dy"))
+    return bb.call_te(_column_sums_te, products, _out_dtype(call),
+                      primfunc_name_hint="layer_norm_grad_weight")
+
+
+register_legalize(LAYER_NORM_GRAD_WEIGHT, _legalize_grad_weight)
 
 
 # ---- mixed precision: the 16-bit tensors read as they are ----
