@@ -18,7 +18,8 @@ step simulated on this machine's cluster description.
 The cluster of an N-rank run is this machine measured with N ranks sharing its cores
 (``mpiexec -n N python -m raf_dist.proxies calibrate``: each rank's GEMM and copy rates while
 the others run theirs, on the threads a Trainer gives it, raf_dist's allreduce alpha and
-bandwidth between them; the field-by-field median of ``--calibrations`` of them, as one
+bandwidth between them, a meeting's lateness for each group shape the meshes meet in
+(``Cluster.meeting_groups``); the field-by-field median of ``--calibrations`` of them, as one
 calibration's lateness cap and host time per collective swing 2-3x), every matmul shape of
 the meshes' steps measured alone on one core against the 1024^3 GEMM (``calibrate
 --gemm-shapes``: ``Cluster.gemm_efficiency``, which each N-rank cluster shares), and the model's compute scaled so that the simulated
@@ -153,6 +154,9 @@ def median_cluster(clusters):
             out[key] = statistics.median(d[key] for d in dicts)
         elif key in ("intra", "inter"):
             out[key] = {f: statistics.median(d[key][f] for d in dicts) for f in value}
+        elif key == "meeting_groups":  # {group: [ratio, cap]}: each number's median
+            out[key] = {g: [statistics.median(d[key][g][i] for d in dicts)
+                            for i in range(len(pair))] for g, pair in value.items()}
     return Cluster.from_dict(out)
 
 

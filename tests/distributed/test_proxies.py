@@ -87,6 +87,10 @@ def test_calibrate_with_ranks_sharing_the_cores(tmp_path):
     check_mpi("proxy_run.py", 4, "calibrate", "--calibration-out", str(out), timeout=600)
     written = json.loads(out.read_text())
     assert {"meeting_ratio", "meeting_cap_us", "meeting_us"} <= set(written), written
+    # every group shape a 4-rank mesh meets in, the whole job's as the node's own
+    assert set(written["meeting_groups"]) == {"2x1", "4x1", "2x2"}, written
+    assert written["meeting_groups"]["4x1"] == [written["meeting_ratio"],
+                                                written["meeting_cap_us"]]
     cluster = load_cluster(str(out))
     assert cluster.gpus_per_node == 4
     assert cluster.intra.alpha_us > 0 and cluster.intra.bandwidth_GBps > 0

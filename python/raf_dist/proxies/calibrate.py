@@ -16,7 +16,8 @@ over a common window.) raf_dist's allreduce between the ranks: alpha from 4 KiB 
 bandwidth from 64 MiB ones (medians of 20 and 5, between barriers); and what a collective
 met from compute costs beyond that (``_meeting``: with more ranks than cores, the members
 arrive late by a part of the compute before it; no cap where the scheduler places them,
-``_ranks_float_on_shared_cores``), and the host time each
+``_ranks_float_on_shared_cores``; for every group shape a mesh of these ranks meets in,
+``_meeting_groups``), and the host time each
 collective costs beyond everything else (``_meeting_us``: the tiny model's tensor-parallel
 step against its simulation). With ``--gemm-shapes FILE`` (a JSON list of ``gemm_key``s) the
 rate of each of those matmuls against the 1024^3 one (``gemm_efficiency``)."""
@@ -112,9 +113,10 @@ def _lockstep_seconds(comm, body, seconds: float, probe=None) -> float:
     return comm.allreduce((time.perf_counter() - began) / iterations, op=MPI.MAX)
 
 
-def meeting_times(comm, sizes=MEETING_GEMM_SIZES, seconds: float = 1.0) -> list:
+def meeting_times(comm, sizes=MEETING_GEMM_SIZES, seconds: float = 1.0, group=None) -> list:
     """``[(compute_s, with_allreduce_s)]`` per size: every rank repeats a chunk of 8 float32
-    GEMMs of SIZE^3 alone and then followed by a 4 KiB raf_dist allreduce, the same number
+    GEMMs of SIZE^3 alone and then followed by a 4 KiB raf_dist allreduce (over ``group``, a
+    native group id: default every rank), the same number
     of times (fixed from a first timed chunk, the slowest rank's), the slowest rank's time per
     iteration, best of two each, alternating (bench/meeting_cost.py prints the table)."""
     from ..distributed import collectives
@@ -130,7 +132,7 @@ def meeting_times(comm, sizes=MEETING_GEMM_SIZES, seconds: float = 1.0) -> list:
 
         def meet(chunk=chunk):
             chunk()
-            collectives.allreduce(flag, "sum", flag)
+            collectives.allreduce(flag, "sum", flag, group=group)
 
         best: dict = {}
         for mode in ("compute", "meet", "compute", "meet"):
@@ -141,18 +143,52 @@ def meeting_times(comm, sizes=MEETING_GEMM_SIZES, seconds: float = 1.0) -> list:
     return out
 
 
-def _meeting(comm, shared: bool) -> tuple[float, float]:
+def _meeting(comm, shared: bool, group=None) -> tuple[float, float]:
     """``(meeting_ratio, meeting_cap_us)`` of ``Cluster`` (proxies/simulate.py) from
-    ``meeting_times``: a meeting's cost is the chunk with the allreduce less the chunk alone;
+    ``meeting_times`` over ``group`` (default every rank): a meeting's cost is the chunk with
+    the allreduce less the chunk alone;
     the ratio is the short chunk's cost over its length (the cap does not bind there), the cap
     the largest cost seen, none (0) when the ranks outnumber the host's cores unbound
     (``shared``, ``_ranks_float_on_shared_cores``; ``Cluster.meeting_cap_us`` says why)."""
     # the long chunk serves the cap alone: not measured where there is none
     sizes = MEETING_GEMM_SIZES[:1] if shared else MEETING_GEMM_SIZES
     costs = [(compute, max(0.0, meet - compute))
-             for compute, meet in meeting_times(comm, sizes)]
+             for compute, meet in meeting_times(comm, sizes, group=group)]
     short, cost = costs[0]
     return cost / short, 0.0 if shared else max(c for _, c in costs) * 1e6
+
+
+def meeting_group_shapes(n: int) -> list[tuple[int, int]]:
+    """(size, stride) of every group of at least two ranks a mesh of ``n`` ranks meets in
+    (``simulate.meeting_group``): size x stride divides n; the whole job is (n, 1)."""
+    return [(size, stride) for stride in range(1, n + 1) if n % stride == 0
+            for size in range(2, n // stride + 1) if (n // stride) % size == 0]
+
+
+def group_color(rank: int, size: int, stride: int) -> int:
+    """Which group of ``size`` ranks ``stride`` apart ``rank`` is in: blocks of size x stride
+    ranks, each split by the rank's place modulo the stride (a dp group of a tp-innermost
+    mesh is such a group with stride tp)."""
+    return rank // (size * stride) * stride + rank % stride
+
+
+def _meeting_groups(comm, shared: bool) -> dict:
+    """``Cluster.meeting_groups``: ``_meeting`` over each group shape of this job's ranks
+    (``meeting_group_shapes``; every rank in one group of the shape, all groups meeting at
+    once), the whole job's over the world group itself."""
+    from mpi4py import MPI
+
+    from .. import _native
+
+    out = {}
+    for size, stride in meeting_group_shapes(comm.size):
+        group = None
+        if size < comm.size:
+            sub = comm.Split(group_color(comm.rank, size, stride), key=comm.rank)
+            group = int(_native.func("init_group")(MPI._addressof(sub), False))
+        ratio, cap_us = _meeting(comm, shared, group)
+        out[f"{size}x{stride}"] = [round(ratio, 4), round(cap_us, 1)]
+    return out
 
 
 #: the width of calibrate's tiny model, which tensor parallelism over the ranks must divide
@@ -317,15 +353,16 @@ def calibrate(out_path: str = _CALIBRATED, gemm_keys=()) -> int:
         alpha = small / (2 * (n - 1))
         bus = 2 * (n - 1) / n * big_elements * 4 / max(big - 2 * (n - 1) * alpha, 1e-9)
         link = Link(round(alpha * 1e6, 2), round(bus / 1e9, 3))
-        meeting_ratio, meeting_cap_us = _meeting(comm, _ranks_float_on_shared_cores(comm))
+        groups = _meeting_groups(comm, _ranks_float_on_shared_cores(comm))
+        meeting_ratio, meeting_cap_us = groups[f"{n}x1"]
     else:  # one process: its compute rates only (no link to measure, no one to meet)
         link = Link(0.0, 1e6)
-        meeting_ratio, meeting_cap_us = 0.0, 0.0
+        meeting_ratio, meeting_cap_us, groups = 0.0, 0.0, {}
     cluster = Cluster("cpu-here", n, round(gemm / 1e12, 4), round(copy / 1e9, 2), link, link,
                       round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
                       f"measured {time.strftime('%Y-%m-%d')} with {n} ranks on this host",
                       op_overhead_us=round(op_us, 2), meeting_ratio=round(meeting_ratio, 4),
-                      meeting_cap_us=round(meeting_cap_us, 1))
+                      meeting_cap_us=round(meeting_cap_us, 1), meeting_groups=groups)
     if n > 1:
         cluster = dataclasses.replace(cluster, meeting_us=round(_meeting_us(comm, cluster), 1))
     if gemm_keys:

@@ -84,6 +84,17 @@ class Cluster:
     #: communication thread in one go); not on pipeline messages (isend / irecv, polled
     #: there: no caller hands a call over and waits). 0 on dedicated devices
     meeting_us: float = 0.0
+    #: {"SIZExSTRIDE": [meeting_ratio, meeting_cap_us]} for the collectives' groups of SIZE
+    #: ranks STRIDE apart that a mesh of this node's ranks meets in (tp blocks stride 1, dp
+    #: stride tp, the pp axis stride dp x tp), every group of the shape meeting at once as
+    #: in a step: ``calibrate`` measures each. Ranks sharing cores meet differently by group:
+    #: with 8 ranks bound to 2 cores a meeting of 4 neighbouring ranks (2 on each core, the
+    #: other 2 of each core in other groups) cost 1.08-1.12 x the compute before it, the
+    #: whole node's 0.44-0.47, pairs' 0.38-0.46; with 4 ranks pairs 0.13-0.16 against
+    #: 0.21-0.22 (bench/RESULTS.md). A group not in it, and a pipeline message (two ranks,
+    #: but not a collective every group runs at once: stages send at different times), use
+    #: meeting_ratio / meeting_cap_us, the whole node's
+    meeting_groups: dict = dataclasses.field(default_factory=dict, hash=False)
     #: {gemm_key: rate of that float32 matmul / the rate of matmul_tflops' 1024^3 one}, as
     #: this host's BLAS runs them warm in a loop (``calibrate --gemm-shapes``). A step's
     #: matmuls are small next to 1024^3 and their rate depends on the shape (a pipeline's
@@ -163,13 +174,27 @@ def compute_seconds(event: Event, cluster: Cluster) -> float:
     return (matmul + event.mem_bytes / bandwidth + event.ops * cluster.op_overhead_us * 1e-6)
 
 
-def meeting_seconds(compute_since_s: float, cluster: Cluster) -> float:
+def meeting_seconds(compute_since_s: float, cluster: Cluster, group: str = "") -> float:
     """What a meeting costs beyond its alpha-beta time after ``compute_since_s`` of compute
     since the rank's previous one (``Cluster``): a collective of more than one rank, or a
     pipeline message, charged at its sender (its receiver's compute before the receive is
-    hidden behind the wait for it)."""
-    late = cluster.meeting_ratio * compute_since_s
-    return min(late, cluster.meeting_cap_us * 1e-6) if cluster.meeting_cap_us > 0 else late
+    hidden behind the wait for it); ``group`` its ``meeting_group`` (the ratio and cap
+    measured for that group, if any)."""
+    ratio, cap_us = cluster.meeting_groups.get(group, (cluster.meeting_ratio,
+                                                       cluster.meeting_cap_us))
+    late = ratio * compute_since_s
+    return min(late, cap_us * 1e-6) if cap_us > 0 else late
+
+
+def meeting_group(workload: Workload, event: Event) -> str:
+    """``"SIZExSTRIDE"`` of the ranks collective ``event`` meets (rank = (pp_i * dp + dp_i) *
+    tp + tp_i: a tp group is tp neighbours, a dp group dp ranks tp apart, the pp axis pp ranks
+    dp x tp apart), "" for a pipeline message (``Cluster.meeting_groups``)."""
+    if event.kind in ("send", "recv"):
+        return ""
+    axis = event.axis or "pp"
+    stride = {"tp": 1, "dp": workload.tp, "pp": workload.dp * workload.tp, "world": 1}[axis]
+    return f"{group_size(workload, axis)}x{stride}"
 
 
 def group_size(workload: Workload, axis: str) -> int:
@@ -270,7 +295,7 @@ def simulate(workload: Workload, cluster: Cluster) -> Simulation:
                 if e.kind == "recv":  # the sender's lateness is in the message's arrival
                     since[r] = 0.0
                 elif e.kind == "send" or group_size(workload, e.axis or "pp") > 1:
-                    late = meeting_seconds(since[r], cluster)
+                    late = meeting_seconds(since[r], cluster, meeting_group(workload, e))
                     if e.kind != "send":
                         late += cluster.meeting_us * 1e-6
                     dt += late
