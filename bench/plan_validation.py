@@ -154,9 +154,11 @@ def median_cluster(clusters):
             out[key] = statistics.median(d[key] for d in dicts)
         elif key in ("intra", "inter"):
             out[key] = {f: statistics.median(d[key][f] for d in dicts) for f in value}
-        elif key == "meeting_groups":  # {group: [ratio, cap]}: each number's median
+        elif key == "meeting_groups":  # {group: [ratio, cap]}: each number's median, over
+            # the groups every calibration measured
             out[key] = {g: [statistics.median(d[key][g][i] for d in dicts)
-                            for i in range(len(pair))] for g, pair in value.items()}
+                            for i in range(len(pair))] for g, pair in value.items()
+                        if all(g in d[key] for d in dicts)}
     return Cluster.from_dict(out)
 
 

@@ -183,7 +183,8 @@ def _weight_gradient_module(rows, cols):
     return _op_module(LAYER_NORM_GRAD_WEIGHT, [("x", (rows, cols)), ("dy", (rows, cols))])
 
 
-def test_gpu_weight_gradient_spreads_over_blocks():
+@pytest.mark.parametrize("rows, cols", [(1024, 128), (2048, 512)])
+def test_gpu_weight_gradient_spreads_over_blocks(rows, cols):
     """On a GPU the weight gradient is two kernels, each launched on many blocks: the one
     reduction over every row that the host's lowering is got a single block of threads from dlight
     (0.77-1.3 ms a call on an H200, 37-44% of the GPT steps' time: bench/RESULTS.md). Only
@@ -195,7 +196,7 @@ def test_gpu_weight_gradient_spreads_over_blocks():
         lowered = tvm.transform.Sequential([
             relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
             relax.transform.FuseOps(), relax.transform.FuseTIR(), ScheduleGPU()])(
-                _weight_gradient_module(1024, 512))
+                _weight_gradient_module(rows, cols))
     kernels = [f for _, f in lowered.functions_items() if isinstance(f, tirx.PrimFunc)]
     assert len(kernels) == 2
     for kernel in kernels:
@@ -206,7 +207,7 @@ def test_gpu_weight_gradient_spreads_over_blocks():
             and str(loop.thread_binding.thread_tag).startswith("blockIdx") else None)])
         for extent in found:
             blocks *= extent
-        assert blocks >= 32, kernel
+        assert blocks >= 8, kernel  # the column sums: C / 16 blocks
 
 
 def test_gpu_weight_gradient_lowering_as_pytorch(tmp_path):

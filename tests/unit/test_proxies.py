@@ -361,38 +361,45 @@ def test_a_meeting_after_compute_costs_a_share_of_it_up_to_a_cap():
 
 def test_a_meeting_costs_what_its_group_was_measured_to_cost():
     """Cluster.meeting_groups: a collective's lateness ratio and cap are those calibrated for
-    its group (SIZExSTRIDE: tp neighbours, dp ranks tp apart) and the whole node's
-    (meeting_ratio / meeting_cap_us) for a group not measured and for a pipeline message;
-    the calibration's groups are the ones the simulator names."""
+    its group (SIZExSTRIDE: tp neighbours, dp ranks tp apart), the whole node's
+    (meeting_ratio / meeting_cap_us) for a group not measured, for a pipeline message and
+    where the table was measured with another number of ranks; the calibration's groups are
+    the ones the simulator names."""
     from raf_dist.proxies.calibrate import group_color, meeting_group_shapes
     from raf_dist.proxies.simulate import meeting_group
 
-    node = Cluster("t", 8, 1.0, 1.0, Link(0.0, 1e9), Link(0.0, 1e9), meeting_ratio=0.5,
-                   meeting_groups={"2x1": [0.1, 0.0], "2x2": [0.2, 0.0], "2x4": [0.3, 5e4]})
+    four = Cluster("t", 4, 1.0, 1.0, Link(0.0, 1e9), Link(0.0, 1e9), meeting_ratio=0.5,
+                   meeting_groups={"2x1": [0.1, 0.0], "2x2": [0.2, 0.0]})
+    eight = dataclasses.replace(four, gpus_per_node=8,
+                                meeting_groups={"2x1": [0.1, 0.0], "2x4": [0.3, 5e4]})
 
     def compute(seconds):
         return Event("compute", flops=int(seconds * 10**12))
 
     tp, dp = Event("allreduce", bytes=4, axis="tp"), Event("allreduce", bytes=4, axis="dp")
     step = [compute(1.0), tp, compute(1.0), dp]
-    # dp 2 x tp 2: tp pairs of neighbours (0.1), dp pairs 2 apart (0.2)
-    assert simulate(Workload("t", 2, 2, 1, 0, 1, "1f1b", [step]), node).iteration_s \
-        == pytest.approx(1.0 + 0.1 + 1.0 + 0.2)
-    # dp 4 x tp 2: dp groups of 4 ranks 2 apart, not measured: the node's 0.5
-    assert simulate(Workload("t", 4, 2, 1, 0, 1, "1f1b", [step]), node).iteration_s \
-        == pytest.approx(1.0 + 0.1 + 1.0 + 0.5)
+    # dp 2 x tp 2 on 4 ranks: tp pairs of neighbours (0.1), dp pairs 2 apart (0.2)
+    small = Workload("t", 2, 2, 1, 0, 1, "1f1b", [step])
+    assert simulate(small, four).iteration_s == pytest.approx(1.0 + 0.1 + 1.0 + 0.2)
+    assert simulate(small, dataclasses.replace(four, meeting_groups={})).iteration_s \
+        == pytest.approx(3.0)
+    # the same mesh against a table of 8 ranks (its groups sit on other cores): the node's
+    assert meeting_group(small, tp, eight) == ""
+    assert simulate(small, eight).iteration_s == pytest.approx(3.0)
+    # dp 4 x tp 2 on 8 ranks: dp groups of 4 ranks 2 apart, not measured: the node's 0.5
+    wide = Workload("t", 4, 2, 1, 0, 1, "1f1b", [step])
+    assert meeting_group(wide, dp, eight) == "4x2" and meeting_group(wide, tp, eight) == "2x1"
+    assert simulate(wide, eight).iteration_s == pytest.approx(1.0 + 0.1 + 1.0 + 0.5)
     # a pipeline message between stages of dp 2 x tp 2 ranks (2 ranks 4 apart, "2x4" measured
     # for a collective's pairs): the node's 0.5
     piped = simulate(Workload("t", 2, 2, 2, 0, 1, "1f1b", [
         [compute(1.0), Event("send", bytes=4, axis="pp", peer=1, tag=0)],
-        [Event("recv", bytes=4, axis="pp", peer=0, tag=0)]]), node)
+        [Event("recv", bytes=4, axis="pp", peer=0, tag=0)]]), eight)
     assert piped.iteration_s == pytest.approx(1.0 + 0.5)
     # the pp axis's collective on that mesh (a tied embedding's): 2 ranks 4 apart, capped
     pp_reduce = [compute(1.0), Event("allreduce", bytes=4, axis="pp")]
     assert simulate(Workload("t", 2, 2, 2, 0, 1, "1f1b", [pp_reduce, pp_reduce]),
-                    node).iteration_s == pytest.approx(1.0 + 0.05)
-    assert simulate(Workload("t", 2, 2, 1, 0, 1, "1f1b", [step]), dataclasses.replace(
-        node, meeting_groups={})).iteration_s == pytest.approx(3.0)
+                    eight).iteration_s == pytest.approx(1.0 + 0.05)
     # the calibration's groups: for every shape of 8 ranks, each rank's group (group_color)
     # holds the ranks the simulator's name for it says
     assert meeting_group_shapes(2) == [(2, 1)]
@@ -403,8 +410,7 @@ def test_a_meeting_costs_what_its_group_was_measured_to_cost():
             groups.setdefault(group_color(rank, size, stride), []).append(rank)
         assert all(len(g) == size and all(b - a == stride for a, b in zip(g, g[1:]))
                    for g in groups.values()), (size, stride, groups)
-    workload = Workload("t", 4, 2, 1, 0, 1, "1f1b", [step])  # dp 4 ranks 2 apart
-    assert meeting_group(workload, dp) == "4x2" and meeting_group(workload, tp) == "2x1"
+
 
 def test_cosmoflow_description_and_clusters(tmp_path):
     w = cosmoflow_workload(2, 4)

@@ -186,12 +186,14 @@ def meeting_seconds(compute_since_s: float, cluster: Cluster, group: str = "") -
     return min(late, cap_us * 1e-6) if cap_us > 0 else late
 
 
-def meeting_group(workload: Workload, event: Event) -> str:
+def meeting_group(workload: Workload, event: Event, cluster: Cluster) -> str:
     """``"SIZExSTRIDE"`` of the ranks collective ``event`` meets (rank = (pp_i * dp + dp_i) *
     tp + tp_i: a tp group is tp neighbours, a dp group dp ranks tp apart, the pp axis pp ranks
-    dp x tp apart), "" for a pipeline message (``Cluster.meeting_groups``)."""
-    if event.kind in ("send", "recv"):
-        return ""
+    dp x tp apart), "" for a pipeline message and where ``cluster``'s table was calibrated
+    with another number of ranks than the workload's (its groups sit on other cores):
+    ``Cluster.meeting_groups``."""
+    if event.kind in ("send", "recv") or workload.world != cluster.gpus_per_node:
+        return ""  # a message; or the table was measured with another number of ranks
     axis = event.axis or "pp"
     stride = {"tp": 1, "dp": workload.tp, "pp": workload.dp * workload.tp, "world": 1}[axis]
     return f"{group_size(workload, axis)}x{stride}"
@@ -295,7 +297,8 @@ def simulate(workload: Workload, cluster: Cluster) -> Simulation:
                 if e.kind == "recv":  # the sender's lateness is in the message's arrival
                     since[r] = 0.0
                 elif e.kind == "send" or group_size(workload, e.axis or "pp") > 1:
-                    late = meeting_seconds(since[r], cluster, meeting_group(workload, e))
+                    late = meeting_seconds(since[r], cluster,
+                                           meeting_group(workload, e, cluster))
                     if e.kind != "send":
                         late += cluster.meeting_us * 1e-6
                     dt += late

@@ -1,7 +1,7 @@
 """Layer norm's backward as two row-wise ops: ``raf_dist.layer_norm_grad(x, gamma, dy)`` (the
 input's gradient) and ``raf_dist.layer_norm_grad_weight(x, dy)`` (gamma's), each lowered to one
-kernel that recomputes the rows' mean and 1/std from ``x``; beta's gradient stays TVM's column
-sum of ``dy``.
+kernel that recomputes the rows' mean and 1/std from ``x`` (gamma's to two on a GPU:
+``_legalize_grad_weight``); beta's gradient stays TVM's column sum of ``dy``.
 
 Over rows ``x[r]`` of ``C`` elements, xhat = (x - mean) * rstd, g = dy * gamma:
 
@@ -164,6 +164,8 @@ def _grad_weight_te(x, dy, epsilon, out_dtype):
 register_legalize(LAYER_NORM_GRAD, lambda bb, call: bb.call_te(
     _grad_input_te, call.args[0], call.args[1], call.args[2], float(call.attrs["epsilon"]),
     _out_dtype(call), primfunc_name_hint="layer_norm_grad"))
+
+
 def _xhat_dy_te(x, dy, epsilon):
     """``dy * xhat`` (rows, C) in the accumulator's dtype: gamma's gradient before its column
     sums (the GPU's lowering of the weight gradient)."""
