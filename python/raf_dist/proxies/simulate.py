@@ -192,8 +192,9 @@ def meeting_group(workload: Workload, event: Event, cluster: Cluster) -> str:
     dp x tp apart), "" for a pipeline message and where ``cluster``'s table was calibrated
     with another number of ranks than the workload's (its groups sit on other cores):
     ``Cluster.meeting_groups``."""
-    if event.kind in ("send", "recv") or workload.world != cluster.gpus_per_node:
-        return ""  # a message; or the table was measured with another number of ranks
+    if (not cluster.meeting_groups or event.kind in ("send", "recv")
+            or workload.world != cluster.gpus_per_node):
+        return ""  # no table; a message; or a table measured with another number of ranks
     axis = event.axis or "pp"
     stride = {"tp": 1, "dp": workload.tp, "pp": workload.dp * workload.tp, "world": 1}[axis]
     return f"{group_size(workload, axis)}x{stride}"

@@ -145,20 +145,31 @@ def _grad_input_te(x, gamma, dy, epsilon, out_dtype):
     return te.compute((rows, columns), grad, name="layer_norm_grad")
 
 
-def _grad_weight_te(x, dy, epsilon, out_dtype):
-    """Each column's sum over the rows, accumulated in float64: the schedule walks the rows
-    in order (a column reduction), and a float32 running sum over the 1024 rows of a GPT's
-    batch drifts to twice PyTorch's own float32 error (tests/passes/test_layer_norm_grad.py);
-    the products stay float32, only the adds are float64, on a tensor the size of one
-    activation."""
-    rows, columns = x.shape
+def _xhat_dy(x, dy, epsilon):
+    """``(i, c) -> dy * xhat`` in the accumulator's dtype: gamma's gradient before its
+    column sums."""
     value, mean, rstd = _row_stats(x, epsilon)
+    acc = _accumulator(x)
+    return lambda i, c: dy[i, c].astype(acc) * (value(i, c) - mean(i)) * rstd(i)
+
+
+def _column_sums(rows, columns, term, out_dtype):
+    """Each column's sum over the rows of ``term(r, c)``, accumulated in float64: the schedule
+    walks the rows in order (a column reduction), and a float32 running sum over the 1024 rows
+    of a GPT's batch drifts to twice PyTorch's own float32 error
+    (tests/passes/test_layer_norm_grad.py); the terms stay float32, only the adds are
+    float64, on a tensor the size of one activation."""
     r = te.reduce_axis((0, rows), name="r")
-    total = te.compute((columns,), lambda c: te.sum(
-        (dy[r, c].astype(_accumulator(x)) * (value(r, c) - mean(r)) * rstd(r)).astype(
-            "float64"), axis=r), name="ln_weight_sum")
+    total = te.compute((columns,), lambda c: te.sum(term(r, c).astype("float64"), axis=r),
+                       name="ln_weight_sum")
     return te.compute((columns,), lambda c: total[c].astype(out_dtype),
                       name="layer_norm_grad_weight")
+
+
+def _grad_weight_te(x, dy, epsilon, out_dtype):
+    """gamma's gradient as one kernel: the column sums of ``dy * xhat`` (the host's)."""
+    rows, columns = x.shape
+    return _column_sums(rows, columns, _xhat_dy(x, dy, epsilon), out_dtype)
 
 
 register_legalize(LAYER_NORM_GRAD, lambda bb, call: bb.call_te(
@@ -167,21 +178,14 @@ register_legalize(LAYER_NORM_GRAD, lambda bb, call: bb.call_te(
 
 
 def _xhat_dy_te(x, dy, epsilon):
-    """``dy * xhat`` (rows, C) in the accumulator's dtype: gamma's gradient before its column
-    sums (the GPU's lowering of the weight gradient)."""
-    value, mean, rstd = _row_stats(x, epsilon)
-    return te.compute(x.shape, lambda i, c: dy[i, c].astype(_accumulator(x))
-                      * (value(i, c) - mean(i)) * rstd(i), name="layer_norm_xhat_dy")
+    """``dy * xhat`` (rows, C) in the accumulator's dtype (the GPU's first kernel)."""
+    return te.compute(x.shape, _xhat_dy(x, dy, epsilon), name="layer_norm_xhat_dy")
 
 
 def _column_sums_te(products, out_dtype):
-    """Each column's sum over the rows, added in float64 (as ``_grad_weight_te``)."""
+    """The column sums of ``products`` (the GPU's second kernel)."""
     rows, columns = products.shape
-    r = te.reduce_axis((0, rows), name="r")
-    total = te.compute((columns,), lambda c: te.sum(products[r, c].astype("float64"), axis=r),
-                       name="ln_weight_sum")
-    return te.compute((columns,), lambda c: total[c].astype(out_dtype),
-                      name="layer_norm_grad_weight")
+    return _column_sums(rows, columns, lambda r, c: products[r, c], out_dtype)
 
 
 def _legalize_grad_weight(bb, call):
