@@ -1,42 +1,52 @@
 """The planner's predictions against measured steps on this machine (issue #33's proof).
 
-    .venv/bin/python bench/plan_validation.py [--ranks 2,4,8] [--repeats 3]
-        [--calibrations 3] [--steps 30] [--warmup 15] [--no-bind] [--png out.png]
+    .venv/bin/python bench/plan_validation.py [--ranks 2,4,8] [--repeats 2] [--rounds 3]
+        [--steps 10] [--block-warmup 2] [--warmup 15] [--no-bind] [--png out.png]
+        [--predict-only ROWS.json]
 
 Model: bench/step_time.py's GPT (4 layers, d 128, 4 heads, seq 64, vocab 512), global batch
-16, AdamW. For every mesh of 2, 4 and 8 ranks (dp, tp, pp and their products; ZeRO 0-3 on
-the pure dp meshes; 2 x pp microbatches under pipelining) ``--repeats`` ``mpiexec -n N`` jobs
-train it, minutes apart (the repeats are the outer loop), each rank bound to one core
-(``harness.BIND``; the calibrations too; ``--no-bind`` leaves them to the scheduler); a job
-reports the median of ``--steps`` steps after ``--warmup`` steps, rank 0's clock (every step
-ends in the loss allreduce; with more ranks than cores a job's first ~15 steps run 10-30%
-slower than its later ones, bench/RESULTS.md "Steady steps", which the default warm-up
-passes), and the mesh's row is the median job (one job of a mesh swung by up to 40%
-between runs here). The driver predicts it: raf_dist.proxies' extraction of that mesh's
-step simulated on this machine's cluster description.
+16, AdamW. Every mesh of 2, 4 and 8 ranks (dp, tp, pp and their products; ZeRO 0-3 on the
+pure dp meshes; 2 x pp microbatches under pipelining) is measured and predicted.
 
-The cluster of an N-rank run is this machine measured with N ranks sharing its cores
-(``mpiexec -n N python -m raf_dist.proxies calibrate``: each rank's GEMM and copy rates while
-the others run theirs, on the threads a Trainer gives it, raf_dist's allreduce alpha and
-bandwidth between them, a meeting's lateness for each group shape the meshes meet in
-(``Cluster.meeting_groups``); the field-by-field median of ``--calibrations`` of them, as one
-calibration's lateness cap and host time per collective swing 2-3x), every matmul shape of
-the meshes' steps measured alone on one core against the 1024^3 GEMM (``calibrate
---gemm-shapes``: ``Cluster.gemm_efficiency``, which each N-rank cluster shares), and the model's compute scaled so that the simulated
-one-process step equals the measured one-process step, both on one core (``-n 1``
-calibration; every rank of these jobs computes on one thread) (the issue's "this machine's
-measured kernel times scaled"); that one-process step is measured again just before each
-job and the mesh predicted at its jobs' median (this shared host's speed drifts by tens of
-percent within minutes); the host time per operator call is the calibration's,
-measured with N ranks stepping at once, not scaled. Nothing is fitted per mesh.
-``--predict-only FILE`` predicts again the meshes a previous run measured (its
-``--rows-out``, written after every job; the one-core reference and the calibrations are
-measured again).
-Prints the table (with what one matmul rate for every shape would predict, the model before
-the shapes were measured), the share of meshes predicted within 20%, whether the planner's
-first choice among the measured meshes (ranked as raf_dist.tools.plan ranks: by this
-simulation, every mesh at the run's first reference speed, at equal time the smaller
-footprint) is among the two fastest measured, and draws the scatter.
+Measured in one job per rank count (``--repeats`` such jobs, the rank counts in turn), each
+rank bound to one core (``harness.BIND``; ``--no-bind`` leaves them to the scheduler). The
+job builds a Trainer of every mesh of its ranks, and on rank 0 a Trainer of the model alone
+(``local=True``: one process, one core, one thread, as every rank of these jobs computes),
+steps each ``--warmup`` times (with more ranks than cores a job's first ~15 steps run 10-30%
+slower: bench/RESULTS.md "Steady steps"), then runs ``--rounds`` rounds of:
+  1. rank 0 alone, the other ranks asleep: this host's compute measured on its one core
+     (``raf_dist.proxies.calibrate.measure`` over ``MPI.COMM_SELF``: GEMM and copy rates, host
+     time per operator call) and the one-process step (the reference);
+  2. every rank: the host measured with all of them sharing its cores (``measure`` over the
+     world: each rank's rates while the others run theirs, raf_dist's allreduce alpha and
+     bandwidth, a meeting's lateness per group shape, ``Cluster.meeting_groups``);
+  3. each mesh's Trainer in turn (the order rotated by a place each round): ``--block-warmup``
+     steps, then ``--steps`` steps, rank 0's clock (every step ends in the loss allreduce),
+     their median.
+A round lasts a minute or two. Between separate jobs minutes apart this shared host's speed
+moved a mesh's median by up to 20% and one calibration's figures 2-3x (stop 61: the same
+model scored 25 and 19 of 26 on two sets of rows); within a round the reference, the
+calibration and the meshes share the host's speed of that minute.
+
+Predicted per round, from that round's figures only: raf_dist.proxies' extraction of the
+mesh's step simulated on the round's N-rank cluster, with every matmul shape's rate relative
+to the 1024^3 one (``Cluster.gemm_efficiency``, measured once alone on one core:
+``calibrate --gemm-shapes``), and the compute rates scaled so that the one-process step
+simulated on the round's one-core figures equals the round's reference (the issue's "this
+machine's measured kernel times scaled"); the host time per operator call is the
+calibration's, not scaled. Nothing is fitted per mesh. A row is the median over its rounds
+(all jobs) of the measured and of the predicted step; its error is theirs, shown beside the
+range of the rounds' own errors and measured steps. The planner's first choice (ranked as
+raf_dist.tools.plan ranks: every mesh under one cluster description, here the median of the
+rounds' figures; at equal time the smaller footprint) is checked against the two fastest
+measured rows.
+
+The rows file (``--rows-out``, written after every job) holds every round's figures and
+measurements, so ``--predict-only FILE`` predicts them again offline in seconds (a new model
+on the same measurements); it measures the matmul shapes again only if the extractions run a
+shape the file has no rate for. Prints the table (with what one matmul rate for every shape
+would predict), the share within 20%, the first choices, and draws the scatter (the rounds'
+measured range as error bars).
 """
 import argparse
 import dataclasses
@@ -70,49 +80,109 @@ def meshes(n):
     return out
 
 
-def side(tp, pp, zero, microbatches, steps, warmup):
-    """One mesh on this job's ranks: prints rank 0's median step."""
+def mesh_key(mesh) -> str:
+    """A mesh's key in a job's report (JSON keys are strings)."""
+    return ",".join(str(v) for v in mesh)
+
+
+def _alone(comm, fn):
+    """``fn()`` on rank 0 while every other rank of ``comm`` sleeps (a non-blocking barrier
+    polled every 5 ms: MPI's blocking barrier spins a core), its result on rank 0."""
+    result = fn() if comm.rank == 0 else None
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
+    return result
+
+
+def _timed(trainer, xs, ys, steps):
+    """The median of ``steps`` steps (ms, this rank's clock) and the last loss."""
+    times = []
+    for _ in range(steps):
+        began = time.perf_counter()
+        loss = trainer.step(xs, ys)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times) * 1e3, loss
+
+
+def side(rounds, steps, block_warmup, warmup):
+    """Every mesh of this job's ranks, interleaved in rounds with the host's figures (module
+    docstring); rank 0 reports each round's one-core cluster, reference step, N-rank cluster
+    and each mesh's median step and last loss."""
+    from mpi4py import MPI
+
     import raf_dist
     from raf_dist import distributed as dist
+    from raf_dist.proxies import calibrate
     from step_time import make
 
-    comm = dist.get_communicator()
-    dp = comm.size // (tp * pp)
-    dist.get_config().update({"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-                              "enable_data_parallel": dp > 1, "zero_opt_level": zero,
-                              "num_microbatches": microbatches})
-    mesh = dist.get_mesh()
-    module, x, y = make("gpt")
-    rows = slice(mesh.dp_rank * GLOBAL_BATCH // dp, (mesh.dp_rank + 1) * GLOBAL_BATCH // dp)
-    trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x[rows],)),
-                               optimizer=raf_dist.optim.AdamW(lr=1e-3))
-    xs, ys = x[rows].numpy(), y[rows].numpy()
-    ms = harness.median_ms(lambda: trainer.step(xs, ys), steps, warmup=warmup)
+    comm = MPI.COMM_WORLD
+    n = comm.size
+    config = dist.get_config()
+
+    def trainer_of(rows, local=False):
+        module, x, y = make("gpt")
+        trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x[rows],)),
+                                   optimizer=raf_dist.optim.AdamW(lr=1e-3), local=local)
+        return trainer, x[rows].numpy(), y[rows].numpy()
+
+    trainers = {}
+    for mesh in meshes(n):
+        dp, tp, pp, zero, m = mesh
+        config.update({"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                       "enable_data_parallel": dp > 1, "zero_opt_level": zero,
+                       "num_microbatches": m})
+        rank = dist.get_mesh().dp_rank
+        trainers[mesh] = trainer_of(slice(rank * GLOBAL_BATCH // dp,
+                                          (rank + 1) * GLOBAL_BATCH // dp))
+    config.update({"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                   "enable_data_parallel": False, "zero_opt_level": 0, "num_microbatches": 1})
+    reference = trainer_of(slice(None), local=True) if comm.rank == 0 else None
+    for trainer, xs, ys in trainers.values():
+        _timed(trainer, xs, ys, warmup)
+    _alone(comm, lambda: _timed(*reference, warmup))
+    order = list(trainers)
+    report = []
+    for index in range(rounds):
+        one_core = _alone(comm, lambda: (calibrate.measure(MPI.COMM_SELF).to_dict(),
+                                         _timed(*reference, block_warmup + steps)))
+        cluster = calibrate.measure(comm).to_dict()
+        measured, losses = {}, {}
+        shift = index % len(order)
+        for mesh in order[shift:] + order[:shift]:
+            trainer, xs, ys = trainers[mesh]
+            _timed(trainer, xs, ys, block_warmup)
+            ms, loss = _timed(trainer, xs, ys, steps)
+            measured[mesh_key(mesh)], losses[mesh_key(mesh)] = ms, loss
+        if comm.rank == 0:
+            (one, (reference_ms, reference_loss)) = one_core
+            # the same data and steps from the same initial values: every mesh's loss is the
+            # one-process loss to float32 rounding (the tests check it; printed as a guard)
+            losses["1,1,1,0,1"] = reference_loss
+            print(f"round {index + 1}/{rounds}: losses {min(losses.values()):.5f}-"
+                  f"{max(losses.values()):.5f}", flush=True)
+            report.append({"one_core": one, "reference_ms": reference_ms, "cluster": cluster,
+                           "ms": measured, "losses": losses})
     if comm.rank == 0:
-        harness.report({"ms": ms})
+        harness.report({"ranks": n, "rounds": report})
 
 
-def calibrated(n, tmp, cpu_set=None, bind=(), gemm_keys=()):
-    """This machine measured with ``n`` ranks sharing its cores (module docstring), on
-    ``cpu_set`` when given, with the launcher's ``bind`` flags; with ``gemm_keys``, those
-    matmuls' rates too (``Cluster.gemm_efficiency``)."""
+def gemm_rates(keys, tmp, cpu_set):
+    """``Cluster.gemm_efficiency`` of ``keys``: a one-process calibration on ``cpu_set``
+    (``calibrate --gemm-shapes``: each matmul shape alone on one core against the 1024^3
+    one)."""
     import os
     import subprocess
 
     from raf_dist.proxies import load_cluster
 
-    path = Path(tmp) / f"cpu-{n}.json"
-    shapes = []
-    if gemm_keys:
-        keys = Path(tmp) / "gemm_shapes.json"
-        keys.write_text(json.dumps(sorted(gemm_keys)))
-        shapes = ["--gemm-shapes", str(keys)]
-    subprocess.run([harness.mpiexec(), *bind, "-n", str(n), sys.executable, "-m",
-                    "raf_dist.proxies", "calibrate", "--calibration-out", str(path), *shapes],
-                   check=True, timeout=600,
-                   cwd=harness.ROOT, stdout=subprocess.DEVNULL,
-                   preexec_fn=(lambda: os.sched_setaffinity(0, cpu_set)) if cpu_set else None)
-    return load_cluster(str(path))
+    path, shapes = Path(tmp) / "cpu-1.json", Path(tmp) / "gemm_shapes.json"
+    shapes.write_text(json.dumps(sorted(keys)))
+    subprocess.run([harness.mpiexec(), "-n", "1", sys.executable, "-m", "raf_dist.proxies",
+                    "calibrate", "--calibration-out", str(path), "--gemm-shapes", str(shapes)],
+                   check=True, timeout=600, cwd=harness.ROOT, stdout=subprocess.DEVNULL,
+                   preexec_fn=lambda: os.sched_setaffinity(0, cpu_set))
+    return load_cluster(str(path)).gemm_efficiency
 
 
 _WORKLOADS = {}
@@ -174,167 +244,171 @@ def host_seconds(mesh, cluster):
     return ops * cluster.op_overhead_us * 1e-6
 
 
-def rows_of(jobs):
-    """One row per mesh of ``{(ranks, *mesh): [job]}``: the median job, and the median
-    reference (the speed the host ran them at)."""
-    return [{"ranks": n, "dp": dp, "tp": tp, "pp": pp, "zero": zero, "microbatches": m,
-             "measured_ms": statistics.median(j["measured_ms"] for j in mine),
-             "reference_ms": statistics.median(j["reference_ms"] for j in mine), "jobs": mine}
-            for (n, dp, tp, pp, zero, m), mine in jobs.items()]
+SINGLE = (1, 1, 1, 0, 1)
+
+
+def compute_scale(one_core, reference_s):
+    """The compute rates' factor making the one-process step simulated on ``one_core`` (rates,
+    matmul shapes, host time per operator call) last ``reference_s`` with its operator calls'
+    host time as calibrated (not scaled)."""
+    modelled, host = predict(SINGLE, one_core, 1.0), host_seconds(SINGLE, one_core)
+    if reference_s <= host:
+        raise SystemExit(f"the one-process step ({reference_s * 1e3:.1f} ms) is no longer than "
+                         f"its calibrated operator calls ({host * 1e3:.1f} ms): measure again")
+    return (modelled - host) / (reference_s - host)
+
+
+def round_clusters(rnd, efficiency):
+    """(one-core cluster, N-rank cluster) of one round, with the matmul shapes' rates."""
+    from raf_dist.proxies import Cluster
+
+    return tuple(dataclasses.replace(Cluster.from_dict(rnd[k]), gemm_efficiency=efficiency)
+                 for k in ("one_core", "cluster"))
+
+
+def rows_of(jobs, efficiency):
+    """One row per mesh of ``{ranks: [job report]}`` (module docstring): per round the measured
+    and predicted step (and the one-matmul-rate prediction), their medians; the planner's
+    time under the median of every round's figures."""
+    rows = []
+    for n, reports in sorted(jobs.items()):
+        rounds = [rnd for report in reports for rnd in report["rounds"]]
+        per_round = []
+        for rnd in rounds:
+            one, cluster = round_clusters(rnd, efficiency)
+            flat_one, flat = round_clusters(rnd, {})
+            per_round.append((rnd, cluster, compute_scale(one, rnd["reference_ms"] / 1e3),
+                              flat, compute_scale(flat_one, rnd["reference_ms"] / 1e3)))
+        plan_one = median_cluster([round_clusters(r, efficiency)[0] for r in rounds])
+        plan_cluster = median_cluster([round_clusters(r, efficiency)[1] for r in rounds])
+        plan_scale = compute_scale(plan_one, statistics.median(r["reference_ms"]
+                                                               for r in rounds) / 1e3)
+        for mesh in meshes(n):
+            key = mesh_key(mesh)
+            measured = [rnd["ms"][key] for rnd, *_ in per_round]
+            predicted = [predict(mesh, c, scale) * 1e3 for _, c, scale, _, _ in per_round]
+            one_rate = [predict(mesh, f, scale) * 1e3 for *_, f, scale in per_round]
+            dp, tp, pp, zero, m = mesh
+            rows.append({"ranks": n, "dp": dp, "tp": tp, "pp": pp, "zero": zero,
+                         "microbatches": m, "measured": measured, "predicted": predicted,
+                         "measured_ms": statistics.median(measured),
+                         "predicted_ms": statistics.median(predicted),
+                         "one_rate_ms": statistics.median(one_rate),
+                         "planned_ms": predict(mesh, plan_cluster, plan_scale) * 1e3})
+    return rows
 
 
 def _name(r):
     return f"dp{r['dp']} tp{r['tp']} pp{r['pp']} zero{r['zero']} M{r['microbatches']}"
 
 
+def print_rounds(jobs):
+    """Each rank count's rounds: the reference, the compute rates alone and shared, the host
+    time per operator call alone and shared, the allreduce's alpha, the meeting figures, and
+    the range of the meshes' losses (equal but for float32 rounding: a guard)."""
+    for n, reports in sorted(jobs.items()):
+        for j, report in enumerate(reports):
+            for i, rnd in enumerate(report["rounds"]):
+                c, one = rnd["cluster"], rnd["one_core"]
+                groups = " ".join(f"{g} {v[0]:.2f}" for g, v in
+                                  sorted(c.get("meeting_groups", {}).items()))
+                print(f"# N={n} job {j + 1} round {i + 1}: one core {rnd['reference_ms']:.1f} "
+                      f"ms, {one['matmul_tflops'] * 1e3:.1f} GFLOP/s alone, "
+                      f"{c['matmul_tflops'] * 1e3:.1f} shared, op {one['op_overhead_us']:.1f} / "
+                      f"{c['op_overhead_us']:.1f} us, alpha {c['intra']['alpha_us']:.0f} us, "
+                      f"meeting {c['meeting_us']:.0f} us; lateness {groups}; losses "
+                      f"{min(rnd['losses'].values()):.5f}-{max(rnd['losses'].values()):.5f}",
+                      flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--side", action="store_true")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--zero", type=int, default=0)
-    p.add_argument("--microbatches", type=int, default=1)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=15)
-    p.add_argument("--repeats", type=int, default=3,
-                   help="jobs per mesh; a row is their median")
-    p.add_argument("--calibrations", type=int, default=3,
-                   help="calibrations per rank count; the cluster is their median")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds per job: the host's figures, then every mesh's block of steps")
+    p.add_argument("--steps", type=int, default=10, help="timed steps of a mesh per round")
+    p.add_argument("--block-warmup", type=int, default=2,
+                   help="untimed steps of a mesh at the start of its block")
+    p.add_argument("--warmup", type=int, default=15, help="untimed steps of each Trainer "
+                   "before the first round")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="jobs per rank count; a row is the median over all their rounds")
     p.add_argument("--ranks", default="2,4,8")
     p.add_argument("--png", default=str(harness.BENCH / "plan_validation.png"))
     p.add_argument("--rows-out", default="/tmp/plan_validation_rows.json")
     p.add_argument("--predict-only", help="a previous run's --rows-out: predict again")
     p.add_argument("--bind", action=argparse.BooleanOptionalAction, default=True,
-                   help="bind each rank to one core (jobs and calibrations): harness.BIND "
-                        "(--no-bind: leave them to the scheduler)")
+                   help="bind each rank to one core: harness.BIND (--no-bind: leave them to "
+                        "the scheduler)")
     a = p.parse_args()
     if a.side:
-        side(a.tp, a.pp, a.zero, a.microbatches, a.steps, a.warmup)
+        side(a.rounds, a.steps, a.block_warmup, a.warmup)
         return
-    if a.repeats < 1 or a.calibrations < 1:
-        raise SystemExit(f"--repeats {a.repeats} / --calibrations {a.calibrations}: at least "
-                         "one of each")
+    if a.repeats < 1 or a.rounds < 1 or a.steps < 1:
+        raise SystemExit(f"--repeats {a.repeats} / --rounds {a.rounds} / --steps {a.steps}: "
+                         "at least one of each")
     import tempfile
 
     tmp = tempfile.mkdtemp(prefix="raf_dist_pv_")
     ranks = [int(v) for v in a.ranks.split(",")]
-    # the reference: one process on one core, as every rank of the 2-, 4- and 8-rank jobs
-    # computes on one thread (cores / ranks); two threads in one process are a different
-    # kernel efficiency (TVM's pool synchronises every parallel kernel) that no mesh here has
     one_core = harness.cores(1)
-
-    def reference():
-        return harness.run_side([sys.executable, __file__, "--side", "--steps", str(a.steps),
-                                 "--warmup", str(a.warmup)], cpu_set=one_core,
-                                timeout=900)["ms"] / 1e3
-
-    one = reference()
-    first_one = one  # the speed the planner's ranking is taken at: the run's first reference
-    rows = []
+    keys = matmul_shapes([SINGLE, *(m for n in ranks for m in meshes(n))])
     if a.predict_only:
         saved = json.loads(Path(a.predict_only).read_text())
-        rows = [r for r in saved["rows"] if r["ranks"] in ranks]
-        first_one = saved["one_process_s"]
-        # calibrated as those jobs ran (files from before f898af9 have no key: unbound)
-        a.bind = saved.get("bind", False)
-    bind = harness.BIND if a.bind else []
-    single = (1, 1, 1, 0, 1)
-    measured_meshes = ([(r["dp"], r["tp"], r["pp"], r["zero"], r["microbatches"]) for r in rows]
-                       if a.predict_only else [m for n in ranks for m in meshes(n)])
-    # the matmuls' rates by shape, measured alone on one core as every rank computes (each
-    # N-rank calibration's matmul rate carries the sharing of cores; the shapes' rates are
-    # relative to it: Cluster.gemm_efficiency)
-    clusters = {1: calibrated(1, tmp, one_core,
-                              gemm_keys=matmul_shapes([single, *measured_meshes]))}
-    # each N-rank cluster the median of --calibrations calibrations, field by field: one
-    # calibration's lateness cap and host time per collective swung 2-3x between
-    # calibrations minutes apart (bench/RESULTS.md)
-    clusters.update({n: dataclasses.replace(
-        median_cluster([calibrated(n, tmp, bind=bind) for _ in range(a.calibrations)]),
-        gemm_efficiency=clusters[1].gemm_efficiency) for n in ranks})
-    print(f"# {harness.machine()}", flush=True)
-    for n, c in clusters.items():
-        shown = {k: v for k, v in c.to_dict().items() if k != "gemm_efficiency"}
-        print(f"# calibrated with {n} rank(s): {json.dumps(shown)}", flush=True)
-    efficiency = clusters[1].gemm_efficiency
-    if efficiency:
-        print(f"# {len(efficiency)} matmul shapes measured: rate / the 1024^3 one's from "
-              f"{min(efficiency.values()):.2f} to {max(efficiency.values()):.2f} (median "
-              f"{statistics.median(efficiency.values()):.2f})", flush=True)
-    # the rates scaled so that the one-process step's compute plus its operator calls' host
-    # time (calibrated, not scaled) equals the measured one-process step
-    modelled, host = predict(single, clusters[1], 1.0), host_seconds(single, clusters[1])
-    # the same without the shapes' rates (every matmul at the 1024^3 rate, as before
-    # 2026-11-30): the table's "one rate" column
-    flat = {n: dataclasses.replace(c, gemm_efficiency={}) for n, c in clusters.items()}
-    flat_modelled = predict(single, flat[1], 1.0)
-
-    def scale_for(reference_s, modelled_s=modelled):
-        """The compute rates' factor making the one-process step ``modelled_s`` (this model's,
-        or the one-rate model's) last ``reference_s``."""
-        if reference_s <= host:
-            raise SystemExit(f"the one-process step ({reference_s * 1e3:.1f} ms) is no longer "
-                             f"than its calibrated operator calls ({host * 1e3:.1f} ms): "
-                             "calibrate again")
-        return (modelled_s - host) / (reference_s - host)
-
-    scale = scale_for(one)
-    print(f"# one process on one core: measured {one * 1e3:.1f} ms, cost model "
-          f"{modelled * 1e3:.1f} ms "
-          f"(of which {host * 1e3:.1f} ms the host's operator calls) -> this model's compute "
-          f"rates x {scale:.3f}", flush=True)
-    if not a.predict_only:
-        # each mesh in --repeats jobs, the repeats as the outer loop (a mesh's jobs minutes
-        # apart): one job of a mesh measured 81-115 ms here in four runs (bench/RESULTS.md)
+        if "jobs" not in saved:
+            raise SystemExit(f"{a.predict_only} is a rows file from before the interleaved "
+                             "jobs (2026-11-30, stop 62): it has no per-round figures to "
+                             "predict from; measure again without --predict-only")
+        jobs = {int(n): reports for n, reports in saved["jobs"].items() if int(n) in ranks}
+        efficiency = saved["gemm_efficiency"]
+        if not keys <= set(efficiency):  # the extractions run a shape the file has no rate for
+            print(f"# measuring the matmul shapes again ({len(keys - set(efficiency))} new)",
+                  flush=True)
+            efficiency = gemm_rates(keys, tmp, one_core)
+        a.bind = saved["bind"]
+    else:
+        # every matmul shape's rate against the 1024^3 one, alone on one core as every rank
+        # computes (Cluster.gemm_efficiency; a ratio, measured once)
+        efficiency = gemm_rates(keys, tmp, one_core)
         jobs = {}
+        bind = harness.BIND if a.bind else []
         for repeat in range(a.repeats):
             for n in ranks:
-                for mesh in meshes(n):
-                    dp, tp, pp, zero, m = mesh
-                    # the one-core reference again, just before the job: this shared host's
-                    # speed drifts (the same reference measured 112.5 and 69.5 ms 25 minutes
-                    # apart, 2026-11-29), and the job is predicted at the speed of its moment
-                    ref = reference()
-                    measured = harness.run_side(
-                        [harness.mpiexec(), *bind, "-n", str(n), sys.executable, __file__,
-                         "--side", "--tp", str(tp), "--pp", str(pp), "--zero", str(zero),
-                         "--microbatches", str(m), "--steps", str(a.steps), "--warmup",
-                         str(a.warmup)],
-                        timeout=900)["ms"] / 1e3
-                    jobs.setdefault((n, *mesh), []).append(
-                        {"measured_ms": measured * 1e3, "reference_ms": ref * 1e3})
-                    print(f"# job {repeat + 1}/{a.repeats} N={n} dp{dp} tp{tp} pp{pp} zero{zero} "
-                          f"M{m}: measured {measured * 1e3:.1f} ms (one core just before: "
-                          f"{ref * 1e3:.1f} ms)", flush=True)
-                    # written after every job: a run stopped half-way leaves its rows
-                    rows = rows_of(jobs)
-                    Path(a.rows_out).write_text(json.dumps({"one_process_s": one,
-                                                            "bind": a.bind, "rows": rows}))
-    # the planner's view: every mesh at one speed of the host (the run's first reference), as
-    # it ranks them under one cluster description
-    plan_scale = scale_for(first_one)
-    for r in rows:
-        mesh = (r["dp"], r["tp"], r["pp"], r["zero"], r["microbatches"])
-        row_scale = scale_for(r["reference_ms"] / 1e3) if "reference_ms" in r else scale
-        r["predicted_ms"] = predict(mesh, clusters[r["ranks"]], row_scale) * 1e3
-        r["planned_ms"] = predict(mesh, clusters[r["ranks"]], plan_scale) * 1e3
-        r["one_rate_ms"] = predict(mesh, flat[r["ranks"]], scale_for(
-            r.get("reference_ms", one * 1e3) / 1e3, flat_modelled)) * 1e3
-    print("ranks  dp  tp  pp  zero   M  measured ms (jobs' range)  predicted ms   error  "
-          "planned ms | one matmul rate: predicted  error")
+                began = time.time()
+                report = harness.run_side(
+                    [harness.mpiexec(), *bind, "-n", str(n), sys.executable, __file__,
+                     "--side", "--rounds", str(a.rounds), "--steps", str(a.steps),
+                     "--block-warmup", str(a.block_warmup), "--warmup", str(a.warmup)],
+                    timeout=3600)
+                jobs.setdefault(n, []).append(report)
+                print(f"# job {repeat + 1}/{a.repeats} N={n}: {time.time() - began:.0f} s",
+                      flush=True)
+                # written after every job: a run stopped half-way leaves its rows
+                Path(a.rows_out).write_text(json.dumps({"bind": a.bind, "jobs": jobs,
+                                                        "gemm_efficiency": efficiency}))
+    print(f"# {harness.machine()}; ranks bound: {a.bind}", flush=True)
+    print(f"# {len(efficiency)} matmul shapes measured: rate / the 1024^3 one's from "
+          f"{min(efficiency.values()):.2f} to {max(efficiency.values()):.2f} (median "
+          f"{statistics.median(efficiency.values()):.2f})", flush=True)
+    print_rounds(jobs)
+    rows = rows_of(jobs, efficiency)
+    print("ranks  dp  tp  pp  zero   M  measured ms (rounds' range)  predicted ms   error "
+          "(rounds' errors)  planned ms | one matmul rate: predicted  error")
     for r in rows:
         err = r["predicted_ms"] / r["measured_ms"] - 1
         flat_err = r["one_rate_ms"] / r["measured_ms"] - 1
-        spread = [j["measured_ms"] for j in r.get("jobs", [])]
-        spread = f"({min(spread):.0f}-{max(spread):.0f})" if len(spread) > 1 else ""
+        errors = [q / m - 1 for q, m in zip(r["predicted"], r["measured"])]
+        span = f"({min(r['measured']):.0f}-{max(r['measured']):.0f})"
         print(f"{r['ranks']:>5} {r['dp']:>3} {r['tp']:>3} {r['pp']:>3} {r['zero']:>5} "
-              f"{r['microbatches']:>3} {r['measured_ms']:>12.1f} {spread:>13} "
-              f"{r['predicted_ms']:>13.1f} "
-              f"{err:>+7.1%} {r['planned_ms']:>11.1f} | {r['one_rate_ms']:>26.1f} "
-              f"{flat_err:>+6.1%}")
+              f"{r['microbatches']:>3} {r['measured_ms']:>12.1f} {span:>15} "
+              f"{r['predicted_ms']:>13.1f} {err:>+7.1%} ({min(errors):+.0%}..{max(errors):+.0%})"
+              f" {r['planned_ms']:>11.1f} | {r['one_rate_ms']:>26.1f} {flat_err:>+6.1%}")
     within = [abs(r["predicted_ms"] / r["measured_ms"] - 1) <= 0.2 for r in rows]
     flat_within = [abs(r["one_rate_ms"] / r["measured_ms"] - 1) <= 0.2 for r in rows]
-    print(f"within 20%: {sum(within)} of {len(rows)} (one matmul rate: {sum(flat_within)})")
+    spread = statistics.median((max(r["measured"]) - min(r["measured"])) / r["measured_ms"]
+                               for r in rows)
+    print(f"within 20%: {sum(within)} of {len(rows)} (one matmul rate: {sum(flat_within)}); "
+          f"a row's measured rounds span {spread:.0%} of its median (median over the rows)")
     for n in sorted({r["ranks"] for r in rows}):
         mine = [r for r in rows if r["ranks"] == n]
         # as raf_dist.tools.plan ranks: by simulated time, at equal time the smaller
@@ -352,13 +426,17 @@ def main():
     fig, ax = plt.subplots(figsize=(5.5, 5))
     for n, marker in ((2, "o"), (4, "s"), (8, "^")):
         mine = [r for r in rows if r["ranks"] == n]
-        ax.scatter([r["measured_ms"] for r in mine], [r["predicted_ms"] for r in mine],
-                   marker=marker, label=f"{n} ranks")
-    top = max(max(r["measured_ms"], r["predicted_ms"]) for r in rows) * 1.1
+        if not mine:
+            continue
+        ax.errorbar([r["measured_ms"] for r in mine], [r["predicted_ms"] for r in mine],
+                    xerr=[[r["measured_ms"] - min(r["measured"]) for r in mine],
+                          [max(r["measured"]) - r["measured_ms"] for r in mine]],
+                    fmt=marker, capsize=2, label=f"{n} ranks")
+    top = max(max(*r["measured"], r["predicted_ms"]) for r in rows) * 1.1
     ax.plot([0, top], [0, top], "k-", lw=0.8)
     ax.plot([0, top], [0, 1.2 * top], "k:", lw=0.6)
     ax.plot([0, top], [0, 0.8 * top], "k:", lw=0.6)
-    ax.set_xlabel("measured step (ms)")
+    ax.set_xlabel("measured step (ms; bars: the rounds' range)")
     ax.set_ylabel("predicted step (ms)")
     ax.set_title("predicted (raf_dist.proxies) vs measured, GPT 4x128, here")
     ax.legend()

@@ -499,6 +499,34 @@ def test_calibrate_measures_this_host_and_its_host_time_per_call(tmp_path):
     assert refused.returncode != 0 and "'256x128;512x128' is not a matmul shape" in refused.stderr
 
 
+def test_measure_again_in_one_process_reuses_what_it_built_and_keeps_the_config(
+        monkeypatch, dist_config):
+    """``calibrate.measure`` called again in one process (bench/plan_validation.py measures
+    the host between its Trainers' steps, every round): it measures again but builds nothing
+    new (the tiny model's Trainer is kept in ``_BUILT``), and it builds that Trainer under
+    its own parallelism whatever the user's config asks, leaving the config as it found it
+    (num_microbatches too). Built under a data-parallel config the local Trainer was refused
+    before (``Trainer(local=True)`` asks for no parallelism)."""
+    from mpi4py import MPI
+
+    from raf_dist.proxies import calibrate
+
+    monkeypatch.setattr(calibrate, "WINDOW_S", 0.05)
+    monkeypatch.setattr(calibrate, "_BUILT", {})
+    asked = {"enable_data_parallel": True, "zero_opt_level": 2, "num_microbatches": 4}
+    dist_config.update(asked)
+    first = calibrate.measure(MPI.COMM_SELF)
+    built = dict(calibrate._BUILT)
+    second = calibrate.measure(MPI.COMM_SELF)
+    assert list(built) == ["local"]
+    assert calibrate._BUILT.keys() == built.keys()
+    assert all(calibrate._BUILT[k] is v for k, v in built.items())
+    assert {k: getattr(dist_config, k) for k in asked} == asked
+    for cluster in (first, second):
+        assert cluster.matmul_tflops > 0 and cluster.memory_GBps > 0
+        assert 0.05 < cluster.op_overhead_us < 1000
+
+
 def test_calibration_rates_are_taken_over_one_window_every_rank_starts_together():
     """calibrate's rates: each rank counts its calls over a window that begins when the last
     rank reaches the barrier (so every rank's work overlaps every other's), the first call

@@ -39,9 +39,11 @@ from .simulate import _CALIBRATED, Cluster, Link
 WINDOW_S = 2.0
 
 
-def _window_rate(comm, fn, seconds: float = WINDOW_S) -> float:
-    """Calls of ``fn`` per second on this rank over a ``seconds`` window that every rank of
-    ``comm`` starts together (one call first, outside it: first-call set-up)."""
+def _window_rate(comm, fn, seconds: float | None = None) -> float:
+    """Calls of ``fn`` per second on this rank over a ``seconds`` window (default
+    ``WINDOW_S``) that every rank of ``comm`` starts together (one call first, outside it:
+    first-call set-up)."""
+    seconds = WINDOW_S if seconds is None else seconds
     fn()
     comm.Barrier()
     began = time.perf_counter()
@@ -70,6 +72,30 @@ class _TinyMLP(nn.Module):
         return self.head(x)
 
 
+#: what a calibration builds once per process and measures again on a later call (the tiny
+#: model's Trainers, the meeting groups' native ids): a job that calibrates between the
+#: steps of its own Trainers (bench/plan_validation.py) calls ``measure`` every round
+_BUILT: dict = {}
+
+
+def _with_parallelism(fields: dict, build):
+    """``build()`` under the calibration's own parallelism (``fields`` over a lone rank's: no
+    dp, ZeRO, pipelining or tables), the user's config back afterwards whatever happens."""
+    from raf_dist import distributed as dist
+
+    from ..runtime.plan import PARALLELISM_FIELDS
+
+    config = dist.get_config()
+    saved = {k: getattr(config, k) for k in (*PARALLELISM_FIELDS, "num_microbatches")}
+    try:
+        config.update({"enable_data_parallel": False, "zero_opt_level": 0,
+                       "embedding_parallel": "none", "pipeline_parallel_size": 1,
+                       "tensor_parallel_size": 1, "num_microbatches": 1, **fields})
+        return build()
+    finally:
+        config.update(saved)
+
+
 def _op_overhead_us(comm) -> float:
     """Microseconds of host time per operator call with every rank stepping at once (module
     docstring): the median over the ranks of each one's median step / its operator count."""
@@ -77,10 +103,13 @@ def _op_overhead_us(comm) -> float:
 
     from .extract import MeshSpec, extract
 
-    model = raf_dist.frontend.from_relax_nn(_TinyMLP(), [((4, 16), "float32")])
-    ops = sum(e.ops for e in extract(model, MeshSpec()).programs[0])
-    # this rank alone (no data parallelism whatever the config says): no communication
-    trainer = raf_dist.Trainer(model, optimizer=raf_dist.optim.AdamW(lr=1e-3), local=True)
+    if "local" not in _BUILT:
+        model = raf_dist.frontend.from_relax_nn(_TinyMLP(), [((4, 16), "float32")])
+        ops = sum(e.ops for e in extract(model, MeshSpec()).programs[0])
+        # this rank alone (no data parallelism whatever the config says): no communication
+        _BUILT["local"] = (ops, _with_parallelism({}, lambda: raf_dist.Trainer(
+            model, optimizer=raf_dist.optim.AdamW(lr=1e-3), local=True)))
+    ops, trainer = _BUILT["local"]
     rng = np.random.default_rng(comm.rank)
     xs = rng.standard_normal((4, 16), np.float32)
     ys = rng.integers(0, 8, (4,))
@@ -183,9 +212,12 @@ def _meeting_groups(comm, shared: bool) -> dict:
     out = {}
     for size, stride in meeting_group_shapes(comm.size):
         group = None
-        if size < comm.size:
-            sub = comm.Split(group_color(comm.rank, size, stride), key=comm.rank)
-            group = int(_native.func("init_group")(MPI._addressof(sub), False))
+        if size < comm.size:  # made once per process (_BUILT): native groups are not freed
+            key = ("group", comm.size, size, stride)
+            if key not in _BUILT:
+                sub = comm.Split(group_color(comm.rank, size, stride), key=comm.rank)
+                _BUILT[key] = (sub, int(_native.func("init_group")(MPI._addressof(sub), False)))
+            group = _BUILT[key][1]
         ratio, cap_us = _meeting(comm, shared, group)
         out[f"{size}x{stride}"] = [round(ratio, 4), round(cap_us, 1)]
     return out
@@ -204,32 +236,25 @@ def _meeting_us(comm, cluster: Cluster) -> float:
     rank. 0 where the ranks do not divide the model's width (its layers would stay whole: no
     collective to measure)."""
     import raf_dist
-    from raf_dist import distributed as dist
 
-    from ..runtime.plan import PARALLELISM_FIELDS
     from .extract import MeshSpec, extract
     from .simulate import group_size, simulate
     from .workload import COLLECTIVES
 
     if _TINY_WIDTH % comm.size:
         return 0.0
-    model = raf_dist.frontend.from_relax_nn(_TinyMLP(), [((4, _TINY_WIDTH), "float32")])
-    workload = extract(model, MeshSpec(tp=comm.size))
-    meetings = sum(1 for e in workload.programs[0]
-                   if e.kind in COLLECTIVES and group_size(workload, e.axis or "pp") > 1)
+    if ("tp", comm.size) not in _BUILT:
+        model = raf_dist.frontend.from_relax_nn(_TinyMLP(), [((4, _TINY_WIDTH), "float32")])
+        workload = extract(model, MeshSpec(tp=comm.size))
+        meetings = sum(1 for e in workload.programs[0]
+                       if e.kind in COLLECTIVES and group_size(workload, e.axis or "pp") > 1)
+        trainer = meetings and _with_parallelism(
+            {"tensor_parallel_size": comm.size},
+            lambda: raf_dist.Trainer(model, optimizer=raf_dist.optim.AdamW(lr=1e-3)))
+        _BUILT[("tp", comm.size)] = (workload, meetings, trainer)
+    workload, meetings, trainer = _BUILT[("tp", comm.size)]
     if not meetings:
         return 0.0
-    # the calibration's own parallelism (every other field as a lone rank's), the user's
-    # config back afterwards whatever happens
-    config = dist.get_config()
-    saved = {k: getattr(config, k) for k in PARALLELISM_FIELDS}
-    try:
-        config.update({"enable_data_parallel": False, "zero_opt_level": 0,
-                       "embedding_parallel": "none", "pipeline_parallel_size": 1,
-                       "tensor_parallel_size": comm.size})
-        trainer = raf_dist.Trainer(model, optimizer=raf_dist.optim.AdamW(lr=1e-3))
-    finally:
-        config.update(saved)
     rng = np.random.default_rng(0)  # every rank the same rows (tensor parallelism)
     xs = rng.standard_normal((4, _TINY_WIDTH), np.float32)
     ys = rng.integers(0, 8, (4,))
@@ -313,17 +338,38 @@ def _ranks_float_on_shared_cores(comm) -> bool:
 
 
 def calibrate(out_path: str = _CALIBRATED, gemm_keys=()) -> int:
-    """Measure this host with this job's ranks (module docstring) and save the cluster to
-    ``out_path``; ``gemm_keys``: matmul shapes (``gemm_key``, a workload's ``Event.gemms``)
-    whose rates to measure too (``Cluster.gemm_efficiency``; the median over the ranks, each
-    measuring its own from a common barrier on, so the others run theirs meanwhile)."""
+    """Measure this host with this job's ranks (``measure`` over MPI's world) and save the
+    cluster to ``out_path`` (rank 0 writes it and prints it)."""
+    from mpi4py import MPI
+
+    cluster = measure(MPI.COMM_WORLD, gemm_keys)
+    if MPI.COMM_WORLD.rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path, "w") as f:
+            json.dump(cluster.to_dict(), f, indent=1)
+        print(json.dumps(cluster.to_dict()))
+        print(f"saved to {out_path}")
+    return 0
+
+
+def measure(comm, gemm_keys=()) -> Cluster:
+    """This host measured with the ranks of ``comm`` (an mpi4py communicator; module
+    docstring), collective over it; ``gemm_keys``: matmul shapes (``gemm_key``, a
+    workload's ``Event.gemms``) whose rates to measure too (``Cluster.gemm_efficiency``; the
+    median over the ranks, each measuring its own from a common barrier on, so the others run
+    theirs meanwhile). ``MPI.COMM_SELF`` in a job of N ranks measures this rank's compute
+    alone (with the threads a rank of that job gets); the groups and tiny Trainers it makes
+    are kept for the process's later calls (``_BUILT``)."""
     from mpi4py import MPI
 
     from ..distributed import collectives, get_communicator
     from ..runtime.threads import set_num_threads, threads_per_rank
 
-    comm = MPI.COMM_WORLD
     n = comm.size
+    if n not in (1, MPI.COMM_WORLD.size):  # its allreduces run over the world's group
+        raise ValueError(f"calibrate.measure: a communicator of {n} ranks; it measures with "
+                         f"every rank of the job ({MPI.COMM_WORLD.size}) or one alone "
+                         "(MPI.COMM_SELF)")
     # each rank's compute threads as a Trainer sizes them (cores / ranks on this host): the
     # rates measured are the ones a step of N ranks gets, not N oversubscribed BLAS pools
     set_num_threads(threads_per_rank(get_communicator().local_size))
@@ -371,10 +417,4 @@ def calibrate(out_path: str = _CALIBRATED, gemm_keys=()) -> int:
         every = comm.allgather(mine)
         cluster = dataclasses.replace(cluster, gemm_efficiency={
             key: statistics.median(e[key] for e in every) for key in mine})
-    if comm.rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        with open(out_path, "w") as f:
-            json.dump(cluster.to_dict(), f, indent=1)
-        print(json.dumps(cluster.to_dict()))
-        print(f"saved to {out_path}")
-    return 0
+    return cluster
