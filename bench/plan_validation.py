@@ -18,8 +18,9 @@ slower: bench/RESULTS.md "Steady steps"), then runs ``--rounds`` rounds of:
      (``raf_dist.proxies.calibrate.measure`` over ``MPI.COMM_SELF``: GEMM and copy rates, host
      time per operator call) and the one-process step (the reference);
   2. every rank: the host measured with all of them sharing its cores (``measure`` over the
-     world: each rank's rates while the others run theirs, raf_dist's allreduce alpha and
-     bandwidth, a meeting's lateness per group shape, ``Cluster.meeting_groups``);
+     world: each rank's GEMM rate while the others run theirs, the memory rate as rank 0's
+     alone times that share of its core, raf_dist's allreduce alpha and bandwidth, a
+     meeting's lateness per group shape, ``Cluster.meeting_groups``);
   3. each mesh's Trainer in turn (the order rotated by a place each round): ``--block-warmup``
      steps, then ``--steps`` steps, rank 0's clock (every step ends in the loss allreduce),
      their median.
@@ -44,7 +45,8 @@ measured rows.
 The rows file (``--rows-out``, written after every job) holds every round's figures and
 measurements, so ``--predict-only FILE`` predicts them again offline in seconds (a new model
 on the same measurements); it measures the matmul shapes again only if the extractions run a
-shape the file has no rate for. Prints the table (with what one matmul rate for every shape
+shape the file has no rate for. bench/plan_validation_rows/ keeps the runs of bench/RESULTS.md
+("The validation in interleaved jobs"). Prints the table (with what one matmul rate for every shape
 would predict), the share within 20%, the first choices, and draws the scatter (the rounds'
 measured range as error bars).
 """
@@ -83,16 +85,6 @@ def meshes(n):
 def mesh_key(mesh) -> str:
     """A mesh's key in a job's report (JSON keys are strings)."""
     return ",".join(str(v) for v in mesh)
-
-
-def _alone(comm, fn):
-    """``fn()`` on rank 0 while every other rank of ``comm`` sleeps (a non-blocking barrier
-    polled every 5 ms: MPI's blocking barrier spins a core), its result on rank 0."""
-    result = fn() if comm.rank == 0 else None
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.005)
-    return result
 
 
 def _timed(trainer, xs, ys, steps):
@@ -140,11 +132,11 @@ def side(rounds, steps, block_warmup, warmup):
     reference = trainer_of(slice(None), local=True) if comm.rank == 0 else None
     for trainer, xs, ys in trainers.values():
         _timed(trainer, xs, ys, warmup)
-    _alone(comm, lambda: _timed(*reference, warmup))
+    calibrate.alone(comm, lambda: _timed(*reference, warmup))
     order = list(trainers)
     report = []
     for index in range(rounds):
-        one_core = _alone(comm, lambda: (calibrate.measure(MPI.COMM_SELF).to_dict(),
+        one_core = calibrate.alone(comm, lambda: (calibrate.measure(MPI.COMM_SELF).to_dict(),
                                          _timed(*reference, block_warmup + steps)))
         cluster = calibrate.measure(comm).to_dict()
         measured, losses = {}, {}
@@ -245,6 +237,9 @@ def host_seconds(mesh, cluster):
 
 
 SINGLE = (1, 1, 1, 0, 1)
+#: how the rows file's N-rank memory rates were calibrated: a rank's share of its core's
+#: (calibrate.measure, since stop 62; files without the key: every rank's 64 MiB copies at once)
+MEMORY_RATE = "share"
 
 
 def compute_scale(one_core, reference_s):
@@ -360,6 +355,16 @@ def main():
                              "jobs (2026-11-30, stop 62): it has no per-round figures to "
                              "predict from; measure again without --predict-only")
         jobs = {int(n): reports for n, reports in saved["jobs"].items() if int(n) in ranks}
+        if saved.get("memory_rate") != MEMORY_RATE:
+            # measured before calibrate's memory rate was the rank's share of its core's:
+            # the same figure from the round's own one-core copy and both GEMM rates
+            print("# rows from before the memory rate by share (stop 62): each round's N-rank "
+                  "memory rate = its one-core copy rate x shared / alone GEMM rate", flush=True)
+            for report in (r for reports in jobs.values() for r in reports):
+                for rnd in report["rounds"]:
+                    one, cluster = rnd["one_core"], rnd["cluster"]
+                    cluster["memory_GBps"] = (one["memory_GBps"] * cluster["matmul_tflops"]
+                                              / one["matmul_tflops"])
         efficiency = saved["gemm_efficiency"]
         if not keys <= set(efficiency):  # the extractions run a shape the file has no rate for
             print(f"# measuring the matmul shapes again ({len(keys - set(efficiency))} new)",
@@ -385,7 +390,8 @@ def main():
                       flush=True)
                 # written after every job: a run stopped half-way leaves its rows
                 Path(a.rows_out).write_text(json.dumps({"bind": a.bind, "jobs": jobs,
-                                                        "gemm_efficiency": efficiency}))
+                                                        "gemm_efficiency": efficiency,
+                                                        "memory_rate": MEMORY_RATE}))
     print(f"# {harness.machine()}; ranks bound: {a.bind}", flush=True)
     print(f"# {len(efficiency)} matmul shapes measured: rate / the 1024^3 one's from "
           f"{min(efficiency.values()):.2f} to {max(efficiency.values()):.2f} (median "

@@ -5,7 +5,8 @@ JSON for ``--cluster FILE``). With N ranks on fewer cores it measures N ranks sh
 each with the compute threads a Trainer would give it (cores / ranks on the host). Every
 compute figure is a rate over a fixed window that all ranks start together after a barrier
 (``_window_rate``), so each rank's work runs while every other rank runs its own, as in a
-step: float32 GEMM rate (numpy's BLAS, 1024^3), copy bandwidth (64 MiB), and the host time
+step: float32 GEMM rate (numpy's BLAS, 1024^3), copy bandwidth (64 MiB; with several ranks
+rank 0's alone times its share of the core, ``measure``), and the host time
 per operator call: every rank trains its own copy of a model whose tensors are tiny (no
 communication; the compute is negligible, so a step is its calls: the VM's dispatch, the
 kernels' entry, the Trainer's Python), its step time over the window divided by the step's
@@ -37,6 +38,17 @@ from .simulate import _CALIBRATED, Cluster, Link
 
 #: seconds of each measurement window (every rank busy through it)
 WINDOW_S = 2.0
+
+
+def alone(comm, fn):
+    """``fn()`` on rank 0 of ``comm`` while every other rank sleeps (a non-blocking barrier
+    polled every 5 ms: MPI's blocking barrier spins a core); its result on rank 0, None on
+    the others."""
+    result = fn() if comm.rank == 0 else None
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
+    return result
 
 
 def _window_rate(comm, fn, seconds: float | None = None) -> float:
@@ -380,6 +392,19 @@ def measure(comm, gemm_keys=()) -> Cluster:
     dst = np.empty_like(src)
     copy = statistics.median(comm.allgather(  # read + write
         2 * src.nbytes * _window_rate(comm, lambda: np.copyto(dst, src))))
+    if n > 1:
+        # the rate a step's other operators move bytes at: rank 0's copy rate alone on its
+        # core times the share of the core it gets (its GEMM rate with every rank running
+        # over its GEMM rate alone). A step's tensors are a few MiB, in cache: ranks sharing
+        # a core take turns at its full rate; the 64 MiB copies of every rank at once above
+        # also fight for DRAM, which the steps do not (bench/RESULTS.md "The validation in
+        # interleaved jobs": at 8 ranks 4-6 GB/s shared against 21-27 alone for a 4x
+        # share of the GEMM rate)
+        solo = alone(comm, lambda: (2 * 1024 ** 3 * _window_rate(MPI.COMM_SELF, lambda: a @ a),
+                                    2 * src.nbytes * _window_rate(
+                                        MPI.COMM_SELF, lambda: np.copyto(dst, src))))
+        solo_gemm, solo_copy = comm.bcast(solo)
+        copy = solo_copy * gemm / solo_gemm
 
     def allreduce_median(elements, repeats):
         x = np.ones(elements, np.float32)
