@@ -87,14 +87,12 @@ def mesh_key(mesh) -> str:
     return ",".join(str(v) for v in mesh)
 
 
-def _timed(trainer, xs, ys, steps):
-    """The median of ``steps`` steps (ms, this rank's clock) and the last loss."""
-    times = []
-    for _ in range(steps):
-        began = time.perf_counter()
-        loss = trainer.step(xs, ys)
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e3, loss
+def _timed(trainer, xs, ys, steps, warmup=0):
+    """``harness.median_ms`` of ``steps`` steps after ``warmup`` (this rank's clock) and the
+    last loss."""
+    losses = []
+    ms = harness.median_ms(lambda: losses.append(trainer.step(xs, ys)), steps, warmup=warmup)
+    return ms, losses[-1]
 
 
 def side(rounds, steps, block_warmup, warmup):
@@ -142,9 +140,7 @@ def side(rounds, steps, block_warmup, warmup):
         measured, losses = {}, {}
         shift = index % len(order)
         for mesh in order[shift:] + order[:shift]:
-            trainer, xs, ys = trainers[mesh]
-            _timed(trainer, xs, ys, block_warmup)
-            ms, loss = _timed(trainer, xs, ys, steps)
+            ms, loss = _timed(*trainers[mesh], steps, block_warmup)
             measured[mesh_key(mesh)], losses[mesh_key(mesh)] = ms, loss
         if comm.rank == 0:
             (one, (reference_ms, reference_loss)) = one_core
@@ -268,14 +264,14 @@ def rows_of(jobs, efficiency):
     rows = []
     for n, reports in sorted(jobs.items()):
         rounds = [rnd for report in reports for rnd in report["rounds"]]
+        clusters = [round_clusters(rnd, efficiency) for rnd in rounds]
         per_round = []
-        for rnd in rounds:
-            one, cluster = round_clusters(rnd, efficiency)
+        for rnd, (one, cluster) in zip(rounds, clusters):
             flat_one, flat = round_clusters(rnd, {})
             per_round.append((rnd, cluster, compute_scale(one, rnd["reference_ms"] / 1e3),
                               flat, compute_scale(flat_one, rnd["reference_ms"] / 1e3)))
-        plan_one = median_cluster([round_clusters(r, efficiency)[0] for r in rounds])
-        plan_cluster = median_cluster([round_clusters(r, efficiency)[1] for r in rounds])
+        plan_one = median_cluster([one for one, _ in clusters])
+        plan_cluster = median_cluster([cluster for _, cluster in clusters])
         plan_scale = compute_scale(plan_one, statistics.median(r["reference_ms"]
                                                                for r in rounds) / 1e3)
         for mesh in meshes(n):

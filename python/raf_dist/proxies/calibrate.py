@@ -387,23 +387,28 @@ def measure(comm, gemm_keys=()) -> Cluster:
     set_num_threads(threads_per_rank(get_communicator().local_size))
     a = np.random.default_rng(0).standard_normal((1024, 1024), np.float32)
     # the median rank's rates (each rank's over the common window: module docstring)
-    gemm = statistics.median(comm.allgather(2 * 1024 ** 3 * _window_rate(comm, lambda: a @ a)))
     src = np.ones(16 * 2**20, np.float32)
     dst = np.empty_like(src)
-    copy = statistics.median(comm.allgather(  # read + write
-        2 * src.nbytes * _window_rate(comm, lambda: np.copyto(dst, src))))
-    if n > 1:
+
+    def gemm_rate(over):  # FLOP/s
+        return 2 * 1024 ** 3 * _window_rate(over, lambda: a @ a)
+
+    def copy_rate(over):  # bytes/s, read + write
+        return 2 * src.nbytes * _window_rate(over, lambda: np.copyto(dst, src))
+
+    gemm = statistics.median(comm.allgather(gemm_rate(comm)))
+    if n == 1:
+        copy = copy_rate(comm)
+    else:
         # the rate a step's other operators move bytes at: rank 0's copy rate alone on its
         # core times the share of the core it gets (its GEMM rate with every rank running
         # over its GEMM rate alone). A step's tensors are a few MiB, in cache: ranks sharing
-        # a core take turns at its full rate; the 64 MiB copies of every rank at once above
+        # a core take turns at its full rate; 64 MiB copies of every rank at once would
         # also fight for DRAM, which the steps do not (bench/RESULTS.md "The validation in
-        # interleaved jobs": at 8 ranks 4-6 GB/s shared against 21-27 alone for a 4x
+        # interleaved jobs": at 8 ranks 4-6 GB/s that way against 21-27 alone for a 4x
         # share of the GEMM rate)
-        solo = alone(comm, lambda: (2 * 1024 ** 3 * _window_rate(MPI.COMM_SELF, lambda: a @ a),
-                                    2 * src.nbytes * _window_rate(
-                                        MPI.COMM_SELF, lambda: np.copyto(dst, src))))
-        solo_gemm, solo_copy = comm.bcast(solo)
+        solo_gemm, solo_copy = comm.bcast(alone(comm, lambda: (gemm_rate(MPI.COMM_SELF),
+                                                               copy_rate(MPI.COMM_SELF))))
         copy = solo_copy * gemm / solo_gemm
 
     def allreduce_median(elements, repeats):
