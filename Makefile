@@ -20,7 +20,11 @@ TYPED     := python/raf_dist/data.py python/raf_dist/device.py python/raf_dist/m
              python/raf_dist/runtime/loop.py python/raf_dist/runtime/metrics.py \
              python/raf_dist/passes/clipping.py python/raf_dist/process_memory.py \
              python/raf_dist/passes/saved_precision.py \
-             python/raf_dist/runtime/stage_budget.py
+             python/raf_dist/runtime/stage_budget.py python/raf_dist/training \
+             python/raf_dist/runtime/executor.py python/raf_dist/runtime/state.py \
+             python/raf_dist/runtime/spmd_executor.py python/raf_dist/runtime/spmd_build.py \
+             python/raf_dist/runtime/spmd_state.py python/raf_dist/runtime/pipeline_executor.py \
+             python/raf_dist/runtime/pipeline_build.py
 NATIVE    := $(wildcard src/*/*.cc src/*/*.h cmake/modules/*.cmake) CMakeLists.txt config.cmake
 
 .PHONY: install demo test test-fast test-faults test-slow typecheck bench clean

@@ -27,7 +27,7 @@ def main():
     args = parser.parse_args()
 
     import raf_dist
-    import raf_dist.runtime.spmd as trainer_module  # the executor the Trainer runs
+    import raf_dist.runtime.spmd_build as trainer_module  # what builds the Trainer's step
     from raf_dist.compiler.step_passes import step_passes
 
     module, x, y = step_time.make(args.model)
@@ -35,7 +35,7 @@ def main():
     xs, ys = x[:half].numpy(), y[:half].numpy()
     model = raf_dist.frontend.from_pytorch(module, (x[:half],))
     checked = trainer_module.nonfinite_guard
-    trainer_module.SPMDExecutor._passes = lambda self, local=False: step_passes(
+    trainer_module.SPMDBuilder.passes = lambda self, local=False: step_passes(
         0, 2, 25 * 2**20, overlap=True, group=self.comm.group)
     trainers = {}
     for name, guard in (("checked", checked), ("unchecked", lambda *a, **k: None)):

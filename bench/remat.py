@@ -21,7 +21,7 @@ budget (TVM's memory planner on the step, nothing run), then trains each policy 
 alone and prints the batch against no recomputation's and the samples/s against its
 (issue #31's target: >= 2x the batch at >= 90% of the samples/s); the side ``budget`` trains
 twice none's batch with ``activation_memory_budget_mb`` set, the compiler choosing its
-recomputation (the least that fits: runtime/spmd.py).
+recomputation (the least that fits: runtime/spmd_executor.py).
 
     python bench/remat.py --side none|selective|full --model gpt [--batch B]
 """

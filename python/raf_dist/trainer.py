@@ -2,10 +2,10 @@
 
 It checks its arguments, reads ``dist.get_config()`` once into a plan (``runtime.plan``),
 meets the other ranks (``runtime.agreement``), builds the mesh and picks an executor by
-composition: ``runtime.spmd.SPMDExecutor`` (one compiled step: single process, data
-parallel, ZeRO, tensor parallel) or ``runtime.pipeline.PipelineExecutor`` (stages on the pp
-axis). Every public method is the executor's; each executor serves the whole surface or
-refuses a call with a clear error.
+composition: ``runtime.spmd_executor.SPMDExecutor`` (one compiled step: single process,
+data parallel, ZeRO, tensor parallel) or ``runtime.pipeline_executor.PipelineExecutor``
+(stages on the pp axis), both ``runtime.executor.Executor``s. Every public method is the
+executor's; each executor serves the whole surface or refuses a call with a clear error.
 """
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -18,10 +18,12 @@ from .model import Model
 from .optim import Optimizer
 from .runtime import set_num_threads, threads_per_rank
 from .runtime.agreement import agree
+from .runtime.executor import Executor
 from .runtime.mixed_precision import GRAD_REDUCE_DTYPES, PRECISIONS
-from .runtime.pipeline import PipelineExecutor, check_pipeline_config
-from .runtime.plan import build_mesh, plan_run
-from .runtime.spmd import SPMDExecutor
+from .distributed.mesh import mesh_for
+from .runtime.pipeline_executor import PipelineExecutor
+from .runtime.plan import plan_run
+from .runtime.spmd_executor import SPMDExecutor
 from .training import LOSSES
 
 NONFINITE_MODES = ("raise", "skip")
@@ -103,29 +105,26 @@ class Trainer:
             raise ValueError(f"log_every must be an int >= 0 (0: no logging), got "
                              f"{log_every!r}")
         config = get_config()
-        config.check()
-        config.check_supported()
-        check_row_states(optimizer, config, local)
-        if config.pipeline_parallel_size > 1 and not local:
-            check_pipeline_config(config, model)  # from the config and model alone
         comm = get_communicator()
-        plan = plan_run(config, comm.size, local)  # the config, read once
-        if comm.size > 1 and not plan.local:  # before any other collective
+        # the config, read once into its ParallelLayout; every refusal of a combination
+        # (layout.refusals.REFUSALS) raised here, on the config, model and optimizer alone
+        plan = plan_run(config, comm.size, comm.rank, local, model, optimizer)
+        if comm.size > 1 and not local:  # before any other collective
             agree(comm, plan, model, loss, optimizer, device, embedding_plan)
-        mesh = build_mesh(plan, config, comm.size)
+        mesh = mesh_for(plan.layout)
         # a 16-bit step on the host multiplies in PyTorch's oneDNN, on its own pool
         second_pool = (PRECISIONS[precision] is not None
                        and device_lib.parse(device)[0] != "cuda")
         set_num_threads(threads_per_rank(comm.local_size), second_pool)
-        executor = PipelineExecutor if plan.pp > 1 else SPMDExecutor
-        # pipelining refuses sharded tables (DistConfig.check_supported)
-        extra = {} if plan.pp > 1 else {"embedding_plan": embedding_plan}
-        self.executor = executor(model, loss, optimizer, device, plan, mesh, comm,
-                                 cache_dir=cache_dir, seed=seed, nonfinite=nonfinite,
-                                 tensor_parallel_plan=tensor_parallel_plan,
-                                 precision=precision, grad_reduce_dtype=grad_reduce_dtype,
-                                 lr_schedule=lr_schedule, log_every=log_every,
-                                 max_grad_norm=max_grad_norm, **extra)
+        executor = PipelineExecutor if plan.layout.pipelined else SPMDExecutor
+        # pipelining refuses sharded tables (layout.refusals.REFUSALS)
+        extra = {} if plan.layout.pipelined else {"embedding_plan": embedding_plan}
+        self.executor: Executor = executor(
+            model, loss, optimizer, device, plan, mesh, comm, cache_dir=cache_dir, seed=seed,
+            nonfinite=nonfinite, tensor_parallel_plan=tensor_parallel_plan,
+            precision=precision, grad_reduce_dtype=grad_reduce_dtype,
+            lr_schedule=lr_schedule, log_every=log_every, max_grad_norm=max_grad_norm,
+            **extra)
         # what construction freed and the compiler's code (until it compiles again), as the
         # executors drop them before making their states
         process_memory.after_compile()
@@ -288,29 +287,6 @@ def check_precision(precision: Any, grad_reduce_dtype: Any) -> None:
     if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
         raise ValueError(f"grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES}, got "
                          f"{grad_reduce_dtype!r}")
-
-
-def check_row_states(optimizer: Any, config: Any, local: bool) -> None:
-    """An optimizer that keeps a state one value per row (row-wise Adagrad) where the layout
-    would cut rows: ZeRO shards flat elements wherever a shard ends, and tensor parallelism
-    splits weights along their columns too (a row's mean would be over a piece of it).
-    Refused before anything starts."""
-    if not optimizer.row_states or local:
-        return
-    name = type(optimizer).__name__
-    if config.enable_data_parallel and config.zero_opt_level > 0:
-        raise NotImplementedError(
-            f"{name} keeps {list(optimizer.row_states)} one value per row, and "
-            f"zero_opt_level={config.zero_opt_level} shards each parameter's flat elements "
-            "wherever a shard ends (a row can straddle two ranks): use zero_opt_level=0 with "
-            f"{name} (embedding_parallel shards the tables and their rows' state), or an "
-            "optimizer whose state is shaped like its parameter (SGD, Adagrad, Adam, AdamW)")
-    if config.tensor_parallel_size > 1:
-        raise NotImplementedError(
-            f"{name} keeps {list(optimizer.row_states)} one value per row, and "
-            f"tensor_parallel_size={config.tensor_parallel_size} splits weights along their "
-            f"columns too (each rank would see part of a row): use {name} without tensor "
-            "parallelism, or an optimizer whose state is shaped like its parameter")
 
 
 def check_arguments(model: Any, loss: Any, optimizer: Any, device: Any, nonfinite: Any) -> None:

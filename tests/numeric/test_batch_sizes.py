@@ -27,7 +27,7 @@ def test_sizes_8_5_1_match_pytorch_one_step_per_size(tmp_path, monkeypatch, capl
     module, x, y = make("mlp", 8)
     model = raf_dist.frontend.from_pytorch(module, (x,))
     compiles = []
-    trainer_module = importlib.import_module("raf_dist.runtime.spmd")
+    trainer_module = importlib.import_module("raf_dist.runtime.spmd_build")
     real_compile = trainer_module.compile_step
 
     def counting_compile(*args, **kwargs):

@@ -246,7 +246,7 @@ def test_the_sweep_spares_another_jobs_save_in_progress(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     try:
-        host = ckpt._host_tag()
+        host = ckpt.host_tag()
         in_progress = tmp_path / f".tmp-step-00000009.{host}.{alive.pid}.ab12"
         elsewhere = tmp_path / ".tmp-step-00000009.otherhost.1.ab12"
         killed = tmp_path / f".tmp-step-00000009.{host}.{dead.pid}.ab12"

@@ -9,15 +9,15 @@ import raf_dist
 from models import make, raf_optimizer, rel_err
 from raf_dist import _native
 from raf_dist.compiler.step_passes import step_passes
-from raf_dist.runtime.spmd import SPMDExecutor
+from raf_dist.runtime.spmd_build import SPMDBuilder
 
 
 def _train(name, bucketed, monkeypatch, steps=3):
     module, x, y = make(name, 6)
     with monkeypatch.context() as m:
         if bucketed:  # the 2-rank data-parallel step, run by a world of one
-            m.setattr(SPMDExecutor, "_passes", lambda self, local=False: step_passes(
-                0, 2, 600, overlap=self.run_plan.overlap_comm, group=self.comm.group))
+            m.setattr(SPMDBuilder, "passes", lambda self, local=False: step_passes(
+                0, 2, 600, overlap=self.plan.overlap_comm, group=self.comm.group))
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                    optimizer=raf_optimizer("adamw"))
         return [trainer.step(x.numpy(), y.numpy()) for _ in range(steps)], trainer.state_dict()

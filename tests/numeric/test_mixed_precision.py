@@ -69,14 +69,14 @@ def test_weight_copies_are_arguments_written_by_the_update(monkeypatch, dist_con
     from tvm import relax
 
     from raf_dist.ir.attrs import LAYOUT_PARAM_OFFSET, UPDATED_ARGUMENTS
-    from raf_dist.runtime import spmd
+    from raf_dist.runtime import spmd_build
 
     dist_config.num_microbatches = microbatches
     module, x, y = make("transformer", 8)
     model = raf_dist.frontend.from_pytorch(module, (x,))
 
     def train(copies):
-        monkeypatch.setattr(spmd.SPMDExecutor, "_holds_low_copies", lambda self: copies)
+        monkeypatch.setattr(spmd_build.SPMDBuilder, "holds_low_copies", lambda self: copies)
         trainer = raf_dist.Trainer(model, optimizer=raf_optimizer("adamw"), precision="bf16")
         losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(3)]
         return trainer, losses

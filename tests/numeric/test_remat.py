@@ -101,7 +101,7 @@ def test_budget_with_microbatches_is_planned_on_the_microbatch_step(dist_config)
     whole = trainer.stats()["planned_peak_bytes"]  # the captured 16-row step
     losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(STEPS)]
     none = trainer.stats()["planned_peak_bytes"]  # the 8-row microbatches' steps
-    full = trainer.executor._microbatch_peak("full")  # planned, as the budget plans it
+    full = trainer.executor.builder.microbatch_peak("full")  # planned, as the budget plans it
     assert full < none < whole, (full, none, whole)
     budget = (full + none) / 2
     dist_config.activation_memory_budget_mb = budget / 2**20

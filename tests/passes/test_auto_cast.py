@@ -85,7 +85,7 @@ def stage_expected(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 8), "float32"
 
 
 def test_pipeline_stage_output_in_the_low_dtype():
-    """A pipeline stage before the last (runtime/pipeline.py): its activation leaves in
+    """A pipeline stage before the last (runtime/pipeline_executor.py): its activation leaves in
     bfloat16, half the bytes of each message (its gradient travels back in the same dtype;
     the next stage's float32 input is the message widened)."""
     tvm.ir.assert_structural_equal(auto_cast(stage, "bfloat16", low_output=True),

@@ -11,7 +11,7 @@ import tvm_ffi
 from tvm import relax, tirx
 
 from raf_dist.compiler import build
-from raf_dist.compiler.schedule import ScheduleCPU
+from raf_dist.compiler.schedule_cpu import ScheduleCPU
 from raf_dist.training.cross_entropy import (CROSS_ENTROPY, CROSS_ENTROPY_GRAD, cross_entropy,
                                              narrow_loss_input)
 from raf_dist.training.loss import build_loss

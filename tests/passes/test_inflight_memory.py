@@ -9,7 +9,7 @@ from tvm.script import relax as R
 
 import raf_dist
 from models import make, raf_optimizer
-from raf_dist.compiler.build import _plan
+from raf_dist.compiler.build import lower_and_plan
 from raf_dist.compiler.memory import inflight_buffers, inflight_storage_conflicts
 from raf_dist.passes import AllReduceGradients, DispatchToBLAS, ShardZeRO
 from raf_dist.training import build_train_step
@@ -21,7 +21,8 @@ def _planned_step(model_name, bucket_bytes, distribute=None):
                               raf_optimizer("adamw"))
     distribute = distribute or AllReduceGradients(2, bucket_bytes, overlap=True)
     mod = DispatchToBLAS()(distribute(mod))
-    return _plan(mod, tvm.target.Target("llvm"))["train_step"]  # planned, gradients in buckets
+    # planned, gradients in buckets
+    return lower_and_plan(mod, tvm.target.Target("llvm"))["train_step"]
 
 
 @pytest.mark.parametrize("model_name, bucket_bytes", [("mlp", 1000), ("cnn", 500),

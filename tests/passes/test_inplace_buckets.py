@@ -10,7 +10,7 @@ from tvm.script import relax as R
 
 import raf_dist
 from models import make, raf_optimizer
-from raf_dist.compiler.build import _plan
+from raf_dist.compiler.build import lower_and_plan
 from raf_dist.compiler.inplace_buckets import WriteGradientsIntoBuckets, packed_call
 from raf_dist.compiler.memory import inflight_buffers, inflight_storage_conflicts
 from raf_dist.passes import AllReduceGradients, DispatchToBLAS
@@ -29,7 +29,7 @@ def test_every_gradient_is_computed_in_its_bucket(model_name, bucket_bytes, over
                               raf_optimizer("adamw"))
     buckets = raf_dist.passes.gradient_buckets(mod, bucket_bytes)
     mod = DispatchToBLAS()(AllReduceGradients(2, bucket_bytes, overlap=overlap)(mod))
-    func = _plan(mod, tvm.target.Target("llvm"))["train_step"]
+    func = lower_and_plan(mod, tvm.target.Target("llvm"))["train_step"]
     symbols = _symbols(func)
     num_params = sum(len(b) for b in buckets)
     assert len(buckets) >= 2

@@ -12,7 +12,7 @@ from tvm.script import tirx as T
 
 import raf_dist
 from models import make, raf_optimizer
-from raf_dist.compiler.build import _plan
+from raf_dist.compiler.build import lower_and_plan
 from raf_dist.compiler.inplace_update import UpdateInPlace
 from raf_dist.compiler.step_passes import step_passes
 from raf_dist.training import build_train_step
@@ -46,7 +46,7 @@ def _planned(model_name, optimizer, level, world_size, bucket_bytes):
     with tvm.transform.PassContext(opt_level=3):
         for p in step_passes(level, world_size, bucket_bytes):
             mod = p(mod)
-    return _plan(mod, tvm.target.Target("llvm"))["train_step"]
+    return lower_and_plan(mod, tvm.target.Target("llvm"))["train_step"]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd_momentum", "adam"])

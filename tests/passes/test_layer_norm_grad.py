@@ -11,7 +11,7 @@ from tvm import relax, tirx
 
 import raf_dist.training.gradients  # noqa: F401  (registers layer norm's gradient)
 from raf_dist.compiler import build
-from raf_dist.compiler.schedule import ScheduleCPU
+from raf_dist.compiler.schedule_cpu import ScheduleCPU
 from raf_dist.ir.ops import LAYER_NORM_GRAD, LAYER_NORM_GRAD_WEIGHT
 
 op = relax.op

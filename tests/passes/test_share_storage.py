@@ -7,7 +7,8 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 from raf_dist.compiler.memory import planned_bytes
-from raf_dist.compiler.share_storage import ALIGNMENT, ShareStorageAcrossDtypes, _assign, _offsets
+from raf_dist.compiler.share_storage import (ALIGNMENT, ShareStorageAcrossDtypes, assign_offsets,
+                                             assign_shared_objects)
 
 #: TVM's plan of a float32 tensor ``a`` (1024 B) written by f; each test's function continues it
 HEADER = """
@@ -80,8 +81,8 @@ def test_offsets_pack_small_tensors_where_a_large_one_lived():
     put both inside the large tensor's bytes (the lower bound, the largest live set)."""
     tokens = {"logits": [0, 1], "a": [2, 4], "b": [3, 5], "c": [6, 7]}
     sizes = {"logits": 4096, "a": 1024, "b": 1024, "c": 2048}
-    _, blocks = _assign(tokens, sizes)
-    offset_of, arena = _offsets(tokens, sizes)
+    _, blocks = assign_shared_objects(tokens, sizes)
+    offset_of, arena = assign_offsets(tokens, sizes)
     assert sum(blocks) == 4096 + 1024
     assert arena == _live_peak(tokens, sizes) == 4096
     assert offset_of["a"] != offset_of["b"]
@@ -97,7 +98,7 @@ def test_offsets_never_overlap_tensors_alive_together():
         starts = rng.integers(0, 100, n)
         tokens = {i: [int(s), int(s + rng.integers(0, 30))] for i, s in enumerate(starts)}
         sizes = {i: int(rng.integers(1, 5000)) for i in range(n)}
-        offset_of, arena = _offsets(tokens, sizes)
+        offset_of, arena = assign_offsets(tokens, sizes)
         for i in range(n):
             assert offset_of[i] % ALIGNMENT == 0 and offset_of[i] + sizes[i] <= arena
             for j in range(i):

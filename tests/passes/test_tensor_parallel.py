@@ -10,8 +10,9 @@ import tvm
 from tvm import relax
 
 import raf_dist
-from raf_dist.passes.tensor_parallel import (Placement, TensorParallelPlan, plan_tensor_parallel,
-                                             shard_forward)
+from raf_dist.passes.tensor_parallel import plan_tensor_parallel
+from raf_dist.passes.tp_plan import Placement, TensorParallelPlan
+from raf_dist.passes.tp_shard import shard_forward
 from raf_dist.passes.tp_ops import TP_COPY, TP_REDUCE, LowerTensorParallel, tp_copy, tp_reduce
 from raf_dist.passes.tp_padding import Padding
 from raf_dist.training.tensor_parallel import make_plan, shard_model

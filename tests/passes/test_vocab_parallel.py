@@ -17,7 +17,9 @@ from tvm import relax
 
 import raf_dist  # noqa: F401  (registers the gradients the loss and the forward need)
 from raf_dist.passes.gradient_markers import SubstituteVars
-from raf_dist.passes.tensor_parallel import Placement, plan_tensor_parallel, shard_forward
+from raf_dist.passes.tensor_parallel import plan_tensor_parallel
+from raf_dist.passes.tp_plan import Placement
+from raf_dist.passes.tp_shard import shard_forward
 from raf_dist.passes.tp_ops import (TP_COPY, TP_MAX, TP_RANK, TP_REDUCE, is_tp_op, tp_copy,
                                     tp_rank, tp_reduce)
 from raf_dist.passes.tp_padding import Padding, masked_logit

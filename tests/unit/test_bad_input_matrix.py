@@ -488,7 +488,7 @@ def test_bad_input_names_problem_and_fix(case, ctx, monkeypatch):
         trainer = ctx.trainer
         steps_before = trainer.step_count
     compiles = []
-    trainer_module = importlib.import_module("raf_dist.runtime.spmd")
+    trainer_module = importlib.import_module("raf_dist.runtime.spmd_build")
     real_compile = trainer_module.compile_step
     monkeypatch.setattr(trainer_module, "compile_step",
                         lambda *a, **k: compiles.append(1) or real_compile(*a, **k))

@@ -1,25 +1,25 @@
-"""The build cache's lock (raf_dist.compiler.build._build_lock): a second process building the
+"""The build cache's lock (raf_dist.compiler.build.build_lock): a second process building the
 same step waits for the first and then loads its library instead of compiling it again."""
 import subprocess
 import sys
 import time
 
-from raf_dist.compiler.build import _build_lock
+from raf_dist.compiler.build import build_lock
 
 CHILD = """
 import sys, time
 from pathlib import Path
-from raf_dist.compiler.build import _build_lock
+from raf_dist.compiler.build import build_lock
 print("ready", flush=True)
 start = time.monotonic()
-with _build_lock(Path(sys.argv[1])):
+with build_lock(Path(sys.argv[1])):
     print(time.monotonic() - start, flush=True)
 """
 
 
 def test_a_second_build_of_the_same_step_waits_for_the_first(tmp_path):
     lock = tmp_path / "step-0123.lock"
-    with _build_lock(lock):
+    with build_lock(lock):
         child = subprocess.Popen([sys.executable, "-c", CHILD, str(lock)],
                                  stdout=subprocess.PIPE, text=True)
         try:
@@ -47,6 +47,6 @@ def test_a_killed_builder_does_not_block_the_next(tmp_path):
         holder.kill()
         holder.wait(timeout=60)
     start = time.monotonic()
-    with _build_lock(lock):
+    with build_lock(lock):
         pass
     assert time.monotonic() - start < 5

@@ -30,7 +30,7 @@ class Affine:
 def _planning_pid(monkeypatch, tmp_path, then=None):
     """Make the build record the pid that plans it (into a file: the child's memory is its
     own), then do ``then`` there."""
-    record, plan = tmp_path / "pid", build._plan
+    record, plan = tmp_path / "pid", build.lower_and_plan
 
     def recording(*args, **kwargs):
         record.write_text(str(os.getpid()))
@@ -38,7 +38,7 @@ def _planning_pid(monkeypatch, tmp_path, then=None):
             then()
         return plan(*args, **kwargs)
 
-    monkeypatch.setattr(build, "_plan", recording)
+    monkeypatch.setattr(build, "lower_and_plan", recording)
     return record
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from raf_dist import _native
-from raf_dist.layout import (Mesh, local_shard, row_state_shape, shard_size, slice_range,
+from raf_dist.layout import (ParallelLayout, local_shard, row_state_shape, shard_size, slice_range,
                              state_layout)
 
 SPECS = [((3, 4), "float32"), ((5,), "float32"), ((2, 2), "float32")]
@@ -148,9 +148,10 @@ def test_mesh_coordinates_cover_the_world_once():
     for tp, pp, dp in itertools.product([1, 2], [1, 2], [1, 3]):
         world = tp * pp * dp
         seen = {(m.pp_rank, m.dp_rank, m.tp_rank) for m in
-                (Mesh.of(r, world, tp, pp) for r in range(world))}
+                (ParallelLayout.build(world, r, tp=tp, pp=pp, enable_data_parallel=True)
+                 for r in range(world))}
         assert len(seen) == world
-    assert Mesh.single() == Mesh.of(0, 1)
+    assert ParallelLayout.single() == ParallelLayout.build(1, 0)
 
 
 def test_the_layer_contract_holds():

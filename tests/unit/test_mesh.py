@@ -8,7 +8,7 @@ import pytest
 
 from raf_dist import distributed as dist
 from raf_dist.distributed.mesh import ProcessMesh, check_mesh, mesh_coordinates
-from raf_dist.layout import Mesh
+from raf_dist.layout import ParallelLayout
 
 
 def test_coordinates_world8_pp2_dp2_tp2_follow_the_formula():
@@ -67,10 +67,11 @@ def test_check_mesh_rejects_bad_sizes(bad):
 
 
 def test_axis_ranks_world8():
-    mesh = ProcessMesh(rank=5, world_size=8, tp_size=2, dp_size=2, pp_size=2, tp_rank=1,
-                       dp_rank=0, pp_rank=1, tp_group=1, dp_group=2, pp_group=3)
-    assert Mesh.of(5, 8, tp=2, pp=2) == Mesh(rank=5, world_size=8, tp_size=2, dp_size=2,
-                                             pp_size=2, tp_rank=1, dp_rank=0, pp_rank=1)
+    layout = ParallelLayout.build(8, 5, tp=2, pp=2, enable_data_parallel=True)
+    mesh = ProcessMesh(layout, {"tp": 1, "dp": 2, "pp": 3})
+    assert (mesh.rank, mesh.world_size, mesh.tp_size, mesh.dp_size, mesh.pp_size, mesh.tp_rank,
+            mesh.dp_rank, mesh.pp_rank) == (5, 8, 2, 2, 2, 1, 0, 1)
+    assert (mesh.tp_group, mesh.dp_group, mesh.pp_group, mesh.cp_group) == (1, 2, 3, -1)
     assert mesh.axis_ranks("tp") == [4, 5]
     assert mesh.axis_ranks("dp") == [5, 7]
     assert mesh.axis_ranks("pp") == [1, 5]

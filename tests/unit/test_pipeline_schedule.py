@@ -2,6 +2,7 @@
 import pytest
 
 from raf_dist.training import pipeline_schedule as ps
+from raf_dist.training import pipeline_simulation as sim
 from raf_dist.training.pipeline_schedule import Action
 
 SIMPLE = [
@@ -19,7 +20,7 @@ def test_simple_schedules_valid_and_no_deadlock(schedule, P, M):
     assert len(actions) == P
     ps.check_actions(actions, ps.num_stages(schedule, P), M)
     assert all(seq[-1] == Action("UPDATE", -1, -1) for seq in actions)
-    timeline = ps.simulate(actions, comm_cost=0.5)
+    timeline = sim.simulate(actions, comm_cost=0.5)
     assert len(timeline) == 2 * P * M
 
 
@@ -30,35 +31,35 @@ def test_interleaved_valid_and_no_deadlock(P, v, M):
     assert S == P * v
     ps.check_actions(actions, S, M)
     for comm in (0.0, 0.5):
-        assert len(ps.simulate(actions, comm_cost=comm)) == 2 * S * M
+        assert len(sim.simulate(actions, comm_cost=comm)) == 2 * S * M
 
 
 @pytest.mark.parametrize("P", (1, 2, 4))
 @pytest.mark.parametrize("M", (1, 2, 3, 4, 8))
 def test_peak_in_flight(P, M):
-    one_f_one_b = ps.peak_in_flight(ps.rank_actions("1f1b", P, M), P)
+    one_f_one_b = sim.peak_in_flight(ps.rank_actions("1f1b", P, M), P)
     assert one_f_one_b == {s: min(P - s, M) for s in range(P)}
-    gpipe = ps.peak_in_flight(ps.rank_actions("gpipe", P, M), P)
+    gpipe = sim.peak_in_flight(ps.rank_actions("gpipe", P, M), P)
     assert gpipe == {s: M for s in range(P)}
 
 
 @pytest.mark.parametrize("schedule,P,M", SIMPLE)
 def test_bubble_matches_ideal(schedule, P, M):
-    timeline = ps.simulate(ps.rank_actions(schedule, P, M), 1.0, 2.0, 0.0)
-    assert ps.bubble_fraction(timeline) == pytest.approx(ps.ideal_bubble(P, M), abs=1e-9)
+    timeline = sim.simulate(ps.rank_actions(schedule, P, M), 1.0, 2.0, 0.0)
+    assert sim.bubble_fraction(timeline) == pytest.approx(sim.ideal_bubble(P, M), abs=1e-9)
 
 
 @pytest.mark.parametrize("P,v,M", INTERLEAVED)
 def test_interleaved_bubble_below_1f1b(P, v, M):
-    inter = ps.bubble_fraction(ps.simulate(ps.rank_actions("interleaved_1f1b", P, M, v)))
-    plain = ps.bubble_fraction(ps.simulate(ps.rank_actions("1f1b", P, M)))
+    inter = sim.bubble_fraction(sim.simulate(ps.rank_actions("interleaved_1f1b", P, M, v)))
+    plain = sim.bubble_fraction(sim.simulate(ps.rank_actions("1f1b", P, M)))
     assert inter < plain
-    assert inter == pytest.approx(ps.ideal_bubble(P, M, v), abs=1e-9)
+    assert inter == pytest.approx(sim.ideal_bubble(P, M, v), abs=1e-9)
 
 
 def test_interleaved_p4_m8_v2_beats_1f1b():
-    inter = ps.bubble_fraction(ps.simulate(ps.rank_actions("interleaved_1f1b", 4, 8, 2)))
-    plain = ps.bubble_fraction(ps.simulate(ps.rank_actions("1f1b", 4, 8)))
+    inter = sim.bubble_fraction(sim.simulate(ps.rank_actions("interleaved_1f1b", 4, 8, 2)))
+    plain = sim.bubble_fraction(sim.simulate(ps.rank_actions("1f1b", 4, 8)))
     assert inter < plain
 
 
@@ -113,8 +114,8 @@ def test_deadlock_detected():
          Action("SEND_B", 1, 0, 0), Action("UPDATE", -1, -1)],
     ]
     ps.check_actions(actions, 2, 1)  # structurally fine, only the order is wrong
-    with pytest.raises(ps.DeadlockError, match="rank 0 blocked at RECV_B0.0<-r1"):
-        ps.simulate(actions)
+    with pytest.raises(sim.DeadlockError, match="rank 0 blocked at RECV_B0.0<-r1"):
+        sim.simulate(actions)
 
 
 def test_deadlock_two_ranks_receive_first():
@@ -122,8 +123,8 @@ def test_deadlock_two_ranks_receive_first():
     # rank 0 waits for B1.1's gradient before sending the activation of F0.1
     r0 = [a for a in actions[0] if str(a) != "RECV_B0.1<-r1"]
     r0.insert(r0.index(Action("F", 0, 1)), Action("RECV_B", 0, 1, 1))
-    with pytest.raises(ps.DeadlockError):
-        ps.simulate([r0, actions[1]])
+    with pytest.raises(sim.DeadlockError):
+        sim.simulate([r0, actions[1]])
 
 
 def test_missing_backward_fails_check():
@@ -149,17 +150,17 @@ def test_wrong_rank_and_duplicate_fail_check():
 
 
 def test_draw_writes_png(tmp_path):
-    timeline = ps.simulate(ps.rank_actions("interleaved_1f1b", 2, 4, 2))
-    out = ps.draw(timeline, tmp_path / "pipe.png", title="interleaved")
+    timeline = sim.simulate(ps.rank_actions("interleaved_1f1b", 2, 4, 2))
+    out = sim.draw(timeline, tmp_path / "pipe.png", title="interleaved")
     assert out == str(tmp_path / "pipe.png")
     data = (tmp_path / "pipe.png").read_bytes()
     assert data.startswith(b"\x89PNG") and len(data) > 1000
 
 
 def test_ideal_bubble():
-    assert ps.ideal_bubble(4, 8) == pytest.approx(3 / 11)
-    assert ps.ideal_bubble(4, 8, 2) == pytest.approx(3 / 19)
-    assert ps.ideal_bubble(1, 5) == 0.0
+    assert sim.ideal_bubble(4, 8) == pytest.approx(3 / 11)
+    assert sim.ideal_bubble(4, 8, 2) == pytest.approx(3 / 19)
+    assert sim.ideal_bubble(1, 5) == 0.0
 
 
 @pytest.mark.parametrize(

@@ -74,14 +74,14 @@ def test_a_budget_recomputes_only_the_stages_that_need_it():
     level less on any stage and its rank does not fit), and the row is extracted per stage."""
     from raf_dist.layout import stage_rank
     from raf_dist.proxies.extract import MeshSpec
-    from raf_dist.tools.plan import _load, stage_info
+    from raf_dist.tools.plan import load_model, stage_info
 
     limit = 1.4
     ranked = plan("gpt2", 4, limit, 8, seq=64, cluster_spec="dgx-a100", budget_s=1e9,
                   max_simulations=0)
     budget = [c for c in ranked if c.recompute == "budget"]
     assert budget and all(c.pp > 1 and c.fits for c in budget)
-    at_rows, _ = _load("gpt2", 64)
+    at_rows, _ = load_model("gpt2", 64)
     for c in budget:
         uniform = {r.recompute: r for r in ranked if (r.dp, r.tp, r.pp, r.zero, r.microbatches)
                    == (c.dp, c.tp, c.pp, c.zero, c.microbatches) and not r.stage_recompute}

@@ -123,12 +123,13 @@ def test_a_reported_failure_reaches_the_other_rank(tmp_path):
 
 
 def test_watchdog_addresses_prefer_outward_ones():
-    from raf_dist.distributed.communicator import _addresses
+    from raf_dist.distributed.communicator import reachable_addresses
 
-    ips = _addresses(socket.gethostname())
+    ips = reachable_addresses(socket.gethostname())
     assert ips and all(len(ip.split(".")) == 4 for ip in ips)
     assert ips == ["127.0.0.1"] or not any(ip.startswith("127.") for ip in ips)
-    assert _addresses("no-such-host.invalid")  # unresolvable: the route's address, or loopback
+    # unresolvable: the route's address, or loopback
+    assert reachable_addresses("no-such-host.invalid")
 
 def test_stray_datagrams_are_dropped_and_the_jobs_news_still_arrives(tmp_path):
     rank = subprocess.Popen(["sleep", "120"])

@@ -28,16 +28,15 @@ train state described by a ``TrainState`` (which element ranges this rank writes
 for the writers' number and ZeRO level), whatever executor holds it.
 """
 from ..layout.sharding import shard_size, slice_range
-from .files import _buffer_key, _host_tag, _param_key, _state_key  # noqa: F401  (tests)
 from .files import (FORMAT, STALE_TMP_SECONDS, CheckpointError, OpenFiles, buffer_description,
-                    check_compatible,
-                    files_for, finalize, frozen_description, host_array, model_description,
-                    read_meta, read_range, resolve, step_of, temporary_name, verify_files,
-                    write_rank_file)
+                    buffer_key, check_compatible, files_for, finalize, frozen_description,
+                    host_array, host_tag, model_description, param_key, read_meta, read_range,
+                    resolve, state_key, step_of, temporary_name, verify_files, write_rank_file)
 from .train_state import TrainState, load, save
 
 __all__ = ["FORMAT", "STALE_TMP_SECONDS", "CheckpointError", "OpenFiles", "TrainState",
-           "buffer_description", "check_compatible", "files_for", "finalize",
-           "frozen_description", "host_array", "load", "model_description", "read_meta",
-           "read_range", "resolve", "save", "shard_size", "slice_range", "step_of",
-           "temporary_name", "verify_files", "write_rank_file"]
+           "buffer_description", "buffer_key", "check_compatible", "files_for", "finalize",
+           "frozen_description", "host_array", "host_tag", "load", "model_description",
+           "param_key", "read_meta", "read_range", "resolve", "save", "shard_size",
+           "slice_range", "state_key", "step_of", "temporary_name", "verify_files",
+           "write_rank_file"]

@@ -29,7 +29,8 @@ def host_array(tensor):
     return tensor.numpy() if hasattr(tensor, "numpy") else np.asarray(tensor)
 
 
-def _file_digest(path):
+def file_digest(path):
+    """The sha256 of the file at ``path``, as meta.json records it (hex)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -66,15 +67,18 @@ def frozen_description(signature):
             for n, (shape, dtype) in zip(signature.frozen_names, signature.frozen_specs)]
 
 
-def _buffer_key(name):
+def buffer_key(name):
+    """The key of buffer ``name``'s slice in a rank file."""
     return f"buffer/{name}"
 
 
-def _state_key(param, state):
+def state_key(param, state):
+    """The key of optimizer state ``state`` of ``param``'s slice in a rank file."""
     return f"state/{param}/{state}"
 
 
-def _param_key(param):
+def param_key(param):
+    """The key of parameter ``param``'s slice in a rank file."""
     return f"param/{param}"
 
 
@@ -93,7 +97,7 @@ _TMP_NAME = re.compile(r"^\.tmp-step-\d+\.([A-Za-z0-9_-]+)\.(\d+)\.[0-9a-f]+$")
 _STEP_NAME = re.compile(r"^step-(\d+)(?:\.[0-9a-f]+)?$")
 
 
-def _host_tag():
+def host_tag():
     """This host's name as it can appear in a directory name."""
     return re.sub(r"[^A-Za-z0-9-]", "_", socket.gethostname()) or "host"
 
@@ -101,7 +105,7 @@ def _host_tag():
 def temporary_name(name):
     """``.tmp-<name>.<host>.<pid>.<random>``: whose save it is (rank 0's host and process),
     so that a later save under the same root can tell a killed save from one in progress."""
-    return f".tmp-{name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(4)}"
+    return f".tmp-{name}.{host_tag()}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
 def _pid_alive(pid):
@@ -126,7 +130,7 @@ def _is_stale(tmp):
     if age > STALE_TMP_SECONDS:
         return True
     match = _TMP_NAME.match(tmp.name)
-    if match is None or match.group(1) != _host_tag():
+    if match is None or match.group(1) != host_tag():
         return False
     pid = int(match.group(2))
     return pid == os.getpid() or not _pid_alive(pid)
@@ -227,7 +231,7 @@ def verify_files(directory, meta, read=None):
                                   f"{record['bytes']} recorded")
     for r in sorted(range(len(meta["files"])) if read is None else read):
         record = meta["files"][r]
-        if _file_digest(directory / record["name"]) != record["sha256"]:
+        if file_digest(directory / record["name"]) != record["sha256"]:
             raise CheckpointError(f"{directory / record['name']} is corrupted: its sha256 "
                                   "differs from the one recorded at save time")
 

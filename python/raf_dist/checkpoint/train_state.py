@@ -17,9 +17,9 @@ from ..distributed.communicator import raised_on_every_rank
 from ..layout.sharding import shard_size, slice_range
 from ..layout.state import state_shape
 from . import files  # finalize, write_rank_file, read_range: through the module (tests patch them)
-from .files import (FORMAT, CheckpointError, OpenFiles, _buffer_key, _file_digest,
-                    _param_key, _state_key, buffer_description, check_compatible, files_for,
-                    frozen_description, host_array, model_description, read_meta, resolve,
+from .files import (FORMAT, CheckpointError, OpenFiles, buffer_description, buffer_key,
+                    check_compatible, file_digest, files_for, frozen_description, host_array,
+                    model_description, param_key, read_meta, resolve, state_key,
                     temporary_name, verify_files)
 
 
@@ -128,28 +128,28 @@ def _write(train_state: TrainState, root: Path, name: str, tmp: Path, path: Any,
               for n, (shape, _) in zip(signature.param_names, signature.param_specs)}
     tensors = {}
     for param, value in zip(signature.param_names, params):
-        tensors[_param_key(param)] = _my_slice(value, numels[param], world, rank,
-                                               train_state.zero_level == 3)
+        tensors[param_key(param)] = _my_slice(value, numels[param], world, rank,
+                                              train_state.zero_level == 3)
     specs = dict(zip(signature.param_names, signature.param_specs))
     for (param, state), value in states.items():
         numel = int(np.prod(state_shape(specs[param][0], state, signature.row_states),
                             dtype=np.int64))
-        tensors[_state_key(param, state)] = _my_slice(value, numel, world, rank,
-                                                      train_state.zero_level > 0)
+        tensors[state_key(param, state)] = _my_slice(value, numel, world, rank,
+                                                     train_state.zero_level > 0)
     buffers = buffers or {}
     described = buffer_description(signature, buffers,
                                    set(train_state.non_persistent_buffers))
     for record in described:  # replicated: each rank writes its slice, like a parameter
         value = np.asarray(buffers[record["name"]])
-        tensors[_buffer_key(record["name"])] = _my_slice(value, value.size, world, rank, False)
+        tensors[buffer_key(record["name"])] = _my_slice(value, value.size, world, rank, False)
     for name, value in zip(signature.frozen_names, train_state.frozen):
         # frozen parameters: replicated and constant, stored like a parameter (consolidate)
-        tensors[_param_key(name)] = _my_slice(value, int(np.prod(value.shape)), world, rank, False)
+        tensors[param_key(name)] = _my_slice(value, int(np.prod(value.shape)), world, rank, False)
     file = tmp / f"rank{rank:05d}.safetensors"
     try:  # a full disk, a quota, a lost mount: every rank hears of it and raises alike
         files.write_rank_file(file, tensors)
         record, error = {"name": file.name, "bytes": file.stat().st_size,
-                         "sha256": _file_digest(file)}, None
+                         "sha256": file_digest(file)}, None
     except OSError as exc:
         record, error = None, f"rank {rank} could not write {file}: {exc}"
     outcome = (train_state.comm.agree((record, error), f"the exchange of written files in {tmp}")
@@ -223,17 +223,17 @@ def _reads(train_state: TrainState, meta: Dict[str, Any]) -> List[Tuple[Any, ...
     specs = dict(zip(signature.param_names, signature.param_specs))
     for p in signature.param_names:
         shape, dtype = specs[p]
-        add("param", p, _param_key(p), shape, dtype, train_state.zero_level == 3)
+        add("param", p, param_key(p), shape, dtype, train_state.zero_level == 3)
     for p, state in signature.state_keys():
         shape, dtype = specs[p]
-        add("state", (p, state), _state_key(p, state),
+        add("state", (p, state), state_key(p, state),
             state_shape(shape, state, signature.row_states), dtype, train_state.zero_level > 0)
     for name, (shape, dtype) in zip(signature.buffer_names, signature.buffer_specs):
-        add("buffer", name, _buffer_key(name), shape, dtype, False)
+        add("buffer", name, buffer_key(name), shape, dtype, False)
     saved_frozen = {f["name"] for f in meta.get("frozen", [])}
     for name, (shape, dtype) in zip(signature.frozen_names, signature.frozen_specs):
         if name in saved_frozen:  # an older checkpoint without them: the trainer keeps its own
-            add("frozen", name, _param_key(name), shape, dtype, False)
+            add("frozen", name, param_key(name), shape, dtype, False)
     return reads
 
 

@@ -48,7 +48,7 @@ from .._version import __version__
 from .inplace_buckets import WriteGradientsIntoBuckets
 from .inplace_update import UpdateInPlace
 from .memory import planned_bytes
-from .schedule import ScheduleCPU
+from .schedule_cpu import ScheduleCPU
 from .schedule_gpu import ScheduleGPU
 from .share_storage import ShareStorageAcrossDtypes
 
@@ -173,7 +173,7 @@ def _pipeline(target):
     return cpu_pipeline, cpu_pipeline.legalize_passes(target) + [ScheduleCPU(), DropScopePragma()]
 
 
-def _plan(mod, target, instruments=()):
+def lower_and_plan(mod, target, instruments=()):
     """Steps 2-4 up to memory planning: the module StaticPlanBlockMemory leaves (gradients
     already redirected into their buckets by WriteGradientsIntoBuckets, so not planned)."""
     pipeline, legalize = _pipeline(target)
@@ -196,7 +196,7 @@ def apply_passes(mod, passes):
 
 def planned_module(mod, passes=(), target="llvm"):
     """``mod`` after ``passes`` and the pipeline up to memory planning, without building."""
-    return _plan(apply_passes(mod, passes), make_target(target))
+    return lower_and_plan(apply_passes(mod, passes), make_target(target))
 
 
 def plan_memory(mod, passes=(), target="llvm"):
@@ -228,7 +228,7 @@ def compile_step(mod, passes=(), target="llvm", cache_dir=None, dump_dir=None):
     cache.mkdir(parents=True, exist_ok=True)
     # ranks of one job that build the same step (every dp rank, every tp rank of a layer's
     # split, the microbatch variants) take turns: the first builds, the others load its library
-    with _build_lock(cache / f"step-{key}.lock"):
+    with build_lock(cache / f"step-{key}.lock"):
         hit = _load_cached(lib_path, meta_path)
         if hit is not None:
             return hit
@@ -249,7 +249,7 @@ def _load_cached(lib_path, meta_path):
 
 
 @contextlib.contextmanager
-def _build_lock(path):
+def build_lock(path):
     """An exclusive ``flock`` on ``path`` for the duration of one build. N ranks on one host
     that miss the cache together would otherwise each compile the same module (on a 2-core
     host, 4 ranks took twice one build's time); the kernel releases the lock when its holder
@@ -327,7 +327,7 @@ def _build(mod, target, instruments, lib_path, meta_path, load=True):
     if target.kind.name == "cuda":  # TVM reads its kernel compiler from the environment
         from ..device import cuda_compiler
         os.environ.setdefault("TVM_CUDA_COMPILE_MODE", cuda_compiler() or "nvrtc")
-    planned = _plan(mod, target, instruments)
+    planned = lower_and_plan(mod, target, instruments)
     peak = planned_bytes(planned)
     with target, tvm.transform.PassContext(opt_level=3, instruments=instruments):
         lowered = tvm.transform.Sequential(_pipeline(target)[0].finalize_passes(target)[1:])(planned)

@@ -51,12 +51,13 @@ def packed_call(expr):
     return None, None
 
 
-def _static(ty):
+def is_static_tensor(ty):
+    """Whether ``ty`` is a tensor type of known, constant shape."""
     return (isinstance(ty, relax.TensorType) and ty.shape is not None
             and all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape))
 
 
-class _Function:
+class LoweredFunction:
     """The bindings of one lowered function, with where each variable is defined and used."""
 
     def __init__(self, func):
@@ -88,7 +89,7 @@ class _Function:
             chain.append(var)
         value = self.value.get(var)
         if not (isinstance(value, relax.Call) and value.op == _ALLOC_TENSOR
-                and _static(var.ty) and tensor_numel(var.ty) == tensor_numel(grad.ty)
+                and is_static_tensor(var.ty) and tensor_numel(var.ty) == tensor_numel(grad.ty)
                 and str(var.ty.dtype) == str(grad.ty.dtype)):
             return None
         if any(u > before for v in chain for u in self.uses.get(v, [])):
@@ -100,7 +101,7 @@ def _rewrite(func):
     like = next((v for v in func.params if isinstance(v.ty, relax.TensorType)), None)
     if like is None:
         return func
-    info = _Function(func)
+    info = LoweredFunction(func)
     normalize = relax.BlockBuilder().normalize
     replace, insert_before, claimed = {}, {}, set()
     for i, binding in enumerate(info.bindings):

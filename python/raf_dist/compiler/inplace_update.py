@@ -34,7 +34,7 @@ from tvm.s_tir import Schedule
 from ..ir.attrs import UPDATED_ARGUMENTS
 from ..ir.ops import EMBEDDING_ROW_UPDATES
 from ..ir.utils import is_packed_marker
-from .inplace_buckets import _Function, _static
+from .inplace_buckets import LoweredFunction, is_static_tensor
 
 logger = logging.getLogger("raf_dist")
 
@@ -157,7 +157,7 @@ def _writer(info, alloc):
 
 def _rewrite(builder, mod, func, name):
     updated = [int(i) for i in func.attrs[UPDATED_ARGUMENTS]]
-    info = _Function(func)
+    info = LoweredFunction(func)
     result = func.body.body
     while isinstance(info.value.get(result), relax.Var):
         result = info.value[result]
@@ -176,7 +176,7 @@ def _rewrite(builder, mod, func, name):
 
         if _is_argument(info, field, argument):
             continue  # already written in place (ShardZeRO's allgather into the parameters)
-        if _static(argument.ty) and any(int(d) == 0 for d in argument.ty.shape):
+        if is_static_tensor(argument.ty) and any(int(d) == 0 for d in argument.ty.shape):
             continue  # no element to copy (a table another rank holds: embedding_parallel)
         alloc = _allocation(info, field) if isinstance(field, relax.Var) else None
         if alloc is None:
@@ -185,7 +185,7 @@ def _rewrite(builder, mod, func, name):
         if alloc in claimed:
             refuse("its new value is the same tensor as another argument's")
             continue
-        if not (_static(alloc.ty) and _static(argument.ty)
+        if not (is_static_tensor(alloc.ty) and is_static_tensor(argument.ty)
                 and [int(d) for d in alloc.ty.shape] == [int(d) for d in argument.ty.shape]
                 and str(alloc.ty.dtype) == str(argument.ty.dtype)):
             refuse(f"its new value is {alloc.ty}, not {argument.ty}")

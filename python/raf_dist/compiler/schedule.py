@@ -1,10 +1,6 @@
-"""ScheduleCPU: a simple schedule for every PrimFunc TVM generates (after FuseTIR).
-
-Input: a module whose PrimFuncs are unscheduled (LegalizeOps output, fused); functions that
-carry ``tirx.is_scheduled`` (the attribute TVM 0.27 reads and its own pre-scheduled kernels
-set) are left alone.
-Output: the same functions with injective intermediate blocks inlined into their consumers,
-then one of two schedules, each function marked ``tirx.is_scheduled``:
+"""The CPU schedule of one kernel (``schedule_prim_func``), which ScheduleCPU (schedule_cpu.py)
+applies to every PrimFunc of a step: injective intermediate blocks inlined into their
+consumers, then one of two schedules:
 
 - *Row-fused*: a kernel whose output block is elementwise over rows and whose other blocks
   (reductions along the row such as a mean or a softmax's max and sum, materialised
@@ -37,12 +33,11 @@ import tvm_ffi
 from tvm.s_tir import Schedule
 from tvm.s_tir.schedule import ScheduleError
 
-from .. import env
 from ..ir.attrs import LONG_ROW, MATERIALIZE, VECTOR_LANES
 
 logger = logging.getLogger("raf_dist")
 
-_MIN_PARALLEL_WORK = 1 << 14  # elements: below this, waking the pool costs more than it saves
+MIN_PARALLEL_WORK = 1 << 14  # elements: below this, waking the pool costs more than it saves
 _VECTOR = VECTOR_LANES  # float32 lanes in an AVX2 register
 SCHEDULED = "tirx.is_scheduled"  # TVM 0.27's attribute (tir::attr::kIsScheduled)
 
@@ -52,7 +47,7 @@ class ScheduleFallbackError(RuntimeError):
     """A kernel ScheduleCPU could not schedule, in strict mode."""
 
 
-def _fallback(func_name, block_name, reason, strict):
+def report_fallback(func_name, block_name, reason, strict):
     """Report a kernel (or one block of it) left unscheduled: a warning, or in strict mode
     an error naming the kernel, the block and the reason."""
     message = (f"ScheduleCPU: kernel {func_name!r}, block {block_name!r} left unscheduled "
@@ -65,14 +60,14 @@ def _fallback(func_name, block_name, reason, strict):
     logger.warning(message)
 
 
-def _work(stmt):
+def loop_work(stmt):
     """Iterations of the loops inside ``stmt`` (an upper bound: the product of every loop's
     extent; a loop of unknown extent counts as large)."""
     work = [1]
 
     def visit(loop):
         extent = loop.extent
-        work[0] *= int(extent) if isinstance(extent, tvm.tirx.IntImm) else _MIN_PARALLEL_WORK
+        work[0] *= int(extent) if isinstance(extent, tvm.tirx.IntImm) else MIN_PARALLEL_WORK
 
     tvm_ffi.structural_walk(stmt, [(tvm.tirx.For, visit)])
     return work[0]
@@ -184,7 +179,7 @@ def _schedule_row_reduction(sch, block, lead, work):
     rows = sch.fuse(*final[:lead]) if lead > 1 else final[0]
     sch.compute_at(rf, rows)
     init_at = _vectorise_partials(sch, rf)
-    if work >= _MIN_PARALLEL_WORK:
+    if work >= MIN_PARALLEL_WORK:
         sch.parallel(rows)
     sch.decompose_reduction(rf, init_at)
 
@@ -206,7 +201,7 @@ def _schedule_block(sch, block):
     loops = sch.get_loops(block)
     kinds = [iv.iter_type for iv in sblock.iter_vars]
     if not kinds:  # an opaque block: its loops, if any, are inside its body
-        if _work(sblock.body) * _work_of_loops(loops, sch) < _MIN_PARALLEL_WORK:
+        if loop_work(sblock.body) * _work_of_loops(loops, sch) < MIN_PARALLEL_WORK:
             return None  # small: serial by design
         return "an opaque block (its loops are inside the block, with no block axes)"
     if not loops:
@@ -224,10 +219,10 @@ def _schedule_block(sch, block):
     while lead < len(kinds) and kinds[lead] == tvm.tirx.IterVar.DataPar:
         lead += 1
     if lead == 0:
-        if work < _MIN_PARALLEL_WORK:
+        if work < MIN_PARALLEL_WORK:
             return None  # a small reduction to a scalar: serial by design
         return f"a reduction over all {work} elements with no data-parallel outer loop"
-    if (lead < len(loops) and extents[lead - 1] % _VECTOR == 0 and work >= _MIN_PARALLEL_WORK
+    if (lead < len(loops) and extents[lead - 1] % _VECTOR == 0 and work >= MIN_PARALLEL_WORK
             and _reduces_across_rows(sblock, lead)):
         _schedule_column_reduction(sch, block, loops, lead, extents)
         return None
@@ -242,7 +237,7 @@ def _schedule_block(sch, block):
         # 512x512x3x3 weight 3.3 ms, on the same elements as one axis 0.41 ms; now 0.47 ms). The outer
         # axes run in parallel, the innermost row stays a plain loop LLVM unrolls.
         outer = sch.fuse(*loops[:-1]) if lead > 2 else loops[0]
-        if work >= _MIN_PARALLEL_WORK:
+        if work >= MIN_PARALLEL_WORK:
             sch.parallel(outer)
         return None
     spatial = sch.fuse(*loops[:lead]) if lead > 1 else loops[0]
@@ -251,7 +246,7 @@ def _schedule_block(sch, block):
         outer, inner = sch.split(spatial, [None, _VECTOR])
         sch.vectorize(inner)
         spatial = outer
-    if work >= _MIN_PARALLEL_WORK and spatial_extent > 1:
+    if work >= MIN_PARALLEL_WORK and spatial_extent > 1:
         sch.parallel(spatial)
     return None
 
@@ -260,7 +255,7 @@ def _work_of_loops(loops, sch):
     work = 1
     for loop in loops:
         extent = _extent(loop, sch)
-        work *= extent if extent is not None else _MIN_PARALLEL_WORK
+        work *= extent if extent is not None else MIN_PARALLEL_WORK
     return work
 
 
@@ -338,7 +333,7 @@ def _schedule_rows(sch):
         if _fills_lanes(extent) or (_long_row(extent) and sch.get(block).name_hint == out_name):
             _, lanes = sch.split(inner[-1], [None, _VECTOR])
             sch.vectorize(lanes)
-    if work >= _MIN_PARALLEL_WORK:
+    if work >= MIN_PARALLEL_WORK:
         sch.parallel(rows)
     for block, loop in decompose:
         sch.decompose_reduction(block, loop)
@@ -379,130 +374,5 @@ def schedule_prim_func(func, name="main", strict=False):
         except ScheduleError as error:  # a primitive refused: the block keeps its loops
             reason = f"TVM refused a schedule primitive: {str(error).strip().splitlines()[-1]}"
         if reason is not None:
-            _fallback(name, block_name, reason, strict)
+            report_fallback(name, block_name, reason, strict)
     return sch.mod["main"]
-
-
-@tvm.transform.module_pass(opt_level=0, name="ScheduleCPU")
-class ScheduleCPU:
-    """See the module docstring. ``strict``: raise on a fallback (default: RAF_DIST_STRICT_SCHEDULE)."""
-
-    def __init__(self, strict: "bool | None" = None):
-        self.strict = strict
-
-    def transform_module(self, mod, ctx):
-        if env.skip_schedules():
-            logger.warning("ScheduleCPU: RAF_DIST_NO_SCHEDULE is set: every kernel runs serial")
-            return mod
-        strict = env.strict_schedules() if self.strict is None else self.strict
-        updates = {}
-        for gvar, func in mod.functions_items():
-            if not isinstance(func, tvm.tirx.PrimFunc) or (
-                    func.attrs is not None and int(func.attrs.get(SCHEDULED, 0)) == 1):
-                continue
-            scheduled = schedule_scatter_add_cpu(func)
-            if scheduled is None and _has_parallel_loop(func):
-                scheduled = func  # scheduled by construction (TVM's cumsum scan), see below
-            if scheduled is None:
-                try:
-                    scheduled = schedule_prim_func(func, gvar.name_hint, strict)
-                except ScheduleFallbackError:
-                    raise
-                except Exception as error:  # noqa: BLE001 - reported (or raised) just below
-                    _fallback(gvar.name_hint, "(the whole kernel)",
-                              f"{type(error).__name__}: {str(error).strip()[-300:]}", strict)
-                    continue
-            updates[gvar] = scheduled.with_attr(SCHEDULED, True)
-        mod = mod.clone()  # the caller's module stays as it was
-        for gvar, func in updates.items():
-            mod[gvar] = func
-        return mod
-
-
-def _has_parallel_loop(func):
-    """True for a kernel TVM wrote already parallel: DispatchSortScan's CPU scan
-    (``cumsum_generic``: one opaque block, a parallel loop over the rows, each scanned in
-    order) has no block structure a schedule could work on, and needs none."""
-    found = []
-    tvm_ffi.structural_walk(func.body, [(tvm.tirx.For, lambda loop: found.append(
-        loop.kind == tvm.tirx.ForKind.PARALLEL))])
-    return any(found)
-
-
-# TVM's scatter-add kernel (the embedding gradient): matched here, scheduled for the CPU below
-# and over GPU threads in schedule_gpu.py
-_SCATTER_ADD_BLOCKS = ("take_backward",)  # TVM's opaque scatter-add kernels (legalize_ops.grad)
-
-
-def scatter_add_loops(func):
-    """(realize, block, scope, loops) of TVM's take_backward kernel: one opaque block whose
-    body (possibly under an AttrStmt) is a sequence of serial loops of constant extent; None
-    for any other kernel."""
-    realize = func.body
-    block = getattr(realize, "block", None)
-    if block is None or block.name_hint not in _SCATTER_ADD_BLOCKS:
-        return None
-    scope = block.body
-    seq = scope.body if isinstance(scope, tvm.tirx.AttrStmt) else scope
-    loops = list(seq.seq) if isinstance(seq, tvm.tirx.SeqStmt) else [seq]
-    if not all(isinstance(l, tvm.tirx.For) and l.kind == tvm.tirx.ForKind.SERIAL
-               and isinstance(l.extent, tvm.tirx.IntImm) and 0 <= int(l.extent) < 2 ** 31
-               for l in loops):
-        return None
-    return realize, block, scope, loops
-
-
-def with_scatter_add_loops(func, matched, loops):
-    """``func`` with the loops of its take_backward block (``matched``) replaced."""
-    realize, block, scope, _ = matched
-    seq = tvm.tirx.SeqStmt(loops)
-    if isinstance(scope, tvm.tirx.AttrStmt):
-        seq = tvm.tirx.AttrStmt(scope.node, scope.attr_key, scope.value, seq)
-    from tvm.s_tir import stmt as sst
-    block = sst.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, seq,
-                       block.init, block.alloc_buffers, block.match_buffers, block.annotations)
-    body = sst.SBlockRealize(realize.iter_values, realize.predicate, block)
-    return func.with_body(body).with_attr(SCHEDULED, True)
-
-
-def _column_bands(loop, width):
-    """``for c in range(C): for k in range(N): body(c, k)`` (each c owns output column c) as
-    ``for band in range(C / width): for k in range(N): for lane in range(width):
-    body(band * width + lane, k)``: each pass over the rows k touches ``width`` contiguous
-    columns instead of one, and every column still adds its rows in order."""
-    inner = loop.body
-    column = loop.loop_var
-    band = tvm.tirx.Var("band", str(column.ty))
-    lane = tvm.tirx.Var("lane", str(column.ty))
-    body = tvm.tirx.SeqStmt([tvm.tirx.Bind(column, band * width + lane), inner.body])
-    lanes = tvm.tirx.For(lane, 0, width, tvm.tirx.ForKind.SERIAL, body)
-    rows = tvm.tirx.For(inner.loop_var, inner.min, inner.extent, tvm.tirx.ForKind.SERIAL, lanes)
-    return tvm.tirx.For(band, 0, int(loop.extent) // width, tvm.tirx.ForKind.SERIAL, rows)
-
-
-def _parallel(loop):
-    """``loop`` run in parallel when it is large enough to pay for the thread pool."""
-    if int(loop.extent) > 1 and int(loop.extent) * _work(loop.body) >= _MIN_PARALLEL_WORK:
-        return tvm.tirx.For(loop.loop_var, loop.min, loop.extent, tvm.tirx.ForKind.PARALLEL,
-                            loop.body)
-    return loop
-
-
-def schedule_scatter_add_cpu(func):
-    """take_backward (see schedule_gpu.schedule_scatter_add) on the CPU: the zeroing loop in
-    parallel, the accumulation over bands of 16 (or 8) contiguous columns, the bands in
-    parallel (each walks the rows in order: deterministic, no atomics); the loops still run
-    one after the other. None for any other kernel."""
-    matched = scatter_add_loops(func)
-    if matched is None:
-        return None
-    loops = []
-    for loop in matched[3]:
-        inner = loop.body
-        if (isinstance(inner, tvm.tirx.For) and inner.kind == tvm.tirx.ForKind.SERIAL
-                and not isinstance(inner.body, tvm.tirx.For)):
-            width = next((w for w in (2 * _VECTOR, _VECTOR) if int(loop.extent) % w == 0), None)
-            if width is not None:
-                loop = _column_bands(loop, width)
-        loops.append(_parallel(loop))
-    return with_scatter_add_loops(func, matched, loops)

@@ -1,12 +1,13 @@
 """ScheduleGPU: TVM's dlight GPU rules for every PrimFunc of a CUDA step, tolerant of a rule
 that fails on one kernel, plus the schedules dlight has none for: TVM's scatter-add (the
 embedding gradient's take_backward) over GPU threads, and one GPU thread as the last resort.
-The CPU schedules are in schedule.py, which also holds what both share (the scheduled
-attribute, the scatter-add kernel's matcher).
+The CPU schedules are in schedule.py, which also holds the scheduled attribute both set,
+and scatter_add.py, which also holds the scatter-add kernel's matcher both use.
 """
 import tvm
 
-from .schedule import SCHEDULED, scatter_add_loops, with_scatter_add_loops
+from .scatter_add import scatter_add_loops, with_scatter_add_loops
+from .schedule import SCHEDULED
 
 
 def _gpu_rules():

@@ -17,8 +17,8 @@ A storage block is bytes (the VM checks only that a tensor fits it; the dtype of
 this pass takes every tensor TVM placed (``memory.alloc_tensor`` on a planned storage) with
 its lifetime (from its binding to the last binding that reads it or anything derived from
 it) and assigns them again with an offline rule, in one pool for every dtype: greedy by size
-for offset calculation (``_offsets``) and greedy by size for shared objects (``_assign``),
-whichever is smaller; TVM's plan is kept where it is as small.
+for offset calculation (``assign_offsets``) and greedy by size for shared objects
+(``assign_shared_objects``), whichever is smaller; TVM's plan is kept where it is as small.
 
 **Offsets in one arena.** Shared objects (a tensor always at the start of its block) waste
 what a block's largest tensor leaves free while a smaller one lives in it: GPT-2 124M's bf16
@@ -115,7 +115,7 @@ def _lifetimes(bindings, body_result):
     return tokens
 
 
-def _assign(tokens, sizes):
+def assign_shared_objects(tokens, sizes):
     """({tensor var: block}, [block bytes]): greedy by size for shared objects (Pisarchyk
     and Lee 2020, TensorFlow Lite's planner): the tensors by decreasing size, each into the
     smallest block none of whose tensors is alive at the same time, else a new block. The
@@ -145,7 +145,7 @@ def _aligned(size):
     return -(-size // ALIGNMENT) * ALIGNMENT
 
 
-def _offsets(tokens, sizes):
+def assign_offsets(tokens, sizes):
     """({tensor var: byte offset}, arena bytes): greedy by size for offset calculation
     (Pisarchyk and Lee 2020, section 5; TensorFlow Lite's arena planner) — tensors in order,
     each into the smallest gap (between tensors placed already that live at the same time, by
@@ -161,7 +161,7 @@ def _offsets(tokens, sizes):
 
 
 def _place(order, tokens, sizes):
-    """``_offsets``'s placement of the tensors in ``order``."""
+    """``assign_offsets``'s placement of the tensors in ``order``."""
     placed = []  # (offset, end, first, last), ordered by offset
     offset_of, total = {}, 0
     for var in order:
@@ -191,8 +191,8 @@ def _replan(func):
     if not tokens:
         return None
     sizes = {b.var: _tensor_bytes(b.value) for b in bindings if b.var in tokens}
-    block_of, block_sizes = _assign(tokens, sizes)
-    offset_of, arena_bytes = _offsets(tokens, sizes)
+    block_of, block_sizes = assign_shared_objects(tokens, sizes)
+    offset_of, arena_bytes = assign_offsets(tokens, sizes)
     planned_before = sum(_static_bytes(b.value) for b in bindings if _is(b, _ALLOC_STORAGE))
     if min(sum(block_sizes), arena_bytes) >= planned_before:  # TVM's plan is as small: keep it
         return None

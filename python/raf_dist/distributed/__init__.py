@@ -7,7 +7,7 @@ axis its process group.
 """
 from .config import DistConfig, get_config
 from .communicator import Communicator, get_communicator
-from .mesh import Mesh, get_mesh
+from .mesh import ProcessMesh, get_mesh
 from .collectives import (
     Handle,
     allgather,
@@ -27,7 +27,7 @@ __all__ = [
     "Communicator",
     "DistConfig",
     "Handle",
-    "Mesh",
+    "ProcessMesh",
     "allgather",
     "allreduce",
     "alltoall",

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - apache-tvm depends on ml_dtypes
     _BF16 = None
 
 
-def _as_tensor(array, what):
+def as_tensor(array, what):
     """Zero-copy tvm-ffi view of a contiguous buffer (numpy bfloat16 included)."""
     import tvm_ffi  # on first use: raf_dist.run imports this package and must start fast
 
@@ -104,7 +104,7 @@ def allreduce(x, op="sum", out=None, async_op=False, group=None):
     """
     x = np.asarray(x)
     out = _output(out, x, x.size).reshape(x.shape) if out is not x else x
-    args = (_as_tensor(x, "input"), op, _group(group), _as_tensor(out, "out"))
+    args = (as_tensor(x, "input"), op, _group(group), as_tensor(out, "out"))
     return _run("allreduce", args, out, (x, out), async_op)
 
 
@@ -114,7 +114,7 @@ def reduce_scatter(x, op="sum", out=None, async_op=False, group=None):
     x = np.ascontiguousarray(x).reshape(-1)
     size = get_communicator().size if group is None else _native.func("group_size")(group)
     out = _output(out, x, -(-x.size // size))
-    args = (_as_tensor(x, "input"), op, _group(group), _as_tensor(out, "out"))
+    args = (as_tensor(x, "input"), op, _group(group), as_tensor(out, "out"))
     return _run("reduce_scatter", args, out, (x, out), async_op)
 
 
@@ -124,7 +124,7 @@ def allgather(x, numel=None, out=None, async_op=False, group=None):
     x = np.ascontiguousarray(x).reshape(-1)
     size = get_communicator().size if group is None else _native.func("group_size")(group)
     out = _output(out, x, x.size * size if numel is None else numel)
-    args = (_as_tensor(x, "input"), _group(group), _as_tensor(out, "out"))
+    args = (as_tensor(x, "input"), _group(group), as_tensor(out, "out"))
     return _run("allgather", args, out, (x, out), async_op)
 
 
@@ -139,7 +139,7 @@ def alltoall(x, out=None, async_op=False, group=None):
                          f"{size} ranks (one equal block per rank); pad it, or use alltoallv "
                          "with per-rank counts")
     out = _output(out, x, x.size)
-    args = (_as_tensor(x, "input"), _group(group), _as_tensor(out, "out"))
+    args = (as_tensor(x, "input"), _group(group), as_tensor(out, "out"))
     return _run("alltoall", args, out, (x, out), async_op)
 
 
@@ -162,25 +162,25 @@ def alltoallv(x, send_counts, recv_counts=None, out=None, async_op=False, group=
         recv_counts = alltoall(send_counts, group=group)
     recv_counts = np.ascontiguousarray(recv_counts, dtype=np.int64).reshape(-1)
     out = _output(out, x, int(recv_counts.sum()))
-    args = (_as_tensor(x, "input"), _as_tensor(send_counts, "send_counts"),
-            _as_tensor(recv_counts, "recv_counts"), _group(group), _as_tensor(out, "out"))
+    args = (as_tensor(x, "input"), as_tensor(send_counts, "send_counts"),
+            as_tensor(recv_counts, "recv_counts"), _group(group), as_tensor(out, "out"))
     return _run("alltoall", args, out, (x, out, send_counts, recv_counts), async_op)
 
 
 def broadcast(x, root=0, async_op=False, group=None):
     """Overwrite ``x`` on every rank with rank ``root``'s ``x`` (in place)."""
-    t = _as_tensor(x, "buffer")
+    t = as_tensor(x, "buffer")
     return _run("broadcast", (t, root, _group(group), t), x, (x,), async_op)
 
 
 def send(x, dst, async_op=False, group=None):
     """Send ``x`` to rank ``dst`` (matched by a ``recv`` there)."""
-    return _run("send", (_as_tensor(x, "buffer"), dst, _group(group)), None, (x,), async_op)
+    return _run("send", (as_tensor(x, "buffer"), dst, _group(group)), None, (x,), async_op)
 
 
 def recv(out, src, async_op=False, group=None):
     """Receive into ``out`` from rank ``src``."""
-    return _run("recv", (src, _group(group), _as_tensor(out, "out")), out, (out,), async_op)
+    return _run("recv", (src, _group(group), as_tensor(out, "out")), out, (out,), async_op)
 
 
 def barrier(group=None):

@@ -111,7 +111,8 @@ class Communicator:
             port = None
         finally:
             os.close(read_end)
-        addresses = self.mpi_comm.allgather((_addresses(self.host, self._reach_address), port))
+        addresses = self.mpi_comm.allgather(
+            (reachable_addresses(self.host, self._reach_address), port))
         # the watchdogs drop datagrams without the job's token (across hosts their port is open)
         token = self.mpi_comm.bcast(secrets.token_hex(16) if self.rank == 0 else None, root=0)
         if port is None:
@@ -288,7 +289,7 @@ def _shared_memory_node(mpi_comm):
         local.Free()
 
 
-def _addresses(host, reach_address=None, limit=4):
+def reachable_addresses(host, reach_address=None, limit=4):
     """IPv4 addresses at which watchdogs on other hosts may reach this host's, most likely
     first: the address it reaches node 0's rendezvous store from (under raf_dist.run), the
     source address of its default route, then what its name resolves to, loopback only when

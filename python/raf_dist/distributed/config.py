@@ -9,8 +9,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from ..layout.refusals import check_values
+
 _ZERO_LEVELS = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+CONTEXT_PARALLEL_METHODS = ("ring", "alltoall")
 EMBEDDING_MODES = ("none", "table", "row")
 
 
@@ -27,11 +30,19 @@ class DistConfig:
         sync_batch_norm: batch norm statistics of the global batch (summed across the
             data-parallel ranks, as torch.nn.SyncBatchNorm) instead of each rank's own batch.
             Default False (DDP's default: local statistics, rank 0's running statistics kept).
-        tensor_parallel_size, pipeline_parallel_size: the tp and pp axes of the pp x dp x tp
-            mesh (DESIGN.md section 1; ints >= 1, default 1).
+        tensor_parallel_size, pipeline_parallel_size: the tp and pp axes of the
+            pp x dp x cp x tp mesh (DESIGN.md section 1; ints >= 1, default 1).
+        context_parallel_size: the cp axis (one sequence split over cp ranks; int >= 1,
+            default 1). Validated; above 1 the Trainer refuses it until context parallelism
+            is built (raf_dist.layout.refusals.REFUSALS).
+        context_parallel_method: "ring" (default) or "alltoall" (Ulysses).
+        expert_parallel_size: experts split over ep consecutive dp ranks (int >= 1, default
+            1; divides the dp size). Above 1 refused until expert parallelism is built.
+        sequence_parallel: Megatron's sequence parallelism over the tp ranks (needs
+            tensor_parallel_size > 1; default False). Refused until it is built.
         num_microbatches: microbatches per step (pipelining / gradient accumulation; >= 1).
         pipeline_schedule: "gpipe", "1f1b" (default), "interleaved_1f1b" or "zero_bubble"
-            (validated, not built: the Trainer refuses it).
+            (validated, not built: the Trainer refuses it under pipelining).
         pipeline_stages_per_rank: stages per pp rank under "interleaved_1f1b" (>= 2, default
             2; GPipe and 1F1B hold one stage per rank).
         pipeline_split_points: None (the partitioner balances the stages) or the module
@@ -71,9 +82,12 @@ class DistConfig:
         watchdog_grace_s: seconds a watchdog lets the launcher end its rank after a failure
             elsewhere before it terminates the rank (default 10).
 
-    The mesh fields are part of the public contract and validated here; the Trainer refuses
-    values it cannot run yet (pipelining is not built; ``num_microbatches`` runs as gradient
-    accumulation) with an error naming the field, before anything starts.
+    The mesh fields are part of the public contract and validated here, each field on
+    assignment; every refusal of a combination is one row of
+    ``raf_dist.layout.refusals.REFUSALS`` (the fields' rules on ``update``, the rest when a
+    Trainer builds its ``ParallelLayout``), raised with an error naming the field and the fix
+    before anything starts. Pipelining runs gpipe, 1f1b and interleaved_1f1b schedules;
+    without pipelining ``num_microbatches`` runs as gradient accumulation.
     """
 
     enable_data_parallel: bool = False
@@ -83,6 +97,10 @@ class DistConfig:
     sync_batch_norm: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    context_parallel_method: str = "ring"
+    expert_parallel_size: int = 1
+    sequence_parallel: bool = False
     num_microbatches: int = 1
     pipeline_schedule: str = "1f1b"
     pipeline_stages_per_rank: int = 2
@@ -119,33 +137,15 @@ class DistConfig:
         return self
 
     def check(self) -> None:
-        """Cross-field rules, checked by the Trainer before it builds anything."""
-        if self.zero_opt_level > 0 and not self.enable_data_parallel:
-            raise ValueError(
-                f"zero_opt_level={self.zero_opt_level} shards state across data-parallel "
-                "ranks, so it requires enable_data_parallel=True; set "
-                "dist.get_config().enable_data_parallel = True or use zero_opt_level=0"
-            )
-        if self.embedding_parallel != "none" and not self.enable_data_parallel:
-            raise ValueError(
-                f"embedding_parallel={self.embedding_parallel!r} shards the tables over the "
-                "data-parallel ranks, so it requires enable_data_parallel=True; set "
-                "dist.get_config().enable_data_parallel = True or embedding_parallel='none'")
+        """Cross-field rules, checked on every ``update`` and by the Trainer before it builds
+        anything (the "config" rows of ``raf_dist.layout.refusals.REFUSALS``)."""
+        check_values(self.as_dict(), kinds=("config",))
 
     def check_supported(self) -> None:
-        """Refuse the contract's values this version cannot run yet (the Trainer calls it
-        before any collective): naming the field beats training something else silently."""
-        if self.pipeline_schedule == "zero_bubble" and self.pipeline_parallel_size > 1:
-            raise NotImplementedError(
-                "pipeline_schedule='zero_bubble' is not built yet (it needs the backward split "
-                "into input and weight gradients); use 'interleaved_1f1b', '1f1b' or 'gpipe'")
-
-        if self.embedding_parallel != "none" and self.pipeline_parallel_size != 1:
-            raise NotImplementedError(
-                f"embedding_parallel={self.embedding_parallel!r} with pipeline_parallel_size="
-                f"{self.pipeline_parallel_size} is not built yet (the sharded tables' "
-                "gradients and state sit outside the pipeline stages); use "
-                "pipeline_parallel_size=1 with sharded tables, or embedding_parallel='none'")
+        """Refuse the contract's values this version cannot run yet (the "built" rows of
+        ``raf_dist.layout.refusals.REFUSALS``; the Trainer calls it before any collective):
+        naming the field beats training something else silently."""
+        check_values(self.as_dict(), kinds=("built",))
 
     @property
     def recompute(self) -> str | None:
@@ -196,7 +196,7 @@ def _validate(name: str, value: Any) -> Any:
                              f"'selective', got {value!r}")
         return value
     if name in ("enable_data_parallel", "overlap_comm", "sync_batch_norm",
-                "check_collectives", "watchdog"):
+                "check_collectives", "watchdog", "sequence_parallel"):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
         return value
@@ -207,7 +207,8 @@ def _validate(name: str, value: Any) -> Any:
                 f"1 = optimizer state, 2 = + gradients, 3 = + parameters), got {value!r}"
             )
         return int(value)
-    if name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches"):
+    if name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches",
+                "context_parallel_size", "expert_parallel_size"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         return int(value)
@@ -227,6 +228,11 @@ def _validate(name: str, value: Any) -> Any:
         if value not in EMBEDDING_MODES:
             raise ValueError(f"embedding_parallel must be one of {EMBEDDING_MODES}, got "
                              f"{value!r}")
+        return value
+    if name == "context_parallel_method":
+        if value not in CONTEXT_PARALLEL_METHODS:
+            raise ValueError(f"context_parallel_method must be one of "
+                             f"{CONTEXT_PARALLEL_METHODS}, got {value!r}")
         return value
     if name == "pipeline_schedule":
         if value not in PIPELINE_SCHEDULES:

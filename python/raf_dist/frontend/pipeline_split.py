@@ -9,7 +9,7 @@
 It is the custom operator ``raf::stage_boundary`` (torch.library): the identity in PyTorch
 (forward and backward, so the module trains there unchanged), kept by torch.export as one
 node, and converted by ``from_pytorch`` into raf_dist's stage marker
-(``passes.pipeline.stage_boundary``), where the pipeline partitioner cuts. Without
+(``ir.ops.stage_boundary``), where the pipeline partitioner cuts. Without
 pipelining the marker is removed. torch.distributed.pipelining's ``pipe_split`` does not
 survive TVM's importer (``_pipe_split.default`` is unknown to it), hence an op of our own.
 """

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from tvm import relax
 
 from ..ir.ops import EMBEDDING_ADAGRAD_ROWS, EMBEDDING_ADAGRAD_SUM
-from .optimizer import Keep, Optimizer, _check_positive, const, kept
+from .optimizer import Keep, Optimizer, check_positive, const, kept
 
 
 class Adagrad(Optimizer):
@@ -37,10 +37,10 @@ class Adagrad(Optimizer):
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10,
                  param_groups: Sequence[Mapping[str, Any]] | None = None) -> None:
         super().__init__(lr, param_groups)
-        _check_positive("lr_decay", lr_decay, allow_zero=True)
-        _check_positive("weight_decay", weight_decay, allow_zero=True)
-        _check_positive("initial_accumulator_value", initial_accumulator_value, allow_zero=True)
-        _check_positive("eps", eps, allow_zero=True)
+        check_positive("lr_decay", lr_decay, allow_zero=True)
+        check_positive("weight_decay", weight_decay, allow_zero=True)
+        check_positive("initial_accumulator_value", initial_accumulator_value, allow_zero=True)
+        check_positive("eps", eps, allow_zero=True)
         self.lr_decay = float(lr_decay)
         self.weight_decay = float(weight_decay)
         self.initial_accumulator_value = float(initial_accumulator_value)

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from tvm import relax
 
-from .optimizer import Keep, Optimizer, _check_beta, _check_positive, const, kept
+from .optimizer import Keep, Optimizer, check_beta, check_positive, const, kept
 
 
 class Adam(Optimizer):
@@ -28,10 +28,10 @@ class Adam(Optimizer):
         super().__init__(lr, param_groups)
         if len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        _check_beta("betas[0]", betas[0])
-        _check_beta("betas[1]", betas[1])
-        _check_positive("eps", eps, allow_zero=True)
-        _check_positive("weight_decay", weight_decay, allow_zero=True)
+        check_beta("betas[0]", betas[0])
+        check_beta("betas[1]", betas[1])
+        check_positive("eps", eps, allow_zero=True)
+        check_positive("weight_decay", weight_decay, allow_zero=True)
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)

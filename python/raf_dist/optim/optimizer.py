@@ -25,7 +25,7 @@ class Optimizer:
     updates_rows: bool = False
 
     def __init__(self, lr: float, param_groups: Sequence[Mapping[str, Any]] | None = None) -> None:
-        _check_positive("lr", lr, allow_zero=True)
+        check_positive("lr", lr, allow_zero=True)
         self.lr = float(lr)
         self.param_groups = _checked_groups(param_groups)
 
@@ -161,14 +161,16 @@ def _checked_groups(groups: Sequence[Mapping[str, Any]] | None) -> list[dict[str
     return out
 
 
-def _check_positive(name: str, value: object, allow_zero: bool = False) -> None:
+def check_positive(name: str, value: object, allow_zero: bool = False) -> None:
+    """Raise unless hyperparameter ``name`` is a number > 0 (>= 0 with ``allow_zero``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
-def _check_beta(name: str, value: float) -> None:
-    _check_positive(name, value, allow_zero=True)
+def check_beta(name: str, value: float) -> None:
+    """Raise unless ``name`` (an Adam beta) lies in [0, 1)."""
+    check_positive(name, value, allow_zero=True)
     if not value < 1:
         raise ValueError(f"{name} must be in [0, 1), got {value!r}")

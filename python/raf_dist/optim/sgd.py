@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 from tvm import relax
 
 from ..ir.ops import EMBEDDING_SGD_ROWS
-from .optimizer import Keep, Optimizer, _check_positive, const, kept
+from .optimizer import Keep, Optimizer, check_positive, const, kept
 
 
 class SGD(Optimizer):
@@ -18,8 +18,8 @@ class SGD(Optimizer):
                  nesterov: bool = False,
                  param_groups: Sequence[Mapping[str, Any]] | None = None) -> None:
         super().__init__(lr, param_groups)
-        _check_positive("momentum", momentum, allow_zero=True)
-        _check_positive("weight_decay", weight_decay, allow_zero=True)
+        check_positive("momentum", momentum, allow_zero=True)
+        check_positive("weight_decay", weight_decay, allow_zero=True)
         if nesterov and momentum <= 0:
             raise ValueError("nesterov=True requires momentum > 0 (as in torch.optim.SGD)")
         self.momentum = float(momentum)

@@ -28,8 +28,8 @@ test bounds its distance from the float64 sum by twice the two ops' own.
 The kernel is take_backward's own (TVM's legalization: a first loop over the table, then the
 accumulation loop over columns and, inside, the ids in order) with the first loop copying
 ``b`` instead of writing zeros; it keeps the block name ``take_backward`` so that the CPU
-and GPU schedules of the scatter-add (compiler/schedule.py, schedule_gpu.py) apply as they
-are.
+and GPU schedules of the scatter-add (compiler/scatter_add.py, schedule_gpu.py) apply as
+they are.
 """
 from typing import Dict
 

@@ -1,4 +1,5 @@
-"""Tensor parallelism as a rewrite of the forward graph, before autodiff (DESIGN.md 3b).
+"""Tensor parallelism as a rewrite of the forward graph, before autodiff (DESIGN.md 3b); this
+module searches which parameters to split.
 
 ``plan_tensor_parallel(func, tp, trained, plan=None)`` finds which parameters to split:
 every matmul whose weight is a parameter is a column candidate (its output features split);
@@ -15,142 +16,22 @@ zero rows, their logits masked, invisible outside the ranks). An explicit plan (
 style, ``{"blocks.*.qkv": "colwise", "blocks.*.proj": "rowwise", "head": "replicate"}``, patterns
 over module or parameter names) replaces the search and must come out exactly as written.
 
-``shard_forward(func, tp, placements)`` rewrites the function: split parameters take their
-local shapes, shapes in reshape / broadcast_to / split become the local ones, f (tp_copy)
-wraps each replicated value a split region reads when a gradient flows through it, g
-(tp_reduce) follows each row-parallel matmul, and the padded classes of a padded vocabulary
-are masked where the logits leave the forward. Only tensor shapes change; the function stays
-SPMD (which slice a rank holds is decided when the Trainer loads parameters).
+The plan found is a ``TensorParallelPlan`` (tp_plan.py); ``shard_forward`` (tp_shard.py)
+rewrites the forward to it. The helpers both read the forward with (``vars_by_name``,
+``values_needing_grad``, ``first_output``) are here.
 """
-import dataclasses
 import fnmatch
 import logging
 
 import numpy as np
 from tvm import relax
 
-from .gradient_markers import substitute
-from .tp_layout import (PARTIAL, Request, Resegment, Unsplittable, field_shapes,
-                        local_shape, propagate, static_shape)
-from .tp_ops import tp_copy, tp_rank, tp_reduce
-from .tp_padding import (Padding, mask_padded_classes, pad_forward, padded_size,
-                         vocabulary_problem)
+from .tp_layout import Request, Resegment, Unsplittable, propagate, static_shape
+from .tp_padding import Padding, pad_forward, padded_size, vocabulary_problem
+from .tp_plan import Placement, TensorParallelPlan
 
 PLAN_VALUES = ("colwise", "rowwise", "replicate")
 _LOG = logging.getLogger("raf_dist")
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Parameter split along ``dim`` into ``T`` parts within each of ``segments`` segments."""
-
-    dim: int
-    segments: int
-    role: str  # "colwise" (output features), "rowwise" (input features), "bias", "split"
-
-
-@dataclasses.dataclass
-class TensorParallelPlan:
-    tp: int
-    placements: dict  # param name -> Placement
-    replicated: dict  # param name -> why it stays whole
-    shapes: dict  # param name -> full shape
-    forward_reduces: list  # numel of each g in the forward
-    backward_reduces: list  # numel of each f whose input needs a gradient
-    # the output (logits) stays split along its classes: vocabulary-parallel cross-entropy,
-    # whose allreduces (max, sum of exponentials, target logit: one value per row) these are
-    output_split: bool = False
-    loss_reduces: list = dataclasses.field(default_factory=list)
-    # a vocabulary T does not divide, padded to a multiple of T (tp_padding.py):
-    # {param name: Padding}; the classes of the output (those of the full model: predict's)
-    padding: dict = dataclasses.field(default_factory=dict)
-    output_classes: int = 0
-
-    def padded_shape(self, name):
-        """The shape the tp ranks hold ``name`` in, together: its full shape, padded."""
-        shape, pad = list(self.shapes[name]), self.padding.get(name)
-        if pad is not None:
-            shape[pad.dim] = pad.padded
-        return tuple(shape)
-
-    def local_shard(self, name, array, rank):
-        """This tp rank's piece of parameter ``name`` (the whole array when replicated; a
-        padded one's padding is zeros)."""
-        p = self.placements.get(name)
-        if p is None:
-            return array
-        pad = self.padding.get(name)
-        if pad is not None:
-            widths = [(0, 0)] * array.ndim
-            widths[pad.dim] = (0, pad.padded - array.shape[pad.dim])
-            array = np.pad(array, widths)
-        shape = array.shape
-        seg = array.reshape(shape[:p.dim] + (p.segments, self.tp,
-                                              shape[p.dim] // p.segments // self.tp)
-                            + shape[p.dim + 1:])
-        piece = seg.take(rank, axis=p.dim + 1)
-        return piece.reshape(shape[:p.dim] + (shape[p.dim] // self.tp,) + shape[p.dim + 1:])
-
-    def local_shape(self, name, shape):
-        """The shape of this tp rank's piece of parameter ``name`` of ``shape`` (what
-        local_shard returns, without computing it)."""
-        shape = list(shape)
-        p = self.placements.get(name)
-        if p is None:
-            return tuple(shape)
-        pad = self.padding.get(name)
-        if pad is not None:
-            shape[pad.dim] = pad.padded
-        shape[p.dim] //= self.tp
-        return tuple(shape)
-
-    def assemble(self, name, pieces):
-        """The full parameter from every tp rank's piece, in tp-rank order."""
-        p = self.placements.get(name)
-        if p is None:
-            return pieces[0]
-        shape = pieces[0].shape
-        split = [q.reshape(shape[:p.dim] + (p.segments, 1, shape[p.dim] // p.segments)
-                           + shape[p.dim + 1:]) for q in pieces]
-        full = np.concatenate(split, axis=p.dim + 1).reshape(self.padded_shape(name))
-        pad = self.padding.get(name)
-        if pad is not None:  # the padded rows are no part of the model
-            full = full[(slice(None),) * pad.dim + (slice(0, pad.size),)]
-        return full
-
-    def explain(self, itemsize=4):
-        """The plan as text: each parameter's placement (or why it is replicated) and the
-        collectives per step with their bytes."""
-        lines = [f"tensor parallel plan, T = {self.tp}"]
-        width = max((len(n) for n in self.shapes), default=10)
-        for name, shape in self.shapes.items():
-            p = self.placements.get(name)
-            what = (f"{p.role:8s} split dim {p.dim}" + (f" ({p.segments} segments)"
-                                                        if p.segments > 1 else "")
-                    if p else f"replicated: {self.replicated.get(name, '')}")
-            pad = self.padding.get(name)
-            if pad is not None:
-                extra = pad.padded - pad.size
-                what += f", padded to {pad.padded} ({extra} zero row{'s' * (extra > 1)})"
-            lines.append(f"  {name:{width}s} {str(list(shape)):16s} {what}")
-        bus = 2 * (self.tp - 1) / self.tp * itemsize
-        for size, padded in sorted({(p.size, p.padded) for p in self.padding.values()}):
-            masked = self.output_split and self.output_classes == size
-            lines.append(f"  the vocabulary of {size} is padded to {padded}, a multiple of "
-                         f"T = {self.tp} ({padded // self.tp} rows per rank; the added rows "
-                         "are zeros" + ("; their logits are masked out of the loss and "
-                                        "predict" if masked else "")
-                         + "); state_dict() and checkpoints keep the true shapes")
-        if self.output_split:
-            lines.append("  the output stays split along its classes: vocabulary-parallel "
-                         "cross-entropy")
-        for kind, sizes in (("forward", self.forward_reduces),
-                            ("backward", self.backward_reduces), ("loss", self.loss_reduces)):
-            if kind == "loss" and not sizes:
-                continue
-            lines.append(f"  {kind}: {len(sizes)} allreduce(s) over tp, "
-                         f"{sum(sizes) * itemsize} bytes, {sum(sizes) * bus:.0f} bus bytes")
-        return "\n".join(lines)
 
 
 def plan_tensor_parallel(func, tp, param_names, trained, plan=None, split_output=False,
@@ -189,11 +70,11 @@ def plan_tensor_parallel(func, tp, param_names, trained, plan=None, split_output
     if plan is None:  # why it would stay whole even if T divided it, rather than that T does not
         out.replicated.update({n: why for n, why in unpaddable.items() if n in out.replicated})
     if out.output_split:
-        out.output_classes = static_shape(_first_output(func))[-1]
+        out.output_classes = static_shape(first_output(func))[-1]
     return out
 
 
-def _first_output(func):
+def first_output(func):
     """The forward's output (the first field when it returns (output, *buffers))."""
     out = func.body.body
     return out.fields[0] if isinstance(out, relax.Tuple) else out
@@ -207,7 +88,7 @@ def _vocabulary_padding(func, tp, by_name, trained, split_output, keep_whole=fro
     T = V. Why not: the split fails even then."""
     names = {v: n for n, v in by_name.items()}
     params = set(by_name.values())
-    needs_grad = _needs_grad(func, [by_name[n] for n in trained if n in by_name])
+    needs_grad = values_needing_grad(func, [by_name[n] for n in trained if n in by_name])
     candidates, _ = _column_candidates(func, params)
     groups, seen, unpaddable = [], set(), {}
     for param, dim, root in candidates:
@@ -246,7 +127,7 @@ def _search(func, tp, param_names, trained, plan, split_output, keep_whole=froze
     """plan_tensor_parallel on ``func`` as it is (its shapes padded already)."""
     by_name = vars_by_name(func, param_names)
     names = {v: n for n, v in by_name.items()}
-    needs_grad = _needs_grad(func, [by_name[n] for n in trained if n in by_name])
+    needs_grad = values_needing_grad(func, [by_name[n] for n in trained if n in by_name])
     candidates, notes = _column_candidates(func, set(by_name.values()))
     candidates = [c for c in candidates if names[c[0]] not in keep_whole]
     accepted, reasons = {}, {}
@@ -349,7 +230,9 @@ def _try(func, tp, accepted, group, by_name, needs_grad, forced, split_output):
     return None, "the plan did not settle"
 
 
-def _needs_grad(func, trained_vars):
+def values_needing_grad(func, trained_vars):
+    """The trained parameters and every value of ``func`` computed from them that is not an
+    integer tensor: what a gradient flows through."""
     need = set(trained_vars)
     for block in func.body.blocks:
         for binding in block.bindings:
@@ -501,174 +384,3 @@ def _weight_param(expr, bound):
             and isinstance(value.args[0], relax.Var)):
         return value.args[0]
     return expr if isinstance(expr, relax.Var) and expr not in bound else None
-
-
-# ---- the rewrite ------------------------------------------------------------------------
-def shard_forward(func, tp, param_names, trained, plan):
-    """``func`` with the placements of ``plan`` (a TensorParallelPlan) applied."""
-    classes = None  # the true classes of a padded output, whose padding is masked
-    if plan.padding:
-        by_name = vars_by_name(func, param_names)
-        true_classes = static_shape(_first_output(func))[-1]
-        func = pad_forward(func, {by_name[n]: p for n, p in plan.padding.items()},
-                           plan.output_split)
-        if plan.output_split and static_shape(_first_output(func))[-1] != true_classes:
-            classes = true_classes
-    masked = _first_output(func) if classes is not None else None  # the binding to mask
-    by_name = vars_by_name(func, param_names)
-    placements = {}
-    for name, p in plan.placements.items():
-        var = by_name[name]
-        placements[var] = (p.dim, static_shape(var)[p.dim] // p.segments)
-    needs_grad = _needs_grad(func, [by_name[n] for n in trained if n in by_name])
-    result = propagate(func, tp, placements, set(by_name.values()), needs_grad,
-                       plan.output_split)
-    layouts = dict(result.layouts)
-    vocab = result.vocab_takes
-    layouts.update({v: PARTIAL for v in result.partials})
-    var_map = {}
-    new_params = []
-    for p in func.params:
-        if p in layouts:
-            shape = local_shape(static_shape(p), layouts[p], tp)
-            var_map[p] = relax.Var(p.name, relax.TensorType(shape, p.ty.dtype))
-        else:
-            var_map[p] = p
-        new_params.append(var_map[p])
-    bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
-    if masked is not None and masked not in bound:
-        raise AssertionError("the padded output classes are not bound in the forward")
-    bb = relax.BlockBuilder()
-    attrs = dict(func.attrs) if func.attrs is not None else {}
-    name = str(attrs.pop("global_symbol", "forward"))
-
-    def emit(b, copies, output=False):
-        if masked is None or not b.var.same_as(masked):
-            return _rewrite(bb, b, tp, layouts, copies, var_map, vocab, output=output)
-        logits = mask_padded_classes(bb, _rewrite(bb, b, tp, layouts, copies, var_map, vocab),
-                                     classes)
-        var_map[b.var] = (bb.emit_output(logits, name_hint=b.var.name) if output else
-                          bb.emit(logits, name_hint=b.var.name))
-        return var_map[b.var]
-
-    with bb.function(name, new_params, attrs=attrs, pure=True):
-        for block in func.body.blocks:
-            if isinstance(block, relax.DataflowBlock):
-                with bb.dataflow():
-                    copies = _Copies(bb, result.copies, var_map, bound)
-                    for b in block.bindings:
-                        emit(b, copies, output=not isinstance(b.var, relax.DataflowVar))
-            else:
-                copies = _Copies(bb, result.copies, var_map, bound)
-                for b in block.bindings:
-                    emit(b, copies)
-        bb.emit_func_output(substitute(func.body.body, var_map))
-    return bb.get()[name]
-
-
-class _Copies:
-    """f for each replicated operand of a split op: one tp_copy per root value (a block's
-    worth), then the operand's own reshapes / casts again on the copy."""
-
-    def __init__(self, bb, needed, var_map, bound):
-        self.bb, self.needed, self.var_map, self.bound = bb, needed, var_map, bound
-        self.done = {}
-
-    def __contains__(self, var):
-        return var in self.needed
-
-    def __getitem__(self, var):
-        if var in self.done:
-            return self.done[var]
-        root = self.needed[var]
-        if var.same_as(root):
-            new = self.bb.emit(tp_copy(self.var_map.get(root, root)), name_hint=f"{root.name}_tp")
-        else:
-            value = self.bound[var]
-            inner = value.args[0]
-            self.needed.setdefault(inner, root)
-            rest = [substitute(a, self.var_map) for a in value.args[1:]]
-            new = self.bb.emit(relax.Call(value.op, [self[inner], *rest], value.attrs,
-                                          value.ty_args), name_hint=f"{var.name}_tp")
-        self.done[var] = new
-        return new
-
-
-def _rewrite(bb, binding, tp, layouts, copies, var_map, vocab, output=False):
-    var, value = binding.var, binding.value
-    hi = layouts.get(var)
-    if isinstance(value, relax.Call) and hasattr(value.op, "name"):
-        args = []
-        split_op = hi is not None or any(layouts.get(a, PARTIAL) != PARTIAL
-                                         for a in value.args if isinstance(a, relax.Var))
-        for a in value.args:
-            if (split_op and isinstance(a, relax.Var) and a in copies
-                    and layouts.get(a, PARTIAL) == PARTIAL):
-                args.append(copies[a])
-            else:
-                args.append(substitute(a, var_map))
-        new = (_vocab_lookup(bb, value, args) if var in vocab else
-               _local_call(value, args, var, hi, tp))
-    else:
-        new = substitute(value, var_map)
-    if hi == PARTIAL:  # this rank's partial sum, then g
-        new = tp_reduce(bb.emit(new, name_hint=var.name + "_partial"))
-    emitted = bb.emit_output(new, name_hint=var.name) if output else bb.emit(
-        new, name_hint=var.name)
-    _check_local(var, emitted, layouts, tp)
-    var_map[var] = emitted
-    return emitted
-
-
-def _vocab_lookup(bb, call, args):
-    """take(table piece, ids): the rows of ids in this rank's range [r * V/T, (r+1) * V/T),
-    zeros elsewhere (g then sums the ranks' pieces: Megatron's VocabParallelEmbedding)."""
-    op = relax.op
-    table, ids = args[0], args[1]
-    axis = int(call.attrs.axis) % len(static_shape(table))
-    rows = static_shape(table)[axis]
-    dtype = str(ids.ty.dtype)
-    rank = bb.emit(tp_rank(ids))
-    start = bb.emit(op.astype(op.multiply(rank, relax.const(rows, "int64")), dtype))
-    local = bb.emit(op.subtract(ids, start))
-    inside = bb.emit(op.logical_and(op.greater_equal(local, relax.const(0, dtype)),
-                                    op.less(local, relax.const(rows, dtype))))
-    safe = bb.emit(op.where(inside, local, relax.const(0, dtype)))
-    looked_up = bb.emit(relax.Call(call.op, [table, safe], call.attrs, call.ty_args))
-    keep = inside
-    for _ in range(len(static_shape(table)) - 1 - axis):
-        keep = bb.emit(op.expand_dims(keep, [-1]))
-    return op.where(keep, looked_up, relax.const(0.0, str(table.ty.dtype)))
-
-
-def _local_call(call, args, var, hi, tp):
-    name = call.op.name
-    if hi is None or hi == PARTIAL:
-        return relax.Call(call.op, args, call.attrs, call.ty_args)
-    shape = local_shape(static_shape(var), hi, tp) if not isinstance(hi, tuple) else None
-    if name in ("relax.reshape", "relax.broadcast_to"):
-        return relax.Call(call.op, [args[0], relax.ShapeExpr(list(shape))], call.attrs,
-                          call.ty_args)
-    if name == "relax.split":
-        pieces = [local_shape(shape, h, tp) if h is not None else shape
-                  for shape, h in zip(field_shapes(var), hi)]
-        axis = int(call.attrs.axis) % len(pieces[0])
-        bounds, acc = [], 0
-        for piece in pieces[:-1]:
-            acc += piece[axis]
-            bounds.append(acc)
-        return relax.op.split(args[0], bounds, axis=int(call.attrs.axis))
-    return relax.Call(call.op, args, call.attrs, call.ty_args)
-
-
-def _check_local(var, new, layouts, tp):
-    """The rewritten binding has the shape the layout promises (the rules and the op's own
-    shape inference must agree; a disagreement is a bug here, not in the user's model)."""
-    hi = layouts.get(var)
-    if isinstance(hi, tuple) or not isinstance(var.ty, relax.TensorType):
-        return
-    expected = local_shape(static_shape(var), None if hi == PARTIAL else hi, tp)
-    got = static_shape(new)
-    if got is not None and tuple(got) != tuple(expected):
-        raise AssertionError(f"tensor parallel rewrite of {var.name}: local shape {got}, "
-                             f"expected {expected}")

@@ -52,9 +52,10 @@ gradient is reduced; each rank then checks its gradient shards and its loss (sum
 training/nonfinite.py), the ranks sum their "not finite" verdicts (one float allreduce), and
 every update becomes ``where(all finite, new, old)``, the loss NaN otherwise, so a
 non-finite step leaves parameters and state as they were on every rank. The updates then no
-longer overlap backward's reductions (only with the guard). The local parameters'
-gradients join the verdict too, and their updates are kept the same way
-(passes/zero_local.py, with their part of clipping).
+longer overlap backward's reductions (only with the guard). The verdict shares its allreduce
+with clipping's sums of squares (passes/zero_agreement.py). The local parameters' gradients
+join the verdict too, and their updates are kept the same way (passes/zero_local.py, with
+their part of clipping).
 """
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -65,6 +66,7 @@ from . import clipping
 
 from .bucketing import Segments, assemble, collective
 from .gradient_markers import UPDATED_ARGUMENTS, substitute
+from .zero_agreement import agree
 from .zero_local import LocalChains
 from .zero_plan import Bucket, GatherRegion, ZeroPlan, low_cast, plan_zero
 
@@ -114,7 +116,7 @@ class _Emitter:
     def bind(self, name: str, value: relax.Expr, dataflow: bool = True) -> relax.Var:
         return self.seg.bind(name, value, dataflow)
 
-    def _alloc(self, name: str, numel: int, dtype: str) -> relax.Var:
+    def alloc(self, name: str, numel: int, dtype: str) -> relax.Var:
         return self.bind(name, relax.op.builtin.alloc_tensor(relax.ShapeExpr([numel]), dtype,
                                                              relax.prim_value(0)))
 
@@ -193,7 +195,7 @@ class _Emitter:
         self._finish_reduces(keep=0)
         coef = None
         if self.waits_all:  # every rank's verdict / norm first, then the updates
-            coef = self._agree(self.pending)
+            self.all_finite, self.loss, coef = agree(self, self.pending)
             for bucket, out in self.pending:
                 if coef is not None:
                     out = clipping.scaled(self.seg.builder, out, coef,
@@ -244,7 +246,7 @@ class _Emitter:
         grads = [self.step.marker_of[k].grad for k in bucket.keys]
         # the gradients' dtype, which is not the parameters' when they travel in bfloat16
         # (Trainer(grad_reduce_dtype=...): the update chain starts with the cast back)
-        out = self._alloc(f"grad_shard{bucket.index}", bucket.shard_total,
+        out = self.alloc(f"grad_shard{bucket.index}", bucket.shard_total,
                           str(grads[0].ty.dtype))
         handle = self.start("reduce_scatter", f"reduce_scatter{bucket.index}", grads, [out])
         self.in_flight[bucket.index] = (bucket, handle, grads, out)
@@ -337,88 +339,6 @@ class _Emitter:
             targets = [self.step.params[k] for k in bucket.keys]
             self.wait(f"wait_allgather_updated{bucket.index}", handle, new_param, *targets)
             self.new_full.update(zip(bucket.keys, targets))  # updated in place
-
-    def _agree(self, pending: Sequence[Tuple[Bucket, relax.Var]]) -> Optional[relax.Var]:
-        """What every rank must agree on before any update, in one small allreduce (sum over
-        the dp group): the guard's "not finite" verdicts and clipping's sums of squares of the
-        gradient shards (tensor-parallel pieces apart: their sums are added over tp too).
-        Sets ``all_finite`` (guard; the loss becomes NaN when not) and returns clipping's
-        coefficient (None without clipping; the loss becomes [loss, norm])."""
-        op, dtype = relax.op, "float32"
-        parts = []
-        if self.guard:  # the reduced shards and this rank's own tables' gradients
-            flag = self._local_finite([out for _, out in pending] + self.local.gradients())
-            parts.append(self.bind("not_finite", op.where(flag, relax.const(0.0, dtype),
-                                                          relax.const(1.0, dtype))))
-        if self.clip is not None:
-            replicated, pieces = self._local_squares(pending)
-            for i, term in enumerate(self.local.squares()):
-                replicated = self.bind(f"with_local_squares{i}", relax.op.add(replicated, term))
-            parts.extend([replicated, pieces])
-        name = "not_finite" if len(parts) == 1 else "agree"  # (the guard alone: its own names)
-        vector = (self.bind("not_finite_1", op.reshape(parts[0], [1])) if len(parts) == 1
-                  else self.bind("agree_local", op.concat(
-                      [self.bind(f"agree_part{i}", op.reshape(p, [1]))
-                       for i, p in enumerate(parts)], axis=0)))
-        total = self._alloc(f"{name}_total", len(parts), dtype)  # no pass can fold it away
-        self.seg.bind(f"allreduce_{name}", collective(
-            "raf_dist.ccl.allreduce", vector, tvm.ir.StringImm("sum"), self.group, total),
-            dataflow=False)
-        values = ([self.bind("not_finite_all", op.reshape(total, []))] if len(parts) == 1 else
-                  [self.bind(f"agreed{i}", op.reshape(self.bind(
-                      f"agreed{i}_1", op.strided_slice(total, [0], [i], [i + 1])), []))
-                   for i in range(len(parts))])
-        if self.guard:
-            self.all_finite = self.bind("all_finite", op.less(values.pop(0),
-                                                              relax.const(0.5, dtype)))
-            self.loss = self.bind("guarded_loss", op.where(
-                self.all_finite, self.loss, relax.const(float("nan"), str(self.loss.ty.dtype))))
-        if self.clip is None:
-            return None
-        replicated, pieces = values
-        norm = clipping.norm_of(self.seg.builder, replicated,
-                                pieces if self.clip.any_split else None, self.clip,
-                                emit=self.binder("grad_norm"))
-        coef = clipping.clip_coefficient(self.seg.builder, norm, self.clip.max_norm,
-                                         emit=self.binder("clip_coef"))
-        self.loss = clipping.with_norm(self.seg.builder, self.loss, norm,
-                                       emit=self.binder("loss_and_norm"))
-        return coef
-
-    def _local_finite(self, shards: Sequence[relax.Var]) -> relax.Var:
-        """This rank's verdict: its gradient shards and loss are finite (NaN and inf survive
-        a sum)."""
-        op = relax.op
-        flag = self.bind("loss_finite", op.isfinite(self.loss))
-        for i, shard in enumerate(shards):  # (bind takes one op at a time)
-            if str(shard.ty.dtype) != "float32":  # TVM has no 16-bit isfinite
-                shard = self.bind(f"shard_wide{i}", op.astype(shard, "float32"))
-            total = self.bind(f"shard_sum{i}", op.sum(shard))
-            finite = self.bind(f"shard_finite{i}", op.isfinite(total))
-            flag = self.bind(f"finite{i}", op.logical_and(flag, finite))
-        return flag
-
-    def _local_squares(self, pending: Sequence[Tuple[Bucket, relax.Var]]) -> List[relax.Expr]:
-        """[replicated, tensor-parallel pieces]: this rank's sums of squares of its gradient
-        shards (padding is zeros), by how the parameters are held across tp."""
-        assert self.clip is not None
-        replicated: List[relax.Expr] = []
-        pieces: List[relax.Expr] = []
-        for bucket, out in pending:
-            # 0 / 1: replicated / tensor-parallel piece; None: counted on another pp rank
-            kinds = [self.clip.kind(k) for k in bucket.keys]
-            if len(set(kinds)) == 1:  # the whole bucket held alike
-                if kinds[0] is not None:
-                    (pieces if kinds[0] else replicated).append(out)
-                continue
-            shards = self.split_shards(f"squares{bucket.index}", bucket, out)
-            for kind, shard in zip(kinds, shards):
-                if kind is not None:
-                    (pieces if kind else replicated).append(shard)
-        zero = relax.const(0.0, "float32")
-        return [clipping.squares_by_kind(self.seg.builder, group, emit=self.binder(name))[0]
-                if group else zero
-                for name, group in (("squares", replicated), ("squares_tp", pieces))]
 
     def binder(self, prefix: str):
         """An ``emit`` for passes/clipping.py: binds each value under a fresh name."""

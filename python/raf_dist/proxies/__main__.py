@@ -14,7 +14,7 @@ import sys
 import time
 
 from .presets import PRESETS, WORKLOADS, cosmoflow_workload
-from .simulate import _CALIBRATED, CLUSTERS, load_cluster, simulate
+from .simulate import CALIBRATION_PATH, CLUSTERS, load_cluster, simulate
 from .workload import Workload
 
 
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
                     parse_gemm_key(key)
                 except ValueError as e:
                     raise SystemExit(f"--gemm-shapes {args.gemm_shapes}: {e}") from None
-        return calibrate(args.calibration_out or _CALIBRATED, keys)
+        return calibrate(args.calibration_out or CALIBRATION_PATH, keys)
     cluster = load_cluster(args.cluster)
     if args.simulate:
         if not args.world:

@@ -4,7 +4,7 @@ this machine for the ``cpu-here`` cluster (proxies/simulate.py) and save it
 JSON for ``--cluster FILE``). With N ranks on fewer cores it measures N ranks sharing them,
 each with the compute threads a Trainer would give it (cores / ranks on the host). Every
 compute figure is a rate over a fixed window that all ranks start together after a barrier
-(``_window_rate``), so each rank's work runs while every other rank runs its own, as in a
+(``window_rate``), so each rank's work runs while every other rank runs its own, as in a
 step: float32 GEMM rate (numpy's BLAS, 1024^3), copy bandwidth (64 MiB; with several ranks
 rank 0's alone times its share of the core, ``measure``), and the host time
 per operator call: every rank trains its own copy of a model whose tensors are tiny (no
@@ -17,7 +17,7 @@ over a common window.) raf_dist's allreduce between the ranks: alpha from 4 KiB 
 bandwidth from 64 MiB ones (medians of 20 and 5, between barriers); and what a collective
 met from compute costs beyond that (``_meeting``: with more ranks than cores, the members
 arrive late by a part of the compute before it; no cap where the scheduler places them,
-``_ranks_float_on_shared_cores``; for every group shape a mesh of these ranks meets in,
+``ranks_float_on_shared_cores``; for every group shape a mesh of these ranks meets in,
 ``_meeting_groups``), and the host time each
 collective costs beyond everything else (``_meeting_us``: the tiny model's tensor-parallel
 step against its simulation). With ``--gemm-shapes FILE`` (a JSON list of ``gemm_key``s) the
@@ -33,7 +33,7 @@ import time
 import numpy as np
 from tvm.relax.frontend import nn
 
-from .simulate import _CALIBRATED, Cluster, Link
+from .simulate import CALIBRATION_PATH, Cluster, Link
 
 
 #: seconds of each measurement window (every rank busy through it)
@@ -51,7 +51,7 @@ def alone(comm, fn):
     return result
 
 
-def _window_rate(comm, fn, seconds: float | None = None) -> float:
+def window_rate(comm, fn, seconds: float | None = None) -> float:
     """Calls of ``fn`` per second on this rank over a ``seconds`` window (default
     ``WINDOW_S``) that every rank of ``comm`` starts together (one call first, outside it:
     first-call set-up)."""
@@ -127,7 +127,7 @@ def _op_overhead_us(comm) -> float:
     ys = rng.integers(0, 8, (4,))
     for _ in range(5):
         trainer.step(xs, ys)
-    steps_per_s = _window_rate(comm, lambda: trainer.step(xs, ys), 1.5 * WINDOW_S)
+    steps_per_s = window_rate(comm, lambda: trainer.step(xs, ys), 1.5 * WINDOW_S)
     return statistics.median(comm.allgather(1e6 / steps_per_s / ops))
 
 
@@ -190,7 +190,7 @@ def _meeting(comm, shared: bool, group=None) -> tuple[float, float]:
     the allreduce less the chunk alone;
     the ratio is the short chunk's cost over its length (the cap does not bind there), the cap
     the largest cost seen, none (0) when the ranks outnumber the host's cores unbound
-    (``shared``, ``_ranks_float_on_shared_cores``; ``Cluster.meeting_cap_us`` says why)."""
+    (``shared``, ``ranks_float_on_shared_cores``; ``Cluster.meeting_cap_us`` says why)."""
     # the long chunk serves the cap alone: not measured where there is none
     sizes = MEETING_GEMM_SIZES[:1] if shared else MEETING_GEMM_SIZES
     costs = [(compute, max(0.0, meet - compute))
@@ -328,7 +328,7 @@ def gemm_efficiency(keys, budget_s: float = 0.05) -> dict:
     return out
 
 
-def _ranks_float_on_shared_cores(comm) -> bool:
+def ranks_float_on_shared_cores(comm) -> bool:
     """Whether on some host the ranks outnumber the cores they may run on together (the union
     of their affinity masks) with none bound to a part of them. Bound ranks (a launcher's
     ``--bind-to core``: each a mask of one core, round robin) keep their share of their own
@@ -349,7 +349,7 @@ def _ranks_float_on_shared_cores(comm) -> bool:
     return False
 
 
-def calibrate(out_path: str = _CALIBRATED, gemm_keys=()) -> int:
+def calibrate(out_path: str = CALIBRATION_PATH, gemm_keys=()) -> int:
     """Measure this host with this job's ranks (``measure`` over MPI's world) and save the
     cluster to ``out_path`` (rank 0 writes it and prints it)."""
     from mpi4py import MPI
@@ -391,10 +391,10 @@ def measure(comm, gemm_keys=()) -> Cluster:
     dst = np.empty_like(src)
 
     def gemm_rate(over):  # FLOP/s
-        return 2 * 1024 ** 3 * _window_rate(over, lambda: a @ a)
+        return 2 * 1024 ** 3 * window_rate(over, lambda: a @ a)
 
     def copy_rate(over):  # bytes/s, read + write
-        return 2 * src.nbytes * _window_rate(over, lambda: np.copyto(dst, src))
+        return 2 * src.nbytes * window_rate(over, lambda: np.copyto(dst, src))
 
     gemm = statistics.median(comm.allgather(gemm_rate(comm)))
     if n == 1:
@@ -429,7 +429,7 @@ def measure(comm, gemm_keys=()) -> Cluster:
         alpha = small / (2 * (n - 1))
         bus = 2 * (n - 1) / n * big_elements * 4 / max(big - 2 * (n - 1) * alpha, 1e-9)
         link = Link(round(alpha * 1e6, 2), round(bus / 1e9, 3))
-        groups = _meeting_groups(comm, _ranks_float_on_shared_cores(comm))
+        groups = _meeting_groups(comm, ranks_float_on_shared_cores(comm))
         meeting_ratio, meeting_cap_us = groups[f"{n}x1"]
     else:  # one process: its compute rates only (no link to measure, no one to meet)
         link = Link(0.0, 1e6)

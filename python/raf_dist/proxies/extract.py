@@ -34,6 +34,7 @@ from ..compiler.build import apply_passes
 from ..compiler.inplace_buckets import packed_call
 from ..compiler.step_passes import function_passes, nonfinite_guard, step_passes
 from ..ir.utils import tensor_nbytes
+from ..layout.parallel import ParallelLayout
 from ..passes.dispatch_blas import blas_operands
 from ..runtime.metrics import call_flops, static_shape
 from ..training import pipeline_schedule as schedules
@@ -74,13 +75,6 @@ class MeshSpec:
             raise ValueError(f"MeshSpec.zero must be 0..3, got {self.zero!r}")
         if self.zero and self.dp == 1:
             raise ValueError("ZeRO shards over the dp ranks: zero > 0 needs dp > 1")
-        if self.pp > 1 and self.zero > 1:
-            raise ValueError(f"zero={self.zero} with pipeline parallelism is refused by the "
-                             "PipelineExecutor (ZeRO-2/3 would reduce-scatter per microbatch): "
-                             "zero <= 1 with pp > 1")
-        if self.pp == 1 and self.microbatches > 1 and self.zero == 3:
-            raise ValueError("microbatches with zero=3 are refused by the Trainer (the "
-                             "parameters would be gathered again for every microbatch)")
         if self.embedding_parallel not in ("none", "table", "row"):
             raise ValueError(f"embedding_parallel must be 'none', 'table' or 'row', got "
                              f"{self.embedding_parallel!r}")
@@ -92,9 +86,17 @@ class MeshSpec:
             raise ValueError("stage_recompute takes one of 'none', 'full', 'selective' per "
                              f"pipeline stage (pp > 1), got {self.stage_recompute!r} with "
                              f"pp={self.pp}")
-        if self.embedding_parallel != "none" and self.pp > 1:
-            raise ValueError("sharded embedding tables compose with data and tensor "
-                             "parallelism and ZeRO, not pipelining (as the Trainer)")
+        self.layout.validate()  # every combination the Trainer refuses, refused alike
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The ParallelLayout of rank 0 of this mesh (the Trainer's, for its refusals)."""
+        return ParallelLayout.build(
+            self.dp * self.tp * self.pp, 0, tp=self.tp, pp=self.pp,
+            enable_data_parallel=self.dp > 1 or self.zero > 0, zero_level=self.zero,
+            microbatches=self.microbatches, schedule=self.schedule,
+            stages_per_rank=max(2, self.stages_per_rank),
+            embedding_parallel=self.embedding_parallel)
 
     @property
     def world(self) -> int:
@@ -292,10 +294,10 @@ def _spmd_program(piece, mesh: MeshSpec, optimizer, loss: str, tables) -> list[E
 def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list[Event]]:
     """Each pp rank's schedule with its stages' events (module docstring)."""
     from ..layout import stage_rank
-    from ..passes.pipeline import split_forward
+    from ..passes.stage_split import split_forward
     from ..passes.tp_ops import LowerTensorParallel
     from ..runtime.transport import tag
-    from ..training.pipeline import build_stage_functions, build_update_step, stage_plan
+    from ..training.pipeline_step import build_stage_functions, build_update_step, stage_plan
 
     S = schedules.num_stages(mesh.schedule, mesh.pp, mesh.stages_per_rank)
     plan = stage_plan(piece, S, mesh.microbatches, ranks=mesh.pp)

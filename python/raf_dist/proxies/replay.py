@@ -86,12 +86,12 @@ def _bucket(kind: str, parts: list[int], group: int, size: int, buffers: _Buffer
     full = buffers.get(key + "s", sum(counts))
     shard = buffers.get(key + "r", sum(shards))
     offsets = np.cumsum([0] + counts)
-    tensors = [C._as_tensor(full[a:b], "part") for a, b in zip(offsets[:-1], offsets[1:])]
+    tensors = [C.as_tensor(full[a:b], "part") for a, b in zip(offsets[:-1], offsets[1:])]
     name = kind + ("_start" if async_op else "")
     if kind == "reduce_scatter":
-        args = (*tensors, "sum", group, C._as_tensor(shard, "shard"))
+        args = (*tensors, "sum", group, C.as_tensor(shard, "shard"))
     else:
-        args = (C._as_tensor(shard, "shard"), group, *tensors)
+        args = (C.as_tensor(shard, "shard"), group, *tensors)
     handle = _native.func(name)(*args)
     return C.Handle(handle, None, (full, shard, tensors), kind) if async_op else None
 

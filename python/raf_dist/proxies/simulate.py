@@ -137,14 +137,14 @@ CLUSTERS = {
                         "this 2-core machine, one rank per core (calibrate, 2026-11-27)",
                         op_overhead_us=1.26, meeting_ratio=0.11, meeting_cap_us=200.0),
 }
-_CALIBRATED = os.path.join(os.path.expanduser("~"), ".cache", "raf_dist", "cpu-here.json")
+CALIBRATION_PATH = os.path.join(os.path.expanduser("~"), ".cache", "raf_dist", "cpu-here.json")
 
 
 def load_cluster(spec: str) -> Cluster:
     """A preset name (``cpu-here`` reads its calibration when one was saved) or a JSON
     file."""
-    if spec == "cpu-here" and os.path.exists(_CALIBRATED):
-        with open(_CALIBRATED) as f:
+    if spec == "cpu-here" and os.path.exists(CALIBRATION_PATH):
+        with open(CALIBRATION_PATH) as f:
             return Cluster.from_dict(json.load(f))
     if spec in CLUSTERS:
         return CLUSTERS[spec]

@@ -30,7 +30,7 @@ def agree(comm: Any, plan: RunPlan, model: Any, loss: str, optimizer: Any, devic
         "alone is built with Trainer(..., local=True))")
     parallelism = {"config": {k: plan.config[k] for k in PARALLELISM_FIELDS}}
     raise_if_ranks_differ(comm.mpi_comm.allgather(parallelism), "asked for different parallelism")
-    if not plan.spmd:  # every rank agreed to train on its own
+    if not plan.layout.spmd:  # every rank agreed to train on its own
         return
     description = {
         "config": plan.config, "device": device_lib.parse(device)[0], "loss": loss,
@@ -53,7 +53,8 @@ def step_description(executor: Any) -> Dict[str, Any]:
         "loss": executor.loss, "optimizer": type(executor.optimizer).__name__,
         "device": device_lib.parse(executor.device)[0],
         "optimizer_config": executor.optimizer.config(), "config": executor.config,
-        "world_size": executor.world, "tensor_parallel_size": executor.tp,
+        "world_size": executor.parallel.grad_world,
+        "tensor_parallel_size": executor.parallel.tp,
         "precision": executor.precision, "grad_reduce_dtype": executor.grad_reduce_dtype,
         "recompute": getattr(executor, "recompute", None),
         "versions": [__version__, tvm.__version__]}

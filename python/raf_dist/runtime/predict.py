@@ -16,7 +16,7 @@ from tvm import relax
 from ..compiler import compile_step
 from ..training import batch_size as batching
 from ..passes.auto_cast import auto_cast
-from ..passes.pipeline import strip_stage_markers
+from ..passes.stage_split import strip_stage_markers
 
 Spec = Tuple[Sequence[int], str]
 

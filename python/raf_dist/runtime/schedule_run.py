@@ -1,6 +1,6 @@
 """One step of this rank's pipeline schedule (DESIGN.md section 3c): the actions of
 ``training/pipeline_schedule.py`` executed on the compiled stages, the boundary messages on
-the ``PipelineTransport``. The executor (runtime/pipeline.py) owns the parameters, buffers
+the ``PipelineTransport``. The executor (runtime/pipeline_executor.py) owns the parameters, buffers
 and the update; a ``ScheduleRun`` lives for one step and returns the weighted loss sum and
 the accumulated gradients.
 
@@ -13,7 +13,7 @@ the accumulated gradients.
   microbatch's loss weight) and adds the parameter gradients into the accumulators.
 
 Under mixed precision a message may be in a 16-bit dtype (the boundary's spec; a stage
-before the last returns its activation in it, runtime/pipeline.py) while the next stage's
+before the last returns its activation in it, runtime/pipeline_executor.py) while the next stage's
 input is float32 (TVM's Gradient differentiates no bfloat16 input): the activation is
 widened where it is consumed, and the input gradient a backward returns (float32) is
 narrowed to the message dtype before it is sent or handed over.

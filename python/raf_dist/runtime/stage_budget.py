@@ -164,7 +164,7 @@ def raise_levels(stages: Sequence[int], peak: Callable[[Dict[int, int]], _Bytes]
 
 
 def saved_bytes(functions, level) -> int:
-    """Bytes one microbatch of a stage keeps (``functions``: its training/pipeline.py
+    """Bytes one microbatch of a stage keeps (``functions``: its training/pipeline_step.py
     StageFunctions compiled at ``level``): the forward's saved outputs, or under "full" what
     the schedule keeps instead (the stage's data inputs and, on the last stage, the
     target)."""
@@ -197,3 +197,33 @@ def choose_on_every_rank(comm, stages, timeline, measure, budget_bytes, update_t
         rank, text = errors[0]
         raise raised_on_every_rank(ValueError(f"rank {rank}: {text}"))
     return chosen
+
+
+_Point = TypeVar("_Point")
+
+
+def first_fitting(ranges: Sequence[Sequence[_Point]],
+                  fits: Callable[[_Point], bool]) -> Optional[_Point]:
+    """The SPMD step's search (runtime/spmd_build.py): ``ranges`` are consecutive stretches
+    of one ladder of recomputation points (each range's first point known not to fit),
+    within which fewer recomputed values plan to more memory; a range is bisected only once
+    its top end fits (the ranges' peaks are not ordered among each other), so about log2 of
+    the points' count of ``fits`` calls. Returns the first fitting point found, or None.
+
+    Why not ``raise_levels``: the SPMD step is one compiled function whose recomputation is
+    one point of a long ordered ladder (a value or a block at a time, measured by planning the
+    whole step), so it is bisected; a pipeline rank holds several stages, each with three
+    levels and a peak modelled over the schedule's timeline, so the search there is a greedy
+    raise over a vector of levels. Both searches live here, beside the pipeline's model."""
+    for points in ranges:
+        if not fits(points[-1]):
+            continue
+        low, high = 0, len(points) - 1  # points[low] does not fit, points[high] does
+        while high - low > 1:
+            middle = (low + high) // 2
+            if fits(points[middle]):
+                high = middle
+            else:
+                low = middle
+        return points[high]
+    return None

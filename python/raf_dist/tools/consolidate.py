@@ -42,14 +42,14 @@ def consolidate(checkpoint: str | os.PathLike[str], output: str | os.PathLike[st
     # (name, checkpoint key, stored dtype, dtype written): parameters, then the persistent
     # buffers (PyTorch's state_dict has them; integer ones such as num_batches_tracked keep
     # their dtype)
-    tensors = [dict(p, key=ckpt._param_key(p["name"]), out=out_dtype)
+    tensors = [dict(p, key=ckpt.param_key(p["name"]), out=out_dtype)
                for p in meta["model"] + meta.get("frozen", [])]
     # every further name of a tied parameter (module.state_dict() lists them all, so
     # load_state_dict(strict=True) needs them), with the parameter's values
     by_name = {p["name"]: p for p in tensors}
     tensors += [dict(by_name[name], name=alias)
                 for alias, name in meta.get("tied_params", {}).items() if name in by_name]
-    tensors += [dict(b, key=ckpt._buffer_key(b["name"]),
+    tensors += [dict(b, key=ckpt.buffer_key(b["name"]),
                      out=out_dtype if np.dtype(b["dtype"]).kind == "f" else np.dtype(b["dtype"]))
                 for b in meta.get("buffers", []) if b["persistent"]]
     # the safetensors layout: u64 header length, JSON header (offsets), raw little-endian data

@@ -78,7 +78,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _load(model_spec: str, seq: int | None) -> tuple[Callable[[int], Any], int | None]:
+def load_model(model_spec: str, seq: int | None) -> tuple[Callable[[int], Any], int | None]:
     """rows -> the model captured with that batch (shapes only for presets); its heads."""
     from ..proxies.models import MODELS
 
@@ -116,9 +116,9 @@ def _forward_bytes(func: Any) -> tuple[int, int]:
 def stage_info(piece: Any, pp: int) -> list[tuple[Any, ...]]:
     """Per stage of ``piece`` cut in ``pp``: (parameter names, forward bytes, matmul output
     bytes, input bytes, blocks); the pipeline's own stage plan (one stage when pp = 1)."""
-    from ..passes.pipeline import split_forward
+    from ..passes.stage_split import split_forward
     from ..proxies.extract import type_nbytes
-    from ..training.pipeline import stage_plan
+    from ..training.pipeline_step import stage_plan
 
     plan = stage_plan(piece, pp, 1)
     funcs = split_forward(plan)
@@ -292,7 +292,7 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
     from ..training import tensor_parallel as tp_lib
 
     cluster = load_cluster(cluster_spec)
-    at_rows, heads = _load(model_spec, seq)
+    at_rows, heads = load_model(model_spec, seq)
     whole = at_rows(global_batch)
     train_flops = 3 * function_flops(whole.forward)
     train_bytes = 3 * _forward_bytes(whole.forward)[0]  # what the other operators move
@@ -305,7 +305,7 @@ def plan(model_spec: str, devices: int, device_memory_gb: float, global_batch: i
     update_ops = 10 * len(whole.param_names)
     n_params = sum(int(np.prod(s)) for s, _ in whole.param_specs())
     # a pipeline stage per single-tensor cut at most (the partitioner's candidates)
-    from ..training.pipeline import stage_plan
+    from ..training.pipeline_step import stage_plan
 
     layers = len(stage_plan(whole, 1, 1).graph.cut_points()) + 1
     choices, pieces, infos = [], {}, {}

@@ -15,9 +15,12 @@ collectives (divide by N) then give the mean loss and the mean gradient over all
 global batch, i.e. one process on that batch.
 """
 import dataclasses
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+#: (shape, dtype) of an input or target as the step was captured
+Spec = Tuple[Sequence[int], str]
 
 
 @dataclasses.dataclass
@@ -29,16 +32,17 @@ class StepVariant:
     signature: object  # its TrainStepSignature
     compiled: object  # its CompiledStep
     step_fn: object  # the VM's train_step
-    kind: str = None  # None: a whole step; "partial" / "final": a microbatch's (accumulation)
+    # None: a whole step; "partial" / "final": a microbatch's (accumulation)
+    kind: Optional[str] = None
 
 
-def is_batched(spec, captured_rows) -> bool:
+def is_batched(spec: Spec, captured_rows: int) -> bool:
     """Whether an input (or target) of captured ``spec`` (shape, dtype) leads with the batch
     of ``captured_rows`` rows (and so takes any number of rows)."""
     return bool(len(spec[0])) and int(spec[0][0]) == captured_rows
 
 
-def batched_spec(spec, rows: int, captured_rows: int):
+def batched_spec(spec: Spec, rows: int, captured_rows: int) -> Tuple[Tuple[int, ...], str]:
     """``spec`` (shape, dtype) with its leading dimension ``rows`` when that dimension is the
     captured batch (a batched input or target), else unchanged."""
     shape, dtype = spec
@@ -48,7 +52,7 @@ def batched_spec(spec, rows: int, captured_rows: int):
     return shape, dtype
 
 
-def target_rows_per_row(target_spec, captured_rows: int):
+def target_rows_per_row(target_spec: Spec, captured_rows: int) -> Optional[int]:
     """How many rows of the target each input row carries: 1 for a target of the batch's
     rows, T for a flattened one (a language model's ``logits.reshape(B * T, V)`` against
     targets of shape ``(B * T,)``); None when the target's leading dimension is not a
@@ -60,7 +64,8 @@ def target_rows_per_row(target_spec, captured_rows: int):
     return shape[0] // int(captured_rows)
 
 
-def batched_target_spec(target_spec, rows: int, captured_rows: int):
+def batched_target_spec(target_spec: Spec, rows: int, captured_rows: int
+                        ) -> Tuple[Tuple[int, ...], str]:
     """The target's (shape, dtype) for a batch of ``rows`` input rows: its leading dimension
     scaled with the batch (``target_rows_per_row`` target rows per input row), else
     unchanged."""
@@ -72,12 +77,13 @@ def batched_target_spec(target_spec, rows: int, captured_rows: int):
     return (int(rows) * per_row,) + shape[1:], dtype
 
 
-def target_piece(target, start: int, rows: int, per_row: int):
+def target_piece(target: Any, start: int, rows: int, per_row: int) -> np.ndarray:
     """The target rows of input rows [start, start + rows) (``per_row`` target rows each)."""
     return np.asarray(target)[start * per_row:(start + rows) * per_row]
 
 
-def check_target_splits(target_spec, captured_rows: int, microbatches: int, what: str) -> None:
+def check_target_splits(target_spec: Spec, captured_rows: int, microbatches: int,
+                        what: str) -> None:
     """Microbatches (gradient accumulation or pipelining) carry the same share of the
     target's rows as of the input's: refused at construction when the target's leading
     dimension is not a multiple of the input's rows."""
@@ -91,7 +97,7 @@ def check_target_splits(target_spec, captured_rows: int, microbatches: int, what
             "shape (B * T,)), or set num_microbatches=1")
 
 
-def leading_rows(arrays, specs, captured_rows: int) -> int:
+def leading_rows(arrays: Sequence[Any], specs: Sequence[Spec], captured_rows: int) -> int:
     """The rows of this batch: the leading dimension of the first input whose captured
     leading dimension is the batch. Raises naming the input when the batched inputs disagree
     (the trailing dimensions and dtypes are checked against the specs later)."""
@@ -102,7 +108,7 @@ def leading_rows(arrays, specs, captured_rows: int) -> int:
         array_shape = np.shape(array)
         if not len(array_shape):
             raise ValueError(f"input {i}: expected an array with a leading batch dimension "
-                             f"(captured shape {tuple(shape)}), got a scalar")
+                             f"(captured shape {tuple(spec[0])}), got a scalar")
         if rows is None:
             rows = int(array_shape[0])
         elif int(array_shape[0]) != rows:
@@ -111,7 +117,7 @@ def leading_rows(arrays, specs, captured_rows: int) -> int:
     return captured_rows if rows is None else rows
 
 
-def microbatches(rows: int, count: int) -> list:
+def microbatches(rows: int, count: int) -> List[int]:
     """The rows of each of ``count`` microbatches of a batch of ``rows`` rows, as even as they
     go (the first ones one row more: np.array_split's rule); fewer when the batch has fewer
     rows than ``count`` (every microbatch needs a row; the loss weights keep the mean that
@@ -121,19 +127,19 @@ def microbatches(rows: int, count: int) -> list:
     return [base + (1 if i < extra else 0) for i in range(count)]
 
 
-def loss_weight(local_rows: int, rows_per_rank) -> float:
+def loss_weight(local_rows: int, rows_per_rank: Sequence[int]) -> float:
     """local_rows * N / global_rows: the factor that turns this rank's mean loss into its
     share of the global batch's mean once the step averages over the N ranks."""
     return local_rows * len(rows_per_rank) / sum(rows_per_rank)
 
 
-def check_same_state(captured, variant, rows: int) -> None:
+def check_same_state(captured: Any, variant: Any, rows: int) -> None:
     """The step for ``rows`` rows must take the same parameters, optimizer state, frozen
     parameters and buffers as the captured step: they are shared between the two."""
     fields = ("param_names", "param_specs", "state_names", "hyper_names", "frozen_names",
               "frozen_specs", "buffer_names", "buffer_specs", "loss_weight_dtype", "row_states")
 
-    def norm(value):
+    def norm(value: Any) -> Any:
         return [tuple(x) if isinstance(x, (list, tuple)) else x for x in value] \
             if isinstance(value, (list, tuple)) else value
 

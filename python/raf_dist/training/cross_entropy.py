@@ -20,6 +20,7 @@ Targets are checked to lie in [0, C) before a step runs (loss.check_targets), so
 over every row, as ``torch.nn.functional.cross_entropy``'s with no ``ignore_index`` hit.
 """
 import math
+from typing import Any, List, Tuple
 
 import tvm
 from tvm import relax, te
@@ -47,11 +48,12 @@ def cross_entropy(logits: relax.Expr, target: relax.Expr) -> relax.Call:
     return relax.Call(_FORWARD, [logits, target])
 
 
-def is_cross_entropy(expr) -> bool:
+def is_cross_entropy(expr: relax.Expr) -> bool:
     return isinstance(expr, relax.Call) and expr.op == _FORWARD
 
 
-def _gradient(var, call, grad, ctx):
+def _gradient(var: relax.Var, call: relax.Call, grad: relax.Expr,
+              ctx: Any) -> List[relax.Expr]:
     logits, target = call.args
     return [relax.Call(_BACKWARD, [logits, target, grad]), relax.op.grad.no_grad(target)]
 
@@ -61,7 +63,7 @@ register_gradient(CROSS_ENTROPY, _gradient, level=GRADIENT_LEVEL)
 
 # ---- lowering (TE): the row statistics in float32 whatever the logits' dtype ----
 
-def _row_statistics(logits):
+def _row_statistics(logits: te.Tensor) -> Tuple[List[Any], te.Tensor, te.Tensor, te.Tensor]:
     """(rows shape, the row max, exp(x - row max), the row sum of it): fast_math's softmax
     stages (the exp materialised, so its block is vectorised; in compiler/schedule.py's
     row-fused schedule it is one row per thread, not a logits-sized buffer) over the logits,
@@ -80,7 +82,7 @@ def _row_statistics(logits):
     width = -(-columns // VECTOR_LANES) * VECTOR_LANES if padded else columns
     source = logits
     if logits.dtype != "float32" or padded:
-        def widened(*index):
+        def widened(*index: Any) -> Any:
             *row, c = index
             if not padded:
                 return logits(*index).astype("float32")
@@ -94,7 +96,7 @@ def _row_statistics(logits):
     return list(logits.shape)[:-1], row_max, exp, row_sum
 
 
-def _per_row_te(logits, target):
+def _per_row_te(logits: te.Tensor, target: te.Tensor) -> te.Tensor:
     """Each row's loss, ``log(sum(exp(x - max))) + max - x[target]``, as (rows..., 1): an
     output with a unit last axis is row-wise to compiler/schedule.py, so the statistics'
     blocks are computed one row at a time. The target's logit is read from ``logits``
@@ -103,7 +105,7 @@ def _per_row_te(logits, target):
     4096) in bf16 — and the whole kernel was left serial)."""
     rows, row_max, _, row_sum = _row_statistics(logits)
 
-    def loss(*index):
+    def loss(*index: Any) -> Any:
         i = index[:-1]
         picked = logits[tuple(i) + (target(*i).astype("int64"),)].astype("float32")
         return te.log(row_sum(*i)) + row_max(*i) - picked
@@ -111,11 +113,11 @@ def _per_row_te(logits, target):
     return te.compute(rows + [1], loss, name="ce_per_row")
 
 
-def _backward_te(logits, target, output_grad):
+def _backward_te(logits: te.Tensor, target: te.Tensor, output_grad: te.Tensor) -> te.Tensor:
     rows, _, exp, row_sum = _row_statistics(logits)
     scale = tvm.tirx.const(1.0 / math.prod(int(d) for d in rows), "float32")
 
-    def grad(*index):
+    def grad(*index: Any) -> Any:
         i, c = index[:-1], index[-1]
         hot = tvm.tirx.Select(c.astype("int64") == target(*i).astype("int64"),
                               tvm.tirx.const(1.0, "float32"), tvm.tirx.const(0.0, "float32"))
@@ -125,7 +127,7 @@ def _backward_te(logits, target, output_grad):
     return te.compute(logits.shape, grad, name="cross_entropy_grad")
 
 
-def _legalize_forward(bb, call):
+def _legalize_forward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """The rows' losses as one row-fused kernel, then TVM's mean (a reduction to one value
     compiler/schedule.py already spreads over the cores)."""
     per_row = bb.emit(bb.call_te(_per_row_te, call.args[0], call.args[1],
@@ -157,7 +159,7 @@ _ASTYPE = tvm.ir.Op.get("relax.astype")
 
 @mutator
 class _Narrow(PyExprMutator):
-    def visit_call_(self, call):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if not is_cross_entropy(call) or not isinstance(call.args[0], relax.Var):
             return call

@@ -6,6 +6,7 @@ get ``no_grad`` partials: nothing differentiable flows through them.
 Checked against finite differences in float64 by tests/numeric/test_gradients.py.
 """
 import math
+from typing import List, Set
 
 import tvm
 from tvm import relax
@@ -17,13 +18,16 @@ from ..ir.ops import gradient as _register
 from . import layer_norm
 
 op = relax.op
+#: what a gradient function returns: one partial per argument of the call
+Partials = List[relax.Expr]
 
 
-def _const(value, like):
+def _const(value: float, like: relax.Expr) -> relax.Expr:
     return relax.const(value, like.ty.dtype)
 
 
-def _no_grads(orig_var, orig_call, output_grad, ctx):
+def _no_grads(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+              ctx: relax.BlockBuilder) -> Partials:
     return [grad_ops.no_grad(arg) for arg in orig_call.args]
 
 
@@ -34,7 +38,7 @@ for _name in ("relax.arange", "relax.logical_and", "relax.logical_or", "relax.lo
         register_gradient(_name, _no_grads, level=_LEVEL)
 
 
-def _is_float_type(ty) -> bool:
+def _is_float_type(ty: relax.Type) -> bool:
     if isinstance(ty, relax.TupleType):
         return any(_is_float_type(f) for f in ty.fields)
     # tensors only: a PrimValue attribute-like argument (clip's bounds) carries no gradient
@@ -49,11 +53,12 @@ def carries_no_gradient(call: relax.Call) -> bool:
                                                   if isinstance(a, relax.Expr))
 
 
-_INTEGER_ONLY = set()  # ops whose only registered gradient is _integer_only_grads below
+_INTEGER_ONLY: Set[str] = set()  # ops whose only registered gradient is _integer_only_grads below
 _FALLBACK_LEVEL = 1  # below TVM's (10) and ours (11): a real gradient registered later wins
 
 
-def _integer_only_grads(orig_var, orig_call, output_grad, ctx):
+def _integer_only_grads(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                        ctx: relax.BlockBuilder) -> Partials:
     if not carries_no_gradient(orig_call):
         raise NotImplementedError(f"{orig_call.op.name} has no gradient for floating-point "
                                   "inputs; register one in raf_dist/training/gradients.py")
@@ -77,7 +82,8 @@ def has_gradient(call: relax.Call) -> bool:
 
 
 @_register("relax.astype")
-def _astype_grad(orig_var, orig_call, output_grad, ctx):
+def _astype_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                 ctx: relax.BlockBuilder) -> Partials:
     """TVM's, except that a cast from integer/bool (a mask or position turned into a float)
     passes nothing back: the integer computation before it needs no gradient."""
     x = orig_call.args[0]
@@ -87,25 +93,29 @@ def _astype_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.tril")
-def _tril_grad(orig_var, orig_call, output_grad, ctx):
+def _tril_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+               ctx: relax.BlockBuilder) -> Partials:
     return [op.tril(output_grad, orig_call.args[1]), grad_ops.no_grad(orig_call.args[1])]
 
 
 @_register("relax.triu")
-def _triu_grad(orig_var, orig_call, output_grad, ctx):
+def _triu_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+               ctx: relax.BlockBuilder) -> Partials:
     # TVM's own returns one partial for two arguments (k is an argument in 0.27)
     return [op.triu(output_grad, orig_call.args[1]), grad_ops.no_grad(orig_call.args[1])]
 
 
 @_register("relax.erf")
-def _erf_grad(orig_var, orig_call, output_grad, ctx):
+def _erf_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+              ctx: relax.BlockBuilder) -> Partials:
     x = orig_call.args[0]
     slope = op.multiply(_const(2 / math.sqrt(math.pi), x), op.exp(op.negative(op.multiply(x, x))))
     return [op.multiply(output_grad, slope)]
 
 
 @_register("relax.nn.gelu")
-def _gelu_grad(orig_var, orig_call, output_grad, ctx):
+def _gelu_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+               ctx: relax.BlockBuilder) -> Partials:
     # gelu(x) = x * Phi(x); gelu'(x) = Phi(x) + x * phi(x)
     x = orig_call.args[0]
     cdf = op.multiply(_const(0.5, x), op.add(_const(1.0, x),
@@ -116,7 +126,8 @@ def _gelu_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.nn.gelu_tanh")
-def _gelu_tanh_grad(orig_var, orig_call, output_grad, ctx):
+def _gelu_tanh_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                    ctx: relax.BlockBuilder) -> Partials:
     # 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3), c = sqrt(2/pi)
     x = orig_call.args[0]
     c = math.sqrt(2 / math.pi)
@@ -131,19 +142,23 @@ def _gelu_tanh_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.rsqrt")
-def _rsqrt_grad(orig_var, orig_call, output_grad, ctx):
+def _rsqrt_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                ctx: relax.BlockBuilder) -> Partials:
     y = orig_var  # d/dx x^-1/2 = -1/2 x^-3/2 = -1/2 y^3
-    return [op.multiply(output_grad, op.multiply(_const(-0.5, y), op.multiply(y, op.multiply(y, y))))]
+    cube = op.multiply(y, op.multiply(y, y))
+    return [op.multiply(output_grad, op.multiply(_const(-0.5, y), cube))]
 
 
 @_register("relax.square")
-def _square_grad(orig_var, orig_call, output_grad, ctx):
+def _square_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                 ctx: relax.BlockBuilder) -> Partials:
     x = orig_call.args[0]
     return [op.multiply(output_grad, op.multiply(_const(2.0, x), x))]
 
 
 @_register("relax.nn.leakyrelu")
-def _leakyrelu_grad(orig_var, orig_call, output_grad, ctx):
+def _leakyrelu_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                    ctx: relax.BlockBuilder) -> Partials:
     x = orig_call.args[0]
     alpha = float(orig_call.attrs.alpha)
     slope = op.where(op.greater(x, _const(0.0, x)), op.ones_like(x),
@@ -152,14 +167,16 @@ def _leakyrelu_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.nn.softplus")
-def _softplus_grad(orig_var, orig_call, output_grad, ctx):
+def _softplus_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                   ctx: relax.BlockBuilder) -> Partials:
     x = orig_call.args[0]
     beta = float(orig_call.attrs.beta)
     return [op.multiply(output_grad, op.sigmoid(op.multiply(x, _const(beta, x))))]
 
 
 @_register("relax.nn.layer_norm")
-def _layer_norm_grad(orig_var, orig_call, output_grad, ctx):
+def _layer_norm_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                     ctx: relax.BlockBuilder) -> Partials:
     """y = xhat * gamma + beta, xhat = (x - mean) * rstd over ``axes``:
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma;
     dgamma = sum(dy * xhat), dbeta = sum(dy) over the other axes."""
@@ -186,21 +203,24 @@ def _layer_norm_grad(orig_var, orig_call, output_grad, ctx):
     return [dx, dgamma, dbeta]
 
 
-def _shape_of(expr):
+def _shape_of(expr: relax.Expr) -> List[int]:
     return [int(d) for d in expr.ty.shape]
 
 
 @_register("relax.squeeze")
-def _squeeze_grad(orig_var, orig_call, output_grad, ctx):
+def _squeeze_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                  ctx: relax.BlockBuilder) -> Partials:
     return [op.reshape(output_grad, _shape_of(orig_call.args[0]))]
 
 
 @_register("relax.flatten")
-def _flatten_grad(orig_var, orig_call, output_grad, ctx):
+def _flatten_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                  ctx: relax.BlockBuilder) -> Partials:
     return [op.reshape(output_grad, _shape_of(orig_call.args[0]))]
 
 
-def _extreme_grad(orig_var, orig_call, output_grad, ctx):
+def _extreme_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                  ctx: relax.BlockBuilder) -> Partials:
     """max / min over axes: the gradient goes to the extreme elements, split evenly between
     ties (as torch.amax / amin)."""
     x = orig_call.args[0]
@@ -221,7 +241,8 @@ register_gradient("relax.min", _extreme_grad, level=_LEVEL)
 
 
 @_register("relax.take")
-def _take_grad(orig_var, orig_call, output_grad, ctx):
+def _take_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+               ctx: relax.BlockBuilder) -> Partials:
     """TVM's take_backward needs 1-D indices: flatten the index dimensions of the output
     gradient and of the indices, then scatter-add as TVM does."""
     x, indices = orig_call.args
@@ -244,7 +265,8 @@ def _take_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.grad.take_backward")
-def _scatter_add_grad(orig_var, orig_call, output_grad, ctx):
+def _scatter_add_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                      ctx: relax.BlockBuilder) -> Partials:
     """take_backward used forward, as a scatter-add (passes/embedding_pooled.py sums each
     bag's rows with it): row i of the result is the sum of the source rows whose index is i,
     so a source row's gradient is the result gradient's row at its index (a take). The
@@ -255,7 +277,8 @@ def _scatter_add_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.clip")
-def _clip_grad(orig_var, orig_call, output_grad, ctx):
+def _clip_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+               ctx: relax.BlockBuilder) -> Partials:
     x, low, high = orig_call.args
     inside = op.logical_and(op.greater_equal(x, _const(float(low.value), x)),
                             op.less_equal(x, _const(float(high.value), x)))
@@ -263,12 +286,13 @@ def _clip_grad(orig_var, orig_call, output_grad, ctx):
             grad_ops.no_grad(low), grad_ops.no_grad(high)]
 
 
-def _ints(tuple_expr):
+def _ints(tuple_expr: relax.Tuple) -> List[int]:
     return [int(v.value) if hasattr(v, "value") else int(v) for v in tuple_expr.fields]
 
 
 @_register("relax.strided_slice")
-def _strided_slice_grad(orig_var, orig_call, output_grad, ctx):
+def _strided_slice_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                        ctx: relax.BlockBuilder) -> Partials:
     """Unit strides: the slice's gradient is the output gradient padded back with zeros."""
     x = orig_call.args[0]
     axes, begin, end = (_ints(a) for a in orig_call.args[1:4])
@@ -289,7 +313,8 @@ def _strided_slice_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.nn.pad")
-def _pad_grad(orig_var, orig_call, output_grad, ctx):
+def _pad_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+              ctx: relax.BlockBuilder) -> Partials:
     if orig_call.attrs.pad_mode != "constant":
         raise NotImplementedError(f"the gradient of pad mode {orig_call.attrs.pad_mode!r} is "
                                   "not implemented; use constant padding")
@@ -301,7 +326,8 @@ def _pad_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.repeat")
-def _repeat_grad(orig_var, orig_call, output_grad, ctx):
+def _repeat_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                 ctx: relax.BlockBuilder) -> Partials:
     """Each element is repeated r times in a row: fold the copies into a new axis, sum it."""
     x = orig_call.args[0]
     shape = _shape_of(x)
@@ -319,7 +345,8 @@ def _repeat_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.tile")
-def _tile_grad(orig_var, orig_call, output_grad, ctx):
+def _tile_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+               ctx: relax.BlockBuilder) -> Partials:
     """y = x tiled r_i times along axis i: view the gradient as (r0, d0, r1, d1, ...) and sum
     over the r axes."""
     x = orig_call.args[0]
@@ -335,7 +362,8 @@ def _tile_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.gather_elements")
-def _gather_elements_grad(orig_var, orig_call, output_grad, ctx):
+def _gather_elements_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                          ctx: relax.BlockBuilder) -> Partials:
     x, indices = orig_call.args
     scattered = op.scatter_elements(op.zeros_like(x), indices, output_grad,
                                     axis=int(orig_call.attrs.axis), reduction="add")
@@ -343,7 +371,8 @@ def _gather_elements_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.nn.rms_norm")
-def _rms_norm_grad(orig_var, orig_call, output_grad, ctx):
+def _rms_norm_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                   ctx: relax.BlockBuilder) -> Partials:
     """y = xhat * w, xhat = x * rstd, rstd = 1/sqrt(mean(x^2) + eps) over ``axes``:
     dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w; dw = sum(dy * xhat) over the rest."""
     x, weight = orig_call.args
@@ -364,7 +393,8 @@ def _rms_norm_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.nn.attention")
-def _attention_grad(orig_var, orig_call, output_grad, ctx):
+def _attention_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                    ctx: relax.BlockBuilder) -> Partials:
     """softmax(q k^T * scale + bias, causal) v on (batch, seq, heads, dim) tensors: recompute
     the probabilities p, then dv = p^T dy, ds = p * (dp - rowsum(dp * p)) with dp = dy v^T,
     dq = ds k * scale, dk = ds^T q * scale, dbias = ds."""

@@ -5,8 +5,9 @@ produces). Each is written with ops that already have legal, schedulable kernels
 backward needs no kernel of its own. Checked against PyTorch autograd by
 tests/numeric/test_operators.py.
 """
-import numpy as np
+from typing import Any, Callable, List, Sequence
 
+import numpy as np
 from tvm import relax
 from tvm.relax.op import grad as grad_ops
 from tvm.relax.op.base import register_gradient
@@ -16,17 +17,20 @@ from ..ir.ops import GRADIENT_LEVEL as _LEVEL
 from ..ir.ops import gradient as _register
 
 op = relax.op
+#: what a gradient function returns: one partial per argument of the call
+Partials = List[relax.Expr]
+Gradient = Callable[[relax.Var, relax.Call, relax.Expr, relax.BlockBuilder], Partials]
 
 
-def _shape_of(expr):
+def _shape_of(expr: relax.Expr) -> List[int]:
     return [int(d) for d in expr.ty.shape]
 
 
-def _ints(values):
+def _ints(values: Sequence[Any]) -> List[int]:
     return [int(v) for v in values]
 
 
-def _require_layout(orig_call, expected):
+def _require_layout(orig_call: relax.Call, expected: str) -> None:
     attrs = orig_call.attrs
     layouts = [getattr(attrs, k, None) for k in ("layout", "data_layout", "out_layout")]
     if any(layout not in (None, expected) for layout in layouts):
@@ -35,7 +39,8 @@ def _require_layout(orig_call, expected):
 
 
 @_register("relax.nn.conv3d")
-def _conv3d_grad(orig_var, orig_call, output_grad, ctx):
+def _conv3d_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                 ctx: relax.BlockBuilder) -> Partials:
     """As TVM's conv2d gradient, in 3-D: dx is the transposed convolution of dy with the
     weight; dw is the convolution of x (channels as batch) with dy (batch as channels), with
     stride and dilation swapped, cut back to the kernel size."""
@@ -70,13 +75,15 @@ def _conv3d_grad(orig_var, orig_call, output_grad, ctx):
     return [dx, op.permute_dims(dw, [1, 0, 2, 3, 4])]
 
 
-def _pool3d_grad(backward_2d, forward_2d):
+def _pool3d_grad(backward_2d: Callable[..., relax.Expr],
+                 forward_2d: Callable[..., relax.Expr]) -> Gradient:
     """3-D pooling is separable: pool over (H, W) with a 2-D pool on (N, C*D, H, W), then
     over D with a (kd, 1) 2-D pool on (N, C, D, H'*W'). Max is separable exactly, so is the
     average (its divisor, the window's cell count with or without padding, is a product of
     per-axis counts). The gradient runs the two 2-D backward ops in reverse order."""
 
-    def grad(orig_var, orig_call, output_grad, ctx):
+    def grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+             ctx: relax.BlockBuilder) -> Partials:
         attrs = orig_call.attrs
         _require_layout(orig_call, "NCDHW")
         x = orig_call.args[0]
@@ -108,7 +115,7 @@ register_gradient("relax.nn.avg_pool3d", _pool3d_grad(grad_ops.avg_pool2d_backwa
                                                        op.nn.avg_pool2d), level=_LEVEL)
 
 
-def _adaptive_matrix(size_in, size_out, dtype):
+def _adaptive_matrix(size_in: int, size_out: int, dtype: str) -> np.ndarray:
     """(size_out, size_in) averaging matrix of adaptive pooling along one axis: output cell i
     averages inputs [floor(i * n / m), ceil((i + 1) * n / m)) (PyTorch's windows)."""
     matrix = np.zeros((size_out, size_in), dtype)
@@ -120,7 +127,8 @@ def _adaptive_matrix(size_in, size_out, dtype):
 
 
 @_register("relax.nn.adaptive_avg_pool2d")
-def _adaptive_avg_pool2d_grad(orig_var, orig_call, output_grad, ctx):
+def _adaptive_avg_pool2d_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                              ctx: relax.BlockBuilder) -> Partials:
     """y = A_h x A_w^T per (n, c) plane, A the per-axis averaging matrices, so
     dx = A_h^T dy A_w: two small matmuls with constants."""
     _require_layout(orig_call, "NCHW")
@@ -134,7 +142,8 @@ def _adaptive_avg_pool2d_grad(orig_var, orig_call, output_grad, ctx):
 
 
 @_register("relax.nn.group_norm")
-def _group_norm_grad(orig_var, orig_call, output_grad, ctx):
+def _group_norm_grad(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                     ctx: relax.BlockBuilder) -> Partials:
     """As layer_norm's gradient (gradients.py) over each (sample, group) viewed as one row
     (N, G, C/G * spatial): dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma;
     dgamma = sum(dy * xhat), dbeta = sum(dy) over all axes but the channel."""

@@ -20,6 +20,7 @@ which AutoCast already keeps) so nothing changes in the forward graph that tenso
 parallelism partition.
 """
 import math
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import tvm
 from tvm import relax, te
@@ -28,7 +29,11 @@ from tvm.relax.transform.legalize_ops.common import register_legalize
 from ..ir.ops import LAYER_NORM_GRAD, LAYER_NORM_GRAD_WEIGHT, register_op
 from ..passes.auto_cast import LOW_DTYPES
 
-def _out_dtype(call):
+#: an element of a TE computation as a function of its indices (tirx expressions)
+Elementwise = Callable[..., Any]
+
+
+def _out_dtype(call: relax.Call) -> str:
     """The result's dtype: ``out_dtype`` when the op reads 16-bit inputs (read_16_bit_inputs),
     else the input's."""
     out = call.attrs["out_dtype"] if "out_dtype" in call.attrs.keys() else None
@@ -48,13 +53,14 @@ _WEIGHT = register_op(
     infer=lambda call, ctx: relax.TensorType([call.args[0].ty.shape[-1]], _out_dtype(call)))
 
 
-def _attrs(epsilon, out_dtype=None):
+def _attrs(epsilon: float, out_dtype: Optional[str] = None) -> Any:
     if out_dtype is None:
         return tvm.ir.make_node("ir.DictAttrs", epsilon=float(epsilon))
     return tvm.ir.make_node("ir.DictAttrs", epsilon=float(epsilon), out_dtype=str(out_dtype))
 
 
-def fused_grads(x, gamma, beta, output_grad, axes, epsilon):
+def fused_grads(x: relax.Expr, gamma: relax.Expr, beta: relax.Expr, output_grad: relax.Expr,
+                axes: Sequence[int], epsilon: float) -> Optional[List[relax.Expr]]:
     """[dx, dgamma, dbeta] of ``layer_norm(x, gamma, beta, axes, epsilon)`` through the two
     fused ops, or None when they do not apply: the normalised axes must be the trailing ones
     and every shape static (the ops take (rows, C) views)."""
@@ -76,7 +82,7 @@ def fused_grads(x, gamma, beta, output_grad, axes, epsilon):
             op.reshape(dbeta, _static_shape(beta))]
 
 
-def _static_shape(expr):
+def _static_shape(expr: relax.Expr) -> Optional[List[int]]:
     ty = expr.ty
     if not isinstance(ty, relax.TensorType) or ty.shape is None:
         return None
@@ -88,18 +94,18 @@ def _static_shape(expr):
 
 # ---- lowering (TE): statistics and sums in float32 (float64 for float64 tensors) ----
 
-def _accumulator(x):
+def _accumulator(x: te.Tensor) -> str:
     return "float64" if x.dtype == "float64" else "float32"
 
 
-def _row_stats(x, epsilon):
+def _row_stats(x: te.Tensor, epsilon: float) -> Tuple[Elementwise, Elementwise, Elementwise]:
     """(x(i, c) in the accumulator's dtype, the rows' mean, their 1/std): two row reductions
     over ``x``."""
     rows, columns = x.shape
     acc = _accumulator(x)
     inv_c = tvm.tirx.const(1.0 / int(columns), acc)
 
-    def value(i, c):
+    def value(i: Any, c: Any) -> Any:
         return x[i, c].astype(acc)
 
     k = te.reduce_axis((0, columns), name="k")
@@ -108,26 +114,27 @@ def _row_stats(x, epsilon):
     squares = te.compute((rows,), lambda i: te.sum(
         _square(value(i, k2) - total[i] * inv_c), axis=k2), name="ln_squares")
 
-    def mean(i):
+    def mean(i: Any) -> Any:
         return total[i] * inv_c
 
-    def rstd(i):
+    def rstd(i: Any) -> Any:
         return tvm.tirx.rsqrt(squares[i] * inv_c + tvm.tirx.const(epsilon, acc))
 
     return value, mean, rstd
 
 
-def _square(v):
+def _square(v: Any) -> Any:
     return v * v
 
 
-def _grad_input_te(x, gamma, dy, epsilon, out_dtype):
+def _grad_input_te(x: te.Tensor, gamma: te.Tensor, dy: te.Tensor, epsilon: float,
+                   out_dtype: str) -> te.Tensor:
     rows, columns = x.shape
     acc = _accumulator(x)
     inv_c = tvm.tirx.const(1.0 / int(columns), acc)
     value, mean, rstd = _row_stats(x, epsilon)
 
-    def g(i, c):
+    def g(i: Any, c: Any) -> Any:
         return dy[i, c].astype(acc) * gamma[c].astype(acc)
 
     k = te.reduce_axis((0, columns), name="kg")
@@ -136,7 +143,7 @@ def _grad_input_te(x, gamma, dy, epsilon, out_dtype):
     sum_gx = te.compute((rows,), lambda i: te.sum(g(i, k2) * (value(i, k2) - mean(i)), axis=k2),
                         name="ln_sum_gx")
 
-    def grad(i, c):
+    def grad(i: Any, c: Any) -> Any:
         r = rstd(i)
         xhat = (value(i, c) - mean(i)) * r
         out = r * (g(i, c) - sum_g[i] * inv_c - xhat * (sum_gx[i] * r * inv_c))
@@ -145,7 +152,7 @@ def _grad_input_te(x, gamma, dy, epsilon, out_dtype):
     return te.compute((rows, columns), grad, name="layer_norm_grad")
 
 
-def _xhat_dy(x, dy, epsilon):
+def _xhat_dy(x: te.Tensor, dy: te.Tensor, epsilon: float) -> Elementwise:
     """``(i, c) -> dy * xhat`` in the accumulator's dtype: gamma's gradient before its
     column sums."""
     value, mean, rstd = _row_stats(x, epsilon)
@@ -153,7 +160,7 @@ def _xhat_dy(x, dy, epsilon):
     return lambda i, c: dy[i, c].astype(acc) * (value(i, c) - mean(i)) * rstd(i)
 
 
-def _column_sums(rows, columns, term, out_dtype):
+def _column_sums(rows: Any, columns: Any, term: Elementwise, out_dtype: str) -> te.Tensor:
     """Each column's sum over the rows of ``term(r, c)``, accumulated in float64: the schedule
     walks the rows in order (a column reduction), and a float32 running sum over the 1024 rows
     of a GPT's batch drifts to twice PyTorch's own float32 error
@@ -166,7 +173,7 @@ def _column_sums(rows, columns, term, out_dtype):
                       name="layer_norm_grad_weight")
 
 
-def _grad_weight_te(x, dy, epsilon, out_dtype):
+def _grad_weight_te(x: te.Tensor, dy: te.Tensor, epsilon: float, out_dtype: str) -> te.Tensor:
     """gamma's gradient as one kernel: the column sums of ``dy * xhat`` (the host's)."""
     rows, columns = x.shape
     return _column_sums(rows, columns, _xhat_dy(x, dy, epsilon), out_dtype)
@@ -177,18 +184,18 @@ register_legalize(LAYER_NORM_GRAD, lambda bb, call: bb.call_te(
     _out_dtype(call), primfunc_name_hint="layer_norm_grad"))
 
 
-def _xhat_dy_te(x, dy, epsilon):
+def _xhat_dy_te(x: te.Tensor, dy: te.Tensor, epsilon: float) -> te.Tensor:
     """``dy * xhat`` (rows, C) in the accumulator's dtype (the GPU's first kernel)."""
     return te.compute(x.shape, _xhat_dy(x, dy, epsilon), name="layer_norm_xhat_dy")
 
 
-def _column_sums_te(products, out_dtype):
+def _column_sums_te(products: te.Tensor, out_dtype: str) -> te.Tensor:
     """The column sums of ``products`` (the GPU's second kernel)."""
     rows, columns = products.shape
     return _column_sums(rows, columns, lambda r, c: products[r, c], out_dtype)
 
 
-def _legalize_grad_weight(bb, call):
+def _legalize_grad_weight(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """On the host, one kernel (``_grad_weight_te``: each row read into cache once, the
     columns' sums walked in row order). On a GPU that kernel is one reduction over all rows
     for only C outputs: dlight's GeneralReduction gives it a single block of threads (0.77 ms
@@ -216,7 +223,7 @@ _ASTYPE = tvm.ir.Op.get("relax.astype")
 _RESHAPE = tvm.ir.Op.get("relax.reshape")
 
 
-def read_16_bit_inputs(func):
+def read_16_bit_inputs(func: relax.Function) -> relax.Function:
     """``func`` with each layer norm gradient op reading the 16-bit tensors its float32
     ``x`` and ``output_grad`` were widened from (``reshape(astype(u, "float32"))``, as a
     bf16 step's backward makes them: passes/saved_precision.py, AutoCast's casts), the
@@ -229,10 +236,10 @@ def read_16_bit_inputs(func):
     bindings = list(func.body.blocks[0].bindings)
     value = {b.var: b.value for b in bindings}
 
-    def source(arg):
+    def source(arg: relax.Expr) -> Optional[Tuple[relax.Expr, str]]:
         """(the 16-bit tensor ``arg`` widens, through one reshape, shaped as ``arg``; its
         dtype), or None."""
-        inner = value.get(arg)
+        inner: Any = value.get(arg)
         reshaped = isinstance(inner, relax.Call) and inner.op.same_as(_RESHAPE)
         if reshaped:
             inner = value.get(inner.args[0])
@@ -243,17 +250,17 @@ def read_16_bit_inputs(func):
         low = inner.args[0]
         return (relax.op.reshape(low, arg.ty.shape) if reshaped else low), str(low.ty.dtype)
 
-    out, changed = [], False
+    out: List[relax.Binding] = []
+    changed = False
     for binding in bindings:
         call = binding.value
         if (isinstance(call, relax.Call) and (call.op.same_as(_INPUT) or call.op.same_as(_WEIGHT))
                 and "out_dtype" not in call.attrs.keys()):
             args = list(call.args)
             data = [0, len(args) - 1]  # x and output_grad (gamma stays as it is)
-            low = {i: source(args[i]) for i in data}
-            if all(low[i] is not None for i in data):
-                for i in data:
-                    expr, dtype = low[i]
+            low = [(i, found) for i in data for found in [source(args[i])] if found is not None]
+            if len(low) == len(data):
+                for i, (expr, dtype) in low:
                     var = relax.DataflowVar(f"{binding.var.name}_low{i}",
                                             relax.TensorType(args[i].ty.shape, dtype))
                     out.append(relax.VarBinding(var, expr))

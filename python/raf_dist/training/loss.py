@@ -15,6 +15,8 @@ the others 0) are each reduced across the tp ranks by g, whose backward is the i
 autodiff yields the local softmax minus the local one-hot, as Megatron's hand-written
 backward.
 """
+from typing import Any, Optional, Sequence, Tuple
+
 import numpy as np
 from tvm import relax
 
@@ -23,8 +25,10 @@ from .cross_entropy import cross_entropy
 LOSSES = ("cross_entropy", "mse")
 
 
-def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=None,
-               weighted=False, vocab_parallel=False):
+def build_loss(name: str, pred_shape: Sequence[int], pred_dtype: Any,
+               target_shape: Optional[Sequence[int]] = None, target_dtype: Any = None,
+               weighted: bool = False, vocab_parallel: bool = False
+               ) -> Tuple[relax.Function, Tuple[Tuple[int, ...], Any]]:
     """The loss as a Relax function, with the target's expected shape and dtype.
     ``weighted``: the function takes a third argument, a 0-d ``loss_weight``, and returns
     the mean times it (data parallelism with uneven batches: training/batch_size.py).
@@ -83,7 +87,8 @@ def build_loss(name, pred_shape, pred_dtype, target_shape=None, target_dtype=Non
     return bb.get()["loss"], (target_shape, target_dtype)
 
 
-def _vocab_parallel_cross_entropy(bb, logits, target):
+def _vocab_parallel_cross_entropy(bb: relax.BlockBuilder, logits: relax.Expr,
+                                  target: relax.Expr) -> relax.Var:
     """Mean cross-entropy of (rows, C/T) logits, this rank's classes [r C/T, (r+1) C/T)."""
     from ..ir.ops import tp_max, tp_rank, tp_reduce
 
@@ -102,7 +107,7 @@ def _vocab_parallel_cross_entropy(bb, logits, target):
     return bb.emit(op.mean(per_row))
 
 
-def num_classes(forward: relax.Function, name: str):
+def num_classes(forward: relax.Function, name: str) -> Optional[int]:
     """The class count cross-entropy targets index (the prediction's last dimension), or
     None for a loss without class targets."""
     if name != "cross_entropy":
@@ -113,7 +118,7 @@ def num_classes(forward: relax.Function, name: str):
     return int(out.shape[-1])
 
 
-def check_targets(target, classes: int) -> None:
+def check_targets(target: Any, classes: int) -> None:
     """Cross-entropy targets must lie in [0, classes): out of range, TVM's ``take`` would read
     outside the row (no bounds check in generated code) and the loss would be garbage."""
     target = np.asarray(target)

@@ -21,13 +21,16 @@ every shard reduced first, one agreed verdict, the sharded tables' gradients inc
 Under tensor parallelism the ranks of a tp group hold different pieces of the split
 parameters' gradients, so their verdicts are summed across the group (``across_tp``).
 """
+from typing import Optional, Sequence
+
 from tvm import relax
 
 from ..ir.utils import sum_all
 
 
-def finite_flag(bb: relax.BlockBuilder, grads: list, loss: relax.Expr = None,
-                across_tp: bool = False, across_dp: bool = False) -> relax.Var:
+def finite_flag(bb: relax.BlockBuilder, grads: Sequence[relax.Expr],
+                loss: Optional[relax.Expr] = None, across_tp: bool = False,
+                across_dp: bool = False) -> Optional[relax.Var]:
     """A 0-d bool: every gradient (and ``loss`` when given) is finite. ``across_tp``: the
     gradients are split across tensor-parallel ranks, so each rank's verdict is summed over
     the tp group (g, passes/tp_ops.py) and the update runs only where every rank's is set.

@@ -1,6 +1,6 @@
 """Pipeline-parallel schedules: which forward/backward each pipeline rank runs, in what order,
-with the point-to-point communication between ranks, plus an event simulator to check a
-schedule for deadlock and measure its bubble.
+with the point-to-point communication between ranks (training/pipeline_simulation.py runs a
+schedule as an event simulation to check it for deadlock and measure its bubble).
 
 Vocabulary. ``P`` pipeline ranks (pp ranks ``0 .. P-1``), ``S = P * v`` stages (``v`` stages per
 rank; ``v > 1`` only for the interleaved schedule), ``M`` microbatches per step. Stage ``s``
@@ -27,20 +27,19 @@ Schedules (``SCHEDULES``):
 
 Pipeline: ``compute_actions`` (per-rank F/B order) -> ``add_communication`` (SEND/RECV around
 them, one UPDATE at the end) = ``rank_actions``; ``check_actions`` validates a list;
-``simulate`` runs it as an event simulation (asynchronous tagged point-to-point: receives
-pre-posted, sends never block) and returns a timeline; ``bubble_fraction``, ``peak_in_flight``
-and ``draw`` read the results.
+pipeline_simulation.py's ``simulate`` runs it and returns a timeline.
 """
 import dataclasses
+from typing import Dict, List, Sequence, Tuple
 
-from ..layout.mesh import stage_rank  # noqa: F401  (placement: where each stage runs)
+from ..layout.parallel import stage_rank  # noqa: F401  (placement: where each stage runs)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "UPDATE")
-_COMPUTE = ("F", "B")
-_SENDS = ("SEND_F", "SEND_B")
-_RECVS = ("RECV_F", "RECV_B")
+COMPUTE_KINDS = ("F", "B")
+SEND_KINDS = ("SEND_F", "SEND_B")
+RECV_KINDS = ("RECV_F", "RECV_B")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,50 +59,47 @@ class Action:
     microbatch: int
     peer: int = -1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown action kind {self.kind!r}; expected one of {KINDS}")
 
-    def __str__(self):
+    def __str__(self) -> str:
         if self.kind == "UPDATE":
             return "UPDATE"
         base = f"{self.kind}{self.stage}.{self.microbatch}"
-        if self.kind in _SENDS:
+        if self.kind in SEND_KINDS:
             return f"{base}->r{self.peer}"
-        if self.kind in _RECVS:
+        if self.kind in RECV_KINDS:
             return f"{base}<-r{self.peer}"
         return base
-
-
-class DeadlockError(RuntimeError):
-    """``simulate`` reached a state where no rank can progress but some have actions left."""
 
 
 # --------------------------------------------------------------------------------------------
 # Validation helpers
 
 
-def _check_int(name, value, minimum):
+def check_int(name: str, value: object, minimum: int) -> None:
+    """Raise unless ``value`` (argument ``name``) is an int (not a bool) >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _check_schedule(schedule):
+def _check_schedule(schedule: str) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
 
 
-def num_stages(schedule, pp_size, stages_per_rank=1):
+def num_stages(schedule: str, pp_size: int, stages_per_rank: int = 1) -> int:
     """Total number of stages ``pp_size * stages_per_rank``.
 
     ``stages_per_rank`` must be 1 for ``"gpipe"`` and ``"1f1b"`` and >= 2 for
     ``"interleaved_1f1b"``; ValueError otherwise.
     """
     _check_schedule(schedule)
-    _check_int("pp_size", pp_size, 1)
-    _check_int("stages_per_rank", stages_per_rank, 1)
+    check_int("pp_size", pp_size, 1)
+    check_int("stages_per_rank", stages_per_rank, 1)
     if schedule == "interleaved_1f1b":
         if stages_per_rank < 2:
             raise ValueError(
@@ -122,13 +118,13 @@ def num_stages(schedule, pp_size, stages_per_rank=1):
 # Schedules
 
 
-def _gpipe(rank, pp_size, num_microbatches):
+def _gpipe(rank: int, pp_size: int, num_microbatches: int) -> List[Action]:
     fwd = [Action("F", rank, m) for m in range(num_microbatches)]
     bwd = [Action("B", rank, m) for m in range(num_microbatches)]
     return fwd + bwd
 
 
-def _one_f_one_b(rank, pp_size, num_microbatches):
+def _one_f_one_b(rank: int, pp_size: int, num_microbatches: int) -> List[Action]:
     warmup = min(pp_size - rank - 1, num_microbatches)
     remaining = num_microbatches - warmup
     out = [Action("F", rank, m) for m in range(warmup)]
@@ -139,19 +135,19 @@ def _one_f_one_b(rank, pp_size, num_microbatches):
     return out
 
 
-def _interleaved(rank, pp_size, num_microbatches, v):
+def _interleaved(rank: int, pp_size: int, num_microbatches: int, v: int) -> List[Action]:
     """Megatron's ``forward_backward_pipelining_with_interleaving`` order for one rank."""
     P = pp_size
     total = num_microbatches * v
 
-    def microbatch(k):
+    def microbatch(k: int) -> int:
         return (k // (P * v)) * P + k % P
 
-    def fwd(k):
+    def fwd(k: int) -> Action:
         chunk = (k // P) % v
         return Action("F", chunk * P + rank, microbatch(k))
 
-    def bwd(k):
+    def bwd(k: int) -> Action:
         chunk = v - 1 - (k // P) % v
         return Action("B", chunk * P + rank, microbatch(k))
 
@@ -165,7 +161,8 @@ def _interleaved(rank, pp_size, num_microbatches, v):
     return out
 
 
-def compute_actions(schedule, pp_size, num_microbatches, stages_per_rank=1):
+def compute_actions(schedule: str, pp_size: int, num_microbatches: int,
+                    stages_per_rank: int = 1) -> List[List[Action]]:
     """Per pp rank, its F/B actions in execution order (no communication; see
     ``add_communication``).
 
@@ -179,7 +176,7 @@ def compute_actions(schedule, pp_size, num_microbatches, stages_per_rank=1):
       forwards, then 1F1B steady state, then the cooldown backwards.
     """
     num_stages(schedule, pp_size, stages_per_rank)  # validates schedule, pp_size and v
-    _check_int("num_microbatches", num_microbatches, 1)
+    check_int("num_microbatches", num_microbatches, 1)
     if schedule == "gpipe":
         return [_gpipe(r, pp_size, num_microbatches) for r in range(pp_size)]
     if schedule == "1f1b":
@@ -195,7 +192,8 @@ def compute_actions(schedule, pp_size, num_microbatches, stages_per_rank=1):
     return [_interleaved(r, pp_size, num_microbatches, stages_per_rank) for r in range(pp_size)]
 
 
-def add_communication(compute, pp_size, num_microbatches, num_stages):
+def add_communication(compute: Sequence[Sequence[Action]], pp_size: int,
+                      num_microbatches: int, num_stages: int) -> List[List[Action]]:
     """Insert point-to-point communication around the F/B actions of ``compute`` (one list per
     pp rank) and end every rank's list with one UPDATE.
 
@@ -206,15 +204,15 @@ def add_communication(compute, pp_size, num_microbatches, num_stages):
     peer=rank(s-1))`` after it when ``s > 0`` and ``s-1`` is remote. A neighbour on the same
     rank gets the value handed over locally (no message).
     """
-    _check_int("pp_size", pp_size, 1)
-    _check_int("num_microbatches", num_microbatches, 1)
-    _check_int("num_stages", num_stages, 1)
+    check_int("pp_size", pp_size, 1)
+    check_int("num_microbatches", num_microbatches, 1)
+    check_int("num_stages", num_stages, 1)
     if len(compute) != pp_size:
         raise ValueError(f"compute has {len(compute)} rank lists, expected pp_size={pp_size}")
     S = num_stages
-    out = []
+    out: List[List[Action]] = []
     for rank, actions in enumerate(compute):
-        seq = []
+        seq: List[Action] = []
         for a in actions:
             s, m = a.stage, a.microbatch
             if a.kind == "F":
@@ -236,7 +234,8 @@ def add_communication(compute, pp_size, num_microbatches, num_stages):
     return out
 
 
-def rank_actions(schedule, pp_size, num_microbatches, stages_per_rank=1):
+def rank_actions(schedule: str, pp_size: int, num_microbatches: int,
+                 stages_per_rank: int = 1) -> List[List[Action]]:
     """``compute_actions`` followed by ``add_communication``: each rank's full program."""
     compute = compute_actions(schedule, pp_size, num_microbatches, stages_per_rank)
     S = num_stages(schedule, pp_size, stages_per_rank)
@@ -247,14 +246,15 @@ def rank_actions(schedule, pp_size, num_microbatches, stages_per_rank=1):
 # Checking
 
 
-def _recv_key_for_send(a, sender):
+def matching_recv(a: Action, sender: int) -> Tuple[int, Action]:
     """The (receiving rank, RECV action) that a SEND on ``sender`` must meet."""
     if a.kind == "SEND_F":
         return a.peer, Action("RECV_F", a.stage + 1, a.microbatch, sender)
     return a.peer, Action("RECV_B", a.stage - 1, a.microbatch, sender)
 
 
-def check_actions(actions, num_stages, num_microbatches):
+def check_actions(actions: Sequence[Sequence[Action]], num_stages: int,
+                  num_microbatches: int) -> None:
     """Validate per-rank action lists (``actions[r]`` is pp rank ``r``'s program).
 
     Checks: every action's stage and microbatch are in range and its stage lives on the rank
@@ -265,17 +265,17 @@ def check_actions(actions, num_stages, num_microbatches):
     once per rank, last. Lists without any communication (``compute_actions`` output) pass.
     Raises ValueError naming the first problem found.
     """
-    _check_int("num_stages", num_stages, 1)
-    _check_int("num_microbatches", num_microbatches, 1)
+    check_int("num_stages", num_stages, 1)
+    check_int("num_microbatches", num_microbatches, 1)
     P = len(actions)
     if P < 1:
         raise ValueError("actions must hold at least one rank's list")
     S, M = num_stages, num_microbatches
     if S % P != 0:
         raise ValueError(f"num_stages={S} is not a multiple of the {P} ranks in actions")
-    seen = {}  # (kind, stage, mb) -> (rank, index)
-    sends = {}  # (recv rank, RECV action) -> count
-    recvs = {}  # (rank, RECV action) -> count
+    seen: Dict[Tuple[str, int, int], Tuple[int, int]] = {}  # (kind, stage, mb) -> (rank, index)
+    sends: Dict[Tuple[int, Action], int] = {}  # (recv rank, RECV action) -> count
+    recvs: Dict[Tuple[int, Action], int] = {}  # (rank, RECV action) -> count
     for rank, seq in enumerate(actions):
         for i, a in enumerate(seq):
             where = f"rank {rank} action {i} ({a})"
@@ -289,7 +289,7 @@ def check_actions(actions, num_stages, num_microbatches):
                 raise ValueError(f"{where}: microbatch {a.microbatch} out of range 0..{M - 1}")
             if a.stage % P != rank:
                 raise ValueError(f"{where}: stage {a.stage} lives on rank {a.stage % P}")
-            if a.kind in _COMPUTE:
+            if a.kind in COMPUTE_KINDS:
                 key = (a.kind, a.stage, a.microbatch)
                 if key in seen:
                     raise ValueError(
@@ -314,13 +314,13 @@ def check_actions(actions, num_stages, num_microbatches):
                 )
             if a.peer == rank:
                 raise ValueError(f"{where}: sends/receives to its own rank (hand over locally)")
-            if a.kind in _SENDS:
-                k = _recv_key_for_send(a, rank)
+            if a.kind in SEND_KINDS:
+                k = matching_recv(a, rank)
                 sends[k] = sends.get(k, 0) + 1
             else:
                 k = (rank, a)
                 recvs[k] = recvs.get(k, 0) + 1
-    for kind in _COMPUTE:
+    for kind in COMPUTE_KINDS:
         for s in range(S):
             for m in range(M):
                 if (kind, s, m) not in seen:
@@ -339,188 +339,3 @@ def check_actions(actions, num_stages, num_microbatches):
     for (rank, recv), n in recvs.items():
         if (rank, recv) not in sends:
             raise ValueError(f"rank {rank} runs {recv} but no matching send exists")
-
-
-# --------------------------------------------------------------------------------------------
-# Simulation
-
-
-def simulate(actions, forward_cost=1.0, backward_cost=2.0, comm_cost=0.0):
-    """Event simulation of per-rank programs (e.g. ``rank_actions`` output).
-
-    Each rank executes its list in order. F takes ``forward_cost``, B ``backward_cost``.
-    Communication is asynchronous tagged point-to-point: a SEND is instantaneous for the
-    sender and never blocks; a RECV (pre-posted) blocks the rank until the matching SEND was
-    issued, plus ``comm_cost``. UPDATE takes no time. A value between stages on the same rank
-    is handed over locally once the producing action has finished.
-
-    Returns the timeline: ``(rank, kind, stage, microbatch, start, end)`` for every F and B,
-    sorted by start time then rank. Raises DeadlockError, listing each blocked rank's next
-    action, when no rank can progress while some have actions left; ValueError when an F/B
-    needs a value from another rank without a RECV for it earlier in its list.
-    """
-    P = len(actions)
-    clock = [0.0] * P
-    pos = [0] * P
-    done = {}  # ("F"|"B", stage, mb) -> end time
-    issued = {}  # (recv rank, RECV action) -> time the matching SEND was issued
-    received = set()  # (rank, "F"|"B", stage, mb) of values that arrived by RECV
-    timeline = []
-    S = max((a.stage for seq in actions for a in seq), default=-1) + 1
-
-    def ready(rank, a):
-        """Earliest start of ``a`` on ``rank`` from its inputs, or None when not yet ready."""
-        t = clock[rank]
-        deps = []
-        if a.kind == "F":
-            if a.stage > 0:
-                deps.append(("F", a.stage - 1))
-        elif a.kind == "B":
-            own = ("F", a.stage, a.microbatch)
-            if own not in done:
-                return None
-            t = max(t, done[own])
-            if a.stage < S - 1:
-                deps.append(("B", a.stage + 1))
-        for kind, s in deps:
-            if s % P == rank:  # local hand-over
-                key = (kind, s, a.microbatch)
-                if key not in done:
-                    return None
-                t = max(t, done[key])
-            elif (rank, kind, s, a.microbatch) not in received:
-                raise ValueError(
-                    f"rank {rank} runs {a} but never received {kind}{s}.{a.microbatch} from "
-                    f"rank {s % P}: no RECV before it (use add_communication / rank_actions)"
-                )
-        return t
-
-    remaining = sum(len(seq) for seq in actions)
-    while remaining:
-        progressed = False
-        for rank in range(P):
-            seq = actions[rank]
-            while pos[rank] < len(seq):
-                a = seq[pos[rank]]
-                if a.kind in _COMPUTE:
-                    start = ready(rank, a)
-                    if start is None:
-                        break
-                    end = start + (forward_cost if a.kind == "F" else backward_cost)
-                    done[(a.kind, a.stage, a.microbatch)] = end
-                    clock[rank] = end
-                    timeline.append((rank, a.kind, a.stage, a.microbatch, start, end))
-                elif a.kind in _SENDS:
-                    issued[_recv_key_for_send(a, rank)] = clock[rank]
-                elif a.kind in _RECVS:
-                    t = issued.get((rank, a))
-                    if t is None:
-                        break
-                    clock[rank] = max(clock[rank], t + comm_cost)
-                    # RECV_F(s) brings F(s-1)'s activation; RECV_B(s) brings B(s+1)'s gradient.
-                    if a.kind == "RECV_F":
-                        received.add((rank, "F", a.stage - 1, a.microbatch))
-                    else:
-                        received.add((rank, "B", a.stage + 1, a.microbatch))
-                pos[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            blocked = [
-                f"rank {r} blocked at {actions[r][pos[r]]} (action {pos[r]})"
-                for r in range(P)
-                if pos[r] < len(actions[r])
-            ]
-            raise DeadlockError("pipeline deadlock: " + "; ".join(blocked))
-    timeline.sort(key=lambda e: (e[4], e[0]))
-    return timeline
-
-
-def bubble_fraction(timeline):
-    """Idle share of the pipeline: ``1 - busy / (num_ranks * makespan)``, with ``num_ranks``
-    the highest rank in the timeline plus one and ``makespan`` from the earliest start to the
-    latest end."""
-    if not timeline:
-        raise ValueError("empty timeline")
-    num_ranks = max(e[0] for e in timeline) + 1
-    makespan = max(e[5] for e in timeline) - min(e[4] for e in timeline)
-    if makespan <= 0:
-        return 0.0
-    busy = sum(e[5] - e[4] for e in timeline)
-    return 1.0 - busy / (num_ranks * makespan)
-
-
-def ideal_bubble(pp_size, num_microbatches, stages_per_rank=1):
-    """Textbook bubble fraction ``(P-1) / (M*v + P-1)``: GPipe and 1F1B (v = 1) give
-    ``(P-1)/(M+P-1)``; interleaving with ``v`` chunks per rank divides the bubble time by v."""
-    _check_int("pp_size", pp_size, 1)
-    _check_int("num_microbatches", num_microbatches, 1)
-    _check_int("stages_per_rank", stages_per_rank, 1)
-    return (pp_size - 1) / (num_microbatches * stages_per_rank + pp_size - 1)
-
-
-def peak_in_flight(actions, num_stages):
-    """For each stage, the largest number of microbatches whose F has run and whose B has not
-    yet run, walking the list of the stage's rank in order (activation memory held)."""
-    _check_int("num_stages", num_stages, 1)
-    P = len(actions)
-    peaks = {}
-    for s in range(num_stages):
-        live = peak = 0
-        for a in actions[s % P]:
-            if a.stage != s:
-                continue
-            if a.kind == "F":
-                live += 1
-                peak = max(peak, live)
-            elif a.kind == "B":
-                live -= 1
-        peaks[s] = peak
-    return peaks
-
-
-def draw(timeline, path, title=""):
-    """Draw ``timeline`` as a PNG at ``path``: one row per pp rank (rank 0 on top), time on the
-    x axis, F blocks in one colour and B in another, each labelled ``stage.microbatch``; idle
-    time (the bubbles) is left white. The title carries the bubble fraction. Returns
-    ``str(path)``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    if not timeline:
-        raise ValueError("empty timeline")
-    num_ranks = max(e[0] for e in timeline) + 1
-    makespan = max(e[5] for e in timeline)
-    colours = {"F": "#6fa8dc", "B": "#f6b26b"}
-    width = min(max(6.0, makespan * 0.25), 40.0)
-    fig, ax = plt.subplots(figsize=(width, 0.6 * num_ranks + 1.2))
-    try:
-        for rank, kind, stage, mb, start, end in timeline:
-            ax.barh(
-                rank, end - start, left=start, height=0.8, color=colours[kind],
-                edgecolor="black", linewidth=0.4,
-            )
-            ax.text(
-                (start + end) / 2, rank, f"{stage}.{mb}", ha="center", va="center", fontsize=6
-            )
-        ax.set_facecolor("white")
-        ax.set_xlim(0, makespan)
-        ax.set_ylim(num_ranks - 0.5, -0.5)  # rank 0 on top
-        ax.set_yticks(range(num_ranks))
-        ax.set_yticklabels([f"rank {r}" for r in range(num_ranks)])
-        ax.set_xlabel("time")
-        bubble = bubble_fraction(timeline)
-        head = f"{title} — " if title else ""
-        ax.set_title(f"{head}bubble {bubble:.1%}")
-        ax.legend(
-            handles=[Patch(color=colours["F"], label="F"), Patch(color=colours["B"], label="B")],
-            loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
-        )
-        fig.tight_layout()
-        fig.savefig(str(path), format="png", dpi=100)
-    finally:
-        plt.close(fig)
-    return str(path)

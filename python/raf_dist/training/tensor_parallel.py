@@ -7,20 +7,28 @@ rank holds is decided here, when parameters are loaded, not in the IR: one compi
 serves every rank (SPMD).
 """
 import dataclasses
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tvm
 
-from ..passes.tensor_parallel import TensorParallelPlan, plan_tensor_parallel, shard_forward
+from ..model import Model
+from ..passes.tensor_parallel import plan_tensor_parallel
+from ..passes.tp_plan import TensorParallelPlan
+from ..passes.tp_shard import shard_forward
+
+#: ``rewrite(model, func)``: a forward of ``model`` as a rank holding pieces runs it
+Rewrite = Callable[[Model, Any], Any]
 
 
-def trained_names(model):
+def trained_names(model: Model) -> List[str]:
+    """``model``'s parameter names without the frozen ones, in order."""
     frozen = set(model.frozen_params)
     return [n for n in model.param_names if n not in frozen]
 
 
-def make_plan(model, tp: int, plan=None, loss="cross_entropy",
-              keep_whole=()) -> TensorParallelPlan:
+def make_plan(model: Model, tp: int, plan: Optional[Mapping[str, str]] = None,
+              loss: str = "cross_entropy", keep_whole: Sequence[str] = ()) -> TensorParallelPlan:
     """The plan for ``model`` at ``tp`` ranks: found on the captured graph, or ``plan``
     ({pattern: "colwise" | "rowwise" | "replicate"}) checked against it. With
     cross-entropy the output head may stay split along the classes (vocabulary parallel).
@@ -31,8 +39,8 @@ def make_plan(model, tp: int, plan=None, loss="cross_entropy",
                                 keep_whole=keep_whole)
 
 
-def shard_model(model, plan: TensorParallelPlan, tp_rank: int, full_params: dict,
-                values: bool = True):
+def shard_model(model: Model, plan: TensorParallelPlan, tp_rank: int,
+                full_params: Mapping[str, Any], values: bool = True) -> Model:
     """``model`` with its forward (and evaluation forward) split by ``plan``, its parameters
     this tp rank's pieces of ``full_params`` (``values=False``: placeholders of the pieces'
     shapes, no memory) and a ``respecialize`` that splits the model captured at another
@@ -44,7 +52,9 @@ def shard_model(model, plan: TensorParallelPlan, tp_rank: int, full_params: dict
         values, output_split_classes=plan.tp if plan.output_split else 0)
 
 
-def piece_model(model, rewrite, local_shard, local_shape, full_params, values=True, **fields):
+def piece_model(model: Model, rewrite: Rewrite, local_shard: Callable[[str, np.ndarray], Any],
+                local_shape: Callable[[str, Tuple[int, ...]], Tuple[int, ...]],
+                full_params: Mapping[str, Any], values: bool = True, **fields: Any) -> Model:
     """What a rank keeps of ``model`` when a parallelism splits parameters across ranks
     (tensor parallelism here, embedding tables in training/embedding_parallel.py): its
     forward and evaluation forward ``rewrite(model, func)``; its parameters
@@ -53,7 +63,7 @@ def piece_model(model, rewrite, local_shard, local_shape, full_params, values=Tr
     ``respecialize`` that captures another batch size and splits it the same way."""
     functions = {gvar: rewrite(model, func) if gvar.name_hint in ("forward", "forward_eval")
                  else func for gvar, func in model.mod.functions_items()}
-    init = {}
+    init: Dict[str, np.ndarray] = {}
     for n in model.param_names:
         full = np.asarray(full_params[n])
         init[n] = (np.ascontiguousarray(local_shard(n, full)) if values else
@@ -61,7 +71,8 @@ def piece_model(model, rewrite, local_shard, local_shape, full_params, values=Tr
 
     shapes_only = model.without_values()  # the full initial values are not kept alive here
 
-    def respecialize(rows):  # Model.at_batch gives the result this piece's init_params
+    # Model.at_batch gives the result this piece's init_params
+    def respecialize(rows: int) -> Model:
         other = shapes_only.at_batch(rows)
         return piece_model(other, rewrite, local_shard, local_shape, other.init_params,
                            values=False, **fields)

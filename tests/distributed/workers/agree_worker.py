@@ -53,7 +53,7 @@ def main():
         print(f"rank {comm.rank}: refused: {exc}".replace("\n", " "), flush=True)
         return
     loss = trainer.step(x.numpy(), torch.randint(0, 5, (len(x),)).numpy())
-    print(f"rank {comm.rank}: built a Trainer (spmd={trainer.spmd}) loss {loss:.3f}", flush=True)
+    print(f"rank {comm.rank}: built a Trainer (spmd={trainer.parallel.spmd}) loss {loss:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -185,7 +185,7 @@ def main():
                                max_grad_norm=clip,
                                nonfinite="raise" if nan_step is None else "skip",
                                precision=precision)
-    assert trainer.executor.microbatches == int(flags.get("--microbatches", 1))
+    assert trainer.executor.parallel.microbatches == int(flags.get("--microbatches", 1))
     loaded = 0
     if "--load" in flags:
         trainer.load_checkpoint(flags["--load"])
@@ -274,7 +274,7 @@ def main():
         assert ("raf_dist.embedding." in script) == (sparse is not None), opt_name
         assert sparse is None or sparse in script, (opt_name, sparse)
         tables = {name: params[name].nbytes for name in ep.shapes}
-        assert trainer.executor.zero_level == zero and stats["param_bytes"] > 0
+        assert trainer.executor.parallel.zero_level == zero and stats["param_bytes"] > 0
         if opt_name == "rowwise_adagrad":  # one accumulator per row held: of this rank's rows
             expected = sum(4 * (ep.local_rows(k, dp_rank) if k in ep.shapes else
                                 v.shape[0] if v.ndim >= 2 else v.size)

@@ -92,7 +92,7 @@ def main():
         assert calls == steps * (trainer.num_grad_buckets + 1), (calls, trainer.num_grad_buckets)
     if tp > 1:  # every tp allreduce is per row: microbatches sum to the same bytes
         assert plan.placements, plan.explain()
-        guard = 1 if trainer.executor._nonfinite_guard() else 0
+        guard = 1 if trainer.executor.builder.nonfinite_guard() else 0
         numel = (sum(plan.forward_reduces) + sum(plan.backward_reduces)
                  + sum(plan.loss_reduces) + guard)
         expected = steps * 2 * (tp - 1) / tp * 4 * numel

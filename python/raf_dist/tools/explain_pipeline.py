@@ -1,19 +1,19 @@
 """What pipeline parallelism would do to a model, in one process (no MPI, no Trainer).
 
-    text = raf_dist.tools.pipeline.explain_pipeline(model, pp=2, microbatches=4)
+    text = raf_dist.tools.explain_pipeline.explain_pipeline(model, pp=2, microbatches=4)
 
-    python -m raf_dist.tools.pipeline --pp P [--stages-per-rank V] [--microbatches M]
+    python -m raf_dist.tools.explain_pipeline --pp P [--stages-per-rank V] [--microbatches M]
         [--schedule gpipe|1f1b|interleaved_1f1b] [--split-points a,b] [--png schedule.png]
         MODEL_SPEC
 
 ``MODEL_SPEC`` is ``module.path:factory`` or ``path/to/file.py:factory`` (as for
 ``raf_dist.tools.explain_plan``); ``factory()`` returns ``(torch_module, example_input[,
 target])``. The model is captured with ``raf_dist.frontend.from_pytorch`` and cut into
-``S = P * V`` stages as the pipeline Trainer cuts it (passes/pipeline.py: at the model's stage
-markers, before the modules named by ``--split-points``, or by the cost partitioner), at the
-microbatch's rows (the captured batch / M). ``V`` is 1 for ``gpipe`` and ``1f1b``;
-``interleaved_1f1b`` takes ``--stages-per-rank`` (default 2, as ``pipeline_stages_per_rank``)
-and needs M a multiple of P. Printed:
+``S = P * V`` stages as the pipeline Trainer cuts it (passes/stage_partition.py: at the
+model's stage markers, before the modules named by ``--split-points``, or by the cost
+partitioner), at the microbatch's rows (the captured batch / M). ``V`` is 1 for ``gpipe`` and
+``1f1b``; ``interleaved_1f1b`` takes ``--stages-per-rank`` (default 2, as
+``pipeline_stages_per_rank``) and needs M a multiple of P. Printed:
 
 - the stage plan (``StagePlan.describe()``: bindings, parameters and cost of each stage);
 - each pp rank's action list (``training/pipeline_schedule.rank_actions``: F/B with the
@@ -24,13 +24,13 @@ and needs M a multiple of P. Printed:
 - with ``--png``: the simulated schedule drawn (``pipeline_schedule.draw``).
 
 The simulation uses uniform costs, forward 1 and backward 2 for every stage
-(``pipeline_schedule.simulate`` takes one forward and one backward cost for all actions, not
+(``pipeline_simulation.simulate`` takes one forward and one backward cost for all actions, not
 one per stage), so its bubble is the schedule's own; the stage plan's cost column shows how
 far the real stages are from that balance (the slowest stage sets the pace).
 
 For example, the 4-layer GPT of the benchmarks on 2 pipeline ranks with 4 microbatches:
 
-    python -m raf_dist.tools.pipeline --pp 2 --microbatches 4 --png /tmp/s.png \\
+    python -m raf_dist.tools.explain_pipeline --pp 2 --microbatches 4 --png /tmp/s.png \\
         bench/step_time.py:gpt
 """
 from __future__ import annotations
@@ -43,10 +43,10 @@ from .explain_plan import capture, model_parser
 
 if TYPE_CHECKING:
     from ..model import Model
-    from ..passes.pipeline import StagePlan
+    from ..passes.stage_partition import StagePlan
     from ..training.pipeline_schedule import Action
 
-    #: ``pipeline_schedule.simulate``'s entries: (rank, kind, stage, microbatch, start, end)
+    #: ``pipeline_simulation.simulate``'s entries: (rank, kind, stage, microbatch, start, end)
     TimelineEntry = tuple[int, str, int, int, float, float]
 
 #: simulated cost of one stage's forward and backward of one microbatch (uniform: the
@@ -60,10 +60,11 @@ def simulate_pipeline(pp: int, microbatches: int = 1, schedule: str = "1f1b",
     """(actions, timeline) of the schedule: ``rank_actions`` and its ``simulate`` with
     uniform costs (F = 1, B = 2)."""
     from ..training import pipeline_schedule as ps
+    from ..training import pipeline_simulation as sim
 
     actions = ps.rank_actions(schedule, pp, microbatches, stages_per_rank)
     ps.check_actions(actions, ps.num_stages(schedule, pp, stages_per_rank), microbatches)
-    timeline = ps.simulate(actions, FORWARD_COST, BACKWARD_COST)
+    timeline = sim.simulate(actions, FORWARD_COST, BACKWARD_COST)
     return actions, timeline
 
 
@@ -80,6 +81,7 @@ def explain_pipeline(model: Model, pp: int, microbatches: int = 1, schedule: str
     """
     from ..model import Model
     from ..training import pipeline_schedule as ps
+    from ..training import pipeline_simulation as sim
 
     if not isinstance(model, Model):
         raise TypeError(f"explain_pipeline takes a captured raf_dist Model (from "
@@ -90,7 +92,7 @@ def explain_pipeline(model: Model, pp: int, microbatches: int = 1, schedule: str
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     num_stages = ps.num_stages(schedule, pp, stages_per_rank)  # validates the combination
-    from ..training.pipeline import stage_plan
+    from ..training.pipeline_step import stage_plan
 
     plan = stage_plan(model, num_stages, microbatches, split_points, ranks=pp)
     actions, timeline = simulate_pipeline(pp, microbatches, schedule, stages_per_rank)
@@ -101,8 +103,8 @@ def explain_pipeline(model: Model, pp: int, microbatches: int = 1, schedule: str
                  "microbatches")
     for r in range(pp):
         lines.append(f"  rank {r}: " + " ".join(str(a) for a in actions[r]))
-    bubble = ps.bubble_fraction(timeline)
-    ideal = ps.ideal_bubble(pp, microbatches, stages_per_rank)
+    bubble = sim.bubble_fraction(timeline)
+    ideal = sim.ideal_bubble(pp, microbatches, stages_per_rank)
     makespan = max(e[5] for e in timeline) - min(e[4] for e in timeline)
     work = microbatches * stages_per_rank * (FORWARD_COST + BACKWARD_COST)
     lines.append("")
@@ -114,20 +116,20 @@ def explain_pipeline(model: Model, pp: int, microbatches: int = 1, schedule: str
     lines.append(f"stage cost balance: the largest stage holds {share:.0%} of the cost "
                  f"(even: {1 / num_stages:.0%}); the simulation assumes even stages, uneven "
                  "ones add to the real bubble")
-    peaks = ps.peak_in_flight(actions, num_stages)
+    peaks = sim.peak_in_flight(actions, num_stages)
     lines.append("peak microbatches in flight (activations held) per stage: "
                  + ", ".join(f"stage {s}: {peaks[s]}" for s in range(num_stages)))
     if png:
         title = f"{schedule} P={pp} M={microbatches}" + (
             f" v={stages_per_rank}" if stages_per_rank > 1 else "")
-        lines.append(f"schedule drawn to {ps.draw(timeline, png, title)}")
+        lines.append(f"schedule drawn to {sim.draw(timeline, png, title)}")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from ..training.pipeline_schedule import SCHEDULES
 
-    parser = model_parser("pipeline", "Print the pipeline stages and schedule of a model")
+    parser = model_parser("explain_pipeline", "Print the pipeline stages and schedule of a model")
     parser.add_argument("--pp", type=int, required=True, help="pipeline_parallel_size P")
     parser.add_argument("--stages-per-rank", type=int, default=None,
                         help="stages per rank V (interleaved_1f1b only; default 2 there, "
@@ -149,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = explain_pipeline(capture(args.model), args.pp, args.microbatches, args.schedule,
                                 v, split, png=args.png)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
-        print(f"pipeline: {err}", file=sys.stderr)
+        print(f"explain_pipeline: {err}", file=sys.stderr)
         return 2
     print(text)
     return 0

@@ -1,8 +1,9 @@
-"""Pipeline stages in one process: the stage marker through TVM's Gradient, the cut points and
-the partitioner (every binding in exactly one stage, uneven layer counts, split points by
-module name, markers), and the stage functions run in sequence (every stage on this one
-rank, local hand-over) equal to the unsplit step: bitwise at M = 1, to float rounding with
-microbatches, with recomputed activations, with a parameter tied across stages."""
+"""Pipeline stages in one process (passes/stage_partition.py, passes/stage_split.py): the stage
+marker through TVM's Gradient, the cut points and the partitioner (every binding in exactly
+one stage, uneven layer counts, split points by module name, markers), and the stage
+functions run in sequence (every stage on this one rank, local hand-over) equal to the
+unsplit step: bitwise at M = 1, to float rounding with microbatches, with recomputed
+activations, with a parameter tied across stages."""
 import numpy as np
 import pytest
 import torch
@@ -11,12 +12,14 @@ from tvm import relax
 
 import raf_dist
 from raf_dist.frontend import from_pytorch
-from raf_dist.passes.pipeline import (STAGE_MARKER_GRAD, ForwardGraph, partition,
-                                      split_forward, stage_boundary, strip_stage_markers)
+from raf_dist.ir.ops import STAGE_MARKER_GRAD, stage_boundary
+from raf_dist.passes.stage_partition import ForwardGraph, partition
+from raf_dist.passes.stage_split import split_forward, strip_stage_markers
 from raf_dist.distributed import get_communicator, get_config
 from raf_dist.runtime import stage_budget
-from raf_dist.runtime.pipeline import PipelineExecutor
-from raf_dist.runtime.plan import build_mesh, plan_run
+from raf_dist.runtime.pipeline_executor import PipelineExecutor
+from raf_dist.distributed.mesh import mesh_for
+from raf_dist.runtime.plan import plan_run
 
 from models import make, rel_err
 
@@ -135,7 +138,7 @@ def _pipeline_executor(model, optimizer):
     config, comm = get_config(), get_communicator()
     plan = plan_run(config, comm.size)
     return PipelineExecutor(model, "cross_entropy", optimizer, "cpu", plan,
-                            build_mesh(plan, config, comm.size), comm)
+                            mesh_for(plan.layout), comm)
 
 
 def _run(config, name, stages, microbatches, steps=3, checkpointing=False, budget=None):
@@ -195,7 +198,7 @@ def _modelled_peak(trainer):
     """(runtime/stage_budget.py's model of the trainer's activation memory; per stage the
     bytes the schedule should hold at its peak: the most microbatches in flight x saved)."""
     timeline = stage_budget.held_timeline(trainer.actions[trainer.pp_rank], trainer.my_stages)
-    stages = trainer._stage_sets[trainer._plan_rows].stages
+    stages = trainer._stage_sets[trainer.builder.plan_rows].stages
     per_stage = {s: max(live[s] for live, _ in timeline)
                  * stage_budget.saved_bytes(st.functions, trainer.stage_recompute[s])
                  for s, st in stages.items()}
@@ -293,7 +296,7 @@ def test_update_step_reduces_gradients_in_bfloat16():
     reads a float32 gradient."""
     from raf_dist.passes import AllReduceGradients
     from raf_dist.passes.gradient_markers import find_markers
-    from raf_dist.training.pipeline import build_update_step
+    from raf_dist.training.pipeline_step import build_update_step
 
     names, specs = ["w", "b"], [((64, 32), "float32"), ((32,), "float32")]
     optimizer = raf_dist.optim.AdamW(lr=1e-3)
@@ -318,7 +321,7 @@ def test_bf16_stages_save_the_forwards_16_bit_copies():
     (passes/saved_precision.py): fewer saved bytes, no float32 value saved that has a 16-bit
     twin, the same stage otherwise (its inputs, parameters and outputs)."""
     from raf_dist.passes.auto_cast import auto_cast
-    from raf_dist.training.pipeline import build_stage_functions
+    from raf_dist.training.pipeline_step import build_stage_functions
 
     module, x, _ = make("transformer", 8)
     model = from_pytorch(module, (x,))

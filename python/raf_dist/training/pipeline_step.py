@@ -1,6 +1,6 @@
 """Each pipeline stage's training functions (DESIGN.md section 3c).
 
-For stage s (its forward cut out by passes/pipeline.py) the stage's objective is appended
+For stage s (its forward cut out by passes/stage_split.py) the stage's objective is appended
 and TVM's Gradient differentiates it:
 
 - a stage before the last: ``sum(output * dy)``, whose gradients are the vector-Jacobian
@@ -28,20 +28,29 @@ gradient markers, so the data-parallel and ZeRO-1 passes apply to it unchanged o
 group, once per step after the last microbatch.
 """
 import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import tvm
 from tvm import relax
 
 from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PER_PARAM,
                         UPDATE_GROUPS, UPDATED_ARGUMENTS)
-from ..passes.pipeline import emit_function, stage_input_count
+from ..passes.stage_split import emit_function, stage_input_count
 from ..passes.remat import rematerialize
 from ..passes.saved_precision import save_low_precision
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from .cross_entropy import narrow_loss_input
 from .loss import build_loss
-from .step import (GRAD_UNSCALE, _emit_update, _follow, _forward_length, _groups, _ident,
-                   _loss_and_grads, in_param_dtypes, mark_in, missing_gradients, state_type)
+from ..model import Model, TensorSpec
+from ..optim.optimizer import Optimizer
+from ..passes.clipping import Clip
+from .adjoint import follow_aliases, forward_length, loss_and_grads, missing_gradients
+from .optimizer_update import (emit_update, identifier, in_param_dtypes, mark_in,
+                               optimizer_groups, state_type)
+from .step import GRAD_UNSCALE
+
+if TYPE_CHECKING:
+    from ..passes.stage_partition import StagePlan
 
 
 @dataclasses.dataclass
@@ -51,20 +60,22 @@ class StageFunctions:
     index: int
     last: bool
     mod: tvm.IRModule
-    input_specs: list  # [(shape, dtype)]: the data inputs (stage 0) or the activation in
-    mask_indices: list  # which of the model's dropout masks the stage reads
-    param_names: list  # every parameter the stage reads, model order
-    trainable: list  # those with a gradient (not frozen), model order
-    output_spec: tuple  # (shape, dtype) of forward's first output (the loss on the last)
+    input_specs: List[TensorSpec]  # the data inputs (stage 0) or the activation in
+    mask_indices: List[int]  # which of the model's dropout masks the stage reads
+    param_names: List[str]  # every parameter the stage reads, model order
+    trainable: List[str]  # those with a gradient (not frozen), model order
+    output_spec: TensorSpec  # (shape, dtype) of forward's first output (the loss on the last)
     num_saved: int  # forward's saved values
     input_grad: bool  # backward's dx is the stage input's gradient (else a 0-d placeholder)
-    seed_spec: tuple  # (shape, dtype) of backward's seed (the dy, or the 0-d weight)
-    target_spec: tuple = None  # the last stage's target
-    buffer_names: list = dataclasses.field(default_factory=list)  # read, after the params
-    buffers_written: list = dataclasses.field(default_factory=list)  # returned by forward
+    seed_spec: TensorSpec  # (shape, dtype) of backward's seed (the dy, or the 0-d weight)
+    target_spec: Optional[TensorSpec] = None  # the last stage's target
+    buffer_names: List[str] = dataclasses.field(default_factory=list)  # read, after the params
+    buffers_written: List[str] = dataclasses.field(default_factory=list)  # returned by forward
 
 
-def _objective(last, loss, pred_ty, target_spec, vocab_parallel):
+def _objective(last: bool, loss: str, pred_ty: relax.TensorType,
+               target_spec: Optional[Sequence[Any]], vocab_parallel: bool
+               ) -> Tuple[relax.Function, Optional[Sequence[Any]]]:
     """(objective Relax function, target spec) for a stage (module docstring)."""
     shape = [int(d) for d in pred_ty.shape]
     if last:
@@ -85,11 +96,15 @@ def _objective(last, loss, pred_ty, target_spec, vocab_parallel):
     return bb.get()["loss"], None
 
 
-def build_stage_functions(index, last, forward, mask_indices, param_names, frozen, loss,
-                          target_spec=None, vocab_parallel=False, buffer_names=(),
-                          buffers_written=(), selective=False, low_precision=False):
+def build_stage_functions(index: int, last: bool, forward: relax.Function,
+                          mask_indices: Sequence[int], param_names: Sequence[str],
+                          frozen: Set[str], loss: str,
+                          target_spec: Optional[Sequence[Any]] = None,
+                          vocab_parallel: bool = False, buffer_names: Sequence[str] = (),
+                          buffers_written: Sequence[str] = (), selective: bool = False,
+                          low_precision: bool = False) -> StageFunctions:
     """The StageFunctions of stage ``index`` (module docstring). ``forward`` is the stage's
-    function from passes.pipeline.split_forward: ``(*inputs, *masks, *params, *buffers) ->
+    function from passes.stage_split.split_forward: ``(*inputs, *masks, *params, *buffers) ->
     output``, or ``(output, *new values of buffers_written)`` (batch norm already
     decomposed: passes/batch_norm.py). Such a stage's ``forward`` and ``forward_only`` return
     the new buffer values last (once per microbatch, in order); ``recompute`` reads the
@@ -128,7 +143,7 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
                          "parameter and no activation input)")
     mod = relax.transform.Gradient("main_loss", require_grads=require)(mod)
     adjoint = mod["main_loss_adjoint"]
-    n_forward = _forward_length(adjoint)  # (both passes below rewrite the backward only)
+    n_forward = forward_length(adjoint)  # (both passes below rewrite the backward only)
     if low_precision:  # (AutoCast's stage) the backward reads the forward's 16-bit copies
         adjoint = save_low_precision(adjoint, n_forward)
     if selective:  # the backward reads recomputed copies of what "selective" does not keep
@@ -139,10 +154,10 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
     buffers = args[n_fwd - n_buf:n_fwd]
     extra = args[n_fwd:]  # the objective's own arguments: [target,] seed
     seed, target = extra[-1], (extra[0] if last else None)
-    _, grads, new_buffers = _loss_and_grads(adjoint)
+    _, grads, new_buffers = loss_and_grads(adjoint)
     bindings = [b for block in adjoint.body.blocks for b in block.bindings]
     value = {b.var: b.value for b in bindings}
-    grads = [_follow(g, value) for g in grads]
+    grads = [follow_aliases(g, value) for g in grads]
     dx = grads.pop(0) if input_grad else None
 
     # the forward result: the value the objective multiplies by the seed
@@ -181,11 +196,14 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
             saved.append(g)
 
     data = inputs + masks + ([target] if target is not None else [])
-    accs = [relax.Var(f"{_ident(n)}__grad_acc", v.ty)
+    accs = [relax.Var(f"{identifier(n)}__grad_acc", v.ty)
             for n, v in zip(param_names, params) if n not in frozen]
     out_mod = tvm.IRModule()
 
-    def function(name, arguments, body, outputs, accumulates=False):
+    def function(name: str, arguments: List[relax.Var], body: List[relax.Binding],
+                 outputs: Callable[[relax.BlockBuilder, Callable[[relax.Expr], relax.Expr]],
+                                   relax.Expr],
+                 accumulates: bool = False) -> None:
         """One function of the stage's module (DCE'd); ``accumulates``: its outputs after the
         first are the new values of its last arguments, the gradient accumulators."""
         func = emit_function(name, arguments, body, outputs)
@@ -195,7 +213,8 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
         out_mod[name] = relax.transform.DeadCodeElimination([name])(
             tvm.IRModule({tvm.ir.GlobalVar(name): func}))[name]
 
-    def backward_outputs(bb, sub):
+    def backward_outputs(bb: relax.BlockBuilder,
+                         sub: Callable[[relax.Expr], relax.Expr]) -> relax.Expr:
         first = sub(dx) if dx is not None else relax.const(0.0, str(out_ty.dtype))
         sums = [bb.emit(relax.op.add(sub(a), sub(g))) for a, g in zip(accs, grads)]
         return relax.Tuple([first, *sums])
@@ -219,13 +238,15 @@ def build_stage_functions(index, last, forward, mask_indices, param_names, froze
         buffer_names=list(buffer_names), buffers_written=list(buffers_written))
 
 
-def type_spec(ty):
+def type_spec(ty: relax.TensorType) -> TensorSpec:
     """(shape, dtype) of a statically shaped tensor type."""
     return tuple(int(d) for d in ty.shape), str(ty.dtype)
 
 
-def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32", clip=None,
-                      reduce_dtype=None, loss_scale=False):
+def build_update_step(param_names: Sequence[str], param_specs: Sequence[TensorSpec],
+                      optimizer: Optimizer, loss_dtype: str = "float32",
+                      clip: Optional[Clip] = None, reduce_dtype: Optional[str] = None,
+                      loss_scale: bool = False) -> tvm.IRModule:
     """``train_step(*params, *states, *hypers, *grad_accs, loss_sum) -> (loss_sum, *params,
     *states)``: the optimizer over the accumulated gradients, each through a gradient marker
     (so AllReduceGradients / ShardZeRO reduce them over the dp group), with the layout and
@@ -236,15 +257,15 @@ def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32",
     reduction moves half the bytes, as build_train_step does. ``loss_scale`` (fp16's dynamic
     loss scaling): one more hyper, ``grad_unscale`` (1 / scale), multiplies every
     accumulated gradient before its marker, as build_train_step's does."""
-    params = [relax.Var(_ident(n), relax.TensorType(s, d))
+    params = [relax.Var(identifier(n), relax.TensorType(s, d))
               for n, (s, d) in zip(param_names, param_specs)]
-    states = [relax.Var(f"{_ident(n)}__{st}", state_type(p.ty, st, optimizer.row_states))
+    states = [relax.Var(f"{identifier(n)}__{st}", state_type(p.ty, st, optimizer.row_states))
               for n, p in zip(param_names, params) for st in optimizer.state_names]
     dtype = param_specs[0][1] if param_specs else loss_dtype
-    updaters, hyper_names, groups = _groups(optimizer, param_names)
+    updaters, hyper_names, groups = optimizer_groups(optimizer, param_names)
     hyper_names = list(hyper_names) + ([GRAD_UNSCALE] if loss_scale else [])
     hypers = {h: relax.Var(h, relax.TensorType((), dtype)) for h in hyper_names}
-    accs = [relax.Var(f"{_ident(n)}__grad_acc", p.ty) for n, p in zip(param_names, params)]
+    accs = [relax.Var(f"{identifier(n)}__grad_acc", p.ty) for n, p in zip(param_names, params)]
     loss_sum = relax.Var("loss_sum", relax.TensorType((), loss_dtype))
     arguments = params + states + list(hypers.values()) + accs + [loss_sum]
     bb = relax.BlockBuilder()
@@ -256,7 +277,7 @@ def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32",
                                          for i, a in enumerate(accs)], params)
             # the loss passes through an identity so the DP pass can average a computed value
             loss_value = bb.emit(relax.op.add(loss_sum, relax.const(0.0, loss_dtype)))
-            out = _emit_update(bb, updaters, grads, loss_value, params, states, hypers, [],
+            out = emit_update(bb, updaters, grads, loss_value, params, states, hypers, [],
                                None, False, clip)
         bb.emit_func_output(out)
     n, k = len(params), len(optimizer.state_names)
@@ -268,12 +289,14 @@ def build_update_step(param_names, param_specs, optimizer, loss_dtype="float32",
     return tvm.IRModule({tvm.ir.GlobalVar("train_step"): func})
 
 
-def stage_plan(model, num_stages, microbatches, split_points=None, ranks=None):
-    """The StagePlan (passes/pipeline.py) of ``model`` in ``num_stages`` stages at the
-    microbatch's rows, as PipelineExecutor._forward_graph reads it (tools/pipeline.py's
+def stage_plan(model: Model, num_stages: int, microbatches: int,
+               split_points: Optional[Sequence[str]] = None,
+               ranks: Optional[int] = None) -> "StagePlan":
+    """The StagePlan (passes/stage_partition.py) of ``model`` in ``num_stages`` stages at the
+    microbatch's rows, as PipelineExecutor._forward_graph reads it (tools/explain_pipeline.py's
     explanation and proxies/extract.py use it; one process, no MPI)."""
     from ..passes.batch_norm import decompose_forward, has_training_batch_norm
-    from ..passes.pipeline import ForwardGraph, partition
+    from ..passes.stage_partition import ForwardGraph, partition
 
     rows = model.batch_size
     if rows is None:  # no inputs, or a 0-d first input: no batch to split
