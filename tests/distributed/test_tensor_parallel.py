@@ -52,7 +52,9 @@ def test_checkpoint_reshards_across_tp_dp_and_zero(tmp_path):
 
 @pytest.mark.parametrize("case,ranks,message", [
     ("world", 3, "does not split into pp x dp x tp"),
-    ("no_dp", 4, "enable_data_parallel"),
+    # every row of the refusal table is tested in one process (tests/unit/
+    # test_parallel_layout.py); one mpiexec case proves each rank refuses before any collective
+    pytest.param("no_dp", 4, "enable_data_parallel", marks=pytest.mark.slow),
 ])  # an explicit plan that cannot split: tests/passes/test_tensor_parallel.py (one process)
 def test_bad_layouts_are_refused_on_every_rank(case, ranks, message):
     out = check_mpi("tp_errors.py", ranks, case, timeout=120)

@@ -229,7 +229,7 @@ def _operands(args: List[relax.Expr]) -> List[relax.Expr]:
 def auto_cast(func: relax.Function, dtype: str, low_output: bool = False) -> relax.Function:
     """``func`` with its compute in ``dtype`` ("bfloat16" or "float16") by the rules above.
 
-    ``low_output`` (a pipeline stage before the last, runtime/pipeline.py): the result (the
+    ``low_output`` (a pipeline stage before the last, runtime/pipeline_executor.py): the result (the
     first field when the function returns a tuple) is returned in ``dtype``, so the
     activation sent to the next stage, and the gradient it sends back, are half the bytes.
     The stage's input stays float32: TVM's Gradient differentiates only float32 / float64 /

@@ -15,7 +15,7 @@ is held when the optimizer reads it:
   - ZeRO (passes/zero.py): each rank holds a shard of every gradient; the shards' sums are
     added over the dp group in the one small allreduce that also carries the non-finite
     verdict (padding is zeros); split / replicated as above;
-  - pipelining (runtime/pipeline.py): each stage's sum, added over the pp group; a tied
+  - pipelining (runtime/pipeline_executor.py): each stage's sum, added over the pp group; a tied
     parameter only on the stage that holds it first;
   - embedding tables sharded over the dp ranks (passes/embedding_parallel.py): a table's
     gradient is this rank's rows alone (the exchange already summed every rank's lookups),

@@ -348,7 +348,7 @@ def _balance(graph, points, num_stages, boundary_cost=None):
     weight = BOUNDARY_COST if boundary_cost is None else boundary_cost
     edges = [0.0] + [weight * _numel(p.var.ty) for p in points] + [0.0]
     n = len(positions)
-    # a stage must have something to differentiate (training/pipeline.py refuses one that
+    # a stage must have something to differentiate (training/pipeline_step.py refuses one that
     # does not): a parameter, or an activation input that carries a gradient (a float one;
     # not the ids before an embedding lookup, nor the data inputs of the first stage)
     bounds = [0] + [p.position for p in points] + [len(graph.data)]

@@ -11,7 +11,7 @@ the stage functions.
 - Where the cuts go (``ForwardGraph``, ``partition``, ``StagePlan``) is stage_partition.py.
 - ``split_forward`` writes one Relax function per stage of a StagePlan,
   ``stage_s(input_or_data, *masks, *params) -> activation`` (the last returns the output);
-  training/pipeline.py differentiates each and splits it into forward and backward.
+  training/pipeline_step.py differentiates each and splits it into forward and backward.
 
 The split happens on the forward, before autodiff, rather than on the differentiated step
 (docs/design-notes.md "Pipeline split"): at a single-tensor cut the backward of a stage reads
