@@ -114,11 +114,17 @@ def get_mesh(config: Any = None) -> ProcessMesh:
     comm = get_communicator()
     layout = ParallelLayout.build(comm.size, comm.rank, tp=tp, pp=pp, cp=cp,
                                   enable_data_parallel=bool(config.enable_data_parallel))
+    return _groups_of(layout, comm)
+
+
+def _groups_of(layout: ParallelLayout, comm: Any) -> ProcessMesh:
+    """The world's groups of ``layout``'s shape: built the first time for each shape (collective),
+    the cached mesh after."""
     with _LOCK:
-        mesh = _MESHES.get((pp, cp, tp))
+        key = (layout.pp, layout.cp, layout.tp)
+        mesh = _MESHES.get(key)
         if mesh is None:
-            mesh = _build(comm, layout)
-            _MESHES[(pp, cp, tp)] = mesh
+            mesh = _MESHES[key] = _build(comm, layout)
         return mesh
 
 
@@ -126,19 +132,11 @@ def mesh_for(layout: ParallelLayout) -> ProcessMesh:
     """The mesh a Trainer of ``layout`` runs on: the world's groups (collective the first
     time for its shape) when its ranks run together or the job is one rank, else one of this
     rank alone (no group: ``Trainer(local=True)``, or ranks that each train on their own)."""
-    if layout.spmd or (get_communicator().size == 1 and not layout.local):
-        mesh = get_mesh(_Shape(layout))
+    comm = get_communicator()
+    if layout.spmd or (comm.size == 1 and not layout.local):
+        mesh = _groups_of(layout, comm)
         return ProcessMesh(layout, mesh._groups, mesh._comms)
     return local_mesh(layout)
-
-
-class _Shape:
-    """A layout's degrees as the config fields get_mesh reads."""
-
-    def __init__(self, layout: ParallelLayout) -> None:
-        self.tensor_parallel_size, self.pipeline_parallel_size = layout.tp, layout.pp
-        self.context_parallel_size = layout.cp
-        self.enable_data_parallel = layout.enable_data_parallel or layout.dp == 1
 
 
 def _build(comm: Any, layout: ParallelLayout) -> ProcessMesh:

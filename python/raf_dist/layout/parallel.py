@@ -13,16 +13,17 @@ coordinates, and so on. ``distributed.mesh`` builds the process groups from
 
 Built once per Trainer from the DistConfig's values and the world size
 (``ParallelLayout.from_config``), it is what executors, passes' arguments, checkpoints,
-``stats()``, the memory estimator and the planner read: nobody copies its fields. Every
-refusal of a combination is one row of ``layout.refusals.REFUSALS`` (checked by ``validate``); each message
-names the problem and the fix, and is raised before any collective.
+``stats()`` and the planner's mesh specs read: nobody copies its fields. Every refusal of a
+combination is one row of ``layout.refusals.REFUSALS`` (checked by ``from_config`` and
+``validate``); each message names the problem and the fix, and is raised before any
+collective.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, List, Mapping, Tuple
 
-from .refusals import Case, check, check_values
+from .refusals import CONFIG_FIELDS, Case, check, check_values
 
 #: the mesh axes, outermost first (the rank formula's order); "ep" splits dp, it is no
 #: axis of its own
@@ -145,24 +146,19 @@ class ParallelLayout:
 
     @classmethod
     def from_config(cls, values: Mapping[str, Any], world: int, rank: int = 0,
-                    local: bool = False) -> ParallelLayout:
+                    local: bool = False, model: Any = None,
+                    optimizer: Any = None) -> ParallelLayout:
         """The layout ``values`` (a DistConfig's ``as_dict()``) give world rank ``rank`` of
         ``world``; with ``local`` a world of this rank alone, which must ask for no
-        parallelism. Every refusal that needs no model is checked (``validate``)."""
-        check_values(values, local=local)
+        parallelism. Every refusal is checked once, in the table's order, with ``model``'s
+        and ``optimizer``'s rows when they are given: the fields' rows, the model's and the
+        optimizer's before the mesh's sizes, then the rows that need the world."""
+        check_values(values, local=local, model=model, optimizer=optimizer)
         if local:
             world, rank = 1, 0
-        layout = cls.build(
-            world, rank, tp=values["tensor_parallel_size"], pp=values["pipeline_parallel_size"],
-            cp=values.get("context_parallel_size", 1), ep=values.get("expert_parallel_size", 1),
-            enable_data_parallel=values["enable_data_parallel"],
-            zero_level=values["zero_opt_level"], microbatches=values["num_microbatches"],
-            schedule=values["pipeline_schedule"],
-            stages_per_rank=values["pipeline_stages_per_rank"],
-            sequence_parallel=values.get("sequence_parallel", False),
-            context_parallel_method=values.get("context_parallel_method", "ring"),
-            embedding_parallel=values["embedding_parallel"], local=local)
-        layout.validate()
+        layout = cls.build(world, rank, local=local, **{
+            attr: values[field] for field, attr in CONFIG_FIELDS.items() if field in values})
+        check(Case(layout, None, model, optimizer), ("world",))
         return layout
 
     @classmethod
@@ -266,10 +262,6 @@ class ParallelLayout:
         return self.pp > 1
 
     @property
-    def tensor_parallel(self) -> bool:
-        return self.tp > 1
-
-    @property
     def embeddings_sharded(self) -> bool:
         """Tables sharded over several data-parallel ranks (passes/embedding_parallel.py)."""
         return self.embedding_parallel != "none" and self.data_parallel and self.grad_world > 1
@@ -278,11 +270,6 @@ class ParallelLayout:
     def num_stages(self) -> int:
         """Pipeline stages in all (pp x stages per rank)."""
         return self.pp * self.stages_per_rank
-
-    def describe(self) -> dict[str, Any]:
-        """The degrees and settings as plain values (fingerprints, stats, logs)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("rank",)}
 
     def validate(self, model: Any = None, optimizer: Any = None) -> None:
         """Every refusal of a combination (``REFUSALS``), with ``model`` (a

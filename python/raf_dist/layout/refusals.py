@@ -22,17 +22,21 @@ class Case(NamedTuple):
         """A DistConfig field's value, whichever the case holds."""
         if self.values is not None:
             return self.values.get(field, _DEFAULTS.get(field))
-        layout = self.layout
-        assert layout is not None
-        return {"enable_data_parallel": layout.enable_data_parallel,
-                "zero_opt_level": layout.zero_level,
-                "tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp,
-                "context_parallel_size": layout.cp, "expert_parallel_size": layout.ep,
-                "num_microbatches": layout.microbatches, "pipeline_schedule": layout.schedule,
-                "sequence_parallel": layout.sequence_parallel,
-                "embedding_parallel": layout.embedding_parallel}[field]
+        assert self.layout is not None
+        return getattr(self.layout, CONFIG_FIELDS[field])
 
 
+#: the DistConfig fields a ParallelLayout holds, by the layout's name for each (the one map
+#: ``ParallelLayout.from_config`` reads the values through and a row reads a layout through;
+#: a layout's ``stages_per_rank`` is 1 outside interleaved_1f1b, whatever the config says)
+CONFIG_FIELDS = {
+    "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp",
+    "context_parallel_size": "cp", "expert_parallel_size": "ep",
+    "enable_data_parallel": "enable_data_parallel", "zero_opt_level": "zero_level",
+    "num_microbatches": "microbatches", "pipeline_schedule": "schedule",
+    "pipeline_stages_per_rank": "stages_per_rank", "sequence_parallel": "sequence_parallel",
+    "context_parallel_method": "context_parallel_method",
+    "embedding_parallel": "embedding_parallel"}
 _DEFAULTS = {"context_parallel_size": 1, "expert_parallel_size": 1, "sequence_parallel": False}
 
 
@@ -188,7 +192,11 @@ def check_values(values: Mapping[str, Any], local: bool = False,
     """The rows that a config's values decide alone (``DistConfig.check`` asks for
     ``("config",)``, ``check_supported`` for ``("built",)``), and the rows of ``model`` and
     ``optimizer`` when given (none needs the world: the Trainer checks them before the mesh's
-    sizes); with ``local``, that a Trainer of this rank alone asks for no parallelism."""
+    sizes); with ``local``, after the fields' own rules, that a Trainer of this rank alone
+    asks for no parallelism."""
+    case = Case(None, values, model, optimizer)
+    fields_alone = ("config", "built")
+    check(case, tuple(k for k in kinds if k in fields_alone))
     if local:
         asked = {k: values.get(k, v) for k, v in LOCAL_ALONE.items() if values.get(k, v) != v}
         if asked:
@@ -197,6 +205,7 @@ def check_values(values: Mapping[str, Any], local: bool = False,
                 f"for parallelism ({', '.join(f'{k}={v!r}' for k, v in asked.items())}). "
                 "Reset those fields (dist.get_config().update(...)) for the local Trainer, or "
                 "build it on every rank without local=True")
+    rest = tuple(k for k in kinds if k not in fields_alone)
     if not local:  # the model's and the optimizer's rows need no world either
-        kinds = kinds + ("model", "optimizer")
-    check(Case(None, values, model, optimizer), kinds)
+        rest += ("model", "optimizer")
+    check(case, rest)

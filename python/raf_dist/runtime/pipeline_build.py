@@ -79,8 +79,7 @@ class PipelineBuilder:
         self.bucket_bytes = plan.bucket_bytes
         self.sync_batch_norm_world = plan.sync_batch_norm_world
         self.pp_rank = mesh.pp_rank
-        self.num_stages = schedules.num_stages(layout.schedule, layout.pp,
-                                               layout.stages_per_rank)
+        self.num_stages = layout.num_stages
         self.full_model = self.model = model
         self.tp_plan: Any = None
         if layout.tp > 1:  # MPI: world rank 0's initial values broadcast

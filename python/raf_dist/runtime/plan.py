@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
 from ..layout.parallel import ParallelLayout
-from ..layout.refusals import LOCAL_ALONE, check_values
+from ..layout.refusals import LOCAL_ALONE
 
 #: the settings that decide whether and how the ranks train together (checked by every
 #: Trainer of a world of several ranks: agreement.agree)
@@ -37,20 +37,15 @@ class RunPlan:
 def plan_run(config: Any, world_size: int, rank: int = 0, local: bool = False,
              model: Any = None, optimizer: Any = None) -> RunPlan:
     """The plan of a Trainer on rank ``rank`` of a world of ``world_size`` ranks, checked
-    (every row of ``raf_dist.layout.refusals.REFUSALS``, the model's with ``model``: bad
-    sizes and combinations raise, naming the fix, before any collective; the optimizer's with
-    ``optimizer``). ``local``: a
-    Trainer of this rank alone. Ranks that ask for no parallelism at all train independently:
-    each its own world of one."""
-    config.check()
-    config.check_supported()
+    once (every row of ``raf_dist.layout.refusals.REFUSALS``, the model's with ``model`` and
+    the optimizer's with ``optimizer``: bad sizes and combinations raise, naming the fix,
+    before any collective). ``local``: a Trainer of this rank alone. Ranks that ask for no
+    parallelism at all train independently: each its own world of one."""
     values = config.as_dict()
     alone = all(values[k] == v for k, v in LOCAL_ALONE.items())
     if alone and not local:
         world_size, rank = 1, 0
-    check_values(values, local=local, optimizer=optimizer, model=model)  # before the mesh
-    layout = ParallelLayout.from_config(values, world_size, rank, local=local)
-    layout.validate(model, optimizer)
+    layout = ParallelLayout.from_config(values, world_size, rank, local, model, optimizer)
     return RunPlan(
         layout=layout, config=values,
         bucket_bytes=max(1, int(config.bucket_size_mb * 2**20)),
