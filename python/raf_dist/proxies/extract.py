@@ -32,12 +32,11 @@ from tvm import relax
 
 from ..compiler.build import apply_passes
 from ..compiler.inplace_buckets import packed_call
-from ..compiler.step_passes import function_passes, nonfinite_guard, step_passes
+from ..compiler.step_passes import function_passes
 from ..ir.utils import tensor_nbytes
 from ..layout.parallel import ParallelLayout
 from ..passes.dispatch_blas import blas_operands
 from ..runtime.metrics import call_flops, static_shape
-from ..training import pipeline_schedule as schedules
 from .workload import COLLECTIVES, Event, Workload, gemm_key
 
 #: the process-group ids the extraction's passes are given, one per mesh axis (never run:
@@ -213,25 +212,6 @@ def _renumber(events: list[Event], start: int) -> tuple[list[Event], int]:
     return out, top
 
 
-def _pieces(model, mesh: MeshSpec, loss: str, tensor_parallel_plan=None, embedding_plan=None):
-    """tp rank 0's / dp rank 0's piece of ``model`` (shapes only)."""
-    from ..training import embedding_parallel as ep_lib
-
-    lean = model.without_values()
-    if mesh.tp > 1:
-        from ..training import tensor_parallel as tp_lib
-
-        tables = ep_lib.table_names(lean) if mesh.embedding_parallel != "none" else ()
-        plan = tp_lib.make_plan(lean, mesh.tp, tensor_parallel_plan, loss, keep_whole=tables)
-        lean = tp_lib.shard_model(lean, plan, 0, lean.init_params, values=False)
-    if mesh.embedding_parallel != "none":
-        plan = ep_lib.make_plan(lean, mesh.embedding_parallel, mesh.dp, embedding_plan)
-        names = tuple(plan.names)
-        lean = ep_lib.shard_model(lean, plan, 0, lean.init_params, values=False)
-        return lean, names
-    return lean, None
-
-
 def extract(model, mesh: MeshSpec, optimizer=None, loss: str = "cross_entropy",
             name: str = "", tensor_parallel_plan=None, embedding_plan=None) -> Workload:
     """The :class:`Workload` of one training iteration of ``model`` (captured with the
@@ -239,33 +219,41 @@ def extract(model, mesh: MeshSpec, optimizer=None, loss: str = "cross_entropy",
     from ..optim import AdamW
 
     optimizer = optimizer if optimizer is not None else AdamW(lr=1e-3)
-    piece, tables = _pieces(model, mesh, loss, tensor_parallel_plan, embedding_plan)
     if mesh.pp == 1:
-        programs = [_spmd_program(piece, mesh, optimizer, loss, tables)]
+        programs = [_spmd_program(model, mesh, optimizer, loss, tensor_parallel_plan,
+                                  embedding_plan)]
     else:
-        programs = _pipeline_programs(piece, mesh, optimizer, loss)
+        programs = _pipeline_programs(model, mesh, optimizer, loss, tensor_parallel_plan)
     return Workload(name or model.source, mesh.dp, mesh.tp, mesh.pp, mesh.zero,
                     mesh.microbatches, mesh.schedule, programs,
                     source=f"extracted from raf_dist's step IR ({model.source})")
 
 
-def _dp_passes(mesh: MeshSpec, local: bool, tables) -> list:
-    """The executors' distribution passes with axis-tagged groups, before library dispatch
-    (DispatchToBLAS hides the matmuls the cost model counts)."""
-    reduce = mesh.dp > 1 and not local
-    passes = step_passes(mesh.zero if reduce else 0, mesh.dp if reduce else 1,
-                         max(1, int(mesh.bucket_mb * 2**20)), overlap=mesh.overlap,
-                         group=AXIS_GROUPS["dp"],
-                         tp_group=AXIS_GROUPS["tp"] if mesh.tp > 1 else None,
-                         embedding_group=AXIS_GROUPS["dp"] if tables else None)
-    return passes[:len(passes) - len(function_passes())]
+def _run_plan(mesh: MeshSpec):
+    """The RunPlan of rank 0 of ``mesh`` (runtime/plan.py): its layout and settings."""
+    from ..runtime.plan import RunPlan
+
+    return RunPlan(layout=mesh.layout, config={},
+                   bucket_bytes=max(1, int(mesh.bucket_mb * 2**20)), overlap_comm=mesh.overlap,
+                   sync_batch_norm=False, split_points=None,
+                   activation_checkpointing=None if mesh.recompute == "none" else mesh.recompute,
+                   activation_memory_budget_mb=None)
 
 
-def _spmd_program(piece, mesh: MeshSpec, optimizer, loss: str, tables) -> list[Event]:
+def _spmd_program(model, mesh: MeshSpec, optimizer, loss: str, tensor_parallel_plan,
+                  embedding_plan) -> list[Event]:
     """One rank's step (SPMD executor): with microbatches, M - 1 local accumulation steps and
-    the final one with the gradient collectives."""
-    from ..training import build_train_step
+    the final one with the gradient collectives. The steps and their passes are the
+    Trainer's builder's (runtime/spmd_build.py, with no communicator), with axis-tagged
+    groups and before library dispatch (DispatchToBLAS hides the matmuls the cost model
+    counts)."""
+    from ..runtime.spmd_build import planning_builder
 
+    plan = _run_plan(mesh)
+    builder = planning_builder(model.without_values(), loss, optimizer, plan,
+                               groups=AXIS_GROUPS, tensor_parallel_plan=tensor_parallel_plan,
+                               embedding_plan=embedding_plan)
+    piece = builder.model  # tp rank 0's / dp rank 0's piece, as shapes
     M = mesh.microbatches
     rows = piece.batch_size
     if M > 1:
@@ -273,41 +261,47 @@ def _spmd_program(piece, mesh: MeshSpec, optimizer, loss: str, tables) -> list[E
             raise ValueError(f"{M} microbatches do not divide the model's {rows} rows per "
                              "dp rank")
         piece = piece.at_batch(rows // M)
-    options = dict(nonfinite_guard=nonfinite_guard(mesh.zero if mesh.dp > 1 else 0, mesh.dp),
-                   loss_weight=mesh.dp > 1 or M > 1, tensor_parallel=mesh.tp > 1,
-                   local_grads=(tables, mesh.dp, True) if tables else None,
-                   recompute=None if mesh.recompute == "none" else mesh.recompute)
     program: list[Event] = []
     top = 0
     kinds = [None] if M == 1 else ["partial"] * (M - 1) + ["final"]
     built: dict[Any, list[Event]] = {}
     for kind in kinds:
         if kind not in built:
-            mod, _ = build_train_step(piece, loss, optimizer, accumulate=kind, **options)
-            mod = apply_passes(mod, _dp_passes(mesh, kind == "partial", tables))
+            mod, _ = builder.step_at(piece, kind, plan.activation_checkpointing)
+            passes = builder.passes(local=kind == "partial")
+            mod = apply_passes(mod, passes[:len(passes) - len(function_passes())])
             built[kind] = function_events(mod["train_step"], f"step {kind or ''}".strip())
         events, top = _renumber(built[kind], top)
         program += events
     return program
 
 
-def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list[Event]]:
-    """Each pp rank's schedule with its stages' events (module docstring)."""
+def _pipeline_programs(model, mesh: MeshSpec, optimizer, loss: str,
+                       tensor_parallel_plan) -> list[list[Event]]:
+    """Each pp rank's schedule with its stages' events (module docstring): the stages and
+    updates of the Trainer's builder (runtime/pipeline_build.py, with no communicator)."""
+    from ..distributed.mesh import ProcessMesh
     from ..layout import stage_rank
     from ..passes.stage_split import split_forward
-    from ..passes.tp_ops import LowerTensorParallel
+    from ..runtime.pipeline_build import PipelineBuilder
     from ..runtime.transport import tag
-    from ..training.pipeline_step import build_stage_functions, build_update_step, stage_plan
 
-    S = schedules.num_stages(mesh.schedule, mesh.pp, mesh.stages_per_rank)
-    plan = stage_plan(piece, S, mesh.microbatches, ranks=mesh.pp)
-    funcs = split_forward(plan)
-    frozen = list(piece.frozen_params)
+    plan = _run_plan(mesh)
+    builder = PipelineBuilder(model.without_values(), loss, optimizer, plan,
+                              ProcessMesh(plan.layout, AXIS_GROUPS), None, tvm.cpu(),
+                              tvm.target.Target("llvm"), compute_dtype=None, loss_scale=False,
+                              max_grad_norm=None, grad_reduce_dtype="float32", cache_dir=None,
+                              dp_rank=0, tensor_parallel_plan=tensor_parallel_plan)
+    S = builder.num_stages
+    funcs = split_forward(builder.plan)
+    frozen = list(builder.model.frozen_params)
     boundary = [type_nbytes(f.output_type) for f in funcs]
     if mesh.stage_recompute and len(mesh.stage_recompute) != S:
         raise ValueError(f"stage_recompute has {len(mesh.stage_recompute)} levels for {S} "
                          "pipeline stages")
-    passes = [LowerTensorParallel(AXIS_GROUPS["tp"])] if mesh.tp > 1 else []
+    # the stages' passes before library dispatch (DispatchToBLAS hides the matmuls the cost
+    # model counts)
+    functions_only = len(function_passes())
     stage_events = []
     seen: dict[tuple, dict[str, list[Event]]] = {}
     for s, f in enumerate(funcs):
@@ -323,12 +317,9 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
             stage_events.append({k: [dataclasses.replace(e, what=f"{k}{s}") for e in v]
                                  for k, v in seen[key].items()})
             continue
-        fns = build_stage_functions(
-            s, s == S - 1, f.function, f.mask_indices, f.param_names, frozen, loss,
-            vocab_parallel=getattr(piece, "output_split_classes", 0) > 1,
-            buffer_names=f.buffer_names, buffers_written=f.buffers_written,
-            selective=level == "selective")
-        mod = apply_passes(fns.mod, passes)
+        fns, passes = builder.stage_ir(s, funcs, builder.plan_rows, frozenset(),
+                                       level == "selective")
+        mod = apply_passes(fns.mod, passes[:len(passes) - functions_only])
         # with activation checkpointing a stage saves nothing in F and runs its forward
         # again inside B (PipelineExecutor: forward_only, then recompute)
         full = level == "full"
@@ -336,20 +327,17 @@ def _pipeline_programs(piece, mesh: MeshSpec, optimizer, loss: str) -> list[list
             "F": function_events(mod["forward_only" if full else "forward"], f"F{s}"),
             "B": function_events(mod["recompute" if full else "backward"], f"B{s}")}
         stage_events.append(seen[key])
-    specs = dict(zip(piece.param_names, piece.param_specs()))
-    actions = schedules.rank_actions(mesh.schedule, mesh.pp, mesh.microbatches,
-                                     mesh.stages_per_rank)
     programs = []
     for r in range(mesh.pp):
         mine = [s for s in range(S) if stage_rank(s, mesh.pp) == r]
-        names = [n for n in piece.param_names
-                 if n not in frozen and any(n in plan.params[s] for s in mine)]
-        update_ir = build_update_step(names, [specs[n] for n in names], optimizer)
-        update_ir = apply_passes(update_ir, _dp_passes(mesh, False, None))
+        names = [n for n in builder.model.param_names
+                 if n not in frozen and any(n in builder.plan.params[s] for s in mine)]
+        update_ir, passes = builder.update_step(names, optimizer, None)
+        update_ir = apply_passes(update_ir, passes[:len(passes) - functions_only])
         update = function_events(update_ir["train_step"], "update")
         program: list[Event] = []
         top = 0
-        for a in actions[r]:
+        for a in builder.actions[r]:
             if a.kind in ("F", "B"):
                 events, top = _renumber(stage_events[a.stage][a.kind], top)
                 program += events

@@ -11,10 +11,14 @@ and ``StageSet``; runtime/pipeline_executor.py runs them.
 
 MPI in construction (marked): the tp split broadcasts world rank 0's initial values, and the
 budget's choice is agreed over the world (stage_budget.choose_on_every_rank).
+
+With no communicator the builder plans (proxies/extract.py reads it): the split as shapes,
+the stage plan, ``stage_ir`` of any stage and the update's IR and passes; nothing compiled,
+and no recomputation budget (each stage's level is the caller's).
 """
 import dataclasses
 import logging
-from typing import AbstractSet, Any, Dict, List, Optional, Set
+from typing import AbstractSet, Any, Dict, List, Optional, Set, Tuple
 
 from tvm import relax
 
@@ -82,6 +86,10 @@ class PipelineBuilder:
         self.num_stages = layout.num_stages
         self.full_model = self.model = model
         self.tp_plan: Any = None
+        self.planning = comm is None  # (module docstring)
+        if self.planning and plan.activation_memory_budget_mb is not None:
+            raise ValueError("a pipeline builder with no communicator has no recomputation "
+                             "budget to agree on: give each stage's level instead")
         if layout.tp > 1:  # MPI: world rank 0's initial values broadcast
             self.tp_plan, model = held.split_model(model, layout.tp, tensor_parallel_plan, loss,
                                                    comm, mesh.tp_rank)
@@ -142,29 +150,39 @@ class PipelineBuilder:
         if not self.param_names:
             raise ValueError(f"pipeline rank {self.pp_rank} holds no trainable parameter; use "
                              "fewer stages")
-        clip = self.clip()
-        sharded = self.parallel.sharded_update  # ShardZeRO clips the shards
-        self.update_ir = build_update_step(
-            self.param_names, self.param_specs, optimizer, clip=None if sharded else clip,
-            reduce_dtype=None if self.grad_reduce_dtype == "float32" else self.grad_reduce_dtype,
-            loss_scale=self.loss_scale)
+        self.update_ir, passes = self.update_step(self.param_names, optimizer, self.clip())
         self.grad_buckets = (gradient_buckets(self.update_ir, self.bucket_bytes)
                              if self.parallel.data_parallel else [])
         self.layout = state_layout(self.param_names, self.param_specs, optimizer.state_names,
                                    self.parallel.zero, self.parallel.grad_world,
                                    self.dp_rank, self.grad_buckets,
                                    row_states=optimizer.row_states)
-        passes = step_passes(self.parallel.zero,
-                             self.parallel.grad_world, self.bucket_bytes,
-                             overlap=self.run_plan.overlap_comm, group=self.dp_group,
-                             tp_group=self.mesh.tp_group if clip and clip.any_split else None,
-                             clip=clip if sharded else None)
-        if clip is not None:  # the norm's sum over the pp group (passes/clipping.py)
-            passes.insert(1, LowerAllReduce(self.mesh.pp_group))
+        self.compiled_update: Any = None
+        if self.planning:
+            return
         self.compiled_update = compile_step(self.update_ir, passes=passes, target=self._target,
                                             cache_dir=cache_dir)
         self.update_vm = relax.VirtualMachine(self.compiled_update.executable, self._device)
         self.update_fn = self.update_vm["train_step"]
+
+    def update_step(self, names: List[str], optimizer: Any,
+                    clip: Optional[Clip]) -> Tuple[Any, List[Any]]:
+        """(IR, passes) of the update of the parameters ``names`` (this rank's; a planning
+        builder asks for any pp rank's, from ``self.plan.params``) with clipping ``clip``."""
+        sharded = self.parallel.sharded_update  # ShardZeRO clips the shards
+        ir = build_update_step(
+            names, [self.specs[n] for n in names], optimizer,
+            clip=None if sharded else clip,
+            reduce_dtype=None if self.grad_reduce_dtype == "float32" else self.grad_reduce_dtype,
+            loss_scale=self.loss_scale)
+        passes = step_passes(
+            self.parallel.zero, self.parallel.grad_world, self.bucket_bytes,
+            overlap=self.run_plan.overlap_comm, group=self.dp_group,
+            tp_group=self.mesh.tp_group if clip and clip.any_split else None,
+            clip=clip if sharded else None)
+        if clip is not None:  # the norm's sum over the pp group (passes/clipping.py)
+            passes.insert(1, LowerAllReduce(self.mesh.pp_group))
+        return ir, passes
 
     def clip(self) -> Optional[Clip]:
         """The update's clipping (passes/clipping.py), or None: this rank's parameters, the
@@ -230,6 +248,20 @@ class PipelineBuilder:
         key = (rows, s, selective)
         if key in self._built:
             return self._built[key]
+        fns, passes = self.stage_ir(s, funcs, rows, low, selective)
+        compiled = compile_step(fns.mod, passes=passes, target=self._target,
+                                cache_dir=self._cache_dir)
+        vm = relax.VirtualMachine(compiled.executable, self._device)
+        stage = self._built[key] = _Stage(
+            s, fns, {k: vm[k] for k in ("forward", "backward", "recompute", "forward_only")},
+            compiled.planned_peak_bytes, vm)
+        return stage
+
+    def stage_ir(self, s: int, funcs: List[Any], rows: int, low: AbstractSet[int],
+                 selective: bool) -> Tuple[Any, List[Any]]:
+        """(StageFunctions, passes) of stage ``s`` of ``funcs`` at ``rows`` rows per
+        microbatch: its forward, backward and recomputation functions and the passes they
+        compile with (any stage: a planning builder reads every rank's)."""
         passes: List[Any] = []  # no gradient collective here: the update reduces over dp
         if self.parallel.tp > 1:
             passes.append(LowerTensorParallel(self.mesh.tp_group))
@@ -248,13 +280,7 @@ class PipelineBuilder:
             vocab_parallel=getattr(self.model, "output_split_classes", 0) > 1,
             buffer_names=funcs[s].buffer_names, buffers_written=funcs[s].buffers_written,
             selective=selective, low_precision=self.compute_dtype is not None)
-        compiled = compile_step(fns.mod, passes=passes, target=self._target,
-                                cache_dir=self._cache_dir)
-        vm = relax.VirtualMachine(compiled.executable, self._device)
-        stage = self._built[key] = _Stage(
-            s, fns, {k: vm[k] for k in ("forward", "backward", "recompute", "forward_only")},
-            compiled.planned_peak_bytes, vm)
-        return stage
+        return fns, passes
 
     def choose_recomputation(self, rows: int) -> Dict[int, Any]:
         """{stage: recomputation} for this rank's stages: activation_checkpointing's for

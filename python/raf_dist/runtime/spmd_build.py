@@ -11,6 +11,11 @@ artifacts are ``StepIR`` and ``CompiledStep``; runtime/spmd_executor.py runs the
 MPI in construction (marked on each method): the tp split and the table shards broadcast
 world / dp rank 0's initial values, the budget with sharded tables agrees over the dp group,
 and the captured step compiles behind a barrier (one compile per host into the cache).
+
+``plan_step`` is the same builder with no communicator: a rank's step as the Trainer would
+build it (split, IR, passes, StateLayout) and nothing compiled, for the tools that read it
+without running a job (tools/estimate_memory.py, proxies/extract.py): one description of
+the step, so an estimate cannot drift from what runs.
 """
 import dataclasses
 import logging
@@ -24,6 +29,7 @@ from ..compiler import compile_step
 from ..compiler.build import plan_memory
 from ..compiler.step_passes import nonfinite_guard, step_passes
 from ..distributed import collectives
+from ..distributed.mesh import ProcessMesh
 from ..layout import state_layout
 from ..passes import gradient_buckets, remat
 from ..passes.batch_norm import decompose_forward, has_training_batch_norm
@@ -67,6 +73,19 @@ class CompiledStep:
     compiled: Any  # compiler.CompiledStep
 
 
+@dataclasses.dataclass(frozen=True)
+class PlannedStep:
+    """A rank's step as ``plan_step`` builds it: the captured step's IR, the gradient buckets
+    and the StateLayout of what the rank holds, the passes it compiles with, and the builder
+    (for the microbatches' steps: ``SPMDBuilder.accumulation_step``)."""
+
+    step: StepIR
+    grad_buckets: List[Any]
+    layout: Any  # raf_dist.layout.StateLayout
+    passes: List[Any]
+    builder: "SPMDBuilder"
+
+
 class SPMDBuilder:
     """Builds this rank's steps (module docstring) from ``model``, ``plan`` and the options."""
 
@@ -91,6 +110,8 @@ class SPMDBuilder:
         self.ep_plan: Any = None
         self.check_ids: Any = None
         self.clip: Optional[Clip] = None
+        # no communicator: planning (plan_step), rank 0's pieces as shapes, nothing sent
+        self.planning = comm is None
 
     # ---- the model this rank computes with (MPI: broadcasts of initial values) --------------
     def split(self, tensor_parallel_plan: Any, embedding_plan: Any) -> Any:
@@ -125,6 +146,10 @@ class SPMDBuilder:
         if not self.parallel.embeddings_sharded:
             return model
         self.ep_plan = ep_lib.make_plan(model, mode, self.parallel.grad_world, embedding_plan)
+        if self.planning:
+            lean = model.without_values()
+            return ep_lib.shard_model(lean, self.ep_plan, self.dp_rank, lean.init_params,
+                                      values=False)
         full = {}
         for name in model.param_names:  # dp rank 0's tables, as DDP starts from rank 0's
             value = np.ascontiguousarray(model.init_params[name])
@@ -190,7 +215,9 @@ class SPMDBuilder:
         budget = float(self.plan.activation_memory_budget_mb or 0)
         peaks: Dict[Any, int] = {}
         builds: Dict[Any, Any] = {}
-        agreeing = self.ep_plan is not None and self.parallel.grad_world > 1
+        # (planning: rank 0's step alone, with no communicator to agree over)
+        agreeing = (self.ep_plan is not None and self.parallel.grad_world > 1
+                    and not self.planning)
         dp_comm = self.mesh.dp_comm
 
         def build(policy: Any) -> Any:
@@ -237,12 +264,17 @@ class SPMDBuilder:
         accumulation): the planned temporaries of the largest microbatch's partial and final
         steps under recomputation ``policy``, the larger of the two."""
         rows = batching.microbatches(self.model.batch_size, self.parallel.microbatches)[0]
-        model = self.step_model(self.model.at_batch(rows))
-        return max(plan_memory(build_train_step(model, self.loss, self.optimizer,
-                                                accumulate=kind,
-                                                **self.step_options(policy))[0],
+        model = self.model.at_batch(rows)
+        return max(plan_memory(self.step_at(model, kind, policy)[0],
                                self.passes(local=kind == "partial"), self.target)
                    for kind in ("partial", "final"))
+
+    def step_at(self, model: Any, kind: Optional[str], recompute: Any) -> Tuple[Any, Any]:
+        """(IR, signature) of the step of ``model`` (this rank's piece, at any batch size)
+        with recomputation ``recompute``; ``kind``: None, or "partial" / "final" for the
+        microbatches of gradient accumulation."""
+        return build_train_step(self.step_model(model), self.loss, self.optimizer,
+                                accumulate=kind, **self.step_options(recompute))
 
     def step_options(self, recompute: Any) -> Dict[str, Any]:
         """build_train_step's arguments from the plan (every batch size's step alike), with
@@ -295,9 +327,10 @@ class SPMDBuilder:
                            embedding_group=self.embedding_group())
 
     # ---- compiling ----------------------------------------------------------------------------
-    def compile_captured(self, step: StepIR) -> CompiledStep:
-        """The gradient buckets, the StateLayout and the step compiled at the captured size
-        (MPI under data parallelism: the compile barrier of ``compile``)."""
+    def planned(self, step: StepIR) -> PlannedStep:
+        """``step`` with its gradient buckets, the StateLayout of what this rank holds of the
+        parameters and optimizer state (raf_dist.layout) and the passes every batch size
+        compiles with: everything but the compiled artifact (no MPI)."""
         layout, signature = self.parallel, step.signature
         # gradient buckets (parameter indices, in backward order) the distribution pass uses
         buckets = (gradient_buckets(step.ir, self.plan.bucket_bytes)
@@ -311,8 +344,14 @@ class SPMDBuilder:
             row_states=signature.row_states,
             local=[i for i, n in enumerate(signature.param_names) if n in tables],
             sparse=[signature.param_names.index(n) for n in signature.sparse_names])
-        passes = self.passes()  # again for each new batch size
-        return CompiledStep(step, buckets, held_layout, passes, self.compile(step.ir, passes))
+        return PlannedStep(step, buckets, held_layout, self.passes(), self)
+
+    def compile_captured(self, step: StepIR) -> CompiledStep:
+        """The planned step compiled at the captured size (MPI under data parallelism: the
+        compile barrier of ``compile``)."""
+        planned = self.planned(step)
+        return CompiledStep(step, planned.grad_buckets, planned.layout, planned.passes,
+                            self.compile(step.ir, planned.passes))
 
     def compile(self, ir: Any, passes: List[Any]) -> Any:
         """Under data parallelism every rank builds the same Trainer and compiles the same IR
@@ -329,25 +368,59 @@ class SPMDBuilder:
         self.comm.idle_barrier("the barrier after local rank 0 compiled the step")
         return compile_step(ir, passes=passes, target=self.target, cache_dir=self.cache_dir)
 
-    def compile_variant(self, built: CompiledStep, model: Any, rows: int,
-                        kind: Optional[str]) -> Tuple[Any, Any]:
-        """(signature, compiled) of the step for ``rows`` rows of ``model`` (captured again at
-        that size, differentiated, compiled with the same passes; local work, no barrier):
+    def variant_step(self, built: Any, model: Any, rows: int,
+                     kind: Optional[str]) -> Tuple[Any, Any, List[Any]]:
+        """(IR, signature, passes) of the step for ``rows`` rows of ``model`` (captured again
+        at that size and differentiated; ``built``: the captured step, planned or compiled):
         the same parameter, state and buffer arguments as the captured step. ``kind``:
         "partial" / "final" for the microbatches of gradient accumulation."""
-        ir, signature = build_train_step(self.step_model(model), self.loss, self.optimizer,
-                                         accumulate=kind,
-                                         **self.step_options(built.step.recompute))
+        ir, signature = self.step_at(model, kind, built.step.recompute)
         batching.check_same_state(built.step.signature, signature, rows)
         if (self.parallel.data_parallel and kind != "partial"
                 and gradient_buckets(ir, self.plan.bucket_bytes) != built.grad_buckets):
             raise ValueError(f"the step for batch size {rows} groups the gradients into other "
                              "buckets than the captured step; its collectives would not match "
                              "the other ranks'. Use the captured batch size")
-        passes = built.passes if kind != "partial" else self.passes(local=True)
+        return ir, signature, built.passes if kind != "partial" else self.passes(local=True)
+
+    def compile_variant(self, built: CompiledStep, model: Any, rows: int,
+                        kind: Optional[str]) -> Tuple[Any, Any]:
+        """(signature, compiled) of ``variant_step``'s step (local work, no barrier)."""
+        ir, signature, passes = self.variant_step(built, model, rows, kind)
         return signature, compile_step(ir, passes=passes, target=self.target,
                                        cache_dir=self.cache_dir)
 
     def vm(self, compiled: Any) -> Any:
         """A relax.VirtualMachine of ``compiled`` on this rank's device."""
         return relax.VirtualMachine(compiled.executable, self.device)
+
+
+def planning_builder(model: Any, loss: str, optimizer: Any, plan: RunPlan, *,
+                     groups: Optional[Dict[str, int]] = None, target: Any = None,
+                     tensor_parallel_plan: Any = None, embedding_plan: Any = None,
+                     compute_dtype: Optional[str] = None, loss_scale: bool = False,
+                     nonfinite: str = "raise", max_grad_norm: Optional[float] = None,
+                     grad_reduce_dtype: str = "float32") -> SPMDBuilder:
+    """The builder of rank ``plan.layout.rank``'s Trainer with no communicator, its model
+    split (for tp and the sharded tables, as shapes). ``groups``: the process-group id of
+    each axis the passes embed (default: the world group, 0); ``target``: what the
+    recomputation budget plans for (default: the host)."""
+    mesh = ProcessMesh(plan.layout, groups if groups is not None
+                       else {axis: 0 for axis in ("tp", "dp", "pp", "cp")})
+    builder = SPMDBuilder(model, loss, optimizer, plan, mesh, None, tvm.cpu(),
+                          target if target is not None else tvm.target.Target("llvm"),
+                          compute_dtype=compute_dtype, loss_scale=loss_scale,
+                          nonfinite=nonfinite, max_grad_norm=max_grad_norm,
+                          grad_reduce_dtype=grad_reduce_dtype, cache_dir=None,
+                          dp_rank=plan.layout.dp_rank)
+    builder.split(tensor_parallel_plan, embedding_plan)
+    return builder
+
+
+def plan_step(model: Any, loss: str, optimizer: Any, plan: RunPlan,
+              **options: Any) -> PlannedStep:
+    """Rank ``plan.layout.rank``'s captured step as its Trainer builds it (its IR with the
+    recomputation the plan chooses, its passes and StateLayout), nothing compiled;
+    ``options``: ``planning_builder``'s."""
+    builder = planning_builder(model, loss, optimizer, plan, **options)
+    return builder.planned(builder.build_step())

@@ -17,7 +17,12 @@ def split_model(model: Any, tp: int, user_plan: Any, loss: str, comm: Any,
                 tp_rank: int, keep_whole: Sequence[str] = ()) -> Tuple[Any, Any]:
     """(plan, ``model`` split across the tp ranks): the plan (found, or ``user_plan``
     checked; ``keep_whole`` never split), the full initial parameters of world rank 0 on
-    every rank, this rank's pieces of them. Collective over the world."""
+    every rank, this rank's pieces of them. Collective over the world; with no ``comm``
+    (a builder planning a step: runtime/spmd_build.plan_step) the pieces as shapes only."""
+    if comm is None:
+        lean = model.without_values()
+        plan = tp_lib.make_plan(lean, tp, user_plan, loss, keep_whole)
+        return plan, tp_lib.shard_model(lean, plan, tp_rank, lean.init_params, values=False)
     plan = tp_lib.make_plan(model, tp, user_plan, loss, keep_whole)
     full = {}
     for name in model.param_names:

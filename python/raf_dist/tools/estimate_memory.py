@@ -32,8 +32,6 @@ import importlib.util
 import sys
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-import numpy as np
-
 from .. import process_memory
 from ..layout import state_layout
 
@@ -68,10 +66,11 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
     ``world_size``)."""
     from ..compiler import planned_bytes
     from ..compiler.build import planned_module
-    from ..optim import Optimizer
-    from ..compiler.step_passes import nonfinite_guard, step_passes
     from ..distributed.communicator import load_mpi
-    from ..training import build_train_step
+    from ..distributed.config import DistConfig
+    from ..optim import Optimizer
+    from ..runtime.plan import plan_run
+    from ..runtime.spmd_build import plan_step
 
     if zero_opt_level not in (0, 1, 2, 3):
         raise ValueError(f"zero_opt_level must be 0, 1, 2 or 3, got {zero_opt_level!r}")
@@ -84,23 +83,19 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
                          f"default: world_size), got {ranks_per_host!r}")
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a raf_dist.optim optimizer, got {optimizer!r}")
-    # the step the Trainer builds, with its default non-finite check (and, on several ranks,
-    # the loss weight of uneven batches: training/batch_size.py)
-    mod, signature = build_train_step(model, loss, optimizer, nonfinite_guard=nonfinite_guard(
-        zero_opt_level, int(world_size)), loss_weight=int(world_size) > 1)
-    specs = signature.param_specs
-    elem = np.dtype(specs[0][1]).itemsize if specs else 4
-    numels = [int(np.prod(shape, dtype=np.int64)) for shape, _ in specs]
-    out = model_state_bytes(numels, world_size, zero_opt_level, len(signature.state_names), elem)
-    if signature.row_states:  # one value per row (row-wise Adagrad; refused under ZeRO)
-        out["optimizer_state_bytes"] = state_layout(
-            signature.param_names, specs, signature.state_names, zero_opt_level,
-            int(world_size), 0, [tuple(range(len(specs)))],
-            row_states=signature.row_states).state_bytes()
-    passes = step_passes(zero_opt_level, int(world_size), max(1, int(bucket_size_mb * 2**20)),
-                         overlap=overlap_comm)
-    planned = planned_module(mod, passes)
-    out["planned_peak_bytes"] = planned_bytes(planned)
+    # the step rank 0's Trainer builds (runtime/spmd_build.py: the same builder, with no
+    # communicator and nothing compiled), with its default non-finite check and, on several
+    # ranks, the loss weight of uneven batches (training/batch_size.py)
+    config = DistConfig(enable_data_parallel=int(world_size) > 1 or zero_opt_level > 0,
+                        zero_opt_level=zero_opt_level, bucket_size_mb=bucket_size_mb,
+                        overlap_comm=overlap_comm)
+    planned = plan_step(model, loss, optimizer, plan_run(config, int(world_size), 0,
+                                                         model=model, optimizer=optimizer))
+    held = planned.layout  # the StateLayout the Trainer holds its states under
+    out = {"param_bytes": held.param_bytes(), "grad_bytes": held.grad_bytes(),
+           "optimizer_state_bytes": held.state_bytes()}
+    planned_ir = planned_module(planned.step.ir, planned.passes)
+    out["planned_peak_bytes"] = planned_bytes(planned_ir)
     out["peak_bytes"] = out["param_bytes"] + out["optimizer_state_bytes"] + out["planned_peak_bytes"]
     # what loading TVM, torch.export and MPI added to this process (measured when they loaded:
     # raf_dist.process_memory) as a run holds it: planning made the compiler's code resident
@@ -116,7 +111,7 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
     from ..runtime import host_kernels
     from ..runtime.threads import threads_per_rank
 
-    kernels = host_kernels.measure(host_kernels.host_calls(planned),
+    kernels = host_kernels.measure(host_kernels.host_calls(planned_ir),
                                    threads_per_rank(ranks_per_host or int(world_size)))
     out["library_bytes"] = sum(process_memory.library_bytes().values())
     out["runtime_bytes"] = process_memory.runtime_bytes() + kernels["runtime_bytes"]
