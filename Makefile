@@ -8,6 +8,8 @@ STAMP     := $(VENV)/.raf_dist-installed
 # the fully annotated modules `make typecheck` checks; pyproject.toml's [tool.mypy] overrides
 # list the same modules (disallow_untyped_defs): extend both together
 TYPED     := python/raf_dist/data.py python/raf_dist/device.py python/raf_dist/model.py \
+             python/raf_dist/ir/attention.py python/raf_dist/runtime/attention_kernels.py \
+             python/raf_dist/frontend/attention_pattern.py \
              python/raf_dist/profiler.py python/raf_dist/distributed/config.py \
              python/raf_dist/frontend/pytorch.py python/raf_dist/frontend/relax_nn.py \
              python/raf_dist/launcher/config.py python/raf_dist/optim python/raf_dist/tools \

@@ -41,8 +41,9 @@ def import_transformers():
     return transformers
 
 
-def hf_model(name: str, seed: int = 0) -> LogitsOnly:
-    """GPT-2 or Llama, tiny, initialised from ``seed``.
+def hf_model(name: str, seed: int = 0, attention: str = "sdpa") -> LogitsOnly:
+    """GPT-2 or Llama, tiny, initialised from ``seed``; ``attention``: transformers'
+    attn_implementation ("sdpa", its default, or "eager": the softmax written out).
 
     Dropout (GPT-2's default 0.1 on embeddings, attention and residuals) is off: raf_dist draws
     its dropout masks from its own seeded generator and PyTorch from its own, so no comparison
@@ -52,24 +53,25 @@ def hf_model(name: str, seed: int = 0) -> LogitsOnly:
     if name == "gpt2":
         config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2,
                                          n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-                                         attn_pdrop=0.0)
+                                         attn_pdrop=0.0, attn_implementation=attention)
         model = transformers.GPT2LMHeadModel(config)
     elif name == "llama":
         # 4 query heads sharing 2 key/value heads: grouped-query attention (repeat_kv)
         config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                           num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, max_position_embeddings=SEQ)
+                                          num_key_value_heads=2, max_position_embeddings=SEQ,
+                                          attn_implementation=attention)
         model = transformers.LlamaForCausalLM(config)
     else:
         raise ValueError(f"unknown Hugging Face test model {name!r}; expected one of {HF_MODELS}")
     return LogitsOnly(model).train()
 
 
-def make_hf(name: str, batch: int, seed: int = 0):
+def make_hf(name: str, batch: int, seed: int = 0, attention: str = "sdpa"):
     """(module, input_ids, targets): targets are the next tokens of a random sequence (the
     last position predicts a random token), one per position, as the transformer case of
     tests/models.py."""
-    module = hf_model(name, seed)
+    module = hf_model(name, seed, attention)
     gen = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=gen)
     return module, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -26,7 +26,7 @@ def distance(losses, params, ref_losses, ref_params):
                + [rel_err(params[k], ref_params[k]) for k in ref_params])
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "sdpa"])
 def test_bf16_as_close_to_fp32_as_torch_autocast(name):
     import torch
 

@@ -35,12 +35,18 @@ class DecompositionError(ValueError):
     importer or raf_dist's converters saw the graph."""
 
 
-def decomposition_table() -> dict:
-    """PyTorch's default decomposition table with its CPU attention decomposition replaced."""
+def decomposition_table(math_attention: bool = False) -> dict:
+    """PyTorch's default decomposition table, with the CPU attention kept whole: the importer
+    converts it to raf_dist's attention op (frontend/torch_ops.py). ``math_attention``
+    instead: its decomposition to PyTorch's math (the T x T scores), laid out right."""
     import torch
 
     table = torch.export.default_decompositions()
-    table[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default] = _sdpa_flash_for_cpu
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    if math_attention:
+        table[op] = _sdpa_flash_for_cpu
+    else:
+        table.pop(op, None)
     return table
 
 

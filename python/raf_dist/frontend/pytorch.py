@@ -18,6 +18,7 @@ from .. import process_memory
 from ..ir.ops import dropout_marker
 from ..model import Model
 from . import buffers, decompositions, parameters, torch_ops
+from .attention_pattern import fuse_eager_attention
 from .dropout import dropout_masks_as_inputs
 
 if TYPE_CHECKING:  # PyTorch is optional: imported where a capture needs it
@@ -99,8 +100,10 @@ def _capture(module: torch.nn.Module, example_inputs: ExampleInputs, twin: torch
     named = dict(module.named_parameters())
     # one argument per parameter object: tied names share it (frontend/parameters.py)
     func, names, tied = _tie(imported, len(example_inputs), module)
+    func = fuse_eager_attention(func)  # softmax(q k^T) v written out: the attention op
     if evaluation is not None:
-        evaluation.func = _tie(evaluation, len(example_inputs), module)[0]
+        evaluation.func = fuse_eager_attention(
+            _tie(evaluation, len(example_inputs), module)[0])
     if dropouts:
         func = dropout_masks_as_inputs(func, len(example_inputs), [ty for _, ty in dropouts])
     functions = {"forward": func}

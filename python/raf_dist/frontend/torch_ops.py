@@ -26,6 +26,12 @@ check made to name the aten operator and where it occurs (``install_unsupported_
   the importer drops both; computed as PyTorch's ``scale * (x > 0 ? x : alpha * (exp(input_scale
   * x) - 1))``.
 
+- ``_scaled_dot_product_flash_attention_for_cpu`` (what ``F.scaled_dot_product_attention``
+  exports as on the CPU, transformers' sdpa attention included): raf_dist's attention op
+  (ir/attention.py: blockwise, never T x T), with its causal flag, scale, additive mask
+  (a boolean one PyTorch has already made additive) and grouped key/value heads. PyTorch
+  exports attention with dropout_p > 0 through its math path, which stays as it is.
+
 A converter that fails (TVM's or one of these) raises ``ConversionError`` naming the aten
 operator, its graph node and module path (``install_unsupported_op_check``). Operators that
 draw random numbers (PyTorch's tag ``nondeterministic_seeded``: ``bernoulli``, ``randn``,
@@ -53,6 +59,26 @@ def _arg(node, index, name, default=None):
 
 def _is_float(dtype) -> bool:
     return str(dtype).startswith(("float", "bfloat"))
+
+
+def _attention(node, importer) -> relax.Var:
+    """(output, log-sum-exp) of the attention op (module docstring)."""
+    from ..ir.attention import attention
+
+    dropout_p = float(_arg(node, 3, "dropout_p", 0.0))
+    if dropout_p:  # PyTorch's CPU kernel refuses it too: export never gives one
+        raise ValueError(f"attention with dropout_p={dropout_p} reached the flash op")
+    q, k, v = (importer.env[a] for a in node.args[:3])
+    mask = node.kwargs.get("attn_mask")
+    mask = importer.env[mask] if mask is not None else None
+    return importer.block_builder.emit(attention(
+        q, k, v, mask, causal=bool(_arg(node, 4, "is_causal", False)),
+        scale=node.kwargs.get("scale")))
+
+
+# PyTorch tags the op nondeterministic_seeded for its dropout; with dropout_p = 0 (the only
+# value it is exported with: the converter checks) it draws nothing
+_attention.seeded = True  # type: ignore[attr-defined]
 
 
 def _cumsum(node, importer) -> relax.Var:
@@ -215,6 +241,7 @@ def converters() -> dict:
     from .pipeline_split import CONVERTERS as pipeline_converters
 
     return {**pipeline_converters, "_embedding_bag.default": _embedding_bag,
+            "_scaled_dot_product_flash_attention_for_cpu.default": _attention,
             "_embedding_bag_forward_only.default": _embedding_bag,
             "cat.default": _cat, "concat.default": _cat,
             "cumsum.default": _cumsum, "clamp.default": _clamp,

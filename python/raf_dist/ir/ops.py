@@ -60,6 +60,13 @@ EMBEDDING_ROW_KEEP = {EMBEDDING_SGD_ROWS: 4, EMBEDDING_ADAGRAD_SUM: 3, EMBEDDING
 #: the fused cross-entropy and its gradient (training/cross_entropy.py registers them)
 CROSS_ENTROPY = "raf_dist.cross_entropy"
 CROSS_ENTROPY_GRAD = "raf_dist.cross_entropy_grad"
+#: scaled-dot-product attention as one op and its gradient (ir/attention.py)
+ATTENTION = "raf_dist.attention"
+ATTENTION_GRAD = "raf_dist.attention_grad"
+#: the host kernels they lower to (runtime/attention_kernels.py): (q, k, v, mask, causal,
+#: scale) -> (output, log-sum-exp); (dO, q, k, v, O, L, mask, causal, scale) -> (dq, dk, dv)
+ATTENTION_FORWARD_KERNEL = "raf_dist.attention.forward"
+ATTENTION_BACKWARD_KERNEL = "raf_dist.attention.backward"
 #: layer norm's input and scale gradients, one row-wise kernel each (training/layer_norm.py)
 LAYER_NORM_GRAD = "raf_dist.layer_norm_grad"
 LAYER_NORM_GRAD_WEIGHT = "raf_dist.layer_norm_grad_weight"

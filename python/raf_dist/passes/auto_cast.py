@@ -33,8 +33,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..ir.ops import (CROSS_ENTROPY, CROSS_ENTROPY_GRAD, EP_EXCHANGE, LAYER_NORM_GRAD,
-                      LAYER_NORM_GRAD_WEIGHT, custom_op_names)
+from ..ir.ops import (ATTENTION, ATTENTION_GRAD, CROSS_ENTROPY, CROSS_ENTROPY_GRAD,
+                      EP_EXCHANGE, LAYER_NORM_GRAD, LAYER_NORM_GRAD_WEIGHT, custom_op_names)
 from ..ir.utils import mutate_functions
 
 LOW_DTYPES = ("bfloat16", "float16")
@@ -89,6 +89,9 @@ RULES = {**{n: "low" for n in LOW}, **{n: "float32" for n in FLOAT32},
          # the fused loss reads 16-bit logits as they are (its statistics are float32 inside:
          # training/cross_entropy.py)
          CROSS_ENTROPY: "keep", CROSS_ENTROPY_GRAD: "keep",
+         # attention computes in the low dtype with float32 statistics inside, its log-sum-exp
+         # float32 (ir/attention.py); its gradient reads what the forward kept
+         ATTENTION: "low", ATTENTION_GRAD: "keep",
          # layer norm's fused backward (training/layer_norm.py), float32 as the forward's norm
          LAYER_NORM_GRAD: "keep", LAYER_NORM_GRAD_WEIGHT: "keep"}
 

@@ -22,6 +22,8 @@ import dataclasses
 import tvm
 from tvm import relax
 
+from ..ir.ops import ATTENTION  # (_op_name keeps raf_dist's prefix)
+
 PARTIAL = "partial"
 
 _UNARY = {"nn.relu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "sigmoid", "tanh", "exp", "log",
@@ -305,6 +307,8 @@ class _Rules:
             axes = [int(a) for a in call.args[1].values] if isinstance(
                 call.args[1], relax.ShapeExpr) else [int(a) for a in call.args[1]]
             return self.keep_if_not(var, x, axes, out_shape)
+        if name == ATTENTION:
+            return self.attention(var, call)
         if name == "concat":
             fields = list(call.args[0].fields)
             if any(f not in self.layouts for f in fields):
@@ -312,6 +316,21 @@ class _Rules:
             return self.keep_if_not(var, fields[0], [int(call.attrs.axis)], out_shape,
                                     same=fields)
         raise Unsplittable(var, f"{call.op.name} is not known to the tensor-parallel pass")
+
+    def attention(self, var, call):
+        """The attention op with its heads split (dim 1 of q, k and v: Megatron's heads per
+        rank; grouped key/value heads in the same contiguous blocks, so each rank's query
+        heads read its own key/value heads): (output, log-sum-exp) split along their heads.
+        A mask with a heads axis of its own would need splitting too: refused."""
+        q, k, v, mask = call.args
+        splits = [self.split_dim(a) for a in (q, k, v)]
+        if any(s is None or s[0] != 1 for s in splits):
+            raise Unsplittable(var, "attention whose q, k and v are not all split along "
+                                    "their heads (dim 1)")
+        shape = static_shape(mask)
+        if mask in self.layouts or (len(shape) == 4 and shape[1] > 1):
+            raise Unsplittable(var, "attention with a mask per head")
+        return tuple(hi_of(o, 1, splits[0][1]) for o in field_shapes(var))
 
     def keep_if_not(self, var, x, axes, out_shape, same=None):
         j, size = self.split_dim(x)

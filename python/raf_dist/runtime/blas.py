@@ -57,6 +57,11 @@ def _torch():
     return _torch_module[0]
 
 
+def torch_module():
+    """torch (with the threads this rank's host kernels use) when installed, else None."""
+    return _torch()
+
+
 def _matmul_low(a, b, trans_a, trans_b, out):
     """A bfloat16 / float16 GEMM on the host, accumulated in float32 and rounded once into
     ``out``, by the faster of two ways on this machine (``low_gemm_mode``): oneDNN's 16-bit

@@ -1,5 +1,6 @@
 """The step's host kernels that run outside TVM's memory planner (``raf_dist.blas.*``: numpy's
-OpenBLAS, PyTorch's oneDNN for 16-bit GEMMs), listed from a planned step and run once at the
+OpenBLAS, PyTorch's oneDNN for 16-bit GEMMs; ``raf_dist.attention.*``: PyTorch's flash
+attention, runtime/attention_kernels.py), listed from a planned step and run once at the
 step's shapes, so that what they take for themselves can be measured before any step runs.
 
 What these libraries hold after a step is their own policy, not the step's: OpenBLAS touches
@@ -40,8 +41,9 @@ from ..compiler.memory import nbytes
 
 logger = logging.getLogger("raf_dist")
 
-#: the packed functions of runtime/blas.py (registered when raf_dist.runtime is imported)
-PREFIX = "raf_dist.blas."
+#: the packed functions of runtime/blas.py and runtime/attention_kernels.py (registered when
+#: raf_dist.runtime is imported)
+PREFIXES = ("raf_dist.blas.", "raf_dist.attention.")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ def _argument(arg: relax.Expr) -> Any:
         return None if None in values else tuple(int(v) for v in values)
     if isinstance(arg, tvm.tirx.IntImm):  # relax.prim_value(int)
         return int(arg.value)
+    if isinstance(arg, tvm.tirx.FloatImm):  # relax.prim_value(float): attention's scale
+        return float(arg.value)
     if isinstance(arg, tvm.ir.StringImm):
         return str(arg.value)
     ty = getattr(arg, "ty", None)
@@ -82,7 +86,7 @@ def _argument(arg: relax.Expr) -> Any:
 
 def host_calls(mod: tvm.IRModule) -> List[HostCall]:
     """The distinct host-kernel calls of ``mod`` (a step after memory planning, where they are
-    ``R.call_packed("raf_dist.blas.*", ..., out)``), in order of first appearance. Calls
+    ``R.call_packed("raf_dist.blas.*", ..., out)`` and the attention kernels), in order of first appearance. Calls
     whose shapes are not static are left out (and logged)."""
     seen: dict = {}
 
@@ -90,7 +94,7 @@ def host_calls(mod: tvm.IRModule) -> List[HostCall]:
         if not (isinstance(expr, relax.Call) and isinstance(expr.op, relax.ExternFunc)):
             return
         symbol = str(expr.op.global_symbol)
-        if not symbol.startswith(PREFIX):
+        if not symbol.startswith(PREFIXES):
             return
         args = tuple(_argument(a) for a in expr.args)
         if any(a is None for a in args):
@@ -130,7 +134,7 @@ def _zero_tensor(shape: Sequence[int], dtype: str) -> Iterator[Any]:
 def run_once(calls: Sequence[HostCall]) -> None:
     """Each call once, through its registered packed function, on zero operands (module
     docstring); the operands' pages are unmapped after each call."""
-    from . import blas  # noqa: F401  (registers the raf_dist.blas.* functions)
+    from . import attention_kernels, blas  # noqa: F401  (registers the host kernels)
 
     for call in calls:
         func = tvm_ffi.get_global_func(call.symbol)

@@ -20,6 +20,8 @@ import tvm
 from tvm import relax
 
 from .. import device as device_lib
+from ..ir.ops import ATTENTION, ATTENTION_GRAD
+from ..ir.attention import flops as attention_flops
 
 _LOG = logging.getLogger("raf_dist")
 _GEMM_N = 1024
@@ -39,12 +41,14 @@ def function_flops(func: relax.Function) -> int:
 
 
 def call_flops(expr: relax.Expr) -> int:
-    """Multiply-add FLOPs (x2) of one matmul or convolution call, else 0."""
+    """Multiply-add FLOPs (x2) of one matmul, convolution or attention call, else 0."""
     if not (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op)):
         return 0
     name = expr.op.name
     if name == "relax.matmul":
         return _matmul_flops(expr)
+    if name in (ATTENTION, ATTENTION_GRAD):
+        return attention_flops(expr)
     if name.startswith("relax.nn.conv"):
         return _conv_flops(expr, transpose=name.endswith("_transpose"))
     return 0

@@ -29,7 +29,7 @@ all-"full" cannot meet is a ValueError naming the smallest peak it reached. Each
 for its own stages; the dp ranks of one pp rank hold the same stages and choose alike, and the
 choice changes no message between stages (the schedule and the boundaries are the same).
 """
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 import tvm
 
@@ -174,7 +174,15 @@ def saved_bytes(functions, level) -> int:
             specs.append(functions.target_spec)
         return sum(_bytes(shape, dtype) for shape, dtype in specs)
     fields = functions.mod["forward"].ret_ty.fields
-    return sum(_bytes(f.shape, f.dtype) for f in fields[1:1 + functions.num_saved])
+    return sum(_type_bytes(f) for f in fields[1:1 + functions.num_saved])
+
+
+def _type_bytes(ty: Any) -> int:
+    """Bytes of a saved value's type: a tensor, or a tuple of them (the attention op's output
+    and log-sum-exp, ir/attention.py)."""
+    if hasattr(ty, "fields"):
+        return sum(_type_bytes(f) for f in ty.fields)
+    return _bytes(ty.shape, ty.dtype)
 
 
 def _bytes(shape, dtype) -> int:

@@ -34,8 +34,12 @@ def nbytes(tensor: Any) -> int:
     """Bytes of a runtime tensor. The pipeline's schedule counts every saved activation with
     it after each action: read from the tensor and its dtype directly (0.8 us), not through
     ``np.prod`` and a ``tvm.DataType`` parsed from the dtype's name (8 us; with ~400 calls a
-    step that was 3-4 ms of bench/step_time.py's GPT under pp 2)."""
-    return tensor.numel() * tensor.dtype.itemsize
+    step that was 3-4 ms of bench/step_time.py's GPT under pp 2). A tuple of tensors (a saved
+    attention output with its log-sum-exp: ir/attention.py) counts its fields."""
+    numel = getattr(tensor, "numel", None)
+    if numel is None:
+        return sum(nbytes(t) for t in tensor)
+    return int(numel() * tensor.dtype.itemsize)
 
 
 def bytes_by_dtype(tensors: Any) -> Dict[str, int]:

@@ -1,0 +1,168 @@
+"""Eager attention written out (``softmax(q @ k.transpose(-1, -2) * scale + mask) @ v``, what
+transformers' "eager" attention of GPT-2, Llama, Qwen and Mistral computes) found in an
+imported forward and replaced by raf_dist's attention op (ir/attention.py), so the step never
+holds the T x T scores, their softmax or their gradients.
+
+The importer writes each 4-d batched matmul as 3-d: ``reshape(broadcast_to(x, same shape),
+(B*H, T, D))``, the product, and a reshape back. ``fuse_eager_attention`` reads through those
+views (``_source``) to the 4-d q, k^T and v, and matches
+
+    S = reshape(matmul(view(q), view(permute_dims(k, [0, 1, 3, 2]))), (B, H, Tq, Tk))
+    S' = S * c | S / c | S                  (c a scalar constant: the scale)
+    S'' = S' + mask | S'                    (mask: an additive float mask, kept as it is)
+    O = matmul(view(softmax(S'', axis=-1)), view(v))
+
+when S, S', S'' and the softmax are read by nothing else (a model that also returns its
+attention weights keeps them). O's binding becomes the op's output viewed as the matmul
+was; the rest is left for dead-code elimination. The mask (transformers builds its causal
+mask as a (B, 1, Tq, Tk) tensor for eager attention) stays one tensor shared by the layers.
+Dropout on the probabilities (attn_pdrop > 0 in training) breaks the pattern: that
+attention keeps today's path (one log line names it).
+"""
+import logging
+from typing import Dict, Optional, Tuple
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
+
+from ..ir.attention import attention
+
+_LOG = logging.getLogger("raf_dist")
+_VIEWS = ("relax.reshape", "relax.broadcast_to")
+
+
+def _name(expr: relax.Expr) -> str:
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        return str(expr.op.name)
+    return ""
+
+
+def _shape(expr: relax.Expr) -> Tuple[int, ...]:
+    return tuple(int(d) for d in expr.ty.shape)
+
+
+@visitor
+class _Uses(PyExprVisitor):
+    """How many times each variable is read, and what each is bound to."""
+
+    def __init__(self) -> None:
+        self.count: Dict[relax.Var, int] = {}
+        self.value: Dict[relax.Var, relax.Expr] = {}
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        self.value[binding.var] = binding.value
+        self.visit_expr(binding.value)
+
+    def visit_var_(self, var: relax.Var) -> None:
+        self.count[var] = self.count.get(var, 0) + 1
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> None:
+        self.visit_var_(var)
+
+
+class _Matcher:
+    def __init__(self, uses: _Uses) -> None:
+        self.uses = uses
+
+    def bound(self, expr: relax.Expr, op: str, once: bool = True) -> Optional[relax.Call]:
+        """The call of ``op`` ``expr`` is bound to (read only here when ``once``), else None."""
+        if not isinstance(expr, relax.Var):
+            return None
+        value = self.uses.value.get(expr)
+        if _name(value) != op or (once and self.uses.count.get(expr, 0) != 1):
+            return None
+        return value
+
+    def source(self, expr: relax.Expr) -> relax.Expr:
+        """The 4-d tensor a 3-d matmul operand views (the deepest 4-d value through reshapes
+        and same-shape broadcast_to whose (B * H, T, D) is the operand's shape), or
+        ``expr``."""
+        found, target = expr, _shape(expr)
+        while isinstance(expr, relax.Var):
+            value = self.uses.value.get(expr)
+            name = _name(value)
+            if value is None or name not in _VIEWS or (
+                    name == "relax.broadcast_to" and _shape(value.args[0]) != _shape(value)):
+                break
+            expr = value.args[0]
+            shape = _shape(expr)
+            if len(shape) == 4 and (shape[0] * shape[1],) + shape[2:] == target:
+                found = expr
+        return found
+
+    def scalar(self, expr: relax.Expr) -> Optional[float]:
+        if isinstance(expr, tvm.ir.expr.Constant) and expr.value.numpy().size == 1:
+            return float(expr.value.numpy().reshape(()))
+        return None
+
+    def match(self, call: relax.Call) -> Optional[relax.Expr]:
+        """The attention op replacing the product ``call`` (O = P @ v), or None."""
+        probs, v = self.source(call.args[0]), self.source(call.args[1])
+        softmax = self.bound(probs, "relax.nn.softmax")
+        if softmax is None or len(_shape(probs)) != 4 or len(_shape(v)) != 4:
+            return None
+        if int(softmax.attrs.axis) not in (-1, 3):
+            return None
+        scores, mask, scale = softmax.args[0], None, 1.0
+        add = self.bound(scores, "relax.add")
+        if add is not None:
+            scores, mask = add.args
+        for op, inverse in (("relax.multiply", False), ("relax.divide", True)):
+            scaled = self.bound(scores, op)
+            c = self.scalar(scaled.args[1]) if scaled is not None else None
+            if scaled is not None and c:
+                scores, scale = scaled.args[0], (1.0 / c if inverse else c)
+                break
+        product = self.bound(scores, "relax.reshape")
+        product = self.bound(product.args[0], "relax.matmul") if product is not None else None
+        if product is None:
+            return None
+        q, kt = self.source(product.args[0]), self.source(product.args[1])
+        transpose = self.bound(kt, "relax.permute_dims", once=False)
+        if transpose is None or [int(a) for a in transpose.attrs.axes] != [0, 1, 3, 2]:
+            return None
+        k = transpose.args[0]
+        if len(_shape(q)) != 4 or str(q.ty.dtype) != str(probs.ty.dtype):
+            return None
+        if mask is not None and not (isinstance(mask.ty, relax.TensorType)
+                                     and str(mask.ty.dtype).startswith(("float", "bfloat"))):
+            return None
+        return attention(q, k, v, mask, causal=False, scale=scale)
+
+
+@mutator
+class _Fuse(PyExprMutator):
+    def __init__(self, uses: _Uses) -> None:
+        super().__init__()
+        self.matcher, self.fused = _Matcher(uses), 0
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        if _name(value) == "relax.matmul":
+            op = self.matcher.match(value)
+            if op is not None:  # on the operands as this mutator emitted them
+                out = self.builder_.emit(relax.Call(
+                    op.op, [self.visit_expr(a) for a in op.args], op.attrs))
+                o = self.builder_.emit(relax.TupleGetItem(out, 0))
+                viewed = relax.op.reshape(o, _shape(binding.var))
+                self.set_var_remap(binding.var, self.builder_.emit(viewed))
+                self.fused += 1
+                return
+        super().visit_var_binding_(binding)
+
+
+def fuse_eager_attention(func: relax.Function) -> relax.Function:
+    """``func`` with each eager attention it holds as the attention op (module docstring)."""
+    uses = _Uses()
+    uses.visit_expr(func)
+    fuse = _Fuse(uses)
+    fused = fuse.visit_expr(func)
+    out = relax.analysis.remove_all_unused(fused) if fuse.fused else func
+    left = sum(1 for v in uses.value.values()
+               if _name(v) == "relax.nn.softmax" and len(_shape(v)) == 4)
+    if left > fuse.fused:
+        _LOG.info("eager attention: %d of %d softmaxes over 4-d scores kept on the T x T path "
+                  "(not softmax(q k^T * c + mask) @ v read once: dropout on the "
+                  "probabilities, or the weights returned)", left - fuse.fused, left)
+    return out
