@@ -171,7 +171,10 @@ def test_transformers_eager_attention_is_captured_and_trains_as_pytorch(name):
     module, x, y = make_hf(name, 2, attention="eager")
     state = {k: v.clone() for k, v in module.state_dict().items()}
     model = raf_dist.frontend.from_pytorch(module, (x,))
-    assert str(model.mod["forward"]).count('"raf_dist.attention"') == 2  # one per layer
+    forward = str(model.mod["forward"])
+    assert forward.count('"raf_dist.attention"') == 2  # one per layer
+    # transformers' (B, 1, T, T) mask, built from aranges, is recognised as the causal flag
+    assert forward.count('"causal": 1') == 2
     trainer = raf_dist.Trainer(model, optimizer=raf_adamw())
     assert "R.nn.softmax" not in trainer.executor.ir.script()
     losses = [trainer.step(x.numpy(), y.numpy()) for _ in range(3)]
@@ -195,3 +198,61 @@ def test_transformers_eager_attention_is_captured_and_trains_as_pytorch(name):
     ours = max([rel_err(losses, l64)] + [rel_err(params[k], p64[k]) for k in p64 if k in params])
     print(f"{name} eager: raf_dist {ours:.2e}, PyTorch float32 {spread:.2e} from float64")
     assert ours <= SPREAD_FACTOR * spread + FLOOR, (ours, spread)
+
+
+class EagerAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + mask) v written out, with the mask a buffer."""
+
+    def __init__(self, mask):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 10)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 2, 8).transpose(1, 2) for z in self.qkv(x).split(16, -1))
+        s = q @ k.transpose(-1, -2) / 8 ** 0.5 + self.mask
+        y = torch.softmax(s, dim=-1) @ v
+        return self.o(y.transpose(1, 2).reshape(b, t, 16)).mean(1)
+
+
+@pytest.mark.parametrize("kind", ["causal", "random"])
+def test_eager_mask_becomes_the_causal_flag_only_when_it_is_causal(kind):
+    """A constant mask equal to the causal one (0 on and below the diagonal, -inf above)
+    becomes causal=True with no mask; any other stays the op's additive mask. Both train
+    as the written-out attention does in PyTorch."""
+    torch.manual_seed(0)
+    t = 12
+    mask = (torch.full((t, t), float("-inf")).triu(1) if kind == "causal"
+            else torch.randn(t, t))
+    module, x, y = EagerAttention(mask), torch.randn(2, t, 16), torch.randint(0, 10, (2,))
+    model = raf_dist.frontend.from_pytorch(module, (x,))
+    forward = str(model.mod["forward"])
+    assert forward.count('"raf_dist.attention"') == 1
+    assert ('"causal": 1' in forward) == (kind == "causal")
+    trainer = raf_dist.Trainer(model, optimizer=raf_dist.optim.SGD(lr=0.1))
+    loss = trainer.step(x.numpy(), y.numpy())
+    ref = F.cross_entropy(module(x), y)
+    # one float32 forward against another: the same products, a few ulps of the loss
+    assert abs(loss - ref.item()) <= 1e-5 * abs(ref.item())
+
+
+def test_attention_dropout_stays_on_the_math_path_with_one_log_line(caplog):
+    """PyTorch exports attention with dropout_p > 0 through its math path (its CPU flash
+    kernel has no dropout): it is captured as before, and one line says why."""
+    class Dropped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.o = nn.Linear(8, 24), nn.Linear(8, 3)
+
+        def forward(self, x):
+            q, k, v = (z.view(2, 6, 2, 4).transpose(1, 2) for z in self.qkv(x).split(8, -1))
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+            return self.o(y.transpose(1, 2).reshape(2, 6, 8)).mean(1)
+
+    with caplog.at_level("INFO", logger="raf_dist"):
+        model = raf_dist.frontend.from_pytorch(Dropped(), (torch.randn(2, 6, 8),))
+    assert '"raf_dist.attention"' not in str(model.mod)
+    assert len(model.dropout_specs) == 1  # the probabilities' seeded mask, as any dropout
+    assert any("dropout_p > 0" in r.message and "T x T path" in r.message
+               for r in caplog.records)

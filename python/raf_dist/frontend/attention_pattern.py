@@ -14,19 +14,27 @@ views (``_source``) to the 4-d q, k^T and v, and matches
 
 when S, S', S'' and the softmax are read by nothing else (a model that also returns its
 attention weights keeps them). O's binding becomes the op's output viewed as the matmul
-was; the rest is left for dead-code elimination. The mask (transformers builds its causal
-mask as a (B, 1, Tq, Tk) tensor for eager attention) stays one tensor shared by the layers.
+was; the rest is left for dead-code elimination.
+
+transformers builds eager attention's causal mask as a (B, 1, T, T) tensor from aranges
+(``where(j <= i, 0, finfo.min)``). A mask computed from constants alone is evaluated once at
+capture (``_static_value``: its bindings compiled and run); one that is 0 on and below the
+diagonal and far below any score above it (<= -1e4: exp underflows to exactly 0 in float32,
+bf16 and fp16) is the causal flag, and the op takes ``causal=True`` with no mask: nothing
+T x T is left, and the kernel skips the masked blocks. Any other mask (padding, an input)
+stays as it is, one tensor shared by the layers.
 Dropout on the probabilities (attn_pdrop > 0 in training) breaks the pattern: that
 attention keeps today's path (one log line names it).
 """
 import logging
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
 
-from ..ir.attention import attention
+from ..ir.attention import attention, has_mask
 
 _LOG = logging.getLogger("raf_dist")
 _VIEWS = ("relax.reshape", "relax.broadcast_to")
@@ -131,17 +139,77 @@ class _Matcher:
         return attention(q, k, v, mask, causal=False, scale=scale)
 
 
+#: an additive mask value at or below this is "masked": exp underflows to 0 in every dtype
+MASKED = -1e4
+
+
+def _static_value(var: relax.Expr, uses: _Uses) -> Optional[np.ndarray]:
+    """The value of ``var`` when it is computed from constants alone (its bindings compiled
+    and run on the host), else None."""
+    order: List[relax.Var] = []
+    seen: Dict[relax.Var, bool] = {}
+
+    def static(v: relax.Expr) -> bool:
+        if not isinstance(v, relax.Var):
+            return True
+        if v in seen:
+            return seen[v]
+        value = uses.value.get(v)
+        seen[v] = False  # a parameter, or a cycle guard while its operands are looked at
+        if value is None:
+            return False
+        operands: List[relax.Expr] = []
+        relax.analysis.post_order_visit(
+            value, lambda e: operands.append(e) if isinstance(e, relax.Var) else None)
+        seen[v] = all(static(o) for o in operands)
+        if seen[v]:
+            order.append(v)
+        return seen[v]
+
+    if isinstance(var, tvm.ir.expr.Constant):  # a buffer bound as a constant
+        return var.value.numpy()
+    if not isinstance(var, relax.Var) or not static(var):
+        return None
+    # the bindings as they are (in the forward's order), then ``var`` as the output
+    out = relax.Var("static_value", var.ty)
+    block = relax.DataflowBlock([relax.VarBinding(v, uses.value[v]) for v in order]
+                                + [relax.VarBinding(out, var)])
+    func = relax.Function([], relax.SeqExpr([block], out), var.ty).with_attr(
+        "global_symbol", "static_value")
+    executable = tvm.compile(tvm.IRModule({"static_value": func}), target="llvm")
+    return relax.VirtualMachine(executable, tvm.cpu())["static_value"]().numpy()
+
+
+def _is_causal(mask: np.ndarray) -> bool:
+    """Whether an additive mask (..., Tq, Tk) is the causal one: 0 on and below the diagonal,
+    <= MASKED above it, in every broadcast row."""
+    if mask.ndim < 2 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    above = np.triu(np.ones(mask.shape[-2:], dtype=bool), 1)
+    return bool(np.all(mask[..., ~above] == 0) and np.all(mask[..., above] <= MASKED))
+
+
 @mutator
 class _Fuse(PyExprMutator):
     def __init__(self, uses: _Uses) -> None:
         super().__init__()
-        self.matcher, self.fused = _Matcher(uses), 0
+        self.matcher, self.fused, self.uses = _Matcher(uses), 0, uses
+        self.causal: Dict[relax.Expr, bool] = {}  # mask var -> it is the causal mask
+
+    def causal_mask(self, mask: relax.Expr) -> bool:
+        if mask not in self.causal:
+            value = _static_value(mask, self.uses)
+            self.causal[mask] = value is not None and _is_causal(value)
+        return self.causal[mask]
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
         if _name(value) == "relax.matmul":
             op = self.matcher.match(value)
             if op is not None:  # on the operands as this mutator emitted them
+                q, k, v, mask = op.args
+                if has_mask(op) and self.causal_mask(mask):
+                    op = attention(q, k, v, None, causal=True, scale=float(op.attrs["scale"]))
                 out = self.builder_.emit(relax.Call(
                     op.op, [self.visit_expr(a) for a in op.args], op.attrs))
                 o = self.builder_.emit(relax.TupleGetItem(out, 0))

@@ -27,7 +27,11 @@ the output the layout the meta function promised: the query's, computed with the
 decomposition. The values are untouched (a permute, a contiguous copy, the inverse permute);
 the Relax importer never sees strides.
 """
+import logging
+
 from . import in_place
+
+_LOG = logging.getLogger("raf_dist")
 
 
 class DecompositionError(ValueError):
@@ -68,6 +72,27 @@ def _sdpa_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, at
     return output.permute(logical), weights
 
 
+def _log_math_attention(exported) -> None:
+    """One log line per module whose ``F.scaled_dot_product_attention`` PyTorch will
+    decompose to its math path (dropout_p > 0: its CPU flash kernel has no dropout), so it
+    trains with the T x T scores instead of raf_dist's attention op (ir/attention.py)."""
+    import torch
+
+    from .torch_ops import module_path
+
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    where = []
+    for node in exported.graph.nodes:
+        if node.op == "call_function" and node.target is sdpa:
+            dropout_p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0)
+            if dropout_p:
+                where.append(module_path(node) or "the top-level module's forward")
+    if where:
+        _LOG.info("attention with dropout_p > 0 (%s) stays on the T x T path: PyTorch's CPU "
+                  "flash kernel, which raf_dist's attention op calls, has no dropout; set "
+                  "dropout_p=0 for memory O(T)", ", ".join(sorted(set(where))))
+
+
 def run_decompositions(exported, what: str):
     """``exported.run_decompositions`` with ``decomposition_table()``, after rewriting each
     in-place dropout of ``exported`` (in place) as its out-of-place form
@@ -76,6 +101,7 @@ def run_decompositions(exported, what: str):
     import torch
 
     in_place.functional_dropout(exported)
+    _log_math_attention(exported)
     try:
         return exported.run_decompositions(decomposition_table())
     except Exception as err:
