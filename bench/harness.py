@@ -69,6 +69,39 @@ def median_wall_cpu_ms(fn, steps: int, warmup: int = 3) -> dict:
             "steal": steal}
 
 
+#: the PyTorch peers a bench may run (``--peer``): eager, or torch.compile (Inductor) on the
+#: module and on the optimizer's step, PyTorch's recipe for a compiled training step
+PEERS = ("eager", "compile")
+
+
+def torch_peer_step(module, opt, loss_of, peer: str):
+    """(step, first loss, first step's seconds) of PyTorch's training step on ``peer``:
+    ``loss_of(module)`` gives the loss; ``step()`` zeroes the gradients, runs forward and
+    backward, updates, and returns the loss. Under "compile" the module is ``torch.compile``d
+    and ``opt.step`` compiled too. The first step runs here, outside any timing: under
+    "compile" its seconds are Inductor's compile (cold on a new cache, warm when an earlier
+    process filled it)."""
+    import torch
+
+    if peer not in PEERS:
+        raise SystemExit(f"--peer must be one of {PEERS}, got {peer!r}")
+    update = opt.step
+    if peer == "compile":
+        module = torch.compile(module)
+        update = torch.compile(opt.step)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(module)
+        loss.backward()
+        update()
+        return loss.item()
+
+    start = time.perf_counter()
+    first = step()
+    return step, first, time.perf_counter() - start
+
+
 def _cpu_ticks() -> list[int]:
     """The machine's CPU time counters (the first line of /proc/stat; [] where absent)."""
     try:

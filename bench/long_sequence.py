@@ -1,12 +1,14 @@
 """Long sequences: peak memory and step time of raf_dist vs PyTorch eager, each alone.
 
     python bench/long_sequence.py [--seqs 1024,2048,4096] [--precision fp32|bf16]
+                                  [--peer eager|compile]
                                   [--steps 3] [--rounds 3] [--plot bench/long_sequence.png]
     python bench/long_sequence.py --side raf --seq 16384 --steps 1     one side, one line
 
 The model (issue #64's): a Llama-like LM written with F.scaled_dot_product_attention
 (is_causal=True): vocab 2048, d 256, 4 layers, 4 heads, RMSNorm, SwiGLU, batch 2, AdamW.
-Each side runs in a process of its own with its own defaults (bench/harness.py); the sides
+``--peer compile``: PyTorch's side is torch.compile (Inductor) on the module and on the
+optimizer's step, its first (compiling) step outside the timing. Each side runs in a process of its own with its own defaults (bench/harness.py); the sides
 alternate for ``--rounds`` rounds. Memory is the process's peak resident set (VmHWM: import,
 capture and compile included, what a user must have); time the median step (after 2 warm-up
 steps), the ratio the median over rounds of the per-round ratio raf_dist / PyTorch (< 1:
@@ -104,24 +106,18 @@ def raf_side(seq, steps, precision, cache_dir):
     return {"ms": ms, "peak_mib": peak_rss_mib(), "first_loss": first, "compile_s": compile_s}
 
 
-def torch_side(seq, steps, precision):
+def torch_side(seq, steps, precision, peer):
     module, x, y = make(seq)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    losses = []
 
-    def step():
-        opt.zero_grad(set_to_none=True)
+    def loss_of(m):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            out = module(x)
-            loss = F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+            return F.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1))
 
-    step()
+    step, first, first_s = harness.torch_peer_step(module, opt, loss_of, peer)
     ms = harness.median_ms(step, steps, warmup=1)
-    return {"ms": ms, "peak_mib": peak_rss_mib(), "first_loss": losses[0],
-            "threads": torch.get_num_threads()}
+    return {"ms": ms, "peak_mib": peak_rss_mib(), "first_loss": first,
+            "threads": torch.get_num_threads(), "first_step_s": first_s}
 
 
 def plot(rows, path):
@@ -153,24 +149,27 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cores", type=int, default=None)
     parser.add_argument("--plot", help="write the memory-vs-seq plot here (matplotlib)")
+    parser.add_argument("--peer", default="eager", choices=harness.PEERS,
+                        help="PyTorch eager (default) or torch.compile (Inductor)")
     parser.add_argument("--side", choices=["raf", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side == "raf":
         return harness.report(raf_side(args.seq, args.steps, args.precision, args.cache_dir))
     if args.side == "torch":
-        return harness.report(torch_side(args.seq, args.steps, args.precision))
+        return harness.report(torch_side(args.seq, args.steps, args.precision, args.peer))
 
     cpu_set = harness.cores(args.cores)
     print(f"# torch {torch.__version__}; {harness.machine()}; each side alone, {args.rounds} "
-          f"alternating rounds of {args.steps} steps; {args.precision}; AdamW; batch {BATCH}")
+          f"alternating rounds of {args.steps} steps; {args.precision}; AdamW; batch {BATCH}; "
+          f"peer: PyTorch {args.peer}")
     rows = []
     with tempfile.TemporaryDirectory() as cache_dir:
         for seq in [int(s) for s in args.seqs.split(",")]:
             common = [sys.executable, __file__, "--seq", str(seq), "--steps", str(args.steps),
                       "--precision", args.precision]
             sides = {"raf": common + ["--side", "raf", "--cache-dir", cache_dir],
-                     "torch": common + ["--side", "torch"]}
+                     "torch": common + ["--side", "torch", "--peer", args.peer]}
             rows.append((seq, harness.alternate(sides, args.rounds, cpu_set)))
     print(f"{'seq':>6s} {'raf GiB':>8s} {'torch GiB':>9s} {'memory ratio':>13s} "
           f"{'raf ms':>9s} {'torch ms':>9s} {'time ratio [spread]':>20s} {'first loss':>22s}")

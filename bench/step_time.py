@@ -1,7 +1,7 @@
 """Training-step time: raf_dist (compiled Relax step) vs PyTorch eager, each alone.
 
     python bench/step_time.py [--model mlp|gpt|all] [--steps 20] [--rounds 3] [--cores K]
-                              [--device cpu|cuda]
+                              [--device cpu|cuda] [--peer eager|compile]
 
 Models (AdamW): MLP 784-1024-1024-10, batch 128; GPT-style 4 layers, d=128, 4 heads, seq 64,
 vocab 512, batch 16. Each side runs in a process of its own with its own defaults (bench/
@@ -108,18 +108,26 @@ def raf_side(name, steps, cache_dir, device="cpu"):
     return {"ms": ms, "compile_s": compile_s}
 
 
-def torch_side(name, steps, device="cpu"):
-    """PyTorch eager alone, on its default thread settings."""
+def torch_side(name, steps, device="cpu", peer="eager"):
+    """PyTorch alone (eager, or torch.compile on the module and the optimizer's step), on its
+    default thread settings."""
     module, x, y = make(name)
     module, x, y = module.to(device), x.to(device), y.to(device)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
+    def loss_of(m):
+        out = m(x)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    train, _, first_s = harness.torch_peer_step(module, opt, loss_of, peer)
+
     def step():
-        torch_step(module, opt, x, y)
+        train()
         sync()
 
-    return {"ms": harness.median_ms(step, steps), "threads": torch.get_num_threads()}
+    return {"ms": harness.median_ms(step, steps), "threads": torch.get_num_threads(),
+            "compile_s": first_s if peer == "compile" else 0.0}
 
 
 def main():
@@ -131,35 +139,38 @@ def main():
                         help="run both sides on the first K cores (default: all)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: both frameworks on GPU 0 (needs a CUDA build of PyTorch)")
+    parser.add_argument("--peer", default="eager", choices=harness.PEERS,
+                        help="PyTorch eager (default) or torch.compile (Inductor)")
     parser.add_argument("--side", choices=["raf", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side == "raf":
         return harness.report(raf_side(args.model, args.steps, args.cache_dir, args.device))
     if args.side == "torch":
-        return harness.report(torch_side(args.model, args.steps, args.device))
+        return harness.report(torch_side(args.model, args.steps, args.device, args.peer))
 
     names = ["mlp", "gpt"] if args.model == "all" else [args.model]
     cpu_set = harness.cores(args.cores)
     print(f"# torch {torch.__version__} on {args.device}; {harness.machine()}; each side alone, "
-          f"{args.rounds} alternating rounds of {args.steps} steps; AdamW")
+          f"{args.rounds} alternating rounds of {args.steps} steps; AdamW; peer: PyTorch "
+          f"{args.peer}")
     rows = []
     with tempfile.TemporaryDirectory() as cache_dir:  # cold in round 1: the compile time is real
         for name in names:
             common = [sys.executable, __file__, "--model", name, "--steps", str(args.steps),
                       "--device", args.device]
             sides = {"raf": common + ["--side", "raf", "--cache-dir", cache_dir],
-                     "torch": common + ["--side", "torch"]}
+                     "torch": common + ["--side", "torch", "--peer", args.peer]}
             results = harness.alternate(sides, args.rounds, cpu_set)
             rows.append((name, results))
     print(f"{'model':6s} {'raf_dist ms':>12s} {'torch ms':>9s} {'ratio [spread]':>16s} "
-          f"{'compile s':>10s} {'torch threads':>13s}")
+          f"{'compile s':>10s} {'torch compile s':>15s} {'torch threads':>13s}")
     for name, results in rows:
         raf = [r["ms"] for r in results["raf"]]
         peer = [r["ms"] for r in results["torch"]]
         print(f"{name:6s} {statistics.median(raf):12.2f} {statistics.median(peer):9.2f} "
               f"{harness.format_ratio(raf, peer):>16s} {results['raf'][0]['compile_s']:10.2f} "
-              f"{results['torch'][0]['threads']:13d}")
+              f"{results['torch'][0]['compile_s']:15.2f} {results['torch'][0]['threads']:13d}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ Dropout on the probabilities (attn_pdrop > 0 in training) breaks the pattern: th
 attention keeps today's path (one log line names it).
 """
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 import tvm
@@ -70,8 +70,9 @@ class _Uses(PyExprVisitor):
 
 
 class _Matcher:
-    def __init__(self, uses: _Uses) -> None:
-        self.uses = uses
+    def __init__(self, uses: _Uses, weights: FrozenSet[relax.Var]) -> None:
+        self.uses, self.weights = uses, weights  # weights: the forward's parameter vars
+        self.depends: Dict[relax.Expr, bool] = {}
 
     def bound(self, expr: relax.Expr, op: str, once: bool = True) -> Optional[relax.Call]:
         """The call of ``op`` ``expr`` is bound to (read only here when ``once``), else None."""
@@ -83,21 +84,39 @@ class _Matcher:
         return value
 
     def source(self, expr: relax.Expr) -> relax.Expr:
-        """The 4-d tensor a 3-d matmul operand views (the deepest 4-d value through reshapes
-        and same-shape broadcast_to whose (B * H, T, D) is the operand's shape), or
-        ``expr``."""
-        found, target = expr, _shape(expr)
+        """The 4-d tensor a 3-d matmul operand views, or ``expr``: through reshapes to the
+        first 4-d value whose (B * H, T, D) is the operand's shape, then through same-shape
+        broadcast_to only (a reshape regrouping the 4-d axes is no view of it)."""
+        target, found = _shape(expr), None
         while isinstance(expr, relax.Var):
             value = self.uses.value.get(expr)
+            if value is None:
+                break
             name = _name(value)
-            if value is None or name not in _VIEWS or (
-                    name == "relax.broadcast_to" and _shape(value.args[0]) != _shape(value)):
+            identity = name == "relax.broadcast_to" and _shape(value.args[0]) == _shape(value)
+            if not identity and (name != "relax.reshape" or found is not None):
                 break
             expr = value.args[0]
             shape = _shape(expr)
-            if len(shape) == 4 and (shape[0] * shape[1],) + shape[2:] == target:
+            if found is not None or (len(shape) == 4
+                                     and (shape[0] * shape[1],) + shape[2:] == target):
                 found = expr
-        return found
+        return found if found is not None else expr
+
+    def trained(self, expr: relax.Expr) -> bool:
+        """Whether ``expr`` depends on a parameter of the forward (past its inputs): a
+        gradient would flow to it, which the op (no gradient for its mask) would drop."""
+        if expr in self.depends:
+            return self.depends[expr]
+        self.depends[expr] = False  # (a cycle guard; the forward has none)
+        if expr in self.weights:
+            self.depends[expr] = True
+        elif isinstance(expr, relax.Var) and expr in self.uses.value:
+            operands: List[relax.Expr] = []
+            relax.analysis.post_order_visit(self.uses.value[expr], lambda e: operands.append(
+                e) if isinstance(e, relax.Var) else None)
+            self.depends[expr] = any(self.trained(o) for o in operands if o is not expr)
+        return self.depends[expr]
 
     def scalar(self, expr: relax.Expr) -> Optional[float]:
         if isinstance(expr, tvm.ir.expr.Constant) and expr.value.numpy().size == 1:
@@ -131,12 +150,21 @@ class _Matcher:
         if transpose is None or [int(a) for a in transpose.attrs.axes] != [0, 1, 3, 2]:
             return None
         k = transpose.args[0]
-        if len(_shape(q)) != 4 or str(q.ty.dtype) != str(probs.ty.dtype):
+        if len(_shape(q)) != 4 or len(_shape(k)) != 4 or str(q.ty.dtype) != str(
+                probs.ty.dtype):
+            return None
+        # the scores are q's rows against k's: (B, H, Tq, Tk), and v has Tk rows
+        if (_shape(probs) != _shape(q)[:3] + (_shape(k)[2],)
+                or _shape(v)[:3] != _shape(k)[:3]):
             return None
         if mask is not None and not (isinstance(mask.ty, relax.TensorType)
-                                     and str(mask.ty.dtype).startswith(("float", "bfloat"))):
+                                     and str(mask.ty.dtype).startswith(("float", "bfloat"))
+                                     and not self.trained(mask)):
+            return None  # a learned bias (relative positions, ALiBi) needs its gradient
+        try:
+            return attention(q, k, v, mask, causal=False, scale=scale)
+        except ValueError:  # operands the op does not take: left as they are
             return None
-        return attention(q, k, v, mask, causal=False, scale=scale)
 
 
 #: an additive mask value at or below this is "masked": exp underflows to 0 in every dtype
@@ -180,10 +208,12 @@ def _static_value(var: relax.Expr, uses: _Uses) -> Optional[np.ndarray]:
     return relax.VirtualMachine(executable, tvm.cpu())["static_value"]().numpy()
 
 
-def _is_causal(mask: np.ndarray) -> bool:
-    """Whether an additive mask (..., Tq, Tk) is the causal one: 0 on and below the diagonal,
-    <= MASKED above it, in every broadcast row."""
-    if mask.ndim < 2 or mask.shape[-1] != mask.shape[-2]:
+def _is_causal(mask: np.ndarray, scores: Tuple[int, ...]) -> bool:
+    """Whether an additive mask of the (..., T, T) ``scores`` is the causal one: 0 on and
+    below the diagonal, <= MASKED above it, in every broadcast row (a mask broadcast along
+    the query or key axis is not)."""
+    if (mask.ndim < 2 or scores[-1] != scores[-2]
+            or tuple(mask.shape[-2:]) != tuple(scores[-2:])):
         return False
     above = np.triu(np.ones(mask.shape[-2:], dtype=bool), 1)
     return bool(np.all(mask[..., ~above] == 0) and np.all(mask[..., above] <= MASKED))
@@ -191,16 +221,17 @@ def _is_causal(mask: np.ndarray) -> bool:
 
 @mutator
 class _Fuse(PyExprMutator):
-    def __init__(self, uses: _Uses) -> None:
+    def __init__(self, uses: _Uses, weights: FrozenSet[relax.Var]) -> None:
         super().__init__()
-        self.matcher, self.fused, self.uses = _Matcher(uses), 0, uses
-        self.causal: Dict[relax.Expr, bool] = {}  # mask var -> it is the causal mask
+        self.matcher, self.fused, self.uses = _Matcher(uses, weights), 0, uses
+        self.causal: Dict[Tuple[relax.Expr, Tuple[int, ...]], bool] = {}  # the causal mask
 
-    def causal_mask(self, mask: relax.Expr) -> bool:
-        if mask not in self.causal:
+    def causal_mask(self, mask: relax.Expr, scores: Tuple[int, ...]) -> bool:
+        key = (mask, scores)
+        if key not in self.causal:
             value = _static_value(mask, self.uses)
-            self.causal[mask] = value is not None and _is_causal(value)
-        return self.causal[mask]
+            self.causal[key] = value is not None and _is_causal(value, scores)
+        return self.causal[key]
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
@@ -208,7 +239,8 @@ class _Fuse(PyExprMutator):
             op = self.matcher.match(value)
             if op is not None:  # on the operands as this mutator emitted them
                 q, k, v, mask = op.args
-                if has_mask(op) and self.causal_mask(mask):
+                scores = _shape(q)[:3] + (_shape(k)[2],)
+                if has_mask(op) and self.causal_mask(mask, scores):
                     op = attention(q, k, v, None, causal=True, scale=float(op.attrs["scale"]))
                 out = self.builder_.emit(relax.Call(
                     op.op, [self.visit_expr(a) for a in op.args], op.attrs))
@@ -224,7 +256,8 @@ def fuse_eager_attention(func: relax.Function) -> relax.Function:
     """``func`` with each eager attention it holds as the attention op (module docstring)."""
     uses = _Uses()
     uses.visit_expr(func)
-    fuse = _Fuse(uses)
+    inputs = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 0
+    fuse = _Fuse(uses, frozenset(func.params[inputs:]))
     fused = fuse.visit_expr(func)
     out = relax.analysis.remove_all_unused(fused) if fuse.fused else func
     left = sum(1 for v in uses.value.values()

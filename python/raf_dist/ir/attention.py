@@ -134,8 +134,10 @@ register_gradient(ATTENTION, _gradient, level=GRADIENT_LEVEL)
 
 
 def _scale(call: relax.Call) -> float:
+    """The scale, its default 1 / sqrt(D) read from q (the gradient op's second argument)."""
     scale = float(call.attrs["scale"])
-    return scale if scale else 1.0 / math.sqrt(int(call.args[0].ty.shape[-1]))
+    q = call.args[1] if call.op == _BACKWARD else call.args[0]
+    return scale if scale else 1.0 / math.sqrt(int(q.ty.shape[-1]))
 
 
 def _legalize(kernel: str) -> Callable[[relax.BlockBuilder, relax.Call], relax.Expr]:

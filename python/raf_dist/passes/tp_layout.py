@@ -328,8 +328,8 @@ class _Rules:
             raise Unsplittable(var, "attention whose q, k and v are not all split along "
                                     "their heads (dim 1)")
         shape = static_shape(mask)
-        if mask in self.layouts or (len(shape) == 4 and shape[1] > 1):
-            raise Unsplittable(var, "attention with a mask per head")
+        if shape is None or mask in self.layouts or (len(shape) >= 3 and shape[-3] > 1):
+            raise Unsplittable(var, "attention with a mask per head (or of unknown shape)")
         return tuple(hi_of(o, 1, splits[0][1]) for o in field_shapes(var))
 
     def keep_if_not(self, var, x, axes, out_shape, same=None):

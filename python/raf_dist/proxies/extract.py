@@ -37,6 +37,7 @@ from ..ir.utils import tensor_nbytes
 from ..layout.parallel import ParallelLayout
 from ..passes.dispatch_blas import blas_operands
 from ..runtime.metrics import call_flops, static_shape
+from ..training import pipeline_schedule as schedules
 from .workload import COLLECTIVES, Event, Workload, gemm_key
 
 #: the process-group ids the extraction's passes are given, one per mesh axis (never run:
@@ -286,6 +287,9 @@ def _pipeline_programs(model, mesh: MeshSpec, optimizer, loss: str,
     from ..runtime.pipeline_build import PipelineBuilder
     from ..runtime.transport import tag
 
+    # the MeshSpec's own schedule checked (its ``layout`` reads stages_per_rank as the config
+    # does, at least 2; a spec asking interleaving with one stage per rank is refused here)
+    schedules.num_stages(mesh.schedule, mesh.pp, mesh.stages_per_rank)
     plan = _run_plan(mesh)
     builder = PipelineBuilder(model.without_values(), loss, optimizer, plan,
                               ProcessMesh(plan.layout, AXIS_GROUPS), None, tvm.cpu(),

@@ -69,7 +69,10 @@ def blockwise_forward(torch: Any, q: Any, k: Any, v: Any, mask: Optional[Any], c
         total = p.sum(-1, keepdim=True)
         out[:, :, start:start + BLOCK] = (torch.matmul(p, v.float())
                                           / total.clamp_min(1e-38)).to(q.dtype)
-        lse[:, :, start:start + BLOCK] = (m + torch.log(total)).squeeze(-1)
+        # a row whose every key is masked (-inf): output 0 and log-sum-exp 0, as PyTorch's
+        # kernel gives, so the backward's exp(s - lse) is 0 there, not exp(-inf + inf)
+        lse[:, :, start:start + BLOCK] = torch.where(
+            total > 0, m + torch.log(total), torch.zeros_like(total)).squeeze(-1)
     return out, lse
 
 
@@ -99,10 +102,11 @@ def blockwise_backward(torch: Any, grad: Any, q: Any, k: Any, v: Any, out: Any, 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _cpu_kernel(tensor: Any) -> bool:
-    """Whether PyTorch's CPU flash kernel takes the operands (CPU tensors; _mask gave the
-    mask their dtype, as the kernel requires)."""
-    return bool(tensor.device.type == "cpu")
+def _cpu_kernel(q: Any, v: Any) -> bool:
+    """Whether PyTorch's CPU flash kernel takes the operands: CPU tensors with one head size
+    for q, k and v (it refuses a value head size of its own: "Q/K/V should have the same head
+    size"; _mask gave the mask their dtype, as it requires)."""
+    return bool(q.device.type == "cpu" and q.shape[-1] == v.shape[-1])
 
 
 def forward(q: Any, k: Any, v: Any, mask: Any, causal: int, scale: float, out: Any,
@@ -110,7 +114,7 @@ def forward(q: Any, k: Any, v: Any, mask: Any, causal: int, scale: float, out: A
     torch = blas.torch_module()
     tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
     m = _mask(torch, mask, tq.dtype)
-    if _cpu_kernel(tq):
+    if _cpu_kernel(tq, tv):
         o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
             tq, tk, tv, 0.0, bool(causal), attn_mask=m, scale=float(scale))
     else:
@@ -124,7 +128,7 @@ def backward(grad: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask: Any, c
     torch = blas.torch_module()
     tg, tq, tk, tv, to, tl = (torch.from_dlpack(x) for x in (grad, q, k, v, out, lse))
     m = _mask(torch, mask, tq.dtype)
-    if _cpu_kernel(tq):
+    if _cpu_kernel(tq, tv):
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             tg, tq, tk, tv, to, tl, 0.0, bool(causal), attn_mask=m, scale=float(scale))
     else:

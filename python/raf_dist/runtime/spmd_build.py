@@ -404,7 +404,9 @@ def planning_builder(model: Any, loss: str, optimizer: Any, plan: RunPlan, *,
     """The builder of rank ``plan.layout.rank``'s Trainer with no communicator, its model
     split (for tp and the sharded tables, as shapes). ``groups``: the process-group id of
     each axis the passes embed (default: the world group, 0); ``target``: what the
-    recomputation budget plans for (default: the host)."""
+    recomputation budget plans for (default: the host). One difference from a Trainer, for
+    want of the other ranks: with sharded tables and ``activation_memory_budget_mb`` the
+    Trainer agrees on the largest peak over the dp group, the plan takes this rank's."""
     mesh = ProcessMesh(plan.layout, groups if groups is not None
                        else {axis: 0 for axis in ("tp", "dp", "pp", "cp")})
     builder = SPMDBuilder(model, loss, optimizer, plan, mesh, None, tvm.cpu(),
