@@ -1,6 +1,7 @@
 """Data-parallel step time: raf_dist vs PyTorch DDP (gloo, default 25 MB buckets), each alone.
 
     python bench/dp_step.py [--np 2] [--model mlp|gpt|all] [--steps 10] [--rounds 3]
+                             [--peer eager|compile]
 
 Models are bench/step_time.py's (MLP batch 128, GPT batch 16), AdamW; each rank takes
 global_batch / N rows. Each side is its own `mpiexec -n N` job (bench/harness.py), the sides
@@ -63,7 +64,7 @@ def raf_side(name, steps, cache_dir, pin=False):
     return {"ms": ms, "ranks": comm.size}
 
 
-def ddp_side(name, steps):
+def ddp_side(name, steps, peer="eager"):
     import torch
     import torch.distributed as tdist
     from mpi4py import MPI
@@ -80,10 +81,15 @@ def ddp_side(name, steps):
     module, xs, ys = _local_rows(name, world.rank, world.size)
     ddp = DistributedDataParallel(module)  # default 25 MB buckets
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    ms = harness.median_ms(lambda: step_time.torch_step(ddp, opt, xs, ys), steps,
-                           timer=_slowest_rank(world))
+
+    def loss_of(m):  # DDP, then torch.compile of the DDP module (PyTorch's order) on "compile"
+        out = m(xs)
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), ys.reshape(-1))
+
+    step, _, first_s = harness.torch_peer_step(ddp, opt, loss_of, peer)
+    ms = harness.median_ms(step, steps, timer=_slowest_rank(world))
     tdist.destroy_process_group()
-    return {"ms": ms, "threads": torch.get_num_threads()}
+    return {"ms": ms, "threads": torch.get_num_threads(), "first_step_s": first_s}
 
 
 def main():
@@ -94,11 +100,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pin-ranks", action="store_true",
                         help="also time raf_dist with ranks bound to disjoint core sets")
+    parser.add_argument("--peer", default="eager", choices=harness.PEERS,
+                        help="DDP eager (default) or DDP then torch.compile (Inductor)")
     parser.add_argument("--side", choices=["raf", "raf-pinned", "ddp"], help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        result = (ddp_side(args.model, args.steps) if args.side == "ddp" else
+        result = (ddp_side(args.model, args.steps, args.peer) if args.side == "ddp" else
                   raf_side(args.model, args.steps, args.cache_dir, pin=args.side == "raf-pinned"))
         from mpi4py import MPI
         if MPI.COMM_WORLD.rank == 0:
@@ -108,14 +116,15 @@ def main():
     import torch
     names = ["mlp", "gpt"] if args.model == "all" else [args.model]
     print(f"# {args.np} ranks, torch {torch.__version__} DDP/gloo; {harness.machine()}; each side "
-          f"alone, {args.rounds} alternating rounds of {args.steps} steps (slowest rank); AdamW")
+          f"alone, {args.rounds} alternating rounds of {args.steps} steps (slowest rank); AdamW; "
+          f"peer: DDP {args.peer}")
     rows = []
     with tempfile.TemporaryDirectory() as cache_dir:
         for name in names:
             common = [sys.executable, __file__, "--model", name, "--steps", str(args.steps)]
             mpi = [harness.mpiexec(), "-n", str(args.np)]
             sides = {"raf": mpi + common + ["--side", "raf", "--cache-dir", cache_dir],
-                     "ddp": mpi + common + ["--side", "ddp"],
+                     "ddp": mpi + common + ["--side", "ddp", "--peer", args.peer],
                      "raf 1 process": common + ["--side", "raf", "--cache-dir", cache_dir]}
             if args.pin_ranks:
                 sides["raf pinned"] = mpi + common + ["--side", "raf-pinned", "--cache-dir", cache_dir]

@@ -2,7 +2,7 @@
 and both against their float32 selves, each side alone (DESIGN.md section 6).
 
     python bench/mixed_precision.py [--model gpt|gemm_gpt|all] [--steps 8] [--rounds 3]
-                                    [--cores K] [--device cpu|cuda]
+                                    [--cores K] [--device cpu|cuda] [--peer eager|compile]
 
 Models (AdamW): ``gpt`` is bench/step_time.py's GPT (4 layers, d=128, seq 64, vocab 512,
 batch 16); ``gemm_gpt`` the issue's GEMM-dominated GPT (6 layers, d=512, 8 heads, seq 128,
@@ -92,22 +92,25 @@ def raf_side(name, precision, steps, cache_dir, device="cpu"):
             "low_gemm": low_gemm}
 
 
-def torch_side(name, precision, steps, device="cpu"):
+def torch_side(name, precision, steps, device="cpu", peer="eager"):
     module, x, y = make(name)
     module, x, y = module.to(device), x.to(device), y.to(device)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def step():
-        opt.zero_grad(set_to_none=True)
+    def loss_of(m):
         with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            out = module(x)
-            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
-        loss.backward()
-        opt.step()
+            out = m(x)
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+
+    train, _, first_s = harness.torch_peer_step(module, opt, loss_of, peer)
+
+    def step():
+        train()
         sync()
 
-    return {"ms": harness.median_ms(step, steps), "threads": torch.get_num_threads()}
+    return {"ms": harness.median_ms(step, steps), "threads": torch.get_num_threads(),
+            "first_step_s": first_s}
 
 
 def main():
@@ -118,6 +121,8 @@ def main():
     parser.add_argument("--cores", type=int, default=None)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: both frameworks on GPU 0 (needs a CUDA build of PyTorch)")
+    parser.add_argument("--peer", default="eager", choices=harness.PEERS,
+                        help="PyTorch eager (default) or torch.compile (Inductor) under autocast")
     parser.add_argument("--side", choices=["raf", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--precision", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
@@ -126,12 +131,13 @@ def main():
         return harness.report(raf_side(args.model, args.precision, args.steps, args.cache_dir,
                                        args.device))
     if args.side == "torch":
-        return harness.report(torch_side(args.model, args.precision, args.steps, args.device))
+        return harness.report(torch_side(args.model, args.precision, args.steps, args.device,
+                                         args.peer))
 
     names = ["gpt", "gemm_gpt"] if args.model == "all" else [args.model]
     cpu_set = harness.cores(args.cores)
     print(f"# torch {torch.__version__} on {args.device}; {harness.machine()}; each side alone, {args.rounds} "
-          f"alternating rounds of {args.steps} steps; AdamW")
+          f"alternating rounds of {args.steps} steps; AdamW; peer: PyTorch {args.peer}")
     print(f"{'model':9s} {'raf fp32':>9s} {'raf bf16':>9s} {'torch fp32':>10s} "
           f"{'torch amp':>9s} {'bf16/amp [spread]':>18s} {'bf16/fp32 [spread]':>19s} "
           f"{'temps bf16/fp32':>15s} {'bf16 GEMM':>9s}")
@@ -140,7 +146,7 @@ def main():
             common = [sys.executable, __file__, "--model", name, "--steps", str(args.steps),
                       "--device", args.device]
             sides = {f"{side}_{p}": common + ["--side", side, "--precision", p]
-                     + (["--cache-dir", cache_dir] if side == "raf" else [])
+                     + (["--cache-dir", cache_dir] if side == "raf" else ["--peer", args.peer])
                      for side in ("raf", "torch") for p in ("fp32", "bf16")}
             res = harness.alternate(sides, args.rounds, cpu_set)
             ms = {k: [r["ms"] for r in v] for k, v in res.items()}
