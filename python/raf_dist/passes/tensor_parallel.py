@@ -26,7 +26,7 @@ import logging
 import numpy as np
 from tvm import relax
 
-from .tp_layout import Request, Resegment, Unsplittable, propagate, static_shape
+from .tp_layout import Request, Resegment, Unsplittable, propagate, shape_cache, static_shape
 from .tp_padding import Padding, pad_forward, padded_size, vocabulary_problem
 from .tp_plan import Placement, TensorParallelPlan
 
@@ -36,6 +36,13 @@ _LOG = logging.getLogger("raf_dist")
 
 def plan_tensor_parallel(func, tp, param_names, trained, plan=None, split_output=False,
                          keep_whole=()):
+    """``_find_plan`` with the function's shapes read once (tp_layout.shape_cache)."""
+    with shape_cache():
+        return _find_plan(func, tp, param_names, trained, plan, split_output, keep_whole)
+
+
+def _find_plan(func, tp, param_names, trained, plan=None, split_output=False,
+               keep_whole=()):
     """Find the placements (see the module docstring). ``param_names``: names of ``func``'s
     parameter arguments (the last ``len(param_names)`` arguments before any buffers, in
     order: ``vars_by_name`` below); ``trained``: names of those that get gradients;

@@ -17,6 +17,7 @@ column layer's bias, a row layer's weight) and ``Resegment`` when the split dime
 to hold equal segments (qkv). The search (tensor_parallel.py) answers the last two and tries
 again; there is no fix-point magic in here.
 """
+import contextlib
 import dataclasses
 
 import tvm
@@ -63,8 +64,34 @@ class Resegment(Exception):
     segments: int
 
 
+#: {expr: static shape} while a plan is searched (``shape_cache``): the search propagates
+#: the same function once per candidate (772 times for a 96-layer GPT-3), and reading a
+#: shape through TVM's FFI took 130 of its 245 s
+_SHAPES: list = []
+
+
+@contextlib.contextmanager
+def shape_cache():
+    """Within the block, ``static_shape`` remembers each expression's shape (types are
+    immutable); the memo is dropped on exit."""
+    _SHAPES.append({})
+    try:
+        yield
+    finally:
+        _SHAPES.pop()
+
+
 def static_shape(expr):
-    return _type_shape(expr.ty)
+    if not _SHAPES:
+        return _type_shape(expr.ty)
+    memo = _SHAPES[-1]
+    shape = memo.get(expr, _MISSING)
+    if shape is _MISSING:
+        shape = memo[expr] = _type_shape(expr.ty)
+    return shape
+
+
+_MISSING = object()
 
 
 def field_shapes(var):
