@@ -112,10 +112,8 @@ class _Matcher:
         if expr in self.weights:
             self.depends[expr] = True
         elif isinstance(expr, relax.Var) and expr in self.uses.value:
-            operands: List[relax.Expr] = []
-            relax.analysis.post_order_visit(self.uses.value[expr], lambda e: operands.append(
-                e) if isinstance(e, relax.Var) else None)
-            self.depends[expr] = any(self.trained(o) for o in operands if o is not expr)
+            self.depends[expr] = any(
+                self.trained(o) for o in relax.analysis.free_vars(self.uses.value[expr]))
         return self.depends[expr]
 
     def scalar(self, expr: relax.Expr) -> Optional[float]:
@@ -186,10 +184,7 @@ def _static_value(var: relax.Expr, uses: _Uses) -> Optional[np.ndarray]:
         seen[v] = False  # a parameter, or a cycle guard while its operands are looked at
         if value is None:
             return False
-        operands: List[relax.Expr] = []
-        relax.analysis.post_order_visit(
-            value, lambda e: operands.append(e) if isinstance(e, relax.Var) else None)
-        seen[v] = all(static(o) for o in operands)
+        seen[v] = all(static(o) for o in relax.analysis.free_vars(value))
         if seen[v]:
             order.append(v)
         return seen[v]

@@ -86,7 +86,7 @@ def check_shapes(q: relax.Expr, k: relax.Expr, v: relax.Expr, mask: relax.Expr) 
                          f"length or head dim: {shapes}")
     if h % hk:
         raise ValueError(f"attention: {hk} key/value heads do not divide {h} query heads")
-    if mask.ty.ndim not in (0, 4) and not 1 <= mask.ty.ndim <= 4:
+    if mask.ty.ndim > 4:  # 0-d: none; else broadcast to (B, H, Tq, Tk)
         raise ValueError(f"attention: a mask of {mask.ty.ndim} dims")
 
 

@@ -62,28 +62,22 @@ class StepIR:
 
 
 @dataclasses.dataclass(frozen=True)
-class CompiledStep:
-    """The captured step compiled: its gradient buckets, the StateLayout of what this rank
-    holds, the passes every batch size compiles with and the compiled artifact."""
+class PlannedStep:
+    """A rank's captured step with everything but the compiled artifact: its IR, the
+    gradient buckets, the StateLayout of what the rank holds and the passes every batch size
+    compiles with (``plan_step`` returns it; ``CompiledStep`` adds the artifact)."""
 
     step: StepIR
     grad_buckets: List[Any]
     layout: Any  # raf_dist.layout.StateLayout
     passes: List[Any]
-    compiled: Any  # compiler.CompiledStep
 
 
 @dataclasses.dataclass(frozen=True)
-class PlannedStep:
-    """A rank's step as ``plan_step`` builds it: the captured step's IR, the gradient buckets
-    and the StateLayout of what the rank holds, the passes it compiles with, and the builder
-    (for the microbatches' steps: ``SPMDBuilder.accumulation_step``)."""
+class CompiledStep(PlannedStep):
+    """The planned step compiled at the captured size."""
 
-    step: StepIR
-    grad_buckets: List[Any]
-    layout: Any  # raf_dist.layout.StateLayout
-    passes: List[Any]
-    builder: "SPMDBuilder"
+    compiled: Any  # compiler.CompiledStep
 
 
 class SPMDBuilder:
@@ -344,7 +338,7 @@ class SPMDBuilder:
             row_states=signature.row_states,
             local=[i for i, n in enumerate(signature.param_names) if n in tables],
             sparse=[signature.param_names.index(n) for n in signature.sparse_names])
-        return PlannedStep(step, buckets, held_layout, self.passes(), self)
+        return PlannedStep(step, buckets, held_layout, self.passes())
 
     def compile_captured(self, step: StepIR) -> CompiledStep:
         """The planned step compiled at the captured size (MPI under data parallelism: the
