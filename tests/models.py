@@ -66,6 +66,41 @@ class TransformerBlock(nn.Module):
         return self.head(x)
 
 
+class SDPALM(nn.Module):
+    """A Llama-like causal LM written with F.scaled_dot_product_attention(is_causal=True):
+    RMSNorm, SwiGLU, two blocks (the long-sequence benchmark's model in miniature,
+    bench/long_sequence.py)."""
+
+    def __init__(self, vocab=32, d=32, heads=4, layers=2):
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList()
+        for _ in range(layers):
+            block = nn.Module()
+            block.norm1, block.norm2 = nn.RMSNorm(d), nn.RMSNorm(d)
+            block.qkv = nn.Linear(d, 3 * d, bias=False)
+            block.out = nn.Linear(d, d, bias=False)
+            block.gate = nn.Linear(d, 2 * d, bias=False)
+            block.up = nn.Linear(d, 2 * d, bias=False)
+            block.down = nn.Linear(2 * d, d, bias=False)
+            self.blocks.append(block)
+        self.norm = nn.RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        batch, seq = idx.shape
+        x = self.tok(idx)
+        for b in self.blocks:
+            q, k, v = b.qkv(b.norm1(x)).split(x.shape[-1], dim=-1)
+            q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + b.out(y.transpose(1, 2).reshape(batch, seq, -1))
+            h = b.norm2(x)
+            x = x + b.down(F.silu(b.gate(h)) * b.up(h))
+        return self.head(self.norm(x))
+
+
 class FlatLM(TransformerBlock):
     """nanoGPT's interface: logits flattened to ``(batch * seq, vocab)`` against targets of
     shape ``(batch * seq,)`` (the target's rows are not the input's rows)."""
@@ -234,6 +269,9 @@ def make(name, batch, seed=0):
     if name == "flat_lm":  # targets (batch * 8,): 8 target rows per input row
         return (FlatLM(heads=4), torch.randint(0, 24, (batch, 8), generator=gen),
                 torch.randint(0, 24, (batch * 8,), generator=gen))
+    if name == "sdpa_lm":  # 16 tokens: 2 x 4 context-parallel chunks
+        return (SDPALM(), torch.randint(0, 32, (batch, 16), generator=gen),
+                torch.randint(0, 32, (batch, 16), generator=gen))
     if name == "tied":
         return (TiedLM(), torch.randint(0, 16, (batch, 5), generator=gen),
                 torch.randint(0, 16, (batch, 5), generator=gen))
@@ -396,10 +434,11 @@ def single_process_reference(name, opt_name, global_batch, steps, keep=(), **tra
         config = dist.get_config()
         saved = {k: getattr(config, k) for k in ("enable_data_parallel", "zero_opt_level",
                                                  "tensor_parallel_size", "num_microbatches",
-                                                 "pipeline_parallel_size")}
+                                                 "pipeline_parallel_size",
+                                                 "context_parallel_size")}
         config.update({"enable_data_parallel": False, "zero_opt_level": 0,
                        "tensor_parallel_size": 1, "num_microbatches": 1,
-                       "pipeline_parallel_size": 1})
+                       "pipeline_parallel_size": 1, "context_parallel_size": 1})
         module, x, y = make(name, global_batch, seed=0)
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                    optimizer=raf_optimizer(opt_name), local=True,

@@ -66,6 +66,21 @@ class ProcessMesh:
     cp_comm = property(lambda self: self._comms.get("cp"))
     pp_comm = property(lambda self: self._comms.get("pp"))
 
+    @property
+    def grad_group(self) -> int:
+        """The native id of the group gradients average over and ZeRO shards across: the dp
+        group, or with context parallelism dp x cp (the cp group when dp is 1)."""
+        if self.layout.cp == 1:
+            return self.dp_group
+        return self._groups.get("grad", self.cp_group)
+
+    @property
+    def grad_comm(self) -> Any:
+        """The mpi4py communicator of ``grad_group``."""
+        if self.layout.cp == 1:
+            return self.dp_comm
+        return self._comms.get("grad", self.cp_comm)
+
     def axis_ranks(self, axis: str) -> List[int]:
         """World ranks of this rank's group along ``axis``, in group-rank order."""
         return self.layout.group_ranks(axis)
@@ -151,6 +166,9 @@ def _build(comm: Any, layout: ParallelLayout) -> ProcessMesh:
             continue
         groups[axis], comms[axis] = _split(comm.mpi_comm, comm.group, layout.group_color(axis),
                                            layout.size(axis), rank, check)
+    if layout.cp > 1 and layout.dp > 1:  # gradients average over dp x cp
+        groups["grad"], comms["grad"] = _split(comm.mpi_comm, comm.group, layout.grad_color(),
+                                               layout.dp * layout.cp, rank, check)
     ids = tuple(groups.values())
     if world > 1:
         everyone = comm.mpi_comm.allgather(ids)
@@ -160,7 +178,8 @@ def _build(comm: Any, layout: ParallelLayout) -> ProcessMesh:
                 f"({dict(enumerate(everyone))}); every rank must create its process groups "
                 "(get_communicator(), get_mesh()) in the same order")
     for axis, sub in comms.items():
-        expected = (layout.size(axis), layout.coordinate(axis))
+        expected = ((layout.dp * layout.cp, layout.grad_rank) if axis == "grad" else
+                    (layout.size(axis), layout.coordinate(axis)))
         if (sub.Get_size(), sub.Get_rank()) != expected:  # pragma: no cover
             raise RuntimeError(f"rank {rank}: its {axis} group has it as rank {sub.Get_rank()} "
                                f"of {sub.Get_size()}, expected {expected[1]} of {expected[0]}")

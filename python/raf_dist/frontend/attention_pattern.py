@@ -34,7 +34,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
 
-from ..ir.attention import attention, has_mask
+from ..ir.attention import attention, has_mask, is_attention
 
 _LOG = logging.getLogger("raf_dist")
 _VIEWS = ("relax.reshape", "relax.broadcast_to")
@@ -117,6 +117,9 @@ class _Matcher:
         return self.depends[expr]
 
     def scalar(self, expr: relax.Expr) -> Optional[float]:
+        if isinstance(expr, relax.Var) and isinstance(self.uses.value.get(expr),
+                                                      tvm.ir.expr.Constant):
+            expr = self.uses.value[expr]  # a constant bound to a variable (masked_fill's fill)
         if isinstance(expr, tvm.ir.expr.Constant) and expr.value.numpy().size == 1:
             return float(expr.value.numpy().reshape(()))
         return None
@@ -133,6 +136,16 @@ class _Matcher:
         add = self.bound(scores, "relax.add")
         if add is not None:
             scores, mask = add.args
+        else:  # masked_fill: where(cond, fill, S) or where(cond, S, fill)
+            where = self.bound(scores, "relax.where")
+            if where is not None:
+                cond, a, b = where.args
+                fill_a, fill_b = self.scalar(a), self.scalar(b)
+                if (fill_a is None) == (fill_b is None):
+                    return None
+                scores = b if fill_a is not None else a
+                mask = _FillMask(cond, fill_a if fill_a is not None else fill_b,
+                                 fill_a is not None, str(scores.ty.dtype))
         for op, inverse in (("relax.multiply", False), ("relax.divide", True)):
             scaled = self.bound(scores, op)
             c = self.scalar(scaled.args[1]) if scaled is not None else None
@@ -155,14 +168,33 @@ class _Matcher:
         if (_shape(probs) != _shape(q)[:3] + (_shape(k)[2],)
                 or _shape(v)[:3] != _shape(k)[:3]):
             return None
+        if isinstance(mask, _FillMask):
+            return attention(q, k, v, None, causal=False, scale=scale), mask
         if mask is not None and not (isinstance(mask.ty, relax.TensorType)
                                      and str(mask.ty.dtype).startswith(("float", "bfloat"))
                                      and not self.trained(mask)):
             return None  # a learned bias (relative positions, ALiBi) needs its gradient
         try:
-            return attention(q, k, v, mask, causal=False, scale=scale)
+            return attention(q, k, v, mask, causal=False, scale=scale), None
         except ValueError:  # operands the op does not take: left as they are
             return None
+
+
+class _FillMask:
+    """A mask written as masked_fill: ``fill`` where ``cond`` is true (``fill_when_true``),
+    else where it is false; 0 elsewhere."""
+
+    def __init__(self, cond: relax.Expr, fill: float, fill_when_true: bool, dtype: str) -> None:
+        self.cond, self.fill, self.when, self.dtype = cond, fill, fill_when_true, dtype
+
+    def value(self, cond: np.ndarray) -> np.ndarray:
+        hit = cond if self.when else ~cond
+        return np.where(hit, np.float32(self.fill), np.float32(0.0))
+
+    def expr(self, cond: relax.Expr) -> relax.Expr:
+        fill, zero = relax.const(self.fill, self.dtype), relax.const(0.0, self.dtype)
+        return relax.op.where(cond, fill, zero) if self.when else relax.op.where(cond, zero,
+                                                                                 fill)
 
 
 #: an additive mask value at or below this is "masked": exp underflows to 0 in every dtype
@@ -219,24 +251,44 @@ class _Fuse(PyExprMutator):
     def __init__(self, uses: _Uses, weights: FrozenSet[relax.Var]) -> None:
         super().__init__()
         self.matcher, self.fused, self.uses = _Matcher(uses, weights), 0, uses
+        self.folded = 0  # captured attention ops whose mask is the causal one
         self.causal: Dict[Tuple[relax.Expr, Tuple[int, ...]], bool] = {}  # the causal mask
 
-    def causal_mask(self, mask: relax.Expr, scores: Tuple[int, ...]) -> bool:
+    def causal_mask(self, mask: relax.Expr, scores: Tuple[int, ...],
+                    fill: Optional[_FillMask] = None) -> bool:
         key = (mask, scores)
         if key not in self.causal:
             value = _static_value(mask, self.uses)
+            if value is not None and fill is not None:
+                value = fill.value(value.astype(bool))
             self.causal[key] = value is not None and _is_causal(value, scores)
         return self.causal[key]
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
+        if is_attention(value) and has_mask(value):  # captured (SDPA) with a causal mask
+            q, k, v, mask = value.args
+            if self.causal_mask(mask, _shape(q)[:3] + (_shape(k)[2],)):
+                new = attention(*(self.visit_expr(a) for a in (q, k, v)), None, causal=True,
+                                scale=float(value.attrs["scale"]) or None)
+                self.set_var_remap(binding.var, self.builder_.emit(new))
+                self.folded += 1
+                return
         if _name(value) == "relax.matmul":
-            op = self.matcher.match(value)
-            if op is not None:  # on the operands as this mutator emitted them
+            found = self.matcher.match(value)
+            if found is not None:  # on the operands as this mutator emitted them
+                op, fill = found
                 q, k, v, mask = op.args
                 scores = _shape(q)[:3] + (_shape(k)[2],)
-                if has_mask(op) and self.causal_mask(mask, scores):
-                    op = attention(q, k, v, None, causal=True, scale=float(op.attrs["scale"]))
+                scale = float(op.attrs["scale"])
+                if fill is not None:
+                    if self.causal_mask(fill.cond, scores, fill):
+                        op = attention(q, k, v, None, causal=True, scale=scale)
+                    else:
+                        mask = self.builder_.emit(fill.expr(self.visit_expr(fill.cond)))
+                        op = attention(q, k, v, mask, causal=False, scale=scale)
+                elif has_mask(op) and self.causal_mask(mask, scores):
+                    op = attention(q, k, v, None, causal=True, scale=scale)
                 out = self.builder_.emit(relax.Call(
                     op.op, [self.visit_expr(a) for a in op.args], op.attrs))
                 o = self.builder_.emit(relax.TupleGetItem(out, 0))
@@ -254,7 +306,8 @@ def fuse_eager_attention(func: relax.Function) -> relax.Function:
     inputs = int(func.attrs["num_input"]) if func.attrs and "num_input" in func.attrs else 0
     fuse = _Fuse(uses, frozenset(func.params[inputs:]))
     fused = fuse.visit_expr(func)
-    out = relax.analysis.remove_all_unused(fused) if fuse.fused else func
+    out = (relax.analysis.remove_all_unused(fused) if fuse.fused or fuse.folded
+           else func)
     left = sum(1 for v in uses.value.values()
                if _name(v) == "relax.nn.softmax" and len(_shape(v)) == 4)
     if left > fuse.fused:

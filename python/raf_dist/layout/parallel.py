@@ -226,14 +226,35 @@ class ParallelLayout:
     # ---- what the degrees mean (the executors and passes ask these) -------------------------
     @property
     def data_parallel(self) -> bool:
-        """Gradients reduced (and ZeRO's state sharded) over the dp axis: data parallelism on
-        and dp > 1, or ZeRO at any size."""
-        return self.enable_data_parallel and (self.dp > 1 or self.zero_level > 0)
+        """Gradients reduced (and ZeRO's state sharded) over the gradient group: data
+        parallelism on and dp > 1, or ZeRO at any size; or context parallelism (each cp
+        rank's gradients are those of its tokens, averaged over the cp ranks whether or not
+        data parallelism is on)."""
+        return (self.enable_data_parallel and (self.dp > 1 or self.zero_level > 0)) or \
+            self.cp > 1
 
     @property
     def grad_world(self) -> int:
-        """The ranks that average gradients and shard state (dp under data parallelism)."""
-        return self.dp if self.data_parallel else 1
+        """The ranks that average gradients and shard state: the gradient group, dp (under
+        data parallelism) x cp."""
+        if not self.data_parallel:
+            return 1
+        return (self.dp if self.enable_data_parallel else 1) * self.cp
+
+    @property
+    def grad_rank(self) -> int:
+        """This rank's place in the gradient group (dp x cp, cp inner)."""
+        return (self.dp_rank if self.enable_data_parallel else 0) * self.cp + self.cp_rank
+
+    def grad_group_ranks(self) -> List[int]:
+        """World ranks of this rank's gradient group (same pp and tp coordinates), in
+        ``grad_rank`` order."""
+        return [self.rank_at(self.pp_rank, d, c, self.tp_rank)
+                for d in range(self.dp) for c in range(self.cp)]
+
+    def grad_color(self) -> int:
+        """An int naming this rank's gradient group (its pp and tp coordinates)."""
+        return self.pp_rank * self.tp + self.tp_rank
 
     @property
     def spmd(self) -> bool:

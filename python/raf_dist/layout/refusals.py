@@ -89,11 +89,18 @@ REFUSALS: Tuple[Refusal, ...] = (
             f"pipeline_parallel_size={_pp(c)} is not built yet (the sharded tables' gradients "
             "and state sit outside the pipeline stages); use pipeline_parallel_size=1 with "
             "sharded tables, or embedding_parallel='none'"),
-    Refusal("context_parallel_not_built", "built", NotImplementedError,
-            lambda c: c.get("context_parallel_size") > 1,
-            lambda c: f"context_parallel_size={c.get('context_parallel_size')} is not built yet "
-            "(attention across sequence chunks on several ranks comes with the long-sequence "
-            "work); use context_parallel_size=1"),
+    Refusal("context_parallel_with_pipelining_not_built", "built", NotImplementedError,
+            lambda c: c.get("context_parallel_size") > 1 and _pp(c) > 1,
+            lambda c: f"context_parallel_size={c.get('context_parallel_size')} with "
+            f"pipeline_parallel_size={_pp(c)} is not built yet (the stages' executor does not "
+            "split the sequence); use context parallelism with data and tensor parallelism, "
+            "or pipeline_parallel_size=1"),
+    Refusal("context_parallel_with_embedding_parallel", "layout", ValueError,
+            lambda c: c.get("context_parallel_size") > 1 and c.get("embedding_parallel") != "none",
+            lambda c: f"embedding_parallel={c.get('embedding_parallel')!r} shards recommender "
+            f"tables over the dp ranks, and context_parallel_size="
+            f"{c.get('context_parallel_size')} splits a sequence over ranks; the two are not "
+            "combined: use embedding_parallel='none' with context parallelism"),
     Refusal("expert_parallel_not_built", "built", NotImplementedError,
             lambda c: c.get("expert_parallel_size") > 1,
             lambda c: f"expert_parallel_size={c.get('expert_parallel_size')} is not built yet "

@@ -89,8 +89,9 @@ class ExecutorFrame(LoopScalars):
         the arguments and the ranks agreed)."""
         self.run_plan, self.config, self.comm, self.mesh = plan, plan.config, comm, mesh
         self.parallel = plan.layout
-        self.dp_group, self.dp_comm = mesh.dp_group, mesh.dp_comm
-        self.dp_rank = mesh.dp_rank if self.parallel.grad_world > 1 else 0
+        # the gradient group: dp, or dp x cp with context parallelism (ParallelLayout)
+        self.dp_group, self.dp_comm = mesh.grad_group, mesh.grad_comm
+        self.dp_rank = self.parallel.grad_rank if self.parallel.grad_world > 1 else 0
         self.model, self.full_model = model, model
         self.loss, self.optimizer, self.device = loss, optimizer, device
         self.nonfinite, self.seed, self._cache_dir = nonfinite, int(seed), cache_dir
@@ -198,10 +199,13 @@ class ExecutorFrame(LoopScalars):
     def _traffic(self) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         """(bus bytes by collective kind, by mesh axis) so far, as comm_counters gives them."""
         total = collectives.comm_counters()
-        if self.parallel.tp == 1:
+        if self.parallel.tp == 1 and self.parallel.cp == 1:
             return total, {}
         axes = {}
-        for axis, group in (("tp", self.mesh.tp_group), ("dp", self.mesh.dp_group)):
+        for axis, group in (("tp", self.mesh.tp_group), ("dp", self.mesh.dp_group),
+                            ("cp", self.mesh.cp_group)):
+            if group == -1 or (axis == "tp" and self.parallel.tp == 1):
+                continue
             counters = collectives.comm_counters(group=group)
             axes[axis] = {"calls": sum(c["calls"] for c in counters.values()),
                           "bus_bytes": sum(c["bus_bytes"] for c in counters.values())}

@@ -36,6 +36,7 @@ from ..passes.batch_norm import decompose_forward, has_training_batch_norm
 from ..passes.clipping import Clip
 from ..training import batch_size as batching
 from ..training import build_train_step
+from ..training import context_parallel as cp_lib
 from ..training import embedding_parallel as ep_lib
 from ..training.tensor_parallel import trained_names
 from . import state as held
@@ -102,6 +103,7 @@ class SPMDBuilder:
                               or layout.microbatches > 1)
         self.tp_plan: Any = None
         self.ep_plan: Any = None
+        self.cp_split: Optional[cp_lib.SequenceSplit] = None
         self.check_ids: Any = None
         self.clip: Optional[Clip] = None
         # no communicator: planning (plan_step), rank 0's pieces as shapes, nothing sent
@@ -109,9 +111,17 @@ class SPMDBuilder:
 
     # ---- the model this rank computes with (MPI: broadcasts of initial values) --------------
     def split(self, tensor_parallel_plan: Any, embedding_plan: Any) -> Any:
-        """This rank's model: its tp piece, its rows of the sharded tables; and the clip."""
+        """This rank's model: its tp piece, its rows of the sharded tables, its tokens of
+        the sequence; and the clip."""
+        layout = self.parallel
+        if layout.cp > 1:  # what cp cannot split is refused before the tp split's broadcast
+            cp_lib.check_model(self.model, layout.cp, layout.context_parallel_method)
         self.model = self.split_for_tp(self.model, tensor_parallel_plan)
         self.model = self.split_for_embeddings(self.model, embedding_plan)
+        if layout.cp > 1:
+            self.model, plan = cp_lib.split_model(self.model, layout.cp,
+                                                  layout.context_parallel_method)
+            self.cp_split = cp_lib.SequenceSplit(plan, layout.cp_rank)
         self.clip = self.make_clip()
         return self.model
 
@@ -313,12 +323,13 @@ class SPMDBuilder:
         return step_passes(layout.zero_level if reduce else 0,
                            layout.grad_world if reduce else 1,
                            self.plan.bucket_bytes, overlap=self.plan.overlap_comm,
-                           group=mesh.dp_group, guard=self.guard_under_zero(),
+                           group=mesh.grad_group, guard=self.guard_under_zero(),
                            tp_group=mesh.tp_group if layout.tp > 1 else None,
                            sync_batch_norm_group=(mesh.dp_group
                                                   if self.plan.sync_batch_norm_world > 1
                                                   else None), clip=clip,
-                           embedding_group=self.embedding_group())
+                           embedding_group=self.embedding_group(),
+                           cp_group=mesh.cp_group if layout.cp > 1 else None)
 
     # ---- compiling ----------------------------------------------------------------------------
     def planned(self, step: StepIR) -> PlannedStep:
@@ -402,7 +413,7 @@ def planning_builder(model: Any, loss: str, optimizer: Any, plan: RunPlan, *,
     want of the other ranks: with sharded tables and ``activation_memory_budget_mb`` the
     Trainer agrees on the largest peak over the dp group, the plan takes this rank's."""
     mesh = ProcessMesh(plan.layout, groups if groups is not None
-                       else {axis: 0 for axis in ("tp", "dp", "pp", "cp")})
+                       else {axis: 0 for axis in ("tp", "dp", "pp", "cp", "grad")})
     builder = SPMDBuilder(model, loss, optimizer, plan, mesh, None, tvm.cpu(),
                           target if target is not None else tvm.target.Target("llvm"),
                           compute_dtype=compute_dtype, loss_scale=loss_scale,

@@ -19,6 +19,7 @@ import tvm
 from .. import checkpoint as ckpt
 from .. import process_memory
 from ..compiler.step_passes import forward_passes
+from ..distributed import collectives
 from ..distributed.communicator import raised_on_every_rank
 from ..training import batch_size as batching
 from ..training.loss import num_classes
@@ -95,7 +96,9 @@ class SPMDExecutor(ExecutorFrame):
             metrics_lib.tokens_per_row(self.signature.input_specs), log_every)
         self._forwards = predict_lib.Forwards(  # predict's compiled forwards by rows
             self._model_at, forward_passes(self.mesh.tp_group if self.parallel.tp > 1 else None,
-                                           builder.embedding_group()),
+                                           builder.embedding_group(),
+                                           self.mesh.cp_group if self.parallel.cp > 1
+                                           else None),
             self._target, self._device, cache_dir, self.compute_dtype)
 
     # ---- construction, in steps --------------------------------------------------------------
@@ -155,6 +158,16 @@ class SPMDExecutor(ExecutorFrame):
             embedding_plan=self.ep_plan.describe() if self.ep_plan is not None else None))
 
     # ---- the loop -------------------------------------------------------------------------
+    def _run_step(self, x: Any, y: Any) -> float:
+        """With context parallelism, this rank's tokens of the whole sequences it is given
+        (training/context_parallel.py) before the frame's checks."""
+        split = self.builder.cp_split
+        if split is not None:
+            inputs = list(x) if isinstance(x, (tuple, list)) else [x]
+            rows = int(np.shape(inputs[0])[0]) if np.ndim(inputs[0]) else 0
+            x, y = split.inputs(inputs), split.target(y, rows)
+        return super()._run_step(x, y)
+
     def _prepare(self, inputs: Sequence[Any], rows: int) -> Any:
         """(pieces, their compiled steps, this rank's ids verdict): local work first."""
         # every id a row of its table: this rank's verdict, raised on every rank together
@@ -252,6 +265,20 @@ class SPMDExecutor(ExecutorFrame):
         return masks
 
     def predict(self, x: Any) -> np.ndarray:
+        """Forward pass with the current parameters (``_predict``); with context parallelism
+        on whole sequences, each rank computing its tokens and the outputs gathered over the
+        cp group (every rank of it must call it, with the same rows)."""
+        split = self.builder.cp_split
+        if split is None:
+            return self._predict(x)
+        inputs = list(x) if isinstance(x, (tuple, list)) else [x]
+        local = np.ascontiguousarray(self._predict(split.inputs(inputs)))
+        with self.comm.collective_work("predict", True):
+            flat = collectives.allgather(local.reshape(-1), group=self.mesh.cp_group)
+        pieces = np.split(flat, self.parallel.cp)
+        return split.gather(local, pieces)
+
+    def _predict(self, x: Any) -> np.ndarray:
         """Forward pass with the current parameters on any number of rows (runtime/predict.py:
         pieces of the captured batch size, one compiled forward per piece size); ``x`` one
         array or one per input; returns the outputs as one numpy array. Under ZeRO-3 the

@@ -1,0 +1,71 @@
+"""Context parallelism (composed with data and tensor parallelism, ZeRO) vs one process on the
+global batch.
+
+Usage: cp_train.py MODEL OPTIMIZER CP METHOD TP ZERO STEPS
+World = dp x CP x TP. Every rank passes the whole sequences of its data-parallel index's
+slice of the global batch (the ranks of a cp group the same arrays); after STEPS steps the
+losses, full parameters (state_dict) and optimizer state must equal a single-process run on
+the global batch (norm-relative <= 5e-5: float reduction order, amplified by Adam, as
+tests/hf.py calibrates), ``predict`` on 3 rows equals PyTorch's forward with the trained
+parameters, and the traffic is the method's: the ring's send / recv bytes, or all-to-all.
+Prints 'rank R: CP OK'."""
+import sys
+
+import torch
+
+import raf_dist
+from raf_dist import distributed as dist
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+from models import assert_like_one_process, make, raf_optimizer, rel_err  # noqa: E402
+
+GLOBAL_BATCH = 4
+TOL = 5e-5  # as tp_train.py
+
+
+def main():
+    name, opt_name = sys.argv[1], sys.argv[2]
+    cp, method, tp, zero, steps = (int(sys.argv[3]), sys.argv[4], int(sys.argv[5]),
+                                   int(sys.argv[6]), int(sys.argv[7]))
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    comm = dist.get_communicator()
+    dp = comm.size // (cp * tp)
+    dist.get_config().update({
+        "context_parallel_size": cp, "context_parallel_method": method,
+        "tensor_parallel_size": tp, "enable_data_parallel": dp > 1 or zero > 0,
+        "zero_opt_level": zero})
+    mesh = dist.get_mesh()
+    assert (mesh.cp_size, mesh.cp_rank) == (cp, (comm.rank // tp) % cp), mesh
+    module, x, y = make(name, GLOBAL_BATCH, seed=0)
+    if comm.rank > 0:  # the Trainer must start every rank from rank 0's parameters
+        for p in module.parameters():
+            p.data.normal_()
+    local = GLOBAL_BATCH // dp
+    rows = slice(mesh.dp_rank * local, (mesh.dp_rank + 1) * local)
+    # a flattened target (flat_lm: (B * T,)) carries T rows per input row
+    xs, ys = x[rows].numpy(), y.reshape(GLOBAL_BATCH, -1)[rows].reshape((-1,) + y.shape[1:]).numpy()
+    trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x[rows],)),
+                               optimizer=raf_optimizer(opt_name))
+    dist.reset_comm_counters()
+    losses = [trainer.step(xs, ys) for _ in range(steps)]
+    sent = dist.comm_counters(group=mesh.cp_group)
+    params, _ = assert_like_one_process(trainer, losses, name, opt_name, GLOBAL_BATCH, 0, TOL)
+
+    module.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()}, strict=False)
+    with torch.no_grad():
+        expected = module(x[:3]).numpy()
+    predicted = trainer.predict(x[:3].numpy())
+    assert predicted.shape == expected.shape, (predicted.shape, expected.shape)
+    assert rel_err(predicted, expected) <= 1e-5, rel_err(predicted, expected)
+    attentions = trainer.executor.builder.cp_split.plan.attentions
+    calls = {k: v["calls"] for k, v in sent.items()}
+    if method == "ring":  # each attention: c - 1 key/value blocks on, c - 1 blocks and c dK/dV
+        assert calls["send"] == calls["recv"] == steps * attentions * (3 * cp - 2), calls
+        assert calls["alltoall"] == 0, calls
+    else:  # q, k, v, and the output and L back; then dO, q, k, v, O, L and dq, dk, dv back
+        assert calls["alltoall"] == steps * attentions * (5 + 9), calls
+        assert calls["send"] == 0, calls
+    print(f"rank {comm.rank}: CP OK {calls}")
+
+
+if __name__ == "__main__":
+    main()
