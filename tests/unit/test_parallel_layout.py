@@ -70,11 +70,26 @@ def test_expert_groups_are_consecutive_dp_ranks():
     (dict(world=4, enable_data_parallel=True, zero_level=2, tp=2), (True, 2, True, 2, True, False)),
     (dict(world=2, tp=2), (False, 1, True, 0, False, False)),
     (dict(world=2, pp=2, zero_level=1), (False, 1, True, 0, False, False)),
+    # context parallelism reduces gradients over cp without data parallelism, over dp x cp
+    # with it (ZeRO shards there too)
+    (dict(world=2, cp=2), (True, 2, True, 0, False, False)),
+    (dict(world=8, cp=2, tp=2, enable_data_parallel=True, zero_level=1),
+     (True, 4, True, 1, True, False)),
 ])
 def test_the_derived_predicates(kwargs, expected):
     layout = ParallelLayout.build(**kwargs)
     assert (layout.data_parallel, layout.grad_world, layout.spmd, layout.zero,
             layout.sharded_update, layout.params_sharded) == expected
+
+
+def test_the_gradient_group_is_dp_x_cp_with_cp_inner():
+    """rank = ((pp * dp + d) * cp + c) * tp + t: rank 6 of pp 1 x dp 2 x cp 2 x tp 2 is
+    (d 1, c 1, t 0); its gradient group is every (d, c) at t 0, in grad_rank order."""
+    layout = ParallelLayout.build(8, 6, tp=2, cp=2, enable_data_parallel=True)
+    assert (layout.dp_rank, layout.cp_rank, layout.tp_rank, layout.grad_rank) == (1, 1, 0, 3)
+    assert layout.grad_group_ranks() == [0, 2, 4, 6]
+    other = ParallelLayout.build(8, 5, tp=2, cp=2, enable_data_parallel=True)
+    assert other.grad_color() != layout.grad_color() and other.grad_group_ranks() == [1, 3, 5, 7]
 
 
 def test_the_layout_is_frozen_and_stages_per_rank_applies_to_interleaved_only():
@@ -108,8 +123,12 @@ ROWS = {
     "embeddings_with_pipelining_not_built": (
         {"pipeline_parallel_size": 2, "enable_data_parallel": True, "embedding_parallel": "table"},
         2, None, None, "pipeline_parallel_size=1"),
-    "context_parallel_not_built": ({"context_parallel_size": 2}, 2, None, None,
-                                   "context_parallel_size=1"),
+    "context_parallel_with_pipelining_not_built": (
+        {"context_parallel_size": 2, "pipeline_parallel_size": 2}, 4, None, None,
+        "pipeline_parallel_size=1"),
+    "context_parallel_with_embedding_parallel": (
+        {"context_parallel_size": 2, "enable_data_parallel": True, "embedding_parallel": "row"},
+        4, None, None, "embedding_parallel='none'"),
     "expert_parallel_not_built": ({"expert_parallel_size": 2, "enable_data_parallel": True}, 2,
                                   None, None, "expert_parallel_size=1"),
     "sequence_parallel_not_built": ({"sequence_parallel": True, "tensor_parallel_size": 2}, 2,
@@ -201,8 +220,9 @@ def test_the_config_and_the_proxies_use_the_same_table():
     config.zero_opt_level = 1
     with pytest.raises(ValueError, match="requires enable_data_parallel=True"):
         config.check()
-    config.reset().update({"context_parallel_size": 2})  # valid fields, not built
-    with pytest.raises(NotImplementedError, match="context_parallel_size=2 is not built"):
+    config.reset().update({"context_parallel_size": 2, "pipeline_parallel_size": 2})
+    with pytest.raises(NotImplementedError, match="context_parallel_size=2 with "
+                       "pipeline_parallel_size=2 is not built"):
         config.check_supported()
     with pytest.raises(ValueError, match="zero_opt_level=2 with pipeline_parallel_size=2"):
         MeshSpec(dp=2, pp=2, zero=2)

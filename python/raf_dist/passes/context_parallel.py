@@ -45,7 +45,7 @@ from ..ir.context_parallel import (CP_ATTENTION, CP_ATTENTION_BACKWARD_KERNEL,
                                    CP_ATTENTION_FORWARD_KERNEL, CP_ATTENTION_GRAD,
                                    CP_POSITIONS, CP_POSITIONS_FUNC, cp_attention, is_op,
                                    positions)
-from ..ir.ops import ATTENTION, TP_COPY, TP_MAX, TP_REDUCE
+from ..ir.ops import ATTENTION, TP_COPY, TP_MAX, TP_RANK, TP_REDUCE
 from .bucketing import Segments, assemble, collective
 from .gradient_markers import substitute
 from .lower_allreduce import lower_functions
@@ -106,6 +106,8 @@ class _SequenceRules(_Rules):
         name = _op_name(call)
         if name in (TP_COPY, TP_REDUCE, TP_MAX):  # tensor parallelism's, token-wise
             return self.layouts[call.args[0]]
+        if name == TP_RANK:  # a 0-d answer whatever its operand
+            return None
         if name == "take":
             return self.lookup(var, call)
         if name == ATTENTION:
@@ -153,6 +155,14 @@ def sequence_inputs(func: relax.Function, num_inputs: int) -> Tuple[int, Tuple[i
     return seq, split
 
 
+def _in_words(why: str) -> str:
+    """tp_layout's reason, with the split named as the sequence."""
+    for old, new in (("tensor-parallel pass", "context-parallel pass"),
+                     ("split dimension", "sequence axis")):
+        why = why.replace(old, new)
+    return why
+
+
 def check_divides(seq: int, cp: int, method: str, source: str) -> None:
     """The sequence splits into the method's chunks (2cp for the ring, cp for all-to-all)."""
     parts = 2 * cp if method == "ring" else cp
@@ -170,6 +180,14 @@ def split_sequence(func: relax.Function, cp: int, method: str, num_inputs: int,
                    source: str = "the model") -> Tuple[relax.Function, SequencePlan]:
     """(``func`` as one cp rank computes it, the SequencePlan); raises SequenceSplitError
     naming the binding the split cannot pass."""
+    if not any(_op_name(b.value) == ATTENTION for block in func.body.blocks
+               for b in block.bindings if isinstance(b.value, relax.Call)
+               and isinstance(b.value.op, tvm.ir.Op)):
+        raise SequenceSplitError(
+            f"{source} has no attention over its sequence (F.scaled_dot_product_attention or "
+            "a transformers attention): context parallelism splits attention's sequence over "
+            "ranks, and this model would only repeat its work; use context_parallel_size=1 "
+            "(or data parallelism)")
     seq, split = sequence_inputs(func, num_inputs)
     check_divides(seq, cp, method, source)
     layouts: Dict[Any, Any] = {}
@@ -184,14 +202,8 @@ def split_sequence(func: relax.Function, cp: int, method: str, num_inputs: int,
     except Unsplittable as e:
         raise SequenceSplitError(
             f"{source}: context parallelism cannot split the sequence through {e.var.name}: "
-            f"{e.why.replace('tensor-parallel pass', 'context-parallel pass')}. Use "
+            f"{_in_words(e.why)}. Use "
             "context_parallel_size=1 for this model") from None
-    if not rules.attentions:
-        raise SequenceSplitError(
-            f"{source} has no attention over its sequence (F.scaled_dot_product_attention or "
-            "a transformers attention): context parallelism splits attention's sequence over "
-            "ranks, and this model would only repeat its work; use context_parallel_size=1 "
-            "(or data parallelism)")
     if method == "alltoall":
         for var in rules.attentions:
             q, k = (_attention_shape(a) for a in rules.bound[var].args[:2])

@@ -5,9 +5,8 @@ Usage: cp_train.py MODEL OPTIMIZER CP METHOD TP ZERO STEPS
 World = dp x CP x TP. Every rank passes the whole sequences of its data-parallel index's
 slice of the global batch (the ranks of a cp group the same arrays); after STEPS steps the
 losses, full parameters (state_dict) and optimizer state must equal a single-process run on
-the global batch (norm-relative <= 5e-5: float reduction order, amplified by Adam, as
-tests/hf.py calibrates), ``predict`` on 3 rows equals PyTorch's forward with the trained
-parameters, and the traffic is the method's: the ring's send / recv bytes, or all-to-all.
+the global batch (norm-relative <= TOL, calibrated below), ``predict`` on 3 rows equals
+PyTorch's forward with the trained parameters, and the traffic is the method's: the ring's send / recv bytes, or all-to-all.
 Prints 'rank R: CP OK'."""
 import sys
 
@@ -19,7 +18,10 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]
 from models import assert_like_one_process, make, raf_optimizer, rel_err  # noqa: E402
 
 GLOBAL_BATCH = 4
-TOL = 5e-5  # as tp_train.py
+# Calibrated: PyTorch's own float32 vs float64 spread on these cases after 2 AdamW steps at
+# batch 4 reaches 5.5e-5 (hf_gpt2's h.1.mlp.c_fc.bias; tests/hf.py explains why Adam
+# amplifies rounding there), other parameters <= 7e-6; 2e-4 is ~3.6x the worst spread
+TOL = 2e-4
 
 
 def main():

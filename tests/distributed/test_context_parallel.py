@@ -1,0 +1,34 @@
+"""Context parallelism on real processes (workers/cp_train.py): the sequence split over cp
+ranks (ring and all-to-all), alone and with dp x ZeRO and tp, trains like one process on the
+global batch, predict gathers the whole output, and the traffic is the method's (the ring's
+send / recv per attention, or its all-to-alls). The rewrite and its refusals in one process:
+tests/passes/test_context_parallel.py."""
+import pytest
+
+from mpi_launch import assert_ranks_ok, check_mpi
+
+
+@pytest.mark.parametrize("model,optimizer,cp,method,tp,zero,ranks", [
+    # the long-sequence benchmark's LM in miniature (SDPA, is_causal), the ring on 2 ranks
+    ("sdpa_lm", "adamw", 2, "ring", 1, 0, 2),
+    # transformers Llama: rotary tables cut to each rank's positions, grouped-query heads
+    # (4 query, 2 key/value) over 2 ranks by all-to-all
+    ("hf_llama", "hf_adamw", 2, "alltoall", 1, 0, 2),
+    # transformers GPT-2: learned positions (wpe rows per rank, assembled by the gradient
+    # reduction), tied head; dp 2 x cp 2 with ZeRO-1 sharding over the 4 ranks
+    ("hf_gpt2", "hf_adamw", 2, "ring", 1, 1, 4),
+    # cp 2 x tp 2: heads split over tp, each tp piece's sequence over cp
+    ("hf_llama", "hf_adamw", 2, "ring", 2, 0, 4),
+    # eager attention written with masked_fill (fused, the causal mask folded) and a learned
+    # position parameter: make test-slow
+    pytest.param("transformer4", "adamw", 2, "ring", 1, 0, 2, marks=pytest.mark.slow),
+    # logits and targets flattened to (B * T, ...), all-to-all: make test-slow
+    pytest.param("flat_lm", "adamw", 2, "alltoall", 1, 0, 2, marks=pytest.mark.slow),
+    # four ranks round the ring (chunks r and 7 - r of 8): make test-slow
+    pytest.param("sdpa_lm", "adamw", 4, "ring", 1, 0, 4, marks=pytest.mark.slow),
+], ids=["sdpa-cp2-ring", "llama-cp2-alltoall", "gpt2-dp2xcp2-zero1", "llama-cp2xtp2",
+        "eager-cp2-ring", "flat-cp2-alltoall", "sdpa-cp4-ring"])
+def test_context_parallel_equals_one_process(model, optimizer, cp, method, tp, zero, ranks):
+    out = check_mpi("cp_train.py", ranks, model, optimizer, cp, method, tp, zero, 2,
+                    timeout=420)
+    assert_ranks_ok(out, ranks, "CP OK")
