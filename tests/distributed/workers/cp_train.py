@@ -6,7 +6,8 @@ World = dp x CP x TP. Every rank passes the whole sequences of its data-parallel
 slice of the global batch (the ranks of a cp group the same arrays); after STEPS steps the
 losses, full parameters (state_dict) and optimizer state must equal a single-process run on
 the global batch (norm-relative <= TOL, calibrated below), ``predict`` on 3 rows equals
-PyTorch's forward with the trained parameters, and the traffic is the method's: the ring's send / recv bytes, or all-to-all.
+PyTorch's forward with the trained parameters, and the traffic is the method's: the ring's
+send / recv calls, or all-to-alls.
 Prints 'rank R: CP OK'."""
 import sys
 
