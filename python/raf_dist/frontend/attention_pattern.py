@@ -144,8 +144,9 @@ class _Matcher:
                 if (fill_a is None) == (fill_b is None):
                     return None
                 scores = b if fill_a is not None else a
-                mask = _FillMask(cond, fill_a if fill_a is not None else fill_b,
-                                 fill_a is not None, str(scores.ty.dtype))
+                fill = fill_a if fill_a is not None else fill_b
+                assert fill is not None
+                mask = _FillMask(cond, fill, fill_a is not None, str(scores.ty.dtype))
         for op, inverse in (("relax.multiply", False), ("relax.divide", True)):
             scaled = self.bound(scores, op)
             c = self.scalar(scaled.args[1]) if scaled is not None else None
@@ -269,8 +270,8 @@ class _Fuse(PyExprMutator):
         if is_attention(value) and has_mask(value):  # captured (SDPA) with a causal mask
             q, k, v, mask = value.args
             if self.causal_mask(mask, _shape(q)[:3] + (_shape(k)[2],)):
-                new = attention(*(self.visit_expr(a) for a in (q, k, v)), None, causal=True,
-                                scale=float(value.attrs["scale"]) or None)
+                new = attention(self.visit_expr(q), self.visit_expr(k), self.visit_expr(v),
+                                None, causal=True, scale=float(value.attrs["scale"]) or None)
                 self.set_var_remap(binding.var, self.builder_.emit(new))
                 self.folded += 1
                 return

@@ -112,7 +112,7 @@ class SequenceSplit:
             mine = positions(self.plan.seq, self.plan.cp, rank, self.plan.method)
             block = piece.reshape(shape[:dim] + (segments, size // self.plan.cp)
                                   + shape[dim + 1:])
-            index = [slice(None)] * full.ndim
+            index: List[Any] = [slice(None)] * full.ndim
             index[dim + 1] = mine
             full[tuple(index)] = block
         return full.reshape(shape[:dim] + (segments * size,) + shape[dim + 1:])
