@@ -4,6 +4,12 @@
                                   [--peer eager|compile]
                                   [--steps 3] [--rounds 3] [--plot bench/long_sequence.png]
     python bench/long_sequence.py --side raf --seq 16384 --steps 1     one side, one line
+    python bench/long_sequence.py --cp 2 --seqs 8192 [--method ring|alltoall]
+
+``--cp C``: context parallelism, raf_dist against itself: one process at each length against
+``mpiexec -n C`` ranks with context_parallel_size=C (each rank bound to one core; the job's
+peak is its largest rank's VmHWM), the issue's target a per-rank peak <= 0.6x the
+one-process peak at 8192.
 
 The model (issue #64's): a Llama-like LM written with F.scaled_dot_product_attention
 (is_causal=True): vocab 2048, d 256, 4 layers, 4 heads, RMSNorm, SwiGLU, batch 2, AdamW.
@@ -90,9 +96,13 @@ def peak_rss_mib():
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def raf_side(seq, steps, precision, cache_dir):
+def raf_side(seq, steps, precision, cache_dir, cp=1, method="ring"):
     import raf_dist
+    from raf_dist import distributed as dist
 
+    if cp > 1:  # every rank of the cp group passes the whole sequences
+        dist.get_config().update({"context_parallel_size": cp,
+                                  "context_parallel_method": method})
     module, x, y = make(seq)
     start = time.perf_counter()
     model = raf_dist.frontend.from_pytorch(module, (x,))
@@ -103,7 +113,13 @@ def raf_side(seq, steps, precision, cache_dir):
     xn, yn = x.numpy(), y.numpy()
     first = trainer.step(xn, yn)
     ms = harness.median_ms(lambda: trainer.step(xn, yn), steps, warmup=1)
-    return {"ms": ms, "peak_mib": peak_rss_mib(), "first_loss": first, "compile_s": compile_s}
+    result = {"ms": ms, "peak_mib": peak_rss_mib(), "first_loss": first, "compile_s": compile_s}
+    if cp > 1:  # the job's peak: its largest rank's
+        peaks = dist.get_communicator().mpi_comm.allgather(result["peak_mib"])
+        result.update(peak_mib=max(peaks), rank_peaks_mib=peaks)
+        if dist.get_communicator().rank:
+            return None
+    return result
 
 
 def torch_side(seq, steps, precision, peer):
@@ -153,9 +169,14 @@ def main():
                         help="PyTorch eager (default) or torch.compile (Inductor)")
     parser.add_argument("--side", choices=["raf", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context parallelism: one process vs C ranks of raf_dist")
+    parser.add_argument("--method", default="ring", choices=["ring", "alltoall"])
     args = parser.parse_args()
     if args.side == "raf":
-        return harness.report(raf_side(args.seq, args.steps, args.precision, args.cache_dir))
+        result = raf_side(args.seq, args.steps, args.precision, args.cache_dir, args.cp,
+                          args.method)
+        return harness.report(result) if result is not None else None
     if args.side == "torch":
         return harness.report(torch_side(args.seq, args.steps, args.precision, args.peer))
 
@@ -170,7 +191,14 @@ def main():
                       "--precision", args.precision]
             sides = {"raf": common + ["--side", "raf", "--cache-dir", cache_dir],
                      "torch": common + ["--side", "torch", "--peer", args.peer]}
+            if args.cp > 1:  # the peer is raf_dist's own one-process run
+                sides = {"raf": [harness.mpiexec(), "-n", str(args.cp), *harness.BIND]
+                         + sides["raf"] + ["--cp", str(args.cp), "--method", args.method],
+                         "torch": sides["raf"]}
             rows.append((seq, harness.alternate(sides, args.rounds, cpu_set)))
+    if args.cp > 1:
+        print(f"# cp {args.cp} ({args.method}): 'raf' is the cp job (its largest rank), "
+              "'torch' raf_dist's one process")
     print(f"{'seq':>6s} {'raf GiB':>8s} {'torch GiB':>9s} {'memory ratio':>13s} "
           f"{'raf ms':>9s} {'torch ms':>9s} {'time ratio [spread]':>20s} {'first loss':>22s}")
     for seq, res in rows:

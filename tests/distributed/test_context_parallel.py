@@ -15,9 +15,11 @@ from mpi_launch import assert_ranks_ok, check_mpi
     # (4 query, 2 key/value) over 2 ranks by all-to-all
     ("hf_llama", "hf_adamw", 2, "alltoall", 1, 0, 2),
     # transformers GPT-2: learned positions (wpe rows per rank, assembled by the gradient
-    # reduction), tied head; dp 2 x cp 2 with ZeRO-1 sharding over the 4 ranks
+    # reduction), tied head; dp 2 x cp 2 with ZeRO-1 sharding over the 4 ranks (its
+    # checkpoint loads in one process)
     ("hf_gpt2", "hf_adamw", 2, "ring", 1, 1, 4),
-    # cp 2 x tp 2: heads split over tp, each tp piece's sequence over cp
+    # cp 2 x tp 2: heads split over tp, each tp piece's sequence over cp; its checkpoint
+    # loads in one process (and back)
     ("hf_llama", "hf_adamw", 2, "ring", 2, 0, 4),
     # eager attention written with masked_fill (fused, the causal mask folded) and a learned
     # position parameter: make test-slow
@@ -29,6 +31,7 @@ from mpi_launch import assert_ranks_ok, check_mpi
 ], ids=["sdpa-cp2-ring", "llama-cp2-alltoall", "gpt2-dp2xcp2-zero1", "llama-cp2xtp2",
         "eager-cp2-ring", "flat-cp2-alltoall", "sdpa-cp4-ring"])
 def test_context_parallel_equals_one_process(model, optimizer, cp, method, tp, zero, ranks):
-    out = check_mpi("cp_train.py", ranks, model, optimizer, cp, method, tp, zero, 2,
+    extra = ("--checkpoint",) if tp > 1 or zero > 0 else ()
+    out = check_mpi("cp_train.py", ranks, model, optimizer, cp, method, tp, zero, 2, *extra,
                     timeout=420)
     assert_ranks_ok(out, ranks, "CP OK")

@@ -1,13 +1,16 @@
 """Context parallelism (composed with data and tensor parallelism, ZeRO) vs one process on the
 global batch.
 
-Usage: cp_train.py MODEL OPTIMIZER CP METHOD TP ZERO STEPS
+Usage: cp_train.py MODEL OPTIMIZER CP METHOD TP ZERO STEPS [--checkpoint]
 World = dp x CP x TP. Every rank passes the whole sequences of its data-parallel index's
 slice of the global batch (the ranks of a cp group the same arrays); after STEPS steps the
 losses, full parameters (state_dict) and optimizer state must equal a single-process run on
 the global batch (norm-relative <= TOL, calibrated below), ``predict`` on 3 rows equals
 PyTorch's forward with the trained parameters, and the traffic is the method's: the ring's
 send / recv calls, or all-to-alls.
+--checkpoint: a checkpoint saved at this layout holds the full model (cp does not show in it):
+rank 0 loads it into a Trainer of its own (one process) with the same parameters and
+optimizer state, and the job loads it back unchanged.
 Prints 'rank R: CP OK'."""
 import sys
 
@@ -67,7 +70,44 @@ def main():
     else:  # q, k, v, and the output and L back; then dO, q, k, v, O, L and dq, dk, dv back
         assert calls["alltoall"] == steps * attentions * (5 + 9), calls
         assert calls["send"] == 0, calls
+    if "--checkpoint" in sys.argv:
+        check_checkpoint(trainer, comm, name, opt_name)
     print(f"rank {comm.rank}: CP OK {calls}")
+
+
+def check_checkpoint(trainer, comm, name, opt_name):
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    params, states = trainer.state_dict(), trainer.optimizer_state_dict()
+    root = comm.mpi_comm.bcast(tempfile.mkdtemp(prefix="cp_ckpt_") if comm.rank == 0 else None)
+    try:
+        directory = trainer.save_checkpoint(root)
+        if comm.rank == 0:  # one process reads what the cp job wrote
+            config = dist.get_config()
+            saved = config.as_dict()
+            config.update({"context_parallel_size": 1, "tensor_parallel_size": 1,
+                           "enable_data_parallel": False, "zero_opt_level": 0})
+            module, x, _ = make(name, GLOBAL_BATCH, seed=0)
+            alone = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
+                                     optimizer=raf_optimizer(opt_name), local=True)
+            alone.load_checkpoint(directory)
+            for key, value in alone.state_dict().items():
+                assert np.array_equal(value, params[key]), key
+            for key, by_state in alone.optimizer_state_dict().items():
+                for state, value in by_state.items():
+                    assert np.array_equal(value, states[key][state]), (key, state)
+            config.update(saved)
+        comm.idle_barrier()
+        trainer.load_checkpoint(directory)  # and back at this layout
+        for key, value in trainer.state_dict().items():
+            assert np.array_equal(value, params[key]), key
+    finally:
+        comm.idle_barrier()
+        if comm.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
