@@ -1,5 +1,5 @@
 """Context parallelism on real processes (workers/cp_train.py): the sequence split over cp
-ranks (ring and all-to-all), alone and with dp x ZeRO and tp, trains like one process on the
+ranks (ring and all-to-all), alone and with dp x ZeRO, tp and pp, trains like one process on the
 global batch, predict gathers the whole output, and the traffic is the method's (the ring's
 send / recv per attention, or its all-to-alls). The rewrite and its refusals in one process:
 tests/passes/test_context_parallel.py."""
@@ -8,30 +8,33 @@ import pytest
 from mpi_launch import assert_ranks_ok, check_mpi
 
 
-@pytest.mark.parametrize("model,optimizer,cp,method,tp,zero,ranks", [
+@pytest.mark.parametrize("model,optimizer,cp,method,tp,zero,ranks,flags", [
     # the long-sequence benchmark's LM in miniature (SDPA, is_causal), the ring on 2 ranks
-    ("sdpa_lm", "adamw", 2, "ring", 1, 0, 2),
+    ("sdpa_lm", "adamw", 2, "ring", 1, 0, 2, ()),
     # transformers Llama: rotary tables cut to each rank's positions, grouped-query heads
     # (4 query, 2 key/value) over 2 ranks by all-to-all
-    ("hf_llama", "hf_adamw", 2, "alltoall", 1, 0, 2),
+    ("hf_llama", "hf_adamw", 2, "alltoall", 1, 0, 2, ()),
     # transformers GPT-2: learned positions (wpe rows per rank, assembled by the gradient
     # reduction), tied head; dp 2 x cp 2 with ZeRO-1 sharding over the 4 ranks (its
     # checkpoint loads in one process)
-    ("hf_gpt2", "hf_adamw", 2, "ring", 1, 1, 4),
+    ("hf_gpt2", "hf_adamw", 2, "ring", 1, 1, 4, ()),
     # cp 2 x tp 2: heads split over tp, each tp piece's sequence over cp; its checkpoint
     # loads in one process (and back)
-    ("hf_llama", "hf_adamw", 2, "ring", 2, 0, 4),
+    ("hf_llama", "hf_adamw", 2, "ring", 2, 0, 4, ()),
+    # pp 2 x cp 2: each stage's attention over its cp group, 2 microbatches (1F1B)
+    ("sdpa_lm", "adamw", 2, "ring", 1, 0, 4, ("--pp", 2, "--microbatches", 2)),
     # eager attention written with masked_fill (fused, the causal mask folded) and a learned
     # position parameter: make test-slow
-    pytest.param("transformer4", "adamw", 2, "ring", 1, 0, 2, marks=pytest.mark.slow),
+    pytest.param("transformer4", "adamw", 2, "ring", 1, 0, 2, (), marks=pytest.mark.slow),
     # logits and targets flattened to (B * T, ...), all-to-all: make test-slow
-    pytest.param("flat_lm", "adamw", 2, "alltoall", 1, 0, 2, marks=pytest.mark.slow),
+    pytest.param("flat_lm", "adamw", 2, "alltoall", 1, 0, 2, (), marks=pytest.mark.slow),
     # four ranks round the ring (chunks r and 7 - r of 8): make test-slow
-    pytest.param("sdpa_lm", "adamw", 4, "ring", 1, 0, 4, marks=pytest.mark.slow),
+    pytest.param("sdpa_lm", "adamw", 4, "ring", 1, 0, 4, (), marks=pytest.mark.slow),
 ], ids=["sdpa-cp2-ring", "llama-cp2-alltoall", "gpt2-dp2xcp2-zero1", "llama-cp2xtp2",
-        "eager-cp2-ring", "flat-cp2-alltoall", "sdpa-cp4-ring"])
-def test_context_parallel_equals_one_process(model, optimizer, cp, method, tp, zero, ranks):
-    extra = ("--checkpoint",) if tp > 1 or zero > 0 else ()
+        "sdpa-pp2xcp2", "eager-cp2-ring", "flat-cp2-alltoall", "sdpa-cp4-ring"])
+def test_context_parallel_equals_one_process(model, optimizer, cp, method, tp, zero, ranks,
+                                            flags):
+    extra = tuple(flags) + (("--checkpoint",) if tp > 1 or zero > 0 else ())
     out = check_mpi("cp_train.py", ranks, model, optimizer, cp, method, tp, zero, 2, *extra,
                     timeout=420)
     assert_ranks_ok(out, ranks, "CP OK")

@@ -70,6 +70,26 @@ def test_estimate_for_more_ranks_needs_no_launcher():
     assert all(a > b for a, b in zip(totals, totals[1:])), totals
 
 
+def test_context_parallelism_plans_each_ranks_tokens():
+    """sdpa_lm at 256 tokens on 2 ranks: cp 2 plans about half the activations of one rank
+    holding every token (its tokens, and the ring's buffers outside the planner), the same
+    model states; ZeRO-1 over the 2 cp ranks halves the optimizer state (gradients and
+    shards over dp x cp)."""
+    from models import SDPALM
+
+    torch.manual_seed(0)
+    model = raf_dist.frontend.from_pytorch(SDPALM(d=64), (torch.randint(0, 32, (2, 256)),))
+    whole = raf_dist.estimate_memory(model, raf_optimizer("adamw"), 1, 0)
+    split = raf_dist.estimate_memory(model, raf_optimizer("adamw"), 2, 0,
+                                     context_parallel_size=2)
+    assert split["param_bytes"] == whole["param_bytes"]
+    assert 0.4 < split["planned_peak_bytes"] / whole["planned_peak_bytes"] < 0.65, (split, whole)
+    sharded = raf_dist.estimate_memory(model, raf_optimizer("adamw"), 2, 1,
+                                       context_parallel_size=2)
+    assert sharded["optimizer_state_bytes"] == pytest.approx(
+        whole["optimizer_state_bytes"] / 2, rel=0.02)
+
+
 def test_zero2_plans_less_than_zero1_when_gradients_outlive_backward():
     """bench/zero.py's MLP (784-1024-1024-10, per-rank batch 32 of 128) on 4 ranks, in buckets
     of 1 MB (two): at level 1 every gradient is alive when backward ends; at level 2 each

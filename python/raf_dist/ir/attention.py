@@ -108,16 +108,18 @@ def has_mask(call: relax.Call) -> bool:
 
 
 def flops(call: relax.Call) -> int:
-    """FLOPs (multiply-adds x 2) of an attention op's call: the forward's QK^T and PV,
-    halved under ``causal`` (the masked blocks are skipped); the backward's 2.5x that
-    (FlashAttention-2's count: QK^T again, dV, dP, dQ, dK)."""
+    """FLOPs (multiply-adds x 2) of an attention op's call as PyTorch's
+    torch.utils.flop_counter counts scaled-dot-product attention (so that metrics() and MFU
+    agree with it, and with the eager matmuls the op replaces): the forward's QK^T and PV in
+    full, causal or not, and the backward's four products (dV, dP, dQ, dK), twice the
+    forward. The kernel does less than this under ``causal`` (it skips the masked blocks)
+    and recomputes QK^T in the backward: the count is the model's work, not the kernel's."""
     backward = call.op == _BACKWARD
     q, v = call.args[1 if backward else 0], call.args[3 if backward else 2]
     b, h, tq, d = _shape(q)
     tk, dv = _shape(v)[2], _shape(v)[3]
-    full = 2.0 * b * h * tq * tk * (d + dv)
-    forward = full / 2 if int(call.attrs["causal"]) and tq == tk else full
-    return int(2.5 * forward if backward else forward)
+    forward = 2.0 * b * h * tq * tk * (d + dv)
+    return int(2 * forward if backward else forward)
 
 
 def _gradient(var: relax.Var, call: relax.Call, grad: relax.Expr,

@@ -89,12 +89,6 @@ REFUSALS: Tuple[Refusal, ...] = (
             f"pipeline_parallel_size={_pp(c)} is not built yet (the sharded tables' gradients "
             "and state sit outside the pipeline stages); use pipeline_parallel_size=1 with "
             "sharded tables, or embedding_parallel='none'"),
-    Refusal("context_parallel_with_pipelining_not_built", "built", NotImplementedError,
-            lambda c: c.get("context_parallel_size") > 1 and _pp(c) > 1,
-            lambda c: f"context_parallel_size={c.get('context_parallel_size')} with "
-            f"pipeline_parallel_size={_pp(c)} is not built yet (the stages' executor does not "
-            "split the sequence); use context parallelism with data and tensor parallelism, "
-            "or pipeline_parallel_size=1"),
     Refusal("context_parallel_with_embedding_parallel", "layout", ValueError,
             lambda c: c.get("context_parallel_size") > 1 and c.get("embedding_parallel") != "none",
             lambda c: f"embedding_parallel={c.get('embedding_parallel')!r} shards recommender "

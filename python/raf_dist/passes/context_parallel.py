@@ -39,17 +39,17 @@ from typing import Any, Dict, List, Optional, Tuple
 import tvm
 from tvm import relax
 
-from ..ir.attention import _shape as _attention_shape
 from ..ir.attention import has_mask
 from ..ir.context_parallel import (CP_ATTENTION, CP_ATTENTION_BACKWARD_KERNEL,
                                    CP_ATTENTION_FORWARD_KERNEL, CP_ATTENTION_GRAD,
                                    CP_POSITIONS, CP_POSITIONS_FUNC, cp_attention, is_op,
                                    positions)
 from ..ir.ops import ATTENTION, TP_COPY, TP_MAX, TP_RANK, TP_REDUCE
+from ..ir.utils import op_name
 from .bucketing import Segments, assemble, collective
 from .gradient_markers import substitute
 from .lower_allreduce import lower_functions
-from .tp_layout import (PARTIAL, Unsplittable, _op_name, _Rules, dim_of, field_shapes,
+from .tp_layout import (PARTIAL, SplitRules, Unsplittable, dim_of, field_shapes,
                         hi_of, local_shape, static_shape)
 
 
@@ -71,7 +71,7 @@ class SequencePlan:
     attentions: int
 
 
-class _SequenceRules(_Rules):
+class _SequenceRules(SplitRules):
     """tp_layout's rules with the sequence as the split: a replicated value meeting it at
     full length is cut to this rank's positions (``slices``), never requested."""
 
@@ -103,12 +103,12 @@ class _SequenceRules(_Rules):
         return
 
     def rule(self, var: Any, call: Any) -> Any:
-        name = _op_name(call)
+        name = op_name(call)
         if name in (TP_COPY, TP_REDUCE, TP_MAX):  # tensor parallelism's, token-wise
             return self.layouts[call.args[0]]
         if name == TP_RANK:  # a 0-d answer whatever its operand
             return None
-        if name == "take":
+        if name == "relax.take":
             return self.lookup(var, call)
         if name == ATTENTION:
             return self.attention(var, call)
@@ -127,7 +127,7 @@ class _SequenceRules(_Rules):
     def attention(self, var: Any, call: Any) -> Any:
         q, k, v, mask = call.args
         splits = [self.split_dim(a) if a in self.layouts else None for a in (q, k, v)]
-        if any(s is None or s != (2, _attention_shape(a)[2]) for s, a in zip(splits, (q, k, v))):
+        if any(s is None or s != (2, static_shape(a)[2]) for s, a in zip(splits, (q, k, v))):
             raise Unsplittable(var, "attention whose queries, keys and values do not all "
                                     "follow the sequence (cross-attention to another "
                                     "sequence is not split)")
@@ -136,7 +136,7 @@ class _SequenceRules(_Rules):
                                     "attention or none (a padding or custom mask would have "
                                     "to travel with the keys)")
         self.attentions.append(var)
-        return tuple(hi_of(o, 2, _attention_shape(q)[2]) for o in field_shapes(var))
+        return tuple(hi_of(o, 2, static_shape(q)[2]) for o in field_shapes(var))
 
 
 def sequence_inputs(func: relax.Function, num_inputs: int) -> Tuple[int, Tuple[int, ...]]:
@@ -180,9 +180,8 @@ def split_sequence(func: relax.Function, cp: int, method: str, num_inputs: int,
                    source: str = "the model") -> Tuple[relax.Function, SequencePlan]:
     """(``func`` as one cp rank computes it, the SequencePlan); raises SequenceSplitError
     naming the binding the split cannot pass."""
-    if not any(_op_name(b.value) == ATTENTION for block in func.body.blocks
-               for b in block.bindings if isinstance(b.value, relax.Call)
-               and isinstance(b.value.op, tvm.ir.Op)):
+    if not any(op_name(b.value) == ATTENTION for block in func.body.blocks
+               for b in block.bindings):
         raise SequenceSplitError(
             f"{source} has no attention over its sequence (F.scaled_dot_product_attention or "
             "a transformers attention): context parallelism splits attention's sequence over "
@@ -206,7 +205,7 @@ def split_sequence(func: relax.Function, cp: int, method: str, num_inputs: int,
             "context_parallel_size=1 for this model") from None
     if method == "alltoall":
         for var in rules.attentions:
-            q, k = (_attention_shape(a) for a in rules.bound[var].args[:2])
+            q, k = (static_shape(a) for a in rules.bound[var].args[:2])
             if q[1] % cp or k[1] % cp:
                 raise SequenceSplitError(
                     f"{source}: context_parallel_method='alltoall' gives each of the "
@@ -296,7 +295,7 @@ def _rewrite(func: relax.Function, cp: int, method: str, seq: int, layouts: Dict
 
 def _scale(call: relax.Call) -> float:
     scale = float(call.attrs["scale"])
-    return scale if scale else 1.0 / math.sqrt(_attention_shape(call.args[0])[-1])
+    return scale if scale else 1.0 / math.sqrt(static_shape(call.args[0])[-1])
 
 
 def _local_call(call: relax.Call, args: List[Any], var: Any, hi: Any, cp: int) -> relax.Call:

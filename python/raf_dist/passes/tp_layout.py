@@ -171,7 +171,7 @@ def propagate(func, tp, placements, params, needs_grad, split_output=False):
             raise Unsplittable(p, f"dimension {dim} ({shape[dim]}) of {list(shape)} does not "
                                   f"split into {tp} equal parts per segment of {size}")
         layouts[p] = hi_of(shape, dim, size)
-    rule = _Rules(tp, layouts, copies, params, needs_grad, partials)
+    rule = SplitRules(tp, layouts, copies, params, needs_grad, partials)
     for block in func.body.blocks:
         for binding in block.bindings:
             rule.bind(binding)
@@ -190,7 +190,10 @@ def propagate(func, tp, placements, params, needs_grad, split_output=False):
     return Propagation(layouts, copies, partials, rule.vocab_takes, output_split)
 
 
-class _Rules:
+class SplitRules:
+    """One rule per op: the layout of a binding from its operands' (``propagate``; the
+    context-parallel pass subclasses it with the sequence as the split)."""
+
     def __init__(self, tp, layouts, copies, params, needs_grad, partials):
         self.tp, self.layouts, self.copies, self.partials = tp, layouts, copies, partials
         self.params, self.needs_grad = params, needs_grad

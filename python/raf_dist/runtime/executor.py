@@ -77,6 +77,7 @@ class ExecutorFrame(LoopScalars):
     ``grad_buckets``, ``_classes``, ``_metrics`` and define the hooks."""
 
     signature: Any
+    builder: Any  # the executor's step builder (spmd_build / pipeline_build)
     batch_size: int
     grad_buckets: List[Any]
     _classes: Optional[int]
@@ -160,6 +161,10 @@ class ExecutorFrame(LoopScalars):
         """``step`` without the profiler: the inputs checked against the captured signature
         (any leading batch dimension, training/batch_size.py) before any work."""
         inputs = x if isinstance(x, (tuple, list)) else (x,)
+        split = self.builder.cp_split
+        if split is not None:  # context parallelism: this rank's tokens of whole sequences
+            rows = int(np.shape(inputs[0])[0]) if np.ndim(inputs[0]) else 0
+            inputs, y = split.inputs(inputs), split.target(y, rows)
         signature = self.signature
         if len(inputs) != signature.num_inputs:
             raise ValueError(f"step() got {len(inputs)} inputs; the model was captured with "

@@ -29,11 +29,13 @@ from ..passes import gradient_buckets
 from ..passes.auto_cast import auto_cast
 from ..passes.batch_norm import decompose_forward, has_training_batch_norm
 from ..passes.clipping import Clip
+from ..passes.context_parallel import LowerContextParallel
 from ..passes.lower_allreduce import LowerAllReduce
 from ..passes.stage_partition import ForwardGraph, partition, plan_like
 from ..passes.stage_split import split_forward
 from ..passes.tp_ops import LowerTensorParallel
 from ..training import batch_size as batching
+from ..training import context_parallel as cp_lib
 from ..training import pipeline_schedule as schedules
 from ..training.pipeline_step import build_stage_functions, build_update_step, type_spec
 from . import metrics as metrics_lib
@@ -78,8 +80,9 @@ class PipelineBuilder:
         self.loss, self.optimizer, self.loss_scale = loss, optimizer, loss_scale
         self._device, self._target, self._cache_dir = device, target, cache_dir
         self.compute_dtype, self.max_grad_norm = compute_dtype, max_grad_norm
+        # gradients average over dp, or dp x cp with context parallelism (ParallelLayout)
         self.grad_reduce_dtype, self.dp_rank, self.dp_group = grad_reduce_dtype, dp_rank, \
-            mesh.dp_group
+            mesh.grad_group
         self.bucket_bytes = plan.bucket_bytes
         self.sync_batch_norm_world = plan.sync_batch_norm_world
         self.pp_rank = mesh.pp_rank
@@ -90,12 +93,20 @@ class PipelineBuilder:
         if self.planning and plan.activation_memory_budget_mb is not None:
             raise ValueError("a pipeline builder with no communicator has no recomputation "
                              "budget to agree on: give each stage's level instead")
+        if layout.cp > 1:  # what cp cannot split is refused before the tp split's broadcast
+            cp_lib.check_model(model, layout.cp, layout.context_parallel_method)
         if layout.tp > 1:  # MPI: world rank 0's initial values broadcast
             self.tp_plan, model = held.split_model(model, layout.tp, tensor_parallel_plan, loss,
                                                    comm, mesh.tp_rank)
             self.model = model
         elif tensor_parallel_plan is not None:
             raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1")
+        self.cp_split: Optional[cp_lib.SequenceSplit] = None
+        if layout.cp > 1:  # each stage computes this rank's tokens (training/context_parallel)
+            self.model, found = cp_lib.split_model(self.model, layout.cp,
+                                                   layout.context_parallel_method)
+            self.cp_split = cp_lib.SequenceSplit(found, layout.cp_rank)
+            model = self.model
         self.batch_size = model.batch_size
         batching.check_target_splits(self.captured_target_spec(), self.batch_size,
                                      layout.microbatches, model.source)
@@ -265,6 +276,8 @@ class PipelineBuilder:
         passes: List[Any] = []  # no gradient collective here: the update reduces over dp
         if self.parallel.tp > 1:
             passes.append(LowerTensorParallel(self.mesh.tp_group))
+        if self.parallel.cp > 1:  # ring / all-to-all attention on the cp group
+            passes.append(LowerContextParallel(self.mesh.cp_group))
         if self.sync_batch_norm_world > 1:  # the statistics' allreduce ops, after autodiff
             passes.append(LowerAllReduce(self.dp_group))
         passes += function_passes()
@@ -309,9 +322,11 @@ class PipelineBuilder:
         return chosen
 
     def captured_target_spec(self) -> Any:
-        """The target's spec at the captured batch (from the full model's output)."""
-        out = self.full_model.forward.ret_ty
-        if getattr(self.full_model, "buffer_names", ()):  # (output, *new buffer values)
+        """The target's spec at the captured batch (from the full model's output; under
+        context parallelism from this rank's tokens')."""
+        model = self.model if self.cp_split is not None else self.full_model
+        out = model.forward.ret_ty
+        if getattr(model, "buffer_names", ()):  # (output, *new buffer values)
             out = out.fields[0]
         shape = [int(d) for d in out.shape]
         if self.loss == "cross_entropy":

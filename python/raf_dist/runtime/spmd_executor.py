@@ -158,16 +158,6 @@ class SPMDExecutor(ExecutorFrame):
             embedding_plan=self.ep_plan.describe() if self.ep_plan is not None else None))
 
     # ---- the loop -------------------------------------------------------------------------
-    def _run_step(self, x: Any, y: Any) -> float:
-        """With context parallelism, this rank's tokens of the whole sequences it is given
-        (training/context_parallel.py) before the frame's checks."""
-        split = self.builder.cp_split
-        if split is not None:
-            inputs = list(x) if isinstance(x, (tuple, list)) else [x]
-            rows = int(np.shape(inputs[0])[0]) if np.ndim(inputs[0]) else 0
-            x, y = split.inputs(inputs), split.target(y, rows)
-        return super()._run_step(x, y)
-
     def _prepare(self, inputs: Sequence[Any], rows: int) -> Any:
         """(pieces, their compiled steps, this rank's ids verdict): local work first."""
         # every id a row of its table: this rank's verdict, raised on every rank together

@@ -117,10 +117,10 @@ class PipelineTransport:
         return float(buffer[0])
 
     def dp_sum(self, value: float) -> float:
-        """The sum of ``value`` over the dp group."""
+        """The sum of ``value`` over the gradient group (dp, or dp x cp)."""
         buffer = np.array([value], np.float64)
-        if self.mesh.dp_size > 1:
-            buffer = collectives.allreduce(buffer, group=self.mesh.dp_group)
+        if self.mesh.dp_size * self.mesh.cp_size > 1:
+            buffer = collectives.allreduce(buffer, group=self.mesh.grad_group)
         return float(buffer[0])
 
     def all_ranks(self, ok: bool) -> bool:

@@ -57,13 +57,17 @@ def model_state_bytes(numels: Sequence[int], world_size: int, zero_opt_level: in
 def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_opt_level: int,
                     bucket_size_mb: float = 25.0, loss: str = "cross_entropy",
                     overlap_comm: bool = True,
-                    ranks_per_host: int | None = None) -> dict[str, int]:
+                    ranks_per_host: int | None = None, context_parallel_size: int = 1,
+                    context_parallel_method: str = "ring") -> dict[str, int]:
     """Bytes per rank for ``model`` (a captured :class:`raf_dist.Model`) trained with
     ``optimizer`` on ``world_size`` ranks at ``zero_opt_level``: the model states plus
     ``planned_peak_bytes`` from TVM's memory planner and their sum ``peak_bytes``; with
     ``process_bytes`` the RSS growth a run would show (module docstring), its host kernels
     measured with the threads of ``ranks_per_host`` ranks on a host (default
-    ``world_size``)."""
+    ``world_size``). ``context_parallel_size``: each sequence split over that many of the
+    ``world_size`` ranks (gradients and ZeRO's shards over all of them, the activations of a
+    rank's tokens only: passes/context_parallel.py); ``model`` captured with whole
+    sequences, as the run's Trainer is given them."""
     from ..compiler import planned_bytes
     from ..compiler.build import planned_module
     from ..distributed.communicator import load_mpi
@@ -86,9 +90,11 @@ def estimate_memory(model: Model, optimizer: Optimizer, world_size: int, zero_op
     # the step rank 0's Trainer builds (runtime/spmd_build.py: the same builder, with no
     # communicator and nothing compiled), with its default non-finite check and, on several
     # ranks, the loss weight of uneven batches (training/batch_size.py)
-    config = DistConfig(enable_data_parallel=int(world_size) > 1 or zero_opt_level > 0,
+    dp = int(world_size) // max(1, int(context_parallel_size))
+    config = DistConfig(enable_data_parallel=dp > 1 or zero_opt_level > 0,
                         zero_opt_level=zero_opt_level, bucket_size_mb=bucket_size_mb,
-                        overlap_comm=overlap_comm)
+                        overlap_comm=overlap_comm, context_parallel_size=context_parallel_size,
+                        context_parallel_method=context_parallel_method)
     planned = plan_step(model, loss, optimizer, plan_run(config, int(world_size), 0,
                                                          model=model, optimizer=optimizer))
     held = planned.layout  # the StateLayout the Trainer holds its states under

@@ -1,8 +1,9 @@
 """Context parallelism (composed with data and tensor parallelism, ZeRO) vs one process on the
 global batch.
 
-Usage: cp_train.py MODEL OPTIMIZER CP METHOD TP ZERO STEPS [--checkpoint]
-World = dp x CP x TP. Every rank passes the whole sequences of its data-parallel index's
+Usage: cp_train.py MODEL OPTIMIZER CP METHOD TP ZERO STEPS [--pp P --microbatches M]
+                   [--checkpoint]
+World = pp x dp x CP x TP (--pp: pipeline stages, M microbatches per step). Every rank passes the whole sequences of its data-parallel index's
 slice of the global batch (the ranks of a cp group the same arrays); after STEPS steps the
 losses, full parameters (state_dict) and optimizer state must equal a single-process run on
 the global batch (norm-relative <= TOL, calibrated below), ``predict`` on 3 rows equals
@@ -34,8 +35,11 @@ def main():
                                    int(sys.argv[6]), int(sys.argv[7]))
     torch.set_num_threads(1)  # the ranks share the machine's cores
     comm = dist.get_communicator()
-    dp = comm.size // (cp * tp)
+    flags = dict(zip(sys.argv[8::2], sys.argv[9::2]))
+    pp = int(flags.get("--pp", 1))
+    dp = comm.size // (cp * tp * pp)
     dist.get_config().update({
+        "pipeline_parallel_size": pp, "num_microbatches": int(flags.get("--microbatches", 1)),
         "context_parallel_size": cp, "context_parallel_method": method,
         "tensor_parallel_size": tp, "enable_data_parallel": dp > 1 or zero > 0,
         "zero_opt_level": zero})
@@ -64,7 +68,9 @@ def main():
     assert rel_err(predicted, expected) <= 1e-5, rel_err(predicted, expected)
     attentions = trainer.executor.builder.cp_split.plan.attentions
     calls = {k: v["calls"] for k, v in sent.items()}
-    if method == "ring":  # each attention: c - 1 key/value blocks on, c - 1 blocks and c dK/dV
+    if pp > 1:  # this rank's stages hold some of the attentions
+        assert calls["send" if method == "ring" else "alltoall"] > 0, calls
+    elif method == "ring":  # each attention: c - 1 key/value blocks on, c - 1 blocks and c dK/dV
         assert calls["send"] == calls["recv"] == steps * attentions * (3 * cp - 2), calls
         assert calls["alltoall"] == 0, calls
     else:  # q, k, v, and the output and L back; then dO, q, k, v, O, L and dq, dk, dv back
