@@ -9,11 +9,12 @@ from mpi_launch import assert_ranks_ok, check_mpi
 
 
 @pytest.mark.parametrize("model,optimizer,cp,method,tp,zero,ranks,flags", [
-    # the long-sequence benchmark's LM in miniature (SDPA, is_causal), the ring on 2 ranks
-    ("sdpa_lm", "adamw", 2, "ring", 1, 0, 2, ()),
+    # the long-sequence benchmark's LM in miniature (SDPA, is_causal), the ring on 2 ranks,
+    # full recomputation (the ring forward again in the backward)
+    ("sdpa_lm", "adamw", 2, "ring", 1, 0, 2, ("--recompute", "full")),
     # transformers Llama: rotary tables cut to each rank's positions, grouped-query heads
-    # (4 query, 2 key/value) over 2 ranks by all-to-all
-    ("hf_llama", "hf_adamw", 2, "alltoall", 1, 0, 2, ()),
+    # (4 query, 2 key/value) over 2 ranks by all-to-all; selective recomputation
+    ("hf_llama", "hf_adamw", 2, "alltoall", 1, 0, 2, ("--recompute", "selective")),
     # transformers GPT-2: learned positions (wpe rows per rank, assembled by the gradient
     # reduction), tied head; dp 2 x cp 2 with ZeRO-1 sharding over the 4 ranks (its
     # checkpoint loads in one process)

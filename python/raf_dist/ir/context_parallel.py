@@ -74,13 +74,26 @@ def positions(like: relax.Expr, seq: int, cp: int, balanced: bool) -> relax.Call
 
 
 def cp_attention(q: relax.Expr, k: relax.Expr, v: relax.Expr, causal: bool, scale: float,
-                 method: str) -> relax.Call:
-    """The cp attention of this rank's q, k, v; ``scale`` resolved (not 0)."""
+                 method: str, cp: int) -> relax.Call:
+    """The cp attention of this rank's q, k, v over ``cp`` ranks; ``scale`` resolved (not
+    0)."""
     if method not in METHODS:
         raise ValueError(f"context_parallel_method must be one of {METHODS}, got {method!r}")
     attrs = tvm.ir.make_node("ir.DictAttrs", causal=int(bool(causal)), scale=float(scale),
-                             method=method)
+                             method=method, cp=int(cp))
     return relax.Call(_FORWARD, [q, k, v], attrs=attrs)
+
+
+def flops(call: relax.Call) -> int:
+    """This rank's FLOPs of a cp attention call (or its gradient), counted as the attention
+    op's (ir/attention.py: as PyTorch's flop counter): its queries against the whole
+    sequence's keys."""
+    backward = call.op == _BACKWARD
+    q, v = call.args[1 if backward else 0], call.args[3 if backward else 2]
+    b, h, tq, d = (int(x) for x in q.ty.shape)
+    tk, dv = int(v.ty.shape[2]) * int(call.attrs["cp"]), int(v.ty.shape[3])
+    forward = 2.0 * b * h * tq * tk * (d + dv)
+    return int(2 * forward if backward else forward)
 
 
 def is_op(expr: relax.Expr, name: str) -> bool:

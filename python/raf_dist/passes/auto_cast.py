@@ -33,6 +33,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..ir.context_parallel import CP_ATTENTION, CP_ATTENTION_GRAD, CP_POSITIONS
 from ..ir.ops import (ATTENTION, ATTENTION_GRAD, CROSS_ENTROPY, CROSS_ENTROPY_GRAD,
                       EP_EXCHANGE, LAYER_NORM_GRAD, LAYER_NORM_GRAD_WEIGHT, custom_op_names)
 from ..ir.utils import mutate_functions
@@ -92,6 +93,8 @@ RULES = {**{n: "low" for n in LOW}, **{n: "float32" for n in FLOAT32},
          # attention computes in the low dtype with float32 statistics inside, its log-sum-exp
          # float32 (ir/attention.py); its gradient reads what the forward kept
          ATTENTION: "low", ATTENTION_GRAD: "keep",
+         # context parallelism's (ir/context_parallel.py): the same, and the positions
+         CP_ATTENTION: "low", CP_ATTENTION_GRAD: "keep", CP_POSITIONS: "keep",
          # layer norm's fused backward (training/layer_norm.py), float32 as the forward's norm
          LAYER_NORM_GRAD: "keep", LAYER_NORM_GRAD_WEIGHT: "keep"}
 

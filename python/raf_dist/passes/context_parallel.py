@@ -257,7 +257,7 @@ def _rewrite(func: relax.Function, cp: int, method: str, seq: int, layouts: Dict
         if var in rules.attentions:
             q, k, v = (substitute(a, var_map) for a in value.args[:3])
             new: Any = cp_attention(q, k, v, bool(int(value.attrs["causal"])),
-                                    _scale(value), method)
+                                    _scale(value), method, cp)
         elif isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
             args = []
             for a in value.args:

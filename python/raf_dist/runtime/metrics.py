@@ -22,6 +22,8 @@ from tvm import relax
 from .. import device as device_lib
 from ..ir.ops import ATTENTION, ATTENTION_GRAD
 from ..ir.attention import flops as attention_flops
+from ..ir.context_parallel import CP_ATTENTION, CP_ATTENTION_GRAD
+from ..ir.context_parallel import flops as cp_attention_flops
 
 _LOG = logging.getLogger("raf_dist")
 _GEMM_N = 1024
@@ -49,6 +51,8 @@ def call_flops(expr: relax.Expr) -> int:
         return _matmul_flops(expr)
     if name in (ATTENTION, ATTENTION_GRAD):
         return attention_flops(expr)
+    if name in (CP_ATTENTION, CP_ATTENTION_GRAD):
+        return cp_attention_flops(expr)
     if name.startswith("relax.nn.conv"):
         return _conv_flops(expr, transpose=name.endswith("_transpose"))
     return 0

@@ -2,13 +2,15 @@
 global batch.
 
 Usage: cp_train.py MODEL OPTIMIZER CP METHOD TP ZERO STEPS [--pp P --microbatches M]
-                   [--checkpoint]
+                   [--recompute full|selective] [--checkpoint]
 World = pp x dp x CP x TP (--pp: pipeline stages, M microbatches per step). Every rank passes the whole sequences of its data-parallel index's
 slice of the global batch (the ranks of a cp group the same arrays); after STEPS steps the
 losses, full parameters (state_dict) and optimizer state must equal a single-process run on
 the global batch (norm-relative <= TOL, calibrated below), ``predict`` on 3 rows equals
 PyTorch's forward with the trained parameters, and the traffic is the method's: the ring's
 send / recv calls, or all-to-alls.
+--recompute: activation_checkpointing (the ring or all-to-all forward runs again in the
+backward: the same results).
 --checkpoint: a checkpoint saved at this layout holds the full model (cp does not show in it):
 rank 0 loads it into a Trainer of its own (one process) with the same parameters and
 optimizer state, and the job loads it back unchanged.
@@ -42,7 +44,7 @@ def main():
         "pipeline_parallel_size": pp, "num_microbatches": int(flags.get("--microbatches", 1)),
         "context_parallel_size": cp, "context_parallel_method": method,
         "tensor_parallel_size": tp, "enable_data_parallel": dp > 1 or zero > 0,
-        "zero_opt_level": zero})
+        "zero_opt_level": zero, "activation_checkpointing": flags.get("--recompute", False)})
     mesh = dist.get_mesh()
     assert (mesh.cp_size, mesh.cp_rank) == (cp, (comm.rank // tp) % cp), mesh
     module, x, y = make(name, GLOBAL_BATCH, seed=0)
@@ -66,16 +68,24 @@ def main():
     predicted = trainer.predict(x[:3].numpy())
     assert predicted.shape == expected.shape, (predicted.shape, expected.shape)
     assert rel_err(predicted, expected) <= 1e-5, rel_err(predicted, expected)
-    attentions = trainer.executor.builder.cp_split.plan.attentions
     calls = {k: v["calls"] for k, v in sent.items()}
     if pp > 1:  # this rank's stages hold some of the attentions
         assert calls["send" if method == "ring" else "alltoall"] > 0, calls
-    elif method == "ring":  # each attention: c - 1 key/value blocks on, c - 1 blocks and c dK/dV
-        assert calls["send"] == calls["recv"] == steps * attentions * (3 * cp - 2), calls
-        assert calls["alltoall"] == 0, calls
-    else:  # q, k, v, and the output and L back; then dO, q, k, v, O, L and dq, dk, dv back
-        assert calls["alltoall"] == steps * attentions * (5 + 9), calls
-        assert calls["send"] == 0, calls
+    else:  # per step: each cp attention (twice with recomputation) and each gradient
+        ops = [getattr(b.value.op, "name", "") for block in
+               trainer.executor.ir["train_step"].body.blocks for b in block.bindings
+               if hasattr(b.value, "op")]
+        forwards, backwards = (ops.count("raf_dist.cp_attention"),
+                               ops.count("raf_dist.cp_attention_grad"))
+        assert backwards == trainer.executor.builder.cp_split.plan.attentions, ops
+        if method == "ring":  # c - 1 key/value blocks on; c - 1 blocks and c dK/dV back
+            expected = steps * (forwards * (cp - 1) + backwards * (2 * cp - 1))
+            assert calls["send"] == calls["recv"] == expected, (calls, forwards, backwards)
+            assert calls["alltoall"] == 0, calls
+        else:  # q, k, v, and O and L back; dO, q, k, v, O, L, and dq, dk, dv back
+            expected = steps * (forwards * 5 + backwards * 9)
+            assert calls["alltoall"] == expected, (calls, forwards, backwards)
+            assert calls["send"] == 0, calls
     if "--checkpoint" in sys.argv:
         check_checkpoint(trainer, comm, name, opt_name)
     print(f"rank {comm.rank}: CP OK {calls}")
