@@ -435,10 +435,12 @@ def single_process_reference(name, opt_name, global_batch, steps, keep=(), **tra
         saved = {k: getattr(config, k) for k in ("enable_data_parallel", "zero_opt_level",
                                                  "tensor_parallel_size", "num_microbatches",
                                                  "pipeline_parallel_size",
-                                                 "context_parallel_size")}
+                                                 "context_parallel_size",
+                                                 "sequence_parallel")}
         config.update({"enable_data_parallel": False, "zero_opt_level": 0,
                        "tensor_parallel_size": 1, "num_microbatches": 1,
-                       "pipeline_parallel_size": 1, "context_parallel_size": 1})
+                       "pipeline_parallel_size": 1, "context_parallel_size": 1,
+                       "sequence_parallel": False})
         module, x, y = make(name, global_batch, seed=0)
         trainer = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
                                    optimizer=raf_optimizer(opt_name), local=True,

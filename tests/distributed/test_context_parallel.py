@@ -1,5 +1,6 @@
-"""Context parallelism on real processes (workers/cp_train.py): the sequence split over cp
-ranks (ring and all-to-all), alone and with dp x ZeRO, tp and pp, trains like one process on the
+"""Context and sequence parallelism on real processes (workers/cp_train.py): the sequence split
+over cp ranks (ring and all-to-all), alone and with dp x ZeRO, tp (+ sequence_parallel) and
+pp, and sequence parallelism alone, trains like one process on the
 global batch, predict gathers the whole output, and the traffic is the method's (the ring's
 send / recv per attention, or its all-to-alls). The rewrite and its refusals in one process:
 tests/passes/test_context_parallel.py."""
@@ -19,9 +20,12 @@ from mpi_launch import assert_ranks_ok, check_mpi
     # reduction), tied head; dp 2 x cp 2 with ZeRO-1 sharding over the 4 ranks (its
     # checkpoint loads in one process)
     ("hf_gpt2", "hf_adamw", 2, "ring", 1, 1, 4, ()),
-    # cp 2 x tp 2: heads split over tp, each tp piece's sequence over cp; its checkpoint
-    # loads in one process (and back)
-    ("hf_llama", "hf_adamw", 2, "ring", 2, 0, 4, ()),
+    # cp 2 x tp 2 with sequence_parallel: heads split over tp, each tp piece's sequence over
+    # cp, the regions between the blocks over tp too; its checkpoint loads in one process
+    ("hf_llama", "hf_adamw", 2, "ring", 2, 0, 4, ("--sp", 1)),
+    # sequence parallelism alone (tp 2, cp 1): GPT-2's fused qkv, biases after g, learned
+    # positions cut to each rank's tokens, the tied vocabulary-parallel head
+    ("hf_gpt2", "hf_adamw", 1, "ring", 2, 0, 2, ("--sp", 1)),
     # pp 2 x cp 2: each stage's attention over its cp group, 2 microbatches (1F1B)
     ("sdpa_lm", "adamw", 2, "ring", 1, 0, 4, ("--pp", 2, "--microbatches", 2)),
     # eager attention written with masked_fill (fused, the causal mask folded) and a learned
@@ -31,8 +35,8 @@ from mpi_launch import assert_ranks_ok, check_mpi
     pytest.param("flat_lm", "adamw", 2, "alltoall", 1, 0, 2, (), marks=pytest.mark.slow),
     # four ranks round the ring (chunks r and 7 - r of 8): make test-slow
     pytest.param("sdpa_lm", "adamw", 4, "ring", 1, 0, 4, (), marks=pytest.mark.slow),
-], ids=["sdpa-cp2-ring", "llama-cp2-alltoall", "gpt2-dp2xcp2-zero1", "llama-cp2xtp2",
-        "sdpa-pp2xcp2", "eager-cp2-ring", "flat-cp2-alltoall", "sdpa-cp4-ring"])
+], ids=["sdpa-cp2-ring", "llama-cp2-alltoall", "gpt2-dp2xcp2-zero1", "llama-cp2xtp2-sp",
+        "gpt2-tp2-sp", "sdpa-pp2xcp2", "eager-cp2-ring", "flat-cp2-alltoall", "sdpa-cp4-ring"])
 def test_context_parallel_equals_one_process(model, optimizer, cp, method, tp, zero, ranks,
                                             flags):
     extra = tuple(flags) + (("--checkpoint",) if tp > 1 or zero > 0 else ())

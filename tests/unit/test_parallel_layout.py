@@ -128,8 +128,6 @@ ROWS = {
         4, None, None, "embedding_parallel='none'"),
     "expert_parallel_not_built": ({"expert_parallel_size": 2, "enable_data_parallel": True}, 2,
                                   None, None, "expert_parallel_size=1"),
-    "sequence_parallel_not_built": ({"sequence_parallel": True, "tensor_parallel_size": 2}, 2,
-                                    None, None, "sequence_parallel = False"),
     "experts_divide_dp": ({"expert_parallel_size": 3, "enable_data_parallel": True}, 4, None,
                           None, "divisor of the dp size"),
     "zero23_with_pipelining": ({"pipeline_parallel_size": 2, "enable_data_parallel": True,

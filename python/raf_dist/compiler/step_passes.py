@@ -4,6 +4,7 @@ from ..passes import (AllReduceGradients, DispatchToBLAS, FastExp, FastGelu, Max
                       ShardZeRO, StripGradientMarkers)
 from ..passes.auto_cast import AccumulateInFloat32
 from ..passes.context_parallel import LowerContextParallel
+from ..passes.sequence_parallel import LowerSequenceParallel
 from ..passes.embedding_parallel import LowerEmbeddingExchange
 from ..passes.lookup_gradient import AddLookupGradient
 from ..passes.lower_allreduce import LowerAllReduce
@@ -23,7 +24,7 @@ def nonfinite_guard(zero_level: int, world_size: int, nonfinite: str = "raise"):
 
 def step_passes(zero_level: int, world_size: int, bucket_bytes: int, overlap: bool = True,
                 group: int = 0, guard: bool = False, tp_group=None, sync_batch_norm_group=None,
-                clip=None, embedding_group=None, cp_group=None):
+                clip=None, embedding_group=None, cp_group=None, sp_group=None):
     """The raf_dist passes a training step goes through (before TVM's lowering): the
     distribution pass for the ZeRO level (0: data parallel allreduce; world size 1 at level 0:
     none), then the lowering of tensor-parallel ops (``tp_group``) and of synchronized batch
@@ -34,7 +35,8 @@ def step_passes(zero_level: int, world_size: int, bucket_bytes: int, overlap: bo
     tables are sharded over that (dp) group: their exchanges become all-to-alls and the
     non-finite verdict an allreduce there (passes/embedding_parallel.py). ``cp_group``: the
     sequence is split over that group: its attention and positions become host calls on it
-    (passes/context_parallel.py)."""
+    (passes/context_parallel.py). ``sp_group``: sequence parallelism's scatters and gathers
+    on that (tp) group (passes/sequence_parallel.py)."""
     if zero_level:
         distribute = ShardZeRO(zero_level, world_size, bucket_bytes, overlap=overlap, group=group,
                                guard=guard, clip=clip)
@@ -49,6 +51,8 @@ def step_passes(zero_level: int, world_size: int, bucket_bytes: int, overlap: bo
         lowering.append(LowerEmbeddingExchange(embedding_group))
     if cp_group is not None:  # ring / all-to-all attention (passes/context_parallel.py)
         lowering.append(LowerContextParallel(cp_group))
+    if sp_group is not None:  # before tp's: the sp ops' gradients hold f
+        lowering.insert(0, LowerSequenceParallel(sp_group))
     if sync_batch_norm_group is not None or embedding_group is not None:
         # synchronized batch norm's statistics, the sharded tables' non-finite verdict
         lowering.append(LowerAllReduce(sync_batch_norm_group if sync_batch_norm_group
@@ -62,9 +66,10 @@ def function_passes():
             FastGelu(), FastExp(), MaxPoolGradient(), WidenAtUse()]
 
 
-def forward_passes(tp_group=None, embedding_group=None, cp_group=None):
+def forward_passes(tp_group=None, embedding_group=None, cp_group=None, sp_group=None):
     """The passes of an evaluation forward (``predict``)."""
-    return ([LowerTensorParallel(tp_group)] if tp_group is not None else []) + (
+    return ([LowerSequenceParallel(sp_group)] if sp_group is not None else []) + (
+        [LowerTensorParallel(tp_group)] if tp_group is not None else []) + (
         [LowerEmbeddingExchange(embedding_group)] if embedding_group is not None else []) + (
         [LowerContextParallel(cp_group)] if cp_group is not None else []) + [
         PropagateNaN(), DispatchToBLAS(), AccumulateInFloat32()]

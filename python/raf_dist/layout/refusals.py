@@ -100,10 +100,6 @@ REFUSALS: Tuple[Refusal, ...] = (
             lambda c: f"expert_parallel_size={c.get('expert_parallel_size')} is not built yet "
             "(experts over the dp ranks by all-to-all come with the mixture-of-experts work); "
             "use expert_parallel_size=1"),
-    Refusal("sequence_parallel_not_built", "built", NotImplementedError,
-            lambda c: bool(c.get("sequence_parallel")),
-            lambda c: "sequence_parallel is not built yet (the norm and residual regions split "
-            "over tp come with the long-sequence work); set sequence_parallel = False"),
     Refusal("experts_divide_dp", "world", ValueError,
             lambda c: c.layout is not None and c.layout.dp % c.layout.ep != 0,
             lambda c: f"expert_parallel_size={c.get('expert_parallel_size')} must divide the "

@@ -34,6 +34,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..ir.context_parallel import CP_ATTENTION, CP_ATTENTION_GRAD, CP_POSITIONS
+from ..ir.sequence_parallel import SP_OPS
 from ..ir.ops import (ATTENTION, ATTENTION_GRAD, CROSS_ENTROPY, CROSS_ENTROPY_GRAD,
                       EP_EXCHANGE, LAYER_NORM_GRAD, LAYER_NORM_GRAD_WEIGHT, custom_op_names)
 from ..ir.utils import mutate_functions
@@ -95,6 +96,8 @@ RULES = {**{n: "low" for n in LOW}, **{n: "float32" for n in FLOAT32},
          ATTENTION: "low", ATTENTION_GRAD: "keep",
          # context parallelism's (ir/context_parallel.py): the same, and the positions
          CP_ATTENTION: "low", CP_ATTENTION_GRAD: "keep", CP_POSITIONS: "keep",
+         # sequence parallelism's exchanges (ir/sequence_parallel.py) carry their input's dtype
+         **{n: "follow" for n in SP_OPS},
          # layer norm's fused backward (training/layer_norm.py), float32 as the forward's norm
          LAYER_NORM_GRAD: "keep", LAYER_NORM_GRAD_WEIGHT: "keep"}
 

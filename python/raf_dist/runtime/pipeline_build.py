@@ -30,6 +30,7 @@ from ..passes.auto_cast import auto_cast
 from ..passes.batch_norm import decompose_forward, has_training_batch_norm
 from ..passes.clipping import Clip
 from ..passes.context_parallel import LowerContextParallel
+from ..passes.sequence_parallel import LowerSequenceParallel
 from ..passes.lower_allreduce import LowerAllReduce
 from ..passes.stage_partition import ForwardGraph, partition, plan_like
 from ..passes.stage_split import split_forward
@@ -107,6 +108,8 @@ class PipelineBuilder:
                                                    layout.context_parallel_method)
             self.cp_split = cp_lib.SequenceSplit(found, layout.cp_rank)
             model = self.model
+        if layout.sequence_parallel:  # between the tp blocks, 1/tp of the sequence
+            self.model = model = cp_lib.sequence_parallel_model(model, layout.tp)
         self.batch_size = model.batch_size
         batching.check_target_splits(self.captured_target_spec(), self.batch_size,
                                      layout.microbatches, model.source)
@@ -278,6 +281,8 @@ class PipelineBuilder:
             passes.append(LowerTensorParallel(self.mesh.tp_group))
         if self.parallel.cp > 1:  # ring / all-to-all attention on the cp group
             passes.append(LowerContextParallel(self.mesh.cp_group))
+        if self.parallel.sequence_parallel:  # its scatters and gathers on the tp group
+            passes.append(LowerSequenceParallel(self.mesh.tp_group))
         if self.sync_batch_norm_world > 1:  # the statistics' allreduce ops, after autodiff
             passes.append(LowerAllReduce(self.dp_group))
         passes += function_passes()

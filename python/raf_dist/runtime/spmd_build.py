@@ -122,6 +122,8 @@ class SPMDBuilder:
             self.model, plan = cp_lib.split_model(self.model, layout.cp,
                                                   layout.context_parallel_method)
             self.cp_split = cp_lib.SequenceSplit(plan, layout.cp_rank)
+        if layout.sequence_parallel:  # between the tp blocks, 1/tp of the sequence
+            self.model = cp_lib.sequence_parallel_model(self.model, layout.tp)
         self.clip = self.make_clip()
         return self.model
 
@@ -329,7 +331,8 @@ class SPMDBuilder:
                                                   if self.plan.sync_batch_norm_world > 1
                                                   else None), clip=clip,
                            embedding_group=self.embedding_group(),
-                           cp_group=mesh.cp_group if layout.cp > 1 else None)
+                           cp_group=mesh.cp_group if layout.cp > 1 else None,
+                           sp_group=mesh.tp_group if layout.sequence_parallel else None)
 
     # ---- compiling ----------------------------------------------------------------------------
     def planned(self, step: StepIR) -> PlannedStep:

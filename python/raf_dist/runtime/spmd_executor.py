@@ -98,7 +98,9 @@ class SPMDExecutor(ExecutorFrame):
             self._model_at, forward_passes(self.mesh.tp_group if self.parallel.tp > 1 else None,
                                            builder.embedding_group(),
                                            self.mesh.cp_group if self.parallel.cp > 1
-                                           else None),
+                                           else None,
+                                           self.mesh.tp_group
+                                           if self.parallel.sequence_parallel else None),
             self._target, self._device, cache_dir, self.compute_dtype)
 
     # ---- construction, in steps --------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""A captured model as one context-parallel rank computes it, and the host side of the split:
+"""A captured model as one context-parallel rank computes it (and, under sequence_parallel, with
+the regions between its tensor-parallel blocks split over tp), and the host side of the split:
 this rank's tokens of the inputs and targets, and a split output gathered back (DESIGN.md
 section 1, "Long sequences"; the IR rewrite is passes/context_parallel.py).
 
@@ -16,6 +17,7 @@ import tvm
 
 from ..model import Model
 from ..passes.context_parallel import SequencePlan, split_sequence
+from ..passes.sequence_parallel import split_between_blocks
 from ..passes.tp_layout import static_shape
 
 
@@ -56,6 +58,22 @@ def split_model(model: Model, cp: int, method: str) -> Tuple[Model, SequencePlan
     return dataclasses.replace(model, mod=tvm.IRModule(functions), input_specs=specs,
                                respecialize=respecialize if model.respecialize else None
                                ), plan
+
+
+def sequence_parallel_model(model: Model, tp: int) -> Model:
+    """``model`` (this rank's tensor-parallel piece, cut for cp when cp > 1) with the regions
+    between its tensor-parallel blocks split along the sequence over the tp ranks
+    (passes/sequence_parallel.py); the model captured at another batch size alike."""
+    functions = {gvar: split_between_blocks(func, tp, model.source)
+                 if gvar.name_hint in ("forward", "forward_eval") else func
+                 for gvar, func in model.mod.functions_items()}
+    shapes_only = model.without_values()
+
+    def respecialize(rows: int) -> Model:
+        return sequence_parallel_model(shapes_only.at_batch(rows), tp)
+
+    return dataclasses.replace(model, mod=tvm.IRModule(functions),
+                               respecialize=respecialize if model.respecialize else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 global batch.
 
 Usage: cp_train.py MODEL OPTIMIZER CP METHOD TP ZERO STEPS [--pp P --microbatches M]
-                   [--recompute full|selective] [--checkpoint]
+                   [--recompute full|selective] [--sp 1] [--checkpoint]
 World = pp x dp x CP x TP (--pp: pipeline stages, M microbatches per step). Every rank passes the whole sequences of its data-parallel index's
 slice of the global batch (the ranks of a cp group the same arrays); after STEPS steps the
 losses, full parameters (state_dict) and optimizer state must equal a single-process run on
@@ -11,6 +11,9 @@ PyTorch's forward with the trained parameters, and the traffic is the method's: 
 send / recv calls, or all-to-alls.
 --recompute: activation_checkpointing (the ring or all-to-all forward runs again in the
 backward: the same results).
+--sp 1: sequence_parallel (with TP > 1): the regions between the tensor-parallel blocks hold
+1/TP of the sequence; the tp group then carries reduce-scatters and all-gathers, no
+allreduce of activations. CP may be 1 (sequence parallelism alone).
 --checkpoint: a checkpoint saved at this layout holds the full model (cp does not show in it):
 rank 0 loads it into a Trainer of its own (one process) with the same parameters and
 optimizer state, and the job loads it back unchanged.
@@ -44,9 +47,12 @@ def main():
         "pipeline_parallel_size": pp, "num_microbatches": int(flags.get("--microbatches", 1)),
         "context_parallel_size": cp, "context_parallel_method": method,
         "tensor_parallel_size": tp, "enable_data_parallel": dp > 1 or zero > 0,
-        "zero_opt_level": zero, "activation_checkpointing": flags.get("--recompute", False)})
+        "zero_opt_level": zero, "activation_checkpointing": flags.get("--recompute", False),
+        "sequence_parallel": bool(int(flags.get("--sp", 0)))})
     mesh = dist.get_mesh()
     assert (mesh.cp_size, mesh.cp_rank) == (cp, (comm.rank // tp) % cp), mesh
+    if cp == 1:
+        dist.get_config().update({"context_parallel_size": 1})
     module, x, y = make(name, GLOBAL_BATCH, seed=0)
     if comm.rank > 0:  # the Trainer must start every rank from rank 0's parameters
         for p in module.parameters():
@@ -59,7 +65,8 @@ def main():
                                optimizer=raf_optimizer(opt_name))
     dist.reset_comm_counters()
     losses = [trainer.step(xs, ys) for _ in range(steps)]
-    sent = dist.comm_counters(group=mesh.cp_group)
+    sent = dist.comm_counters(group=mesh.cp_group) if cp > 1 else {}
+    on_tp = dist.comm_counters(group=mesh.tp_group) if tp > 1 else {}
     params, _ = assert_like_one_process(trainer, losses, name, opt_name, GLOBAL_BATCH, 0, TOL)
 
     module.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()}, strict=False)
@@ -69,7 +76,14 @@ def main():
     assert predicted.shape == expected.shape, (predicted.shape, expected.shape)
     assert rel_err(predicted, expected) <= 1e-5, rel_err(predicted, expected)
     calls = {k: v["calls"] for k, v in sent.items()}
-    if pp > 1:  # this rank's stages hold some of the attentions
+    if "--sp" in flags:  # the blocks' ends and starts: reduce-scatters and all-gathers
+        tp_calls = {k: v["calls"] for k, v in on_tp.items()}
+        assert tp_calls["reduce_scatter"] > 0 and tp_calls["allgather"] > 0, tp_calls
+        print(f"rank {comm.rank}: planned peak {trainer.stats()['planned_peak_bytes']} "
+              f"tp calls {tp_calls}")
+    if cp == 1:
+        pass
+    elif pp > 1:  # this rank's stages hold some of the attentions
         assert calls["send" if method == "ring" else "alltoall"] > 0, calls
     else:  # per step: each cp attention (twice with recomputation) and each gradient
         ops = [getattr(b.value.op, "name", "") for block in
@@ -105,6 +119,7 @@ def check_checkpoint(trainer, comm, name, opt_name):
             config = dist.get_config()
             saved = config.as_dict()
             config.update({"context_parallel_size": 1, "tensor_parallel_size": 1,
+                           "sequence_parallel": False,
                            "enable_data_parallel": False, "zero_opt_level": 0})
             module, x, _ = make(name, GLOBAL_BATCH, seed=0)
             alone = raf_dist.Trainer(raf_dist.frontend.from_pytorch(module, (x,)),
