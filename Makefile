@@ -11,7 +11,8 @@ TYPED     := python/raf_dist/data.py python/raf_dist/device.py python/raf_dist/m
              python/raf_dist/ir/attention.py python/raf_dist/runtime/attention_kernels.py \
              python/raf_dist/frontend/attention_pattern.py \
              python/raf_dist/ir/context_parallel.py python/raf_dist/passes/context_parallel.py \
-             python/raf_dist/runtime/cp_kernels.py \
+             python/raf_dist/runtime/cp_kernels.py python/raf_dist/ir/sequence_parallel.py \
+             python/raf_dist/passes/sequence_parallel.py python/raf_dist/runtime/sp_kernels.py \
              python/raf_dist/profiler.py python/raf_dist/distributed/config.py \
              python/raf_dist/frontend/pytorch.py python/raf_dist/frontend/relax_nn.py \
              python/raf_dist/launcher/config.py python/raf_dist/optim python/raf_dist/tools \

@@ -24,8 +24,9 @@ from mpi_launch import assert_ranks_ok, check_mpi
     # cp, the regions between the blocks over tp too; its checkpoint loads in one process
     ("hf_llama", "hf_adamw", 2, "ring", 2, 0, 4, ("--sp", 1)),
     # sequence parallelism alone (tp 2, cp 1): GPT-2's fused qkv, biases after g, learned
-    # positions cut to each rank's tokens, the tied vocabulary-parallel head
-    ("hf_gpt2", "hf_adamw", 1, "ring", 2, 0, 2, ("--sp", 1)),
+    # positions cut to each rank's tokens, the tied vocabulary-parallel head: make test-slow
+    # (sequence_parallel's collectives and gradients: the cp 2 x tp 2 case above)
+    pytest.param("hf_gpt2", "hf_adamw", 1, "ring", 2, 0, 2, ("--sp", 1), marks=pytest.mark.slow),
     # pp 2 x cp 2: each stage's attention over its cp group, 2 microbatches (1F1B)
     ("sdpa_lm", "adamw", 2, "ring", 1, 0, 4, ("--pp", 2, "--microbatches", 2)),
     # eager attention written with masked_fill (fused, the causal mask folded) and a learned

@@ -155,7 +155,7 @@ def sequence_inputs(func: relax.Function, num_inputs: int) -> Tuple[int, Tuple[i
     return seq, split
 
 
-def _in_words(why: str) -> str:
+def in_words(why: str) -> str:
     """tp_layout's reason, with the split named as the sequence."""
     for old, new in (("tensor-parallel pass", "context-parallel pass"),
                      ("split dimension", "sequence axis")):
@@ -201,7 +201,7 @@ def split_sequence(func: relax.Function, cp: int, method: str, num_inputs: int,
     except Unsplittable as e:
         raise SequenceSplitError(
             f"{source}: context parallelism cannot split the sequence through {e.var.name}: "
-            f"{_in_words(e.why)}. Use "
+            f"{in_words(e.why)}. Use "
             "context_parallel_size=1 for this model") from None
     if method == "alltoall":
         for var in rules.attentions:

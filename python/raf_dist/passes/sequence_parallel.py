@@ -39,7 +39,7 @@ from ..ir import sequence_parallel as sp
 from ..ir.ops import ATTENTION, TP_COPY, TP_MAX, TP_RANK, TP_REDUCE, tp_copy
 from ..ir.utils import op_name
 from .bucketing import Segments, assemble, collective
-from .context_parallel import SequenceSplitError, _in_words
+from .context_parallel import SequenceSplitError, in_words
 from .gradient_markers import substitute
 from .lower_allreduce import lower_functions
 from .tp_layout import SplitRules, Unsplittable, dim_of, local_shape, static_shape
@@ -139,7 +139,7 @@ def split_between_blocks(func: relax.Function, tp: int,
     except Unsplittable as e:
         raise SequenceSplitError(
             f"{source}: sequence_parallel cannot split the sequence between the "
-            f"tensor-parallel blocks at {e.var.name}: {_in_words(e.why)}. Set "
+            f"tensor-parallel blocks at {e.var.name}: {in_words(e.why)}. Set "
             "sequence_parallel = False for this model") from None
     if not rules.scatters:
         raise SequenceSplitError(
