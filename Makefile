@@ -60,7 +60,7 @@ test-faults: install  # the whole fault-injection matrix (~10 min on 2 cores)
 	$(PY) -m pytest -q -m faults tests/distributed/test_faults.py
 
 test-slow: install  # resharding across pp / tp layouts, embedding tables at N=3, 4, the proxies at 32 ranks and the like
-	$(PY) -m pytest -q -m slow tests/distributed
+	$(PY) -m pytest -q -m slow tests/distributed tests/numeric
 
 test-fast: install
 	$(PY) -m pytest -q -x tests/unit tests/passes tests/numeric

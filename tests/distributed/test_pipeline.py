@@ -63,6 +63,8 @@ def _save_at_dp2_pp2(ckpt, model):
                               "--microbatches", 2, "--save", ckpt, timeout=300), 4, "PP OK")
 
 
+@pytest.mark.slow  # 30 s: make test-slow (stop 71, for time; checkpoints across layouts:
+# test_checkpoint.py's resharding and the cp / tp round trips)
 def test_checkpoint_resumes_across_pp_and_dp(tmp_path):
     """Saved at dp 2 x pp 2 (ZeRO-1, 1F1B), resumed at dp 4 without pipelining: it continues
     exactly as one process that never stopped. The MLP (~55 s; the transformer took ~75 s):

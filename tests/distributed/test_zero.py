@@ -44,7 +44,10 @@ def test_world_of_one_runs_every_level():
 
 
 # 2 ranks in make test (the same falls, smaller: ~35 s against ~55 s at 4), 4 in test-slow
-@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.slow)])
+# (stop 71: both in test-slow for time; the same falls per level without a launcher:
+# tests/unit/test_estimate_memory.py, checked against stats() there)
+@pytest.mark.parametrize("nprocs", [pytest.param(2, marks=pytest.mark.slow),
+                                    pytest.param(4, marks=pytest.mark.slow)])
 def test_memory_falls_level_by_level(nprocs):
     """Adam on a model whose parameters dominate its activations: params + optimizer state +
     planned temporaries fall at every level from 0 to 3 (asserted in the worker)."""

@@ -128,9 +128,9 @@ def test_sequence_parallel_holds_a_tpth_of_the_regions_between_blocks():
     """sdpa_lm (d 64, 256 tokens) at tp 2: with sequence_parallel each g is a reduce-scatter
     and each f an all-gather (two blocks per layer, two layers), and the step's planned
     temporaries fall (the norms', residuals' and their gradients' (B, T, d) are (B, T/2,
-    d); measured 0.90x here, 0.89x at d 256 and 1024 tokens: the gathered inputs of the
-    column-parallel matmuls stay whole for their weight gradients, docs/design-notes.md),
-    also with cp 2 x tp 2 against cp 2 x tp 2 alone."""
+    d), and the blocks' gathered inputs are gathered again in the backward rather than kept
+    (Megatron's; measured 0.80x here, 0.77x at d 256 and 1024 tokens), also with cp 2 x
+    tp 2 against cp 2 x tp 2 alone."""
     from models import SDPALM
 
     torch.manual_seed(0)
@@ -139,7 +139,9 @@ def test_sequence_parallel_holds_a_tpth_of_the_regions_between_blocks():
     sp, ir = _planned(model, tensor_parallel_size=2, sequence_parallel=True)
     ops = _ops(ir["train_step"])
     assert ops.count("raf_dist.sp_reduce_scatter") >= 4 and ops.count("raf_dist.sp_all_gather") >= 4
-    assert sp < 0.95 * tp, (sp, tp)
+    assert any(b.var.name.endswith("_again") for block in ir["train_step"].body.blocks
+               for b in block.bindings)  # gathered again in the backward
+    assert sp < 0.85 * tp, (sp, tp)
     both, _ = _planned(model, tensor_parallel_size=2, sequence_parallel=True,
                        context_parallel_size=2)
     cp, _ = _planned(model, tensor_parallel_size=2, context_parallel_size=2)

@@ -46,6 +46,11 @@ from .tp_layout import SplitRules, Unsplittable, dim_of, local_shape, static_sha
 
 
 
+#: ops that only view their operand (what the importer wraps a matmul's input in)
+_VIEWS = ("relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze",
+          "relax.broadcast_to")
+
+
 class _BetweenBlocks(SplitRules):
     """tp_layout's rules from each g on: replicated operands are cut or wrapped in f, never
     requested; f of a split value gathers it."""
@@ -224,6 +229,53 @@ def _output_rows(var: Any, layouts: Dict[Any, Any], rows: int) -> int:
         raise SequenceSplitError(f"{var.name}: the forward's output is split along another "
                                  "axis than the sequence")
     return rows
+
+
+# ---- the backward gathers again ---------------------------------------------------------------
+def regather_in_backward(adjoint: relax.Function, n_forward: int) -> relax.Function:
+    """``adjoint`` (TVM's Gradient output, one dataflow block: ``n_forward`` forward bindings,
+    then the backward) with every backward use of a block's all-gathered input (the f of
+    sequence parallelism: the column-parallel matmul's weight gradient reads it) replaced by
+    an all-gather of its sharded input again, emitted before the first such use, as
+    Megatron's sequence parallelism does: the step keeps each rank's (B, T/tp, d) through
+    the forward instead of the whole (B, T, d), for one more all-gather per block in the
+    backward. A no-op without sequence parallelism."""
+    if len(adjoint.body.blocks) != 1:
+        return adjoint
+    bindings = list(adjoint.body.blocks[0].bindings)
+    producer = {b.var: b.value for b in bindings[:n_forward]}
+    again: Dict[Any, Any] = {}  # forward value -> its copy in the backward
+    out = list(bindings[:n_forward])
+
+    def chain(var: Any) -> bool:
+        """A block's all-gathered input, or a view of one (the importer's reshapes)."""
+        value = producer.get(var)
+        if value is None:
+            return False
+        if sp.kind_of(value) == 1:
+            return bool(int(value.attrs["reduce"]))
+        return op_name(value) in _VIEWS and chain(value.args[0])
+
+    def copy(var: Any) -> Any:
+        if var not in again:
+            value = producer[var]
+            if sp.kind_of(value) != 1:  # a view: of the copy of what it views
+                value = relax.Call(value.op, [copy(value.args[0]), *value.args[1:]],
+                                   value.attrs, value.ty_args)
+            again[var] = relax.DataflowVar(f"{var.name}_again", var.ty)
+            out.append(relax.VarBinding(again[var], value))
+        return again[var]
+
+    if not any(chain(b.var) for b in bindings[:n_forward]):
+        return adjoint
+    for binding in bindings[n_forward:]:
+        used = {v: copy(v) for v in relax.analysis.free_vars(binding.value) if chain(v)}
+        if used:
+            binding = relax.VarBinding(binding.var, substitute(binding.value, used))
+        out.append(binding)
+    body = relax.SeqExpr([relax.DataflowBlock(out)], adjoint.body.body)
+    func = relax.Function(adjoint.params, body, adjoint.ret_ty, adjoint.is_pure, adjoint.attrs)
+    return relax.BlockBuilder().normalize(func)
 
 
 # ---- lowering -------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from ..ir.attrs import (LAYOUT_NUM_PARAMS, LAYOUT_PARAM_OFFSET, LAYOUT_STATES_PE
 from ..passes.stage_split import emit_function, stage_input_count
 from ..passes.remat import rematerialize
 from ..passes.saved_precision import save_low_precision
+from ..passes.sequence_parallel import regather_in_backward
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from .cross_entropy import narrow_loss_input
 from .loss import build_loss
@@ -148,6 +149,7 @@ def build_stage_functions(index: int, last: bool, forward: relax.Function,
         adjoint = save_low_precision(adjoint, n_forward)
     if selective:  # the backward reads recomputed copies of what "selective" does not keep
         adjoint = rematerialize(adjoint, n_forward, n_in, "selective", None)
+    adjoint = regather_in_backward(adjoint, n_forward)  # (sequence parallelism)
     args = list(adjoint.params)
     inputs, masks = args[:n_in], args[n_in:n_in + len(mask_indices)]
     params = args[n_in + len(mask_indices):n_fwd - n_buf]

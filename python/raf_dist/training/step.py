@@ -41,6 +41,7 @@ from ..passes.stage_split import strip_stage_markers
 from ..passes.remat import ladder as remat_ladder
 from ..passes.remat import rematerialize
 from ..passes.saved_precision import save_low_precision
+from ..passes.sequence_parallel import regather_in_backward
 from . import gradients, gradients_spatial  # noqa: F401  (register the gradients TVM lacks)
 from .adjoint import (follow_aliases, forward_length, loss_and_grads, missing_gradients,
                       parameter_casts, row_gradients)
@@ -182,6 +183,8 @@ def build_train_step(model: Model, loss: str, optimizer: Optimizer,
         recompute_ladder = remat_ladder(adjoint, n_forward, len(model.input_specs), loss_value)
         adjoint = rematerialize(adjoint, n_forward, len(model.input_specs), recompute,
                                 loss_value)
+    # sequence parallelism: the blocks' inputs gathered again in the backward, not kept
+    adjoint = regather_in_backward(adjoint, n_forward)
     adjoint_params = adjoint.params[n_in:n_in + n_all]  # the adjoint's own Var objects
     param_vars = [v for v, t in zip(adjoint_params, trains) if t]
     buffer_vars = list(adjoint.params[n_in + n_all:n_in + n_all + n_buffers])
