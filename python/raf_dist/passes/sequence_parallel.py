@@ -38,10 +38,10 @@ from tvm import relax
 from ..ir import sequence_parallel as sp
 from ..ir.ops import ATTENTION, TP_COPY, TP_MAX, TP_RANK, TP_REDUCE, tp_copy
 from ..ir.utils import op_name
-from .bucketing import Segments, assemble, collective
+from .bucketing import collective
 from .context_parallel import SequenceSplitError, in_words
 from .gradient_markers import substitute
-from .lower_allreduce import lower_functions
+from .lower_allreduce import lower_blocking, lower_functions
 from .tp_layout import SplitRules, Unsplittable, dim_of, local_shape, static_shape
 
 
@@ -280,27 +280,14 @@ def regather_in_backward(adjoint: relax.Function, n_forward: int) -> relax.Funct
 
 # ---- lowering -------------------------------------------------------------------------------
 def _lower(func: relax.Function, group: int) -> relax.Function:
-    seg = Segments()
-    found = False
-    for block in func.body.blocks:
-        dataflow = isinstance(block, relax.DataflowBlock)
-        for binding in block.bindings:
-            kind = sp.kind_of(binding.value)
-            if kind < 0:
-                seg.add(binding, dataflow)
-                continue
-            found = True
-            out = binding.var.ty
-            seg.add(relax.VarBinding(binding.var, relax.op.builtin.alloc_tensor(
-                relax.ShapeExpr([int(d) for d in out.shape]), str(out.dtype),
-                relax.prim_value(0))), dataflow)
-            seg.bind(f"{binding.var.name}_sp", collective(
-                sp.SP_KERNEL, binding.value.args[0], relax.prim_value(kind),
-                relax.prim_value(int(binding.value.attrs["outer"])), relax.prim_value(group),
-                binding.var), dataflow=False)
-    if not found:
-        return func
-    return assemble(func, seg.segments, func.body.body)
+    """Each sp op a blocking host call filling its output (lower_blocking, as every raf_dist
+    collective op is lowered)."""
+    def call(value: relax.Call, out: relax.Var) -> relax.Call:
+        return collective(sp.SP_KERNEL, value.args[0], relax.prim_value(sp.kind_of(value)),
+                          relax.prim_value(int(value.attrs["outer"])), relax.prim_value(group),
+                          out)
+
+    return lower_blocking(func, lambda value: sp.kind_of(value) >= 0, call, "sp")
 
 
 @tvm.transform.module_pass(opt_level=0, name="LowerSequenceParallel")
